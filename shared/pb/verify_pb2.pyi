@@ -1,0 +1,159 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SamplingConfig(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "repetition_penalty")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    repetition_penalty: float
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., repetition_penalty: _Optional[float] = ...) -> None: ...
+
+class SparseDist(_message.Message):
+    __slots__ = ("ids", "probs")
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    PROBS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    probs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class OpenSessionRequest(_message.Message):
+    __slots__ = ("prompt_ids", "sampling_cfg", "seed", "correction", "max_new_tokens")
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_CFG_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    CORRECTION_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling_cfg: SamplingConfig
+    seed: int
+    correction: str
+    max_new_tokens: int
+    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., sampling_cfg: _Optional[_Union[SamplingConfig, _Mapping]] = ..., seed: _Optional[int] = ..., correction: _Optional[str] = ..., max_new_tokens: _Optional[int] = ...) -> None: ...
+
+class SessionInfo(_message.Message):
+    __slots__ = ("ctx_id", "ctx_len", "ctx_hash", "vocab_size", "counters_json")
+    CTX_ID_FIELD_NUMBER: _ClassVar[int]
+    CTX_LEN_FIELD_NUMBER: _ClassVar[int]
+    CTX_HASH_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_JSON_FIELD_NUMBER: _ClassVar[int]
+    ctx_id: str
+    ctx_len: int
+    ctx_hash: str
+    vocab_size: int
+    counters_json: str
+    def __init__(self, ctx_id: _Optional[str] = ..., ctx_len: _Optional[int] = ..., ctx_hash: _Optional[str] = ..., vocab_size: _Optional[int] = ..., counters_json: _Optional[str] = ...) -> None: ...
+
+class TopIds(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class VerifyRequest(_message.Message):
+    __slots__ = ("ctx_id", "ctx_len", "ctx_hash", "append_ids", "draft_tokens", "q_token_probs", "q_dists", "draft_kind", "hard_mask", "k", "return_top_k", "request_id")
+    CTX_ID_FIELD_NUMBER: _ClassVar[int]
+    CTX_LEN_FIELD_NUMBER: _ClassVar[int]
+    CTX_HASH_FIELD_NUMBER: _ClassVar[int]
+    APPEND_IDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    Q_TOKEN_PROBS_FIELD_NUMBER: _ClassVar[int]
+    Q_DISTS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_KIND_FIELD_NUMBER: _ClassVar[int]
+    HARD_MASK_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    RETURN_TOP_K_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ctx_id: str
+    ctx_len: int
+    ctx_hash: str
+    append_ids: _containers.RepeatedScalarFieldContainer[int]
+    draft_tokens: _containers.RepeatedScalarFieldContainer[int]
+    q_token_probs: _containers.RepeatedScalarFieldContainer[float]
+    q_dists: _containers.RepeatedCompositeFieldContainer[SparseDist]
+    draft_kind: str
+    hard_mask: _containers.RepeatedScalarFieldContainer[int]
+    k: int
+    return_top_k: int
+    request_id: str
+    def __init__(self, ctx_id: _Optional[str] = ..., ctx_len: _Optional[int] = ..., ctx_hash: _Optional[str] = ..., append_ids: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., q_token_probs: _Optional[_Iterable[float]] = ..., q_dists: _Optional[_Iterable[_Union[SparseDist, _Mapping]]] = ..., draft_kind: _Optional[str] = ..., hard_mask: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., return_top_k: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class RoundMetrics(_message.Message):
+    __slots__ = ("alpha_mean", "la_over_k", "prefill_ms", "queue_ms")
+    ALPHA_MEAN_FIELD_NUMBER: _ClassVar[int]
+    LA_OVER_K_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    alpha_mean: float
+    la_over_k: float
+    prefill_ms: float
+    queue_ms: float
+    def __init__(self, alpha_mean: _Optional[float] = ..., la_over_k: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ...) -> None: ...
+
+class VerifyResponse(_message.Message):
+    __slots__ = ("accepted_len", "correction", "next_kind", "target_dist", "ctx_len", "ctx_hash", "top_k_ids", "metrics")
+    ACCEPTED_LEN_FIELD_NUMBER: _ClassVar[int]
+    CORRECTION_FIELD_NUMBER: _ClassVar[int]
+    NEXT_KIND_FIELD_NUMBER: _ClassVar[int]
+    TARGET_DIST_FIELD_NUMBER: _ClassVar[int]
+    CTX_LEN_FIELD_NUMBER: _ClassVar[int]
+    CTX_HASH_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_IDS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    accepted_len: int
+    correction: int
+    next_kind: str
+    target_dist: SparseDist
+    ctx_len: int
+    ctx_hash: str
+    top_k_ids: _containers.RepeatedCompositeFieldContainer[TopIds]
+    metrics: RoundMetrics
+    def __init__(self, accepted_len: _Optional[int] = ..., correction: _Optional[int] = ..., next_kind: _Optional[str] = ..., target_dist: _Optional[_Union[SparseDist, _Mapping]] = ..., ctx_len: _Optional[int] = ..., ctx_hash: _Optional[str] = ..., top_k_ids: _Optional[_Iterable[_Union[TopIds, _Mapping]]] = ..., metrics: _Optional[_Union[RoundMetrics, _Mapping]] = ...) -> None: ...
+
+class GetSessionRequest(_message.Message):
+    __slots__ = ("ctx_id",)
+    CTX_ID_FIELD_NUMBER: _ClassVar[int]
+    ctx_id: str
+    def __init__(self, ctx_id: _Optional[str] = ...) -> None: ...
+
+class CloseSessionRequest(_message.Message):
+    __slots__ = ("ctx_id",)
+    CTX_ID_FIELD_NUMBER: _ClassVar[int]
+    ctx_id: str
+    def __init__(self, ctx_id: _Optional[str] = ...) -> None: ...
+
+class CloseSessionResponse(_message.Message):
+    __slots__ = ("closed",)
+    CLOSED_FIELD_NUMBER: _ClassVar[int]
+    closed: bool
+    def __init__(self, closed: _Optional[bool] = ...) -> None: ...
+
+class GetModelRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("model_id", "vocab_size", "eos_ids", "max_context", "dtype", "device")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EOS_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    vocab_size: int
+    eos_ids: _containers.RepeatedScalarFieldContainer[int]
+    max_context: int
+    dtype: str
+    device: str
+    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_ids: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...

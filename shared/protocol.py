@@ -1,0 +1,112 @@
+"""Typed contracts between edge and cloud: the messages of PROTOCOL.md as plain dataclasses.
+
+REST (pydantic) and gRPC (protobuf) each convert to and from these in one place; the engine and
+the clients only ever see these. Field names are the wire names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from shared.config import SamplingConfig
+
+
+@dataclass
+class SparseDist:
+    # token ids of the support
+    ids: list[int]
+    # their probabilities, same length
+    probs: list[float]
+
+
+@dataclass
+class OpenSessionRequest:
+    # the prompt's token ids (for a reopen: the whole committed context S)
+    prompt_ids: list[int]
+    # processing applied alike to p (cloud) and q (edge)
+    sampling_cfg: SamplingConfig = field(default_factory=SamplingConfig)
+    # keys the coins: same seed + same requests -> same text
+    seed: int = 0
+    # "strict" (exact) or "shortcut" (sample corrections from p; biased)
+    correction: str = "strict"
+    # generation budget the session allows after the prompt
+    max_new_tokens: int = 256
+
+
+@dataclass
+class SessionInfo:
+    # unguessable session id
+    ctx_id: str
+    # committed length |S| on the cloud
+    ctx_len: int
+    # FNV-1a hash of S (shared.hashing)
+    ctx_hash: str
+    # the target's vocabulary size
+    vocab_size: int
+    # optional counters (GET /v1/sessions/{ctx_id})
+    counters: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class DraftProposal:
+    # y_1..y_k
+    draft_tokens: list[int]
+    # q_i = q(y_i | S, y_<i) after the shared processing; 1.0 for a deterministic drafter
+    q_token_probs: list[float]
+    # "sampled" or "deterministic"
+    draft_kind: str = "sampled"
+    # optional: the draft's whole processed distribution per position
+    q_dists: list[SparseDist] | None = None
+    # optional gating signal per draft token (logged)
+    hard_mask: list[int] | None = None
+
+
+@dataclass
+class VerifyRequest:
+    ctx_id: str
+    # |S| the edge holds, after append_ids
+    ctx_len: int
+    # hash of S[:ctx_len]
+    ctx_hash: str
+    # the last len(append_ids) tokens of S, which the cloud may not have yet
+    append_ids: list[int]
+    draft: DraftProposal
+    # > 0: also return the target's top ids per checked position (n-gram filler)
+    return_top_k: int = 0
+    # client-chosen id, echoed in logs
+    request_id: str = ""
+
+    @property
+    def k(self) -> int:
+        return len(self.draft.draft_tokens)
+
+
+@dataclass
+class RoundMetrics:
+    # mean of min(1, p_i / q_i) over the k draft positions
+    alpha_mean: float = 0.0
+    # accepted_len / k (0 when k = 0)
+    la_over_k: float = 0.0
+    # wall time of the target forward for this round
+    prefill_ms: float = 0.0
+    # time the request waited for the model
+    queue_ms: float = 0.0
+
+
+@dataclass
+class VerifyResponse:
+    # La, 0..k
+    accepted_len: int
+    # the next token for "correction" / "bonus"; None for "residual"
+    correction: int | None
+    # "correction", "bonus" or "residual"
+    next_kind: str
+    # for "residual": processed p at the rejected position
+    target_dist: SparseDist | None
+    # the cloud's committed context after this round
+    ctx_len: int
+    ctx_hash: str
+    # the target's top ids per checked position when return_top_k > 0
+    top_k_ids: list[list[int]] = field(default_factory=list)
+    metrics: RoundMetrics = field(default_factory=RoundMetrics)

@@ -1,0 +1,155 @@
+"""The verify rule of speculative sampling (Leviathan et al. 2023, https://arxiv.org/abs/2211.17192).
+
+Words, used the same way everywhere in the project:
+- draft: k tokens y_1..y_k proposed after the committed context S, with q_i = q(y_i | S, y_<i).
+- accepted: y_i is kept with probability min(1, p_i(y_i) / q_i), checked in order; the first
+  rejection at j ends the round, so accepted_len = j - 1 (or k when none is rejected).
+- correction: the token that replaces the first rejected y_j. Exactness needs it drawn from the
+  residual norm(max(0, p_j - q_j)), which needs the draft's whole q_j:
+    * q_dists sent                -> the cloud samples the residual itself;
+    * deterministic draft (q = 1) -> q_j is a point mass, residual = p_j without y_j;
+    * strict, scalar q only       -> next_kind "residual": the cloud returns p_j and the edge,
+                                     which holds q_j, draws the residual (`sample_residual`);
+    * shortcut                    -> sample p_j (fast, biased towards y_j's alternatives);
+    * greedy                      -> argmax p_j.
+- bonus: when all k are accepted, one more token drawn from p_{k+1}.
+
+Coins and samples come from `shared.rng` streams keyed by (seed, absolute position), position
+ctx_len + i for y_i, so the same request always gets the same answer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from shared.errors import InvalidArgument
+from shared.rng import COIN, SAMPLE, position_uniform, sample_index
+
+Correction = Literal["strict", "shortcut"]
+DraftKind = Literal["sampled", "deterministic"]
+NextKind = Literal["correction", "bonus", "residual"]
+_RESIDUAL_EPS = 1e-12  # below this total mass the residual is float noise: fall back to p
+
+
+@dataclass
+class VerifyOutcome:
+    # number of draft tokens kept, 0..k
+    accepted_len: int
+    # the token after the accepted prefix; None when the edge must draw the residual
+    next_token: int | None
+    # "correction" (first rejection), "bonus" (all accepted) or "residual" (edge draws it)
+    next_kind: NextKind
+    # for "residual": the support of the processed p_j, ids [m] and probs [m] (float64)
+    target_ids: torch.Tensor | None = None
+    target_probs: torch.Tensor | None = None
+    # min(1, p_i(y_i) / q_i) for every draft position i = 1..k (greedy: 1.0 if y_i is the argmax)
+    alphas: list[float] = field(default_factory=list)
+
+
+def dense_from_sparse(ids: Sequence[int], probs: Sequence[float], vocab: int) -> torch.Tensor:
+    """A [vocab] float64 distribution from its support."""
+    out = torch.zeros(vocab, dtype=torch.float64)
+    out[torch.as_tensor(list(ids), dtype=torch.long)] = torch.as_tensor(list(probs), dtype=torch.float64)
+    return out
+
+
+def check_draft(draft_tokens: Sequence[int], q_probs: Sequence[float], vocab: int, draft_kind: str,
+                q_dists: torch.Tensor | None = None) -> None:
+    """Raise InvalidArgument unless the draft is well formed. Changes nothing."""
+    k = len(draft_tokens)
+    if len(q_probs) != k:
+        raise InvalidArgument(f"len(q_token_probs) = {len(q_probs)} but k = {k}")
+    if draft_kind not in ("sampled", "deterministic"):
+        raise InvalidArgument(f"draft_kind must be 'sampled' or 'deterministic', not {draft_kind!r}")
+    for i, (y, q) in enumerate(zip(draft_tokens, q_probs, strict=True)):
+        if not isinstance(y, int) or isinstance(y, bool) or not 0 <= y < vocab:
+            raise InvalidArgument(f"draft_tokens[{i}] = {y!r} is not a token id in [0, {vocab})")
+        if not isinstance(q, (int, float)) or not math.isfinite(q) or not 0.0 < q <= 1.0:
+            raise InvalidArgument(f"q_token_probs[{i}] = {q!r} is not in (0, 1]")
+        if draft_kind == "deterministic" and q != 1.0:
+            raise InvalidArgument(f"deterministic drafts have q = 1.0, got q_token_probs[{i}] = {q!r}")
+    if q_dists is not None:
+        if q_dists.shape != (k, vocab):
+            raise InvalidArgument(f"q_dists has shape {tuple(q_dists.shape)}, expected ({k}, {vocab})")
+        if not torch.isfinite(q_dists).all() or (q_dists < 0).any():
+            raise InvalidArgument("q_dists must be finite and non-negative")
+        sums = q_dists.sum(-1)  # [k]
+        if ((sums - 1).abs() > 1e-3).any():
+            raise InvalidArgument(f"q_dists rows must sum to 1, got {sums.tolist()}")
+        at_draft = q_dists[torch.arange(k), torch.as_tensor(list(draft_tokens), dtype=torch.long)]  # [k]
+        q = torch.as_tensor(list(q_probs), dtype=torch.float64)
+        if ((at_draft - q).abs() > 1e-4 + 1e-3 * q).any():
+            raise InvalidArgument("q_dists disagree with q_token_probs at the draft tokens")
+
+
+def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """max(0, p - q) ([vocab]); p itself when that has no mass (float error only)."""
+    r = (p - q).clamp_min(0.0)
+    return r if float(r.sum()) > _RESIDUAL_EPS else p
+
+
+def sample_residual(target_ids: Sequence[int] | torch.Tensor, target_probs: Sequence[float] | torch.Tensor,
+                    q_full: torch.Tensor, seed: int, position: int) -> int:
+    """The edge's half of a split residual: draw norm(max(0, p_j - q_j)) at `position`.
+
+    p_j arrives sparse (its support); q_full is the edge's processed q_j ([vocab]). Tokens outside
+    p_j's support have p = 0, so the residual lives on that support.
+    """
+    ids = torch.as_tensor(target_ids, dtype=torch.long)  # [m]
+    p = torch.as_tensor(target_probs, dtype=torch.float64)  # [m]
+    r = _residual(p, q_full.to(torch.float64)[ids])  # [m]
+    return int(ids[sample_index(r, position_uniform(seed, position, SAMPLE))])
+
+
+def verify_round(p: torch.Tensor, draft_tokens: Sequence[int], q_probs: Sequence[float], *, seed: int,
+                 ctx_len: int, greedy: bool = False, correction: Correction = "strict",
+                 draft_kind: DraftKind = "sampled", q_dists: torch.Tensor | None = None) -> VerifyOutcome:
+    """Accept/reject k drafts against the processed target probabilities.
+
+    p: [k + 1, vocab] processed target distributions at positions ctx_len + 1 .. ctx_len + k + 1.
+    q_dists: optional [k, vocab] processed draft distributions (dense).
+    """
+    k = len(draft_tokens)
+    vocab = p.size(-1)
+    if p.shape != (k + 1, vocab):
+        raise InvalidArgument(f"p has shape {tuple(p.shape)}, expected ({k + 1}, vocab)")
+    check_draft(draft_tokens, q_probs, vocab, draft_kind, q_dists)
+    p = p.detach().to("cpu", torch.float64)  # [k + 1, vocab]
+    if q_dists is not None:
+        q_dists = q_dists.to(torch.float64)  # [k, vocab]
+
+    p_at = p[torch.arange(k), torch.as_tensor(list(draft_tokens), dtype=torch.long)]  # [k]
+    if greedy:
+        alphas = (p[:k].argmax(-1) == torch.as_tensor(list(draft_tokens))).double().tolist()
+    else:
+        alphas = [min(1.0, float(p_at[i]) / q_probs[i]) for i in range(k)]
+
+    for i in range(k):
+        pos = ctx_len + i + 1
+        if greedy:
+            if alphas[i] == 1.0:
+                continue
+            return VerifyOutcome(i, int(p[i].argmax()), "correction", alphas=alphas)
+        if position_uniform(seed, pos, COIN) < alphas[i]:
+            continue
+        u = position_uniform(seed, pos, SAMPLE)
+        if correction == "shortcut":
+            return VerifyOutcome(i, sample_index(p[i], u), "correction", alphas=alphas)
+        if q_dists is not None:
+            return VerifyOutcome(i, sample_index(_residual(p[i], q_dists[i]), u), "correction", alphas=alphas)
+        if draft_kind == "deterministic":
+            point = torch.zeros(vocab, dtype=torch.float64)
+            point[draft_tokens[i]] = 1.0
+            return VerifyOutcome(i, sample_index(_residual(p[i], point), u), "correction", alphas=alphas)
+        support = torch.nonzero(p[i] > 0).squeeze(-1)  # [m]
+        return VerifyOutcome(i, None, "residual", target_ids=support, target_probs=p[i, support], alphas=alphas)
+
+    if greedy:
+        return VerifyOutcome(k, int(p[k].argmax()), "bonus", alphas=alphas)
+    bonus = sample_index(p[k], position_uniform(seed, ctx_len + k + 1, SAMPLE))
+    return VerifyOutcome(k, bonus, "bonus", alphas=alphas)
