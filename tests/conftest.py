@@ -1,0 +1,42 @@
+"""Fixtures shared by every test folder: model directories (bundled demo pair, tiny random pair)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+DEMO_TARGET = REPO / "models" / "demo-target"
+DEMO_DRAFT = REPO / "models" / "demo-draft"
+
+
+def build_tiny_model(out_dir: Path, n_layer: int, n_embd: int, seed: int) -> Path:
+    """A random-initialised GPT-2 with the demo tokenizer, saved in Hugging Face format."""
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+    tok = AutoTokenizer.from_pretrained(DEMO_TARGET)
+    torch.manual_seed(seed)
+    cfg = GPT2Config(vocab_size=len(tok), n_positions=256, n_embd=n_embd, n_layer=n_layer, n_head=2,
+                     bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id)
+    GPT2LMHeadModel(cfg).save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def demo_target_dir() -> Path:
+    return DEMO_TARGET
+
+
+@pytest.fixture(scope="session")
+def demo_draft_dir() -> Path:
+    return DEMO_DRAFT
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory) -> tuple[Path, Path]:
+    """(target_dir, draft_dir): tiny random GPT-2s sharing the demo tokenizer; fast on CPU."""
+    root = tmp_path_factory.mktemp("tiny")
+    return (build_tiny_model(root / "target", 2, 64, seed=1), build_tiny_model(root / "draft", 1, 32, seed=2))
