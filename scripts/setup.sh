@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Create .venv (if missing) and install specsplit into it: the CPU torch wheel pinned to 2.13.0
+# first (a looser requirement would pull a multi-GB CUDA build), then the project with its extras.
+# Idempotent: a second run only checks. Usage: bash scripts/setup.sh [extras, default "dev,bench"]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras=${1:-dev,bench}
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+.venv/bin/python -m pip install -q "torch==2.13.0" 2>&1 | grep -v -E "^WARNING: Location" || true
+.venv/bin/python -m pip install -q -e ".[${extras}]" 2>&1 | grep -v -E "^WARNING: Location" || true
+.venv/bin/python -c "import torch, transformers, shared, cloud, edge; print('specsplit ready: torch', torch.__version__, '| transformers', transformers.__version__)"

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The README's test command: install what is needed, then run the whole test suite.
+# Extra arguments go to pytest (e.g. bash scripts/test.sh tests/shared -x).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh dev,bench
+exec .venv/bin/python -m pytest -q "$@"
