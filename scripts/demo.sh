@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The README's demo command: install, start the cloud verifier on loopback with the bundled
+# target, run the edge client against it with the bundled draft (text streams as it is
+# committed), then stop the cloud. Usage: bash scripts/demo.sh ["PROMPT"] [extra specsplit-edge flags]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh dev,bench >/dev/null
+prompt=${1:-"def fibonacci(n):"}
+shift || true
+http_port=${SPECSPLIT_DEMO_HTTP_PORT:-8000}
+grpc_port=${SPECSPLIT_DEMO_GRPC_PORT:-50051}
+log=$(mktemp -t specsplit-cloud.XXXXXX.log)
+
+.venv/bin/specsplit-cloud --model models/demo-target --host 127.0.0.1 \
+  --http-port "$http_port" --grpc-port "$grpc_port" >"$log" 2>&1 &
+cloud=$!
+trap 'kill $cloud 2>/dev/null; wait $cloud 2>/dev/null || true' EXIT
+for _ in $(seq 1 120); do
+  if .venv/bin/python -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:$http_port/readyz').status_code != 200)" 2>/dev/null; then
+    break
+  fi
+  kill -0 $cloud 2>/dev/null || { echo "cloud failed to start:"; cat "$log"; exit 1; }
+  sleep 0.5
+done
+echo "cloud verifier ready on http://127.0.0.1:$http_port (gRPC :$grpc_port); log: $log"
+.venv/bin/specsplit-edge generate "$prompt" --cloud "http://127.0.0.1:$http_port" \
+  --draft models/demo-draft --mode speculative --max-new-tokens 120 "$@"
