@@ -1,0 +1,58 @@
+"""`specsplit-cloud`: the verifier process. Every setting is a flag (overrides SPECSPLIT_CLOUD_*)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from pydantic import ValidationError
+
+from cloud.settings import CloudSettings
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="specsplit-cloud", description=(
+        "Cloud verifier of edge-cloud speculative decoding: REST and gRPC from one process."))
+    for name, field in CloudSettings.model_fields.items():
+        env = f"SPECSPLIT_CLOUD_{name.upper()}"
+        if name == "api_keys":
+            p.add_argument("--api-key", dest="api_keys", action="append", metavar="KEY",
+                           help=f"accepted Bearer key, repeatable; turns auth on (env {env}, a JSON list)")
+            continue
+        default = "required" if field.is_required() else f"default {field.default}"
+        p.add_argument("--" + name.replace("_", "-"), dest=name, metavar=name.upper(), help=f"{default}; env {env}")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    overrides = {k: v for k, v in vars(args).items() if v is not None}
+    try:
+        settings = CloudSettings(**overrides)
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(str(x) for x in err['loc']) or 'settings'}: {err['msg']}"
+                             for err in e.errors())
+        print(f"specsplit-cloud: bad settings: {problems}", file=sys.stderr)
+        return 2
+
+    from cloud.app import serve
+    from cloud.logs import setup_logging
+    from cloud.service import VerifierService
+
+    setup_logging(settings.log_level)
+    try:
+        service = VerifierService.load(settings)
+    except (OSError, ValueError) as e:
+        print(f"specsplit-cloud: cannot start: {e}", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(serve(service))
+    except OSError as e:
+        print(f"specsplit-cloud: cannot serve: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,237 @@
+"""The verify round on a session's KV cache, and the target-only decode step. Synchronous.
+
+Checks that need no session state (`check_request`) run on the event loop before a request
+is queued; everything that reads or writes a session's context or cache (`run_round`) runs
+on the model worker thread, so rounds of all sessions are applied one at a time, in order.
+
+Positions (PROTOCOL.md): S' = S[:m] + append_ids with |S'| = ctx_len = L; draft y_i sits at
+position L + i; one forward over S'[c:] + y_1..y_k gives the k + 1 distributions
+p_1..p_{k+1} at positions L + 1 .. L + k + 1.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+from transformers import DynamicCache
+
+from cloud.model import TargetModel, crop_to
+from cloud.session import Context, Session
+from shared.config import SamplingConfig
+from shared.errors import ContextMismatch, InvalidArgument, NotFound
+from shared.protocol import RoundMetrics, SparseDist, VerifyRequest, VerifyResponse
+from shared.rng import SAMPLE, position_uniform, sample_index
+from shared.sampling import processed_probs
+from shared.verify import VerifyOutcome, check_draft, dense_from_sparse, verify_round
+
+HASH_RE = re.compile(r"[0-9a-f]{16}")
+
+
+@dataclass(frozen=True)
+class RoundLimits:
+    # largest k accepted
+    max_k: int
+    # largest return_top_k accepted
+    max_return_top_k: int
+    # the model's positions: ctx_len + k must fit
+    max_context: int
+    # rows of the logits: valid ids are [0, vocab_size)
+    vocab_size: int
+
+
+@dataclass
+class RoundResult:
+    # the answer (metrics.queue_ms is the caller's to fill)
+    response: VerifyResponse
+    # the verify rule's full outcome (alphas for logs and metrics); None when replayed
+    outcome: VerifyOutcome | None
+    # answered from the replay cache: no forward, context unchanged
+    replayed: bool = False
+
+
+def check_ids(ids: list[int], vocab: int, what: str) -> None:
+    for i, t in enumerate(ids):
+        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+            raise InvalidArgument(f"{what}[{i}] = {t!r} is not a token id in [0, {vocab})")
+
+
+def check_request(req: VerifyRequest, declared_k: int, lim: RoundLimits, session_cfg: SamplingConfig,
+                  sampling_cfg: SamplingConfig | None) -> torch.Tensor | None:
+    """Every check that needs no session state; returns the dense q_dists ([k, vocab]) if sent."""
+    d = req.draft
+    k = len(d.draft_tokens)
+    if declared_k != k:
+        raise InvalidArgument(f"k = {declared_k} but len(draft_tokens) = {k}")
+    if k > lim.max_k:
+        raise InvalidArgument(f"k = {k} exceeds the limit max_k = {lim.max_k}")
+    if sampling_cfg is not None and sampling_cfg != session_cfg:
+        raise InvalidArgument("sampling_cfg differs from the session's", session_sampling_cfg=session_cfg.to_dict())
+    if req.ctx_len < 1:
+        raise InvalidArgument(f"ctx_len = {req.ctx_len}: the context must hold at least one token")
+    if len(req.append_ids) > req.ctx_len:
+        raise InvalidArgument(f"len(append_ids) = {len(req.append_ids)} exceeds ctx_len = {req.ctx_len}")
+    if req.ctx_len + k > lim.max_context:
+        raise InvalidArgument(f"ctx_len + k = {req.ctx_len + k} exceeds the model's context ({lim.max_context})")
+    if not HASH_RE.fullmatch(req.ctx_hash):
+        raise InvalidArgument(f"ctx_hash {req.ctx_hash!r} is not 16 lower-case hex digits")
+    if not 0 <= req.return_top_k <= lim.max_return_top_k:
+        raise InvalidArgument(f"return_top_k = {req.return_top_k} is not in [0, {lim.max_return_top_k}]")
+    if d.hard_mask and (len(d.hard_mask) != k or any(h not in (0, 1) for h in d.hard_mask)):
+        raise InvalidArgument("hard_mask must have k entries, each 0 or 1")
+    if len(req.request_id) > 128:
+        raise InvalidArgument("request_id is longer than 128 characters")
+    check_ids(req.append_ids, lim.vocab_size, "append_ids")
+    q_dense = None
+    if d.q_dists is not None:
+        if len(d.q_dists) != k:
+            raise InvalidArgument(f"len(q_dists) = {len(d.q_dists)} but k = {k}")
+        for i, sd in enumerate(d.q_dists):
+            if len(sd.ids) != len(sd.probs):
+                raise InvalidArgument(f"q_dists[{i}]: {len(sd.ids)} ids but {len(sd.probs)} probs")
+            if len(set(sd.ids)) != len(sd.ids):
+                raise InvalidArgument(f"q_dists[{i}] repeats an id")
+            check_ids(sd.ids, lim.vocab_size, f"q_dists[{i}].ids")
+        q_dense = torch.stack([dense_from_sparse(sd.ids, sd.probs, lim.vocab_size) for sd in d.q_dists]) \
+            if k else torch.zeros(0, lim.vocab_size, dtype=torch.float64)  # [k, vocab]
+    check_draft(d.draft_tokens, d.q_token_probs, lim.vocab_size, d.draft_kind, q_dense)
+    return q_dense
+
+
+def fingerprint(req: VerifyRequest) -> str:
+    """What a duplicate must share with the original to be answered from the replay cache."""
+    body = asdict(req)
+    body.pop("request_id")
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def check_context(ctx: Context, req: VerifyRequest) -> int:
+    """m = ctx_len - len(append_ids), the prefix kept; ContextMismatch when S[:m] + append_ids
+    is not what the edge holds."""
+    m = req.ctx_len - len(req.append_ids)
+    expected = {"expected_ctx_len": len(ctx), "expected_ctx_hash": ctx.hash_at(len(ctx))}
+    if m > len(ctx):
+        raise ContextMismatch(f"the cloud holds {len(ctx)} tokens, the request needs {m} before append_ids; "
+                              f"resend from {len(ctx)} or reopen", **expected)
+    if ctx.hash_with(m, req.append_ids) != req.ctx_hash:
+        raise ContextMismatch(f"ctx_hash disagrees with the cloud's S[:{m}] + append_ids; reopen with the "
+                              "full context", **expected)
+    return m
+
+
+def _replay(session: Session, req: VerifyRequest, fp: str) -> VerifyResponse | None:
+    """The cached answer, when this is a duplicate whose result the context still contains.
+
+    A late duplicate of an already-applied round must not roll the session back (that would throw
+    away later rounds); if the context no longer extends the cached answer, the round is recomputed
+    (crop-then-append), which gives the same answer.
+    """
+    entry = session.replies.get(req.request_id) if req.request_id else None
+    if entry is None or entry.fingerprint != fp:
+        return None
+    ctx, n = session.context, entry.response.ctx_len
+    if len(ctx) >= n and ctx.hash_at(n) == entry.response.ctx_hash:
+        return entry.response
+    return None
+
+
+def run_round(model: TargetModel, session: Session, req: VerifyRequest, q_dense: torch.Tensor | None,
+              clock: Callable[[], float], replay_keep: int) -> RoundResult:
+    """One verify round on the worker thread. A raised error leaves context and cache as they were."""
+    cache = session.cache
+    if session.closed or cache is None:
+        raise NotFound(f"session {session.ctx_id!r} was closed or evicted; reopen it with the full context",
+                       ctx_id=session.ctx_id)
+    ctx = session.context
+    m = check_context(ctx, req)
+    fp = fingerprint(req)
+    cached = _replay(session, req, fp)
+    if cached is not None:
+        session.counters.replayed += 1
+        return RoundResult(cached, None, replayed=True)
+
+    d, L = req.draft, req.ctx_len
+    k = len(d.draft_tokens)
+    new = ctx.cut_and_extend(m, req.append_ids)  # S', |S'| = L
+    # the cache is valid up to min(kv_len, m); at least one token of S' must be fed to get p_1
+    c = min(cache.get_seq_length(), m, L - 1)
+    crop_to(cache, c)
+    try:
+        t0 = clock()
+        logits = model.forward(list(new.ids[c:]) + d.draft_tokens, cache, keep=k + 1)  # [k + 1, vocab]
+        prefill_ms = (clock() - t0) * 1000.0
+    except BaseException:
+        crop_to(cache, c)  # layers that appended drop it again: the cache still holds KV of S[:c]
+        raise
+    cfg = session.sampling_cfg
+    p = processed_probs(logits, cfg, new.ids, d.draft_tokens)  # [k + 1, vocab]
+    out = verify_round(p, d.draft_tokens, d.q_token_probs, seed=session.seed, ctx_len=L, greedy=cfg.greedy,
+                       correction=session.correction,  # type: ignore[arg-type]
+                       draft_kind=d.draft_kind,  # type: ignore[arg-type]
+                       q_dists=q_dense)
+    la = out.accepted_len
+    committed = d.draft_tokens[:la] + ([out.next_token] if out.next_token is not None else [])
+    final = new.cut_and_extend(L, committed)
+    # KV stays valid for S' + y_1..y_La: the last accepted draft token's KV was filled in by this
+    # forward (it was an input). The correction/bonus token has no KV yet; the next round feeds it
+    # as S[kv_len:]. For "residual", S ends at y_La and the edge's token arrives as append_ids.
+    crop_to(cache, L + la)
+
+    top: list[list[int]] = []
+    if req.return_top_k:
+        top = logits[: la + 1].topk(min(req.return_top_k, logits.size(-1)), dim=-1).indices.tolist()
+    target = None
+    if out.next_kind == "residual":
+        assert out.target_ids is not None and out.target_probs is not None
+        target = SparseDist(out.target_ids.tolist(), out.target_probs.tolist())
+    resp = VerifyResponse(
+        accepted_len=la, correction=out.next_token, next_kind=out.next_kind, target_dist=target,
+        ctx_len=len(final), ctx_hash=final.hash_at(len(final)), top_k_ids=top,
+        metrics=RoundMetrics(alpha_mean=sum(out.alphas) / k if k else 0.0, la_over_k=la / k if k else 0.0,
+                             prefill_ms=prefill_ms))
+    if not session.closed:
+        session.context = final
+        cnt = session.counters
+        cnt.rounds, cnt.drafted, cnt.accepted = cnt.rounds + 1, cnt.drafted + k, cnt.accepted + la
+        cnt.emitted += len(committed)
+        cnt.prefill_ms += prefill_ms
+        session.remember(req.request_id, fp, resp, replay_keep)
+    return RoundResult(resp, out)
+
+
+def prefill(model: TargetModel, ids: list[int]) -> tuple[Context, DynamicCache]:
+    """Context and cache for a new session: KV of S[:-1] (the last token is fed by the first round)."""
+    cache = model.new_cache()
+    if len(ids) > 1:
+        model.forward(ids[:-1], cache, keep=1)
+    return Context.of(ids), cache
+
+
+def next_token(p: torch.Tensor, cfg: SamplingConfig, seed: int, position: int) -> int:
+    """Target-only draw at `position` from processed p ([vocab]): the same rule as a k = 0 bonus."""
+    if cfg.greedy:
+        return int(p.argmax())
+    return sample_index(p.to(torch.float64), position_uniform(seed, position, SAMPLE))
+
+
+@dataclass
+class DecodeState:
+    # prompt + generated so far
+    ids: list[int]
+    # KV of ids[:kv_len]
+    cache: DynamicCache
+
+
+def decode_step(model: TargetModel, st: DecodeState, cfg: SamplingConfig, seed: int) -> int:
+    """Append one target token to st.ids (position len(ids) + 1) and return it."""
+    cache = st.cache
+    c = min(cache.get_seq_length(), len(st.ids) - 1)
+    logits = model.forward(st.ids[c:], cache, keep=1)  # [1, vocab]
+    p = processed_probs(logits, cfg, st.ids)  # [1, vocab]
+    tok = next_token(p[0], cfg, seed, len(st.ids) + 1)
+    st.ids.append(tok)
+    return tok

@@ -1,0 +1,154 @@
+"""gRPC boundary (grpc.aio): protobuf <-> shared.protocol dataclasses, errors -> status codes.
+
+`specsplit.v1.Verifier`, the standard `grpc.health.v1.Health` service and server reflection.
+Auth: metadata `authorization: Bearer KEY`. A `SpecSplitError` aborts the call with the code
+of `GRPC_CODES` (the one mapping), its message as details, and the REST error body as JSON in
+the trailing metadata `specsplit-error` (e.g. `expected_ctx_len` of a 409).
+Proto3 has no presence for scalars: an empty draft_kind reads "sampled", an empty correction
+"strict", an unset sampling_cfg the defaults, and top_p / repetition_penalty of 0 read 1.0.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict
+from typing import Any, TypeVar
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from cloud.service import VerifierService
+from shared.config import SamplingConfig
+from shared.errors import SpecSplitError
+from shared.pb import verify_pb2 as pb
+from shared.pb import verify_pb2_grpc as pb_grpc
+from shared.protocol import (
+    DraftProposal,
+    OpenSessionRequest,
+    SessionInfo,
+    SparseDist,
+    VerifyRequest,
+    VerifyResponse,
+)
+
+GRPC_CODES: dict[str, grpc.StatusCode] = {
+    "invalid_argument": grpc.StatusCode.INVALID_ARGUMENT,
+    "not_found": grpc.StatusCode.NOT_FOUND,
+    "failed_precondition": grpc.StatusCode.FAILED_PRECONDITION,
+    "unauthenticated": grpc.StatusCode.UNAUTHENTICATED,
+    "permission_denied": grpc.StatusCode.PERMISSION_DENIED,
+    "resource_exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "payload_too_large": grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Verifier"].full_name
+R = TypeVar("R")
+
+
+# --- protobuf <-> dataclasses (the one place) -------------------------------------------------
+def sampling_from_pb(m: pb.SamplingConfig) -> SamplingConfig:
+    return SamplingConfig(temperature=m.temperature, top_p=m.top_p or 1.0, top_k=m.top_k,
+                          repetition_penalty=m.repetition_penalty or 1.0)
+
+
+def open_from_pb(m: pb.OpenSessionRequest) -> OpenSessionRequest:
+    cfg = sampling_from_pb(m.sampling_cfg) if m.HasField("sampling_cfg") else SamplingConfig()
+    return OpenSessionRequest(list(m.prompt_ids), cfg, m.seed, m.correction or "strict", m.max_new_tokens)
+
+
+def verify_from_pb(m: pb.VerifyRequest) -> VerifyRequest:
+    dists = [SparseDist(list(d.ids), list(d.probs)) for d in m.q_dists] if len(m.q_dists) else None
+    draft = DraftProposal(list(m.draft_tokens), list(m.q_token_probs), m.draft_kind or "sampled", dists,
+                          list(m.hard_mask) or None)
+    return VerifyRequest(m.ctx_id, m.ctx_len, m.ctx_hash, list(m.append_ids), draft, m.return_top_k, m.request_id)
+
+
+def info_to_pb(i: SessionInfo) -> pb.SessionInfo:
+    return pb.SessionInfo(ctx_id=i.ctx_id, ctx_len=i.ctx_len, ctx_hash=i.ctx_hash, vocab_size=i.vocab_size,
+                          counters_json=json.dumps(i.counters) if i.counters else "")
+
+
+def response_to_pb(r: VerifyResponse) -> pb.VerifyResponse:
+    out = pb.VerifyResponse(accepted_len=r.accepted_len, next_kind=r.next_kind, ctx_len=r.ctx_len,
+                            ctx_hash=r.ctx_hash, top_k_ids=[pb.TopIds(ids=t) for t in r.top_k_ids],
+                            metrics=pb.RoundMetrics(**asdict(r.metrics)))
+    if r.correction is not None:
+        out.correction = r.correction
+    if r.target_dist is not None:
+        out.target_dist.CopyFrom(pb.SparseDist(ids=r.target_dist.ids, probs=r.target_dist.probs))
+    return out
+
+
+# --- errors (the one mapping) -----------------------------------------------------------------
+def _mapped(method: Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[R]]
+            ) -> Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[R]]:
+    @functools.wraps(method)
+    async def call(self: VerifierServicer, request: Any, context: grpc.aio.ServicerContext) -> R:
+        try:
+            return await method(self, request, context)
+        except SpecSplitError as err:
+            self.service.count_error(err.code)
+            context.set_trailing_metadata((("specsplit-error", json.dumps(err.to_body())),))
+            await context.abort(GRPC_CODES.get(err.code, grpc.StatusCode.INTERNAL), err.message)
+            raise  # unreachable: abort raises
+
+    return call
+
+
+class VerifierServicer(pb_grpc.VerifierServicer):
+    def __init__(self, service: VerifierService) -> None:
+        self.service = service
+
+    def _owner(self, context: grpc.aio.ServicerContext) -> str:
+        auth = dict(context.invocation_metadata() or ()).get("authorization", "")
+        scheme, _, key = str(auth).partition(" ")
+        return self.service.authenticate(key.strip() if scheme.lower() == "bearer" else str(auth).strip())
+
+    @_mapped
+    async def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.aio.ServicerContext) -> pb.SessionInfo:
+        return info_to_pb(await self.service.open_session(open_from_pb(request), self._owner(context)))
+
+    @_mapped
+    async def Verify(self, request: pb.VerifyRequest, context: grpc.aio.ServicerContext) -> pb.VerifyResponse:
+        owner = self._owner(context)
+        cfg = sampling_from_pb(request.sampling_cfg) if request.HasField("sampling_cfg") else None
+        return response_to_pb(await self.service.verify(verify_from_pb(request), owner, request.k, cfg))
+
+    @_mapped
+    async def GetSession(self, request: pb.GetSessionRequest, context: grpc.aio.ServicerContext) -> pb.SessionInfo:
+        return info_to_pb(self.service.get_session(request.ctx_id, self._owner(context)))
+
+    @_mapped
+    async def CloseSession(self, request: pb.CloseSessionRequest,
+                           context: grpc.aio.ServicerContext) -> pb.CloseSessionResponse:
+        self.service.close_session(request.ctx_id, self._owner(context))
+        return pb.CloseSessionResponse(closed=True)
+
+    @_mapped
+    async def GetModel(self, request: pb.GetModelRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
+        self._owner(context)
+        return pb.ModelInfo(**asdict(self.service.info))
+
+
+async def start_grpc(service: VerifierService, host: str, port: int
+                     ) -> tuple[grpc.aio.Server, int, health_aio.HealthServicer]:
+    """Build, bind and start the gRPC server; returns (server, bound port, health servicer)."""
+    limit = service.settings.max_body_bytes
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit),
+                                      ("grpc.max_send_message_length", 64 * 1024**2)])
+    pb_grpc.add_VerifierServicer_to_server(VerifierServicer(service), server)
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if not bound and port:
+        raise OSError(f"cannot bind gRPC to {host}:{port}")
+    await server.start()
+    status = health_pb2.HealthCheckResponse.SERVING if service.ready else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ("", SERVICE_NAME):
+        await health.set(name, status)
+    return server, bound, health

@@ -1,0 +1,98 @@
+"""Prometheus metrics of the verifier (GET /metrics), one documented field per series.
+
+Each server builds its own registry, so several servers (or tests) in one process never share
+counts. Acceptance per position i = position_accepted{position=i} / position_checked{position=i}:
+the rate at which y_i is kept once the check reaches it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from shared.verify import VerifyOutcome
+
+_MS_BUCKETS = (0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, float("inf"))
+
+
+@dataclass
+class CloudMetrics:
+    registry: CollectorRegistry
+    # verify rounds run on the model (replays from the cache not included)
+    rounds: Counter
+    # draft tokens received: sum of k
+    drafted: Counter
+    # draft tokens accepted: sum of accepted_len
+    accepted: Counter
+    # tokens the cloud committed: accepted + correction/bonus (a residual token is drawn by the edge)
+    emitted: Counter
+    # rounds answered from a session's replay cache (late duplicates)
+    replayed: Counter
+    # accepted_len per round
+    accepted_len: Histogram
+    # per draft position i (1-based): rounds whose check reached y_i
+    position_checked: Counter
+    # per draft position i: rounds that kept y_i
+    position_accepted: Counter
+    # wall time of each target forward (verify rounds, session prefills, generate steps), ms
+    prefill_ms: Histogram
+    # time a request waited for the model (its session and the queue), ms
+    queue_ms: Histogram
+    # sessions open now
+    open_sessions: Gauge
+    # KV cache bytes held by open sessions
+    kv_bytes: Gauge
+    # model-bound requests admitted and not finished
+    queue_depth: Gauge
+    # sessions removed other than by DELETE, by reason ("ttl", "kv_budget")
+    evictions: Counter
+    # error answers by code (invalid_argument, not_found, ...)
+    errors: Counter
+    # tokens produced by POST /v1/generate
+    generated: Counter
+
+    @classmethod
+    def create(cls, max_k: int) -> CloudMetrics:
+        r = CollectorRegistry()
+        p = "specsplit_cloud_"
+        return cls(
+            registry=r,
+            rounds=Counter(p + "rounds", "verify rounds run on the model", registry=r),
+            drafted=Counter(p + "drafted_tokens", "draft tokens received", registry=r),
+            accepted=Counter(p + "accepted_tokens", "draft tokens accepted", registry=r),
+            emitted=Counter(p + "emitted_tokens", "tokens committed by the cloud", registry=r),
+            replayed=Counter(p + "replayed_rounds", "rounds answered from the replay cache", registry=r),
+            accepted_len=Histogram(p + "accepted_length", "accepted_len per round",
+                                   buckets=[*range(0, max_k + 1), float("inf")], registry=r),
+            position_checked=Counter(p + "position_checked", "rounds whose check reached draft position i",
+                                     ["position"], registry=r),
+            position_accepted=Counter(p + "position_accepted", "rounds that kept draft position i",
+                                      ["position"], registry=r),
+            prefill_ms=Histogram(p + "prefill_ms", "target forward wall time, ms", buckets=_MS_BUCKETS,
+                                 registry=r),
+            queue_ms=Histogram(p + "queue_ms", "wait for the model, ms", buckets=_MS_BUCKETS, registry=r),
+            open_sessions=Gauge(p + "open_sessions", "sessions open", registry=r),
+            kv_bytes=Gauge(p + "kv_bytes", "KV cache bytes held by sessions", registry=r),
+            queue_depth=Gauge(p + "queue_depth", "model-bound requests admitted", registry=r),
+            evictions=Counter(p + "evictions", "sessions evicted or expired", ["reason"], registry=r),
+            errors=Counter(p + "errors", "error answers by code", ["code"], registry=r),
+            generated=Counter(p + "generated_tokens", "tokens of POST /v1/generate", registry=r),
+        )
+
+    def record_round(self, out: VerifyOutcome, k: int, prefill_ms: float, queue_ms: float) -> None:
+        la = out.accepted_len
+        self.rounds.inc()
+        self.drafted.inc(k)
+        self.accepted.inc(la)
+        self.emitted.inc(la + (out.next_token is not None))
+        self.accepted_len.observe(la)
+        for i in range(1, min(la + 1, k) + 1):
+            self.position_checked.labels(position=str(i)).inc()
+            if i <= la:
+                self.position_accepted.labels(position=str(i)).inc()
+        self.prefill_ms.observe(prefill_ms)
+        self.queue_ms.observe(queue_ms)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

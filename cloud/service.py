@@ -1,0 +1,253 @@
+"""The verifier service: what REST and gRPC both call. Transport-free, async, on the event loop.
+
+Order of checks for every call: auth (401) -> session lookup (404) and owner (403) -> request
+checks (422) -> admission (429) -> per-session lock -> context check (409) and the round on the
+model worker. Every rejection happens before anything is written, so a rejected request never
+changes a session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from cloud.engine import DecodeState, RoundLimits, check_ids, check_request, decode_step, prefill, run_round
+from cloud.metrics import CloudMetrics
+from cloud.model import ModelInfo, TargetModel
+from cloud.session import Session
+from cloud.settings import CloudSettings
+from cloud.store import CLOSED, SessionStore
+from cloud.worker import ModelWorker
+from shared.config import SamplingConfig
+from shared.errors import InvalidArgument, Unauthenticated
+from shared.protocol import OpenSessionRequest, SessionInfo, VerifyRequest, VerifyResponse
+
+log = logging.getLogger(__name__)
+round_log = logging.getLogger("specsplit.cloud.rounds")
+CORRECTIONS = ("strict", "shortcut")
+
+
+@dataclass
+class GenerateRequest:
+    # prompt token ids
+    prompt_ids: list[int]
+    # processing of p before each draw
+    sampling_cfg: SamplingConfig = field(default_factory=SamplingConfig)
+    # keys the draws: token at position t uses (seed, t), as a k = 0 bonus would
+    seed: int = 0
+    # tokens to generate at most
+    max_new_tokens: int = 64
+    # stop after an end-of-sequence token (it is included)
+    stop_at_eos: bool = True
+
+
+@dataclass
+class GenerateEvent:
+    # the next token; None on the final event
+    token_id: int | None = None
+    # the final event: {"prefill_ms", "decode_ms", "queue_ms", "total_ms", "tokens", "stop_reason"}
+    metrics: dict[str, float | int | str] | None = None
+
+
+def key_owner(key: str) -> str:
+    """What a session stores about its API key: a fingerprint, never the key."""
+    return hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+class VerifierService:
+    def __init__(self, settings: CloudSettings, model: TargetModel, *, clock: Callable[[], float] = time.monotonic,
+                 new_id: Callable[[], str] = lambda: secrets.token_urlsafe(24)) -> None:
+        self.settings, self.model, self.clock, self.new_id = settings, model, clock, new_id
+        self.info: ModelInfo = model.info
+        self.prompt_limit = settings.prompt_limit(model.info.max_context)
+        self.limits = RoundLimits(max_k=settings.max_k, max_return_top_k=settings.max_return_top_k,
+                                  max_context=model.info.max_context, vocab_size=model.info.vocab_size)
+        self.metrics = CloudMetrics.create(settings.max_k)
+        self.store = SessionStore(max_sessions=settings.max_sessions, ttl_s=settings.session_ttl_s,
+                                  kv_budget_bytes=settings.kv_budget_bytes, clock=clock, on_remove=self._removed)
+        self.worker = ModelWorker(settings.max_queue_depth, clock, settings.torch_threads)
+        self._keys = settings.api_key_values()
+        self.ready = True
+
+    @classmethod
+    def load(cls, settings: CloudSettings, **kw) -> VerifierService:  # type: ignore[no-untyped-def]
+        model = TargetModel(settings.model, settings.device, settings.dtype)
+        return cls(settings, model, **kw)
+
+    # --- auth ---------------------------------------------------------------------------------
+    def authenticate(self, key: str | None) -> str:
+        """The caller's owner id; Unauthenticated when keys are configured and `key` is not one."""
+        if not self._keys:
+            return ""
+        if not key:
+            raise Unauthenticated("missing API key: send 'Authorization: Bearer KEY'")
+        if not any(hmac.compare_digest(key.encode(), k.encode()) for k in self._keys):
+            raise Unauthenticated("wrong API key")
+        return key_owner(key)
+
+    # --- sessions -----------------------------------------------------------------------------
+    def _check_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise InvalidArgument("prompt_ids is empty: a session needs at least one token")
+        if len(ids) > self.prompt_limit:
+            raise InvalidArgument(f"the prompt has {len(ids)} tokens, more than the limit of {self.prompt_limit} "
+                                  f"(model context {self.info.max_context})", limit=self.prompt_limit)
+        check_ids(ids, self.info.vocab_size, "prompt_ids")
+
+    async def open_session(self, req: OpenSessionRequest, owner: str) -> SessionInfo:
+        self._check_prompt(req.prompt_ids)
+        if req.correction not in CORRECTIONS:
+            raise InvalidArgument(f"correction must be 'strict' or 'shortcut', not {req.correction!r}")
+        if not 0 <= req.seed < 2**64:
+            raise InvalidArgument("seed must be in [0, 2**64)")
+        if req.max_new_tokens < 0:
+            raise InvalidArgument("max_new_tokens must be >= 0")
+        need = len(req.prompt_ids) * self.model.kv_bytes_per_token
+        with self.worker.admit():
+            admitted = self.clock()
+            self.store.check_room(need)
+            (ctx, cache, ms), queue_ms = await self.worker.run(lambda: self._timed_prefill(req.prompt_ids),
+                                                               since=admitted)
+            self.store.check_room(need)  # others may have opened meanwhile
+            now = self.clock()
+            s = Session(ctx_id=self.new_id(), owner=owner, sampling_cfg=req.sampling_cfg, seed=req.seed,
+                        correction=req.correction, max_new_tokens=req.max_new_tokens,
+                        prompt_len=len(req.prompt_ids), context=ctx, cache=cache,
+                        kv_bytes_per_token=self.model.kv_bytes_per_token, last_used=now, created=now)
+            self.store.add(s)
+        self.metrics.prefill_ms.observe(ms)
+        self.metrics.queue_ms.observe(queue_ms)
+        log.info("session opened", extra={"fields": {"event": "open", "ctx_id": s.ctx_id, "prompt_len": len(ctx),
+                                                     "prefill_ms": round(ms, 3)}})
+        return self._info(s)
+
+    def _timed_prefill(self, ids: list[int]):  # type: ignore[no-untyped-def]
+        t0 = self.clock()
+        ctx, cache = prefill(self.model, ids)
+        return ctx, cache, (self.clock() - t0) * 1000.0
+
+    def _info(self, s: Session, counters: bool = False) -> SessionInfo:
+        ctx = s.context
+        return SessionInfo(ctx_id=s.ctx_id, ctx_len=len(ctx), ctx_hash=ctx.hash_at(len(ctx)),
+                           vocab_size=self.info.vocab_size,
+                           counters=s.describe(self.clock()) if counters else {})
+
+    def get_session(self, ctx_id: str, owner: str) -> SessionInfo:
+        return self._info(self.store.get(ctx_id, owner), counters=True)
+
+    def close_session(self, ctx_id: str, owner: str) -> None:
+        self.store.close(ctx_id, owner)
+
+    def _removed(self, s: Session, reason: str) -> None:
+        if reason != CLOSED:
+            self.metrics.evictions.labels(reason=reason).inc()
+        log.info("session removed", extra={"fields": {"event": "remove", "ctx_id": s.ctx_id, "reason": reason}})
+
+    # --- verify -------------------------------------------------------------------------------
+    async def verify(self, req: VerifyRequest, owner: str, declared_k: int,
+                     sampling_cfg: SamplingConfig | None = None) -> VerifyResponse:
+        s = self.store.get(req.ctx_id, owner)
+        q_dense = check_request(req, declared_k, self.limits, s.sampling_cfg, sampling_cfg)
+        k = len(req.draft.draft_tokens)
+        with self.worker.admit():
+            admitted = self.clock()
+            s.inflight += 1
+            try:
+                async with s.lock:
+                    self.store.make_room((req.ctx_len + k) * self.model.kv_bytes_per_token, s)
+                    res, queue_ms = await self.worker.run(
+                        lambda: run_round(self.model, s, req, q_dense, self.clock, self.settings.replay_cache_size),
+                        since=admitted)
+            finally:
+                s.inflight -= 1
+                s.last_used = self.clock()
+        resp = res.response
+        if res.replayed:
+            self.metrics.replayed.inc()
+        else:
+            resp.metrics.queue_ms = queue_ms
+            assert res.outcome is not None
+            self.metrics.record_round(res.outcome, k, resp.metrics.prefill_ms, queue_ms)
+        self._log_round(req, resp, k, res.replayed)
+        return resp
+
+    def _log_round(self, req: VerifyRequest, resp: VerifyResponse, k: int, replayed: bool) -> None:
+        m = resp.metrics
+        fields = {"event": "verify_round", "request_id": req.request_id, "ctx_id": req.ctx_id, "k": k,
+                  "accepted_len": resp.accepted_len, "la_over_k": round(m.la_over_k, 4),
+                  "alpha_mean": round(m.alpha_mean, 4), "next_kind": resp.next_kind,
+                  "prefill_ms": round(m.prefill_ms, 3), "queue_ms": round(m.queue_ms, 3),
+                  "ctx_len": resp.ctx_len, "replayed": replayed}
+        if req.draft.hard_mask:
+            fields["hard_ratio"] = round(sum(req.draft.hard_mask) / max(k, 1), 4)
+        round_log.info("verify round", extra={"fields": fields})
+
+    # --- target-only generation -----------------------------------------------------------------
+    def start_generate(self, req: GenerateRequest, owner: str) -> AsyncIterator[GenerateEvent]:
+        """Check the request now (errors before any output), then stream tokens as they come."""
+        self._check_prompt(req.prompt_ids)
+        if not 0 <= req.max_new_tokens <= self.settings.max_generate_tokens:
+            raise InvalidArgument(f"max_new_tokens must be in [0, {self.settings.max_generate_tokens}]")
+        if not 0 <= req.seed < 2**64:
+            raise InvalidArgument("seed must be in [0, 2**64)")
+        with self.worker.admit():
+            pass  # fail fast when full; the generation itself is admitted when it starts
+        return self._generate(req)
+
+    async def _generate(self, req: GenerateRequest) -> AsyncIterator[GenerateEvent]:
+        t_start = self.clock()
+        st = DecodeState(list(req.prompt_ids), self.model.new_cache())
+        limit = min(req.max_new_tokens, self.info.max_context - len(st.ids))
+        reason, prefill_ms, decode_ms, queue_ms = "length", 0.0, 0.0, 0.0
+        with self.worker.admit():
+            for i in range(max(limit, 0)):
+                (tok, ms), waited = await self.worker.run(lambda: self._timed_step(st, req),
+                                                          since=t_start if i == 0 else None)
+                prefill_ms, decode_ms = (ms, decode_ms) if i == 0 else (prefill_ms, decode_ms + ms)
+                queue_ms += waited
+                self.metrics.generated.inc()
+                yield GenerateEvent(token_id=tok)
+                if req.stop_at_eos and tok in self.info.eos_ids:
+                    reason = "eos"
+                    break
+            else:
+                if limit < req.max_new_tokens:
+                    reason = "context"
+        self.metrics.prefill_ms.observe(prefill_ms)
+        yield GenerateEvent(metrics={"tokens": len(st.ids) - len(req.prompt_ids), "prefill_ms": prefill_ms,
+                                     "decode_ms": decode_ms, "queue_ms": queue_ms,
+                                     "total_ms": (self.clock() - t_start) * 1000.0, "stop_reason": reason})
+
+    def _timed_step(self, st: DecodeState, req: GenerateRequest) -> tuple[int, float]:
+        t0 = self.clock()
+        tok = decode_step(self.model, st, req.sampling_cfg, req.seed)
+        return tok, (self.clock() - t0) * 1000.0
+
+    # --- housekeeping -------------------------------------------------------------------------
+    def render_metrics(self) -> bytes:
+        self.metrics.open_sessions.set(len(self.store))
+        self.metrics.kv_bytes.set(self.store.kv_bytes)
+        self.metrics.queue_depth.set(self.worker.depth)
+        return self.metrics.render()
+
+    def count_error(self, code: str) -> None:
+        self.metrics.errors.labels(code=code).inc()
+
+    async def sweep_forever(self) -> None:
+        """Expire idle sessions in the background (lookups also expire them lazily)."""
+        period = min(self.settings.session_ttl_s / 2, 5.0)
+        while True:
+            await asyncio.sleep(period)
+            self.store.expire()
+
+    def close(self) -> None:
+        self.ready = False
+        self.store.clear()
+        self.worker.shutdown()
+

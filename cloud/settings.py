@@ -1,0 +1,94 @@
+"""The cloud verifier's one settings class (env prefix SPECSPLIT_CLOUD_), validated when built.
+
+Command-line flags override the environment (cloud.cli); a bad value stops the process at start
+with a message naming the setting. Limits that depend on the model (prompt length vs. the model's
+context) are checked again once the model is loaded (`check_against_model`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+Dtype = Literal["float32", "bfloat16", "float16"]
+
+
+class CloudSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SPECSPLIT_CLOUD_", extra="forbid")
+
+    # Hugging Face causal-LM directory of the target model (config, weights, tokenizer)
+    model: Path
+    # interface both servers bind to
+    host: str = "127.0.0.1"
+    # REST (FastAPI over uvicorn) port; 0 picks a free one
+    http_port: int = Field(default=8000, ge=0, le=65535)
+    # gRPC port; 0 picks a free one
+    grpc_port: int = Field(default=50051, ge=0, le=65535)
+    # accepted Bearer keys; empty = auth off (every caller is the same anonymous owner)
+    api_keys: list[SecretStr] = Field(default_factory=list)
+    # torch device of the target: "cpu" or "cuda" / "cuda:N"
+    device: str = "cpu"
+    # weights and KV dtype
+    dtype: Dtype = "float32"
+    # torch intra-op threads for the model worker; 0 = torch's default
+    torch_threads: int = Field(default=0, ge=0)
+
+    # open sessions at most; opening one more answers 429 unless an expired one can go
+    max_sessions: int = Field(default=64, ge=1)
+    # a session idle this long expires (404 afterwards)
+    session_ttl_s: float = Field(default=600.0, gt=0)
+    # total KV cache bytes over all sessions; least recently used idle sessions are evicted beyond it
+    kv_budget_bytes: int = Field(default=2 * 1024**3, gt=0)
+    # largest k (draft tokens per round) accepted
+    max_k: int = Field(default=16, ge=0, le=256)
+    # model-bound requests admitted at once (queued or running); more answer 429 / RESOURCE_EXHAUSTED
+    max_queue_depth: int = Field(default=64, ge=1)
+    # largest request body (REST) / message (gRPC); larger answer 413 / RESOURCE_EXHAUSTED
+    max_body_bytes: int = Field(default=4 * 1024**2, ge=1024)
+    # longest prompt accepted at open; 0 = the model's context; must not exceed it
+    max_prompt_len: int = Field(default=0, ge=0)
+    # largest return_top_k
+    max_return_top_k: int = Field(default=64, ge=0)
+    # answers kept per session by request_id, so a late duplicate is answered without rollback
+    replay_cache_size: int = Field(default=8, ge=0)
+    # largest max_new_tokens of POST /v1/generate
+    max_generate_tokens: int = Field(default=1024, ge=1)
+    # seconds given to in-flight calls at shutdown
+    shutdown_grace_s: float = Field(default=2.0, ge=0)
+    # logging level of the process
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @field_validator("model")
+    @classmethod
+    def _model_dir_exists(cls, v: Path) -> Path:
+        if not (v / "config.json").is_file():
+            raise ValueError(f"{v} is not a model directory (no config.json)")
+        return v
+
+    @field_validator("device")
+    @classmethod
+    def _device_known(cls, v: str) -> str:
+        if v != "cpu" and not (v == "cuda" or (v.startswith("cuda:") and v[5:].isdigit())):
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', not {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _ports_differ(self) -> CloudSettings:
+        if self.http_port and self.http_port == self.grpc_port:
+            raise ValueError(f"http_port and grpc_port are both {self.http_port}")
+        if any(not k.get_secret_value() for k in self.api_keys):
+            raise ValueError("api keys must not be empty")
+        return self
+
+    def api_key_values(self) -> list[str]:
+        return [k.get_secret_value() for k in self.api_keys]
+
+    def prompt_limit(self, model_context: int) -> int:
+        """The effective max prompt length for a model with `model_context` positions."""
+        if self.max_prompt_len > model_context:
+            raise ValueError(f"max_prompt_len = {self.max_prompt_len} exceeds the model's context "
+                             f"({model_context} positions)")
+        return self.max_prompt_len or model_context

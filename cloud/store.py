@@ -1,0 +1,111 @@
+"""The session store: lookup with ownership, the session-count cap, idle TTL, and the KV byte budget.
+
+Policy:
+- `max_sessions`: opening one more first drops sessions idle past the TTL; if the store is
+  still full it answers ResourceExhausted (429). Working sessions are never evicted to make
+  room for a new one (that would only move the 404 to someone else).
+- `session_ttl_s`: a session idle that long is gone (NotFound on its next call).
+- `kv_budget_bytes`: before a forward grows a cache, the least recently used sessions with no
+  request in flight are evicted until the growth fits. A session whose own cache would exceed the
+  whole budget is refused (ResourceExhausted). Sessions with requests in flight are never evicted,
+  so the budget can be overshot by at most their growth until they finish.
+Every removal frees the cache and marks the session closed. Runs on the event loop only.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+
+from cloud.session import Session
+from shared.errors import NotFound, PermissionDenied, ResourceExhausted
+
+# removal reasons, the `reason` label of the evictions metric
+TTL, KV_BUDGET, CLOSED = "ttl", "kv_budget", "closed"
+
+
+class SessionStore:
+    def __init__(self, *, max_sessions: int, ttl_s: float, kv_budget_bytes: int,
+                 clock: Callable[[], float], on_remove: Callable[[Session, str], None] | None = None) -> None:
+        self.max_sessions = max_sessions
+        self.ttl_s = ttl_s
+        self.kv_budget_bytes = kv_budget_bytes
+        self.clock = clock
+        self.on_remove = on_remove
+        self._sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def __iter__(self) -> Iterator[Session]:
+        return iter(list(self._sessions.values()))
+
+    @property
+    def kv_bytes(self) -> int:
+        return sum(s.kv_bytes for s in self._sessions.values())
+
+    def get(self, ctx_id: str, owner: str) -> Session:
+        """The session, touched (most recently used). NotFound / PermissionDenied otherwise."""
+        s = self._sessions.get(ctx_id)
+        if s is not None and self._expired(s):
+            self._remove(s, TTL)
+            s = None
+        if s is None:
+            raise NotFound(f"session {ctx_id!r} is unknown, closed, expired or evicted; reopen it with the "
+                           "full context", ctx_id=ctx_id)
+        if not hmac.compare_digest(s.owner, owner):
+            raise PermissionDenied("this session belongs to another API key")
+        s.last_used = self.clock()
+        self._sessions.move_to_end(ctx_id)
+        return s
+
+    def check_room(self, need_bytes: int) -> None:
+        """Raise ResourceExhausted unless one more session holding `need_bytes` of KV can be opened."""
+        self.expire()
+        if len(self._sessions) >= self.max_sessions:
+            raise ResourceExhausted(f"{len(self._sessions)} sessions are open (max_sessions = "
+                                    f"{self.max_sessions}); retry later", limit="max_sessions")
+        self.make_room(need_bytes)
+
+    def add(self, s: Session) -> None:
+        self._sessions[s.ctx_id] = s
+
+    def close(self, ctx_id: str, owner: str) -> None:
+        self._remove(self.get(ctx_id, owner), CLOSED)
+
+    def make_room(self, need_bytes: int, session: Session | None = None) -> None:
+        """Evict LRU idle sessions until `session` (or a new one) can hold `need_bytes` of KV."""
+        if need_bytes > self.kv_budget_bytes:
+            raise ResourceExhausted(f"this context needs {need_bytes} bytes of KV cache, more than the "
+                                    f"whole budget ({self.kv_budget_bytes} bytes)", limit="kv_budget_bytes")
+        total = self.kv_bytes - (session.kv_bytes if session is not None else 0) + need_bytes
+        for s in list(self._sessions.values()):
+            if total <= self.kv_budget_bytes:
+                break
+            if s is session or s.inflight > 0:
+                continue
+            total -= s.kv_bytes
+            self._remove(s, KV_BUDGET)
+
+    def expire(self) -> int:
+        """Drop every session idle past the TTL; returns how many."""
+        gone = [s for s in self._sessions.values() if self._expired(s)]
+        for s in gone:
+            self._remove(s, TTL)
+        return len(gone)
+
+    def clear(self) -> None:
+        for s in list(self._sessions.values()):
+            self._remove(s, CLOSED)
+
+    def _expired(self, s: Session) -> bool:
+        return s.inflight == 0 and self.clock() - s.last_used > self.ttl_s
+
+    def _remove(self, s: Session, reason: str) -> None:
+        self._sessions.pop(s.ctx_id, None)
+        s.closed = True
+        s.cache = None
+        s.replies.clear()
+        if self.on_remove is not None:
+            self.on_remove(s, reason)
