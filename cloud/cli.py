@@ -25,11 +25,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
+def settings_from_args(argv: list[str] | None = None) -> CloudSettings:
+    """Flags given on the command line override SPECSPLIT_CLOUD_* variables; ValidationError if bad."""
     args = build_parser().parse_args(argv)
-    overrides = {k: v for k, v in vars(args).items() if v is not None}
+    return CloudSettings(**{k: v for k, v in vars(args).items() if v is not None})
+
+
+def main(argv: list[str] | None = None) -> int:
     try:
-        settings = CloudSettings(**overrides)
+        settings = settings_from_args(argv)
     except ValidationError as e:
         problems = "; ".join(f"{'.'.join(str(x) for x in err['loc']) or 'settings'}: {err['msg']}"
                              for err in e.errors())

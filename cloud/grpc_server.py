@@ -17,13 +17,14 @@ from dataclasses import asdict
 from typing import Any, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from cloud.service import VerifierService
 from shared.config import SamplingConfig
-from shared.errors import SpecSplitError
+from shared.errors import InvalidArgument, SpecSplitError
 from shared.pb import verify_pb2 as pb
 from shared.pb import verify_pb2_grpc as pb_grpc
 from shared.protocol import (
@@ -46,6 +47,35 @@ GRPC_CODES: dict[str, grpc.StatusCode] = {
 }
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Verifier"].full_name
 R = TypeVar("R")
+
+
+class Malformed:
+    """A request whose bytes did not parse: answered INVALID_ARGUMENT like a malformed REST body."""
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+def _lenient(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    def deserialize(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except DecodeError as e:
+            return Malformed(str(e))
+
+    return deserialize
+
+
+def add_verifier(servicer: VerifierServicer, server: grpc.aio.Server) -> None:
+    """Register the servicer like the generated helper does, with the lenient request parsers."""
+    handlers = {}
+    for m in pb.DESCRIPTOR.services_by_name["Verifier"].methods:
+        req, resp = getattr(pb, m.input_type.name), getattr(pb, m.output_type.name)
+        handlers[m.name] = grpc.unary_unary_rpc_method_handler(
+            getattr(servicer, m.name), request_deserializer=_lenient(req.FromString),
+            response_serializer=resp.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
 # --- protobuf <-> dataclasses (the one place) -------------------------------------------------
@@ -88,6 +118,8 @@ def _mapped(method: Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[R]]
     @functools.wraps(method)
     async def call(self: VerifierServicer, request: Any, context: grpc.aio.ServicerContext) -> R:
         try:
+            if isinstance(request, Malformed):
+                raise InvalidArgument(f"malformed message: {request.error}")
             return await method(self, request, context)
         except SpecSplitError as err:
             self.service.count_error(err.code)
@@ -139,7 +171,7 @@ async def start_grpc(service: VerifierService, host: str, port: int
     limit = service.settings.max_body_bytes
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit),
                                       ("grpc.max_send_message_length", 64 * 1024**2)])
-    pb_grpc.add_VerifierServicer_to_server(VerifierServicer(service), server)
+    add_verifier(VerifierServicer(service), server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(

@@ -1,0 +1,124 @@
+"""SessionStore policy: TTL, the session cap, LRU eviction under the KV budget, ownership."""
+
+from __future__ import annotations
+
+import pytest
+
+from cloud.session import Context, Session
+from cloud.store import SessionStore
+from shared.config import SamplingConfig
+from shared.errors import NotFound, PermissionDenied, ResourceExhausted
+from tests.cloud.conftest import FakeClock
+
+
+class FakeCache:
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def get_seq_length(self) -> int:
+        return self.n
+
+
+def session(ctx_id: str, kv_len: int, clock: FakeClock, owner: str = "") -> Session:
+    return Session(ctx_id=ctx_id, owner=owner, sampling_cfg=SamplingConfig(), seed=0, correction="strict",
+                   max_new_tokens=0, prompt_len=kv_len + 1, context=Context.of([1] * (kv_len + 1)),
+                   cache=FakeCache(kv_len), kv_bytes_per_token=10, last_used=clock(), created=clock())  # type: ignore[arg-type]
+
+
+def store(clock: FakeClock, **kw: int | float) -> tuple[SessionStore, list[tuple[str, str]]]:
+    removed: list[tuple[str, str]] = []
+    args = {"max_sessions": 4, "ttl_s": 60.0, "kv_budget_bytes": 1000, **kw}
+    st = SessionStore(clock=clock, on_remove=lambda s, why: removed.append((s.ctx_id, why)), **args)  # type: ignore[arg-type]
+    return st, removed
+
+
+def test_idle_session_expires_after_ttl_and_then_is_not_found() -> None:
+    clock = FakeClock()
+    st, removed = store(clock, ttl_s=10)
+    st.add(session("a", 5, clock))
+    clock.advance(9)
+    st.get("a", "")  # a use resets the idle time
+    clock.advance(9.5)
+    assert st.get("a", "").ctx_id == "a"
+    clock.advance(10.5)
+    with pytest.raises(NotFound):
+        st.get("a", "")
+    assert removed == [("a", "ttl")]
+
+
+def test_session_with_a_request_in_flight_does_not_expire() -> None:
+    clock = FakeClock()
+    st, _ = store(clock, ttl_s=10)
+    s = session("a", 5, clock)
+    st.add(s)
+    s.inflight = 1
+    clock.advance(100)
+    assert st.expire() == 0
+
+
+def test_full_store_refuses_a_new_session_unless_one_has_expired() -> None:
+    clock = FakeClock()
+    st, removed = store(clock, max_sessions=2, ttl_s=10)
+    st.add(session("a", 1, clock))
+    st.add(session("b", 1, clock))
+    with pytest.raises(ResourceExhausted) as e:
+        st.check_room(10)
+    assert e.value.http_status == 429 and e.value.details["limit"] == "max_sessions"
+    assert removed == []  # working sessions are not evicted for a newcomer
+    clock.advance(11)
+    st.check_room(10)
+    assert {r[1] for r in removed} == {"ttl"}
+
+
+def test_kv_budget_evicts_least_recently_used_idle_sessions_first() -> None:
+    clock = FakeClock()
+    st, removed = store(clock, kv_budget_bytes=1000)
+    for name in "abc":
+        st.add(session(name, 30, clock))  # 300 bytes each
+        clock.advance(1)
+    st.get("a", "")  # a becomes the most recently used: b is now the oldest
+    st.make_room(250)  # 900 + 250 > 1000: one must go
+    assert removed == [("b", "kv_budget")]
+    assert st.kv_bytes == 600
+
+
+def test_kv_budget_skips_busy_sessions_and_the_growing_one() -> None:
+    clock = FakeClock()
+    st, removed = store(clock, kv_budget_bytes=1000)
+    a, b, c = (session(n, 30, clock) for n in "abc")
+    for s in (a, b, c):
+        st.add(s)
+    a.inflight = 1
+    st.make_room(600, session=b)  # b grows 300 -> 600: total 1200, c (idle, not b) goes
+    assert removed == [("c", "kv_budget")]
+
+
+def test_a_context_larger_than_the_whole_budget_is_refused() -> None:
+    clock = FakeClock()
+    st, removed = store(clock, kv_budget_bytes=1000)
+    st.add(session("a", 10, clock))
+    with pytest.raises(ResourceExhausted) as e:
+        st.make_room(1001)
+    assert e.value.details["limit"] == "kv_budget_bytes" and removed == []
+
+
+def test_session_is_visible_only_to_its_owner() -> None:
+    clock = FakeClock()
+    st, _ = store(clock)
+    st.add(session("a", 1, clock, owner="alice"))
+    with pytest.raises(PermissionDenied):
+        st.get("a", "bob")
+    with pytest.raises(PermissionDenied):
+        st.close("a", "bob")
+    assert st.get("a", "alice").ctx_id == "a"
+
+
+def test_removed_session_is_closed_and_frees_its_cache() -> None:
+    clock = FakeClock()
+    st, removed = store(clock)
+    s = session("a", 3, clock)
+    st.add(s)
+    st.close("a", "")
+    assert s.closed and s.cache is None and removed == [("a", "closed")]
+    with pytest.raises(NotFound):
+        st.get("a", "")
