@@ -1,0 +1,174 @@
+"""specsplit-edge: generate text on the device, verified by the cloud.
+
+    specsplit-edge generate PROMPT --cloud http://127.0.0.1:8000 [--grpc 127.0.0.1:50051]
+        --draft DIR|ngram --mode speculative|edge_only|cloud_only --max-new-tokens N
+        --temperature T --top-p P --top-k K --repetition-penalty R --seed S [--json] [--log FILE.jsonl]
+
+Defaults (EdgeSettings, overridable by SPECSPLIT_EDGE_* variables): --draft models/demo-draft when
+present (else ngram), temperature 1.0, top-p 0.9, top-k 0 (off), repetition penalty 1.1, seed 0,
+128 new tokens, dynamic k (start 6, range [3, 12]), gating off, 400 ms verify timeout.
+
+Text streams to stdout as tokens are committed; on a terminal each token is coloured by origin
+(green accepted draft, yellow correction, cyan bonus, magenta residual, red local/unverified).
+A summary table follows on stderr. --json prints one JSON object instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Any, TextIO
+
+from pydantic import ValidationError
+
+from shared.errors import SpecSplitError
+
+from .client import EdgeClient, GenerationResult
+from .settings import EdgeSettings
+
+COLOURS = {"accepted": "\x1b[32m", "correction": "\x1b[33m", "bonus": "\x1b[36m", "residual": "\x1b[35m",
+           "local": "\x1b[31m", "target": ""}
+RESET = "\x1b[0m"
+LOG_FIELDS = ("index", "k", "accepted_len", "la_over_k", "alpha_mean", "edge_time_ms", "cloud_prefill_ms", "rtt_ms",
+              "A_cum", "bytes_up", "bytes_down", "hard_ratio", "triggered", "next_kind", "decided_by", "committed")
+
+# flag -> EdgeSettings field
+_FLAGS: dict[str, str] = {"cloud": "cloud_url", "grpc": "grpc_target", "api_key": "api_key", "draft": "draft",
+                          "tokenizer": "tokenizer", "mode": "mode", "max_new_tokens": "max_new_tokens",
+                          "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                          "repetition_penalty": "repetition_penalty", "seed": "seed", "correction": "correction",
+                          "send_q_dists": "send_q_dists", "k": "fixed_k", "k_start": "k_start", "k_min": "k_min",
+                          "k_max": "k_max", "gating": "gating", "timeout_ms": "timeout_ms",
+                          "timeout_fallback": "timeout_fallback", "ngram_order": "ngram_order",
+                          "filler_top_k": "filler_top_k", "device": "device", "r_hard": "r_hard"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="specsplit-edge", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate a continuation of PROMPT")
+    g.add_argument("prompt")
+    g.add_argument("--cloud", help="cloud REST base URL (default http://127.0.0.1:8000)")
+    g.add_argument("--grpc", help="cloud gRPC HOST:PORT (verification over gRPC instead of REST)")
+    g.add_argument("--api-key", help="Bearer key for the cloud")
+    g.add_argument("--draft", help="draft model directory or 'ngram'")
+    g.add_argument("--tokenizer", help="tokenizer directory (default: the draft's, or models/demo-*)")
+    g.add_argument("--mode", choices=["speculative", "edge_only", "cloud_only"])
+    g.add_argument("--max-new-tokens", type=int)
+    g.add_argument("--temperature", type=float, help="0 = greedy (default 1.0)")
+    g.add_argument("--top-p", type=float, help="default 0.9")
+    g.add_argument("--top-k", type=int, help="default 0 (off)")
+    g.add_argument("--repetition-penalty", type=float, help="default 1.1")
+    g.add_argument("--seed", type=int)
+    g.add_argument("--correction", choices=["strict", "shortcut"])
+    g.add_argument("--send-q-dists", action=argparse.BooleanOptionalAction, default=None,
+                   help="send the draft's sparse q distributions")
+    g.add_argument("--k", type=int, help="fixed k (default: dynamic)")
+    g.add_argument("--k-start", type=int)
+    g.add_argument("--k-min", type=int)
+    g.add_argument("--k-max", type=int)
+    g.add_argument("--gating", action=argparse.BooleanOptionalAction, default=None, help="uncertainty gating")
+    g.add_argument("--r-hard", type=float)
+    g.add_argument("--timeout-ms", type=float)
+    g.add_argument("--timeout-fallback", action=argparse.BooleanOptionalAction, default=None)
+    g.add_argument("--ngram-order", type=int)
+    g.add_argument("--filler-top-k", type=int)
+    g.add_argument("--device")
+    g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.add_argument("--log", metavar="FILE.jsonl", help="one JSON line per round")
+    g.add_argument("-v", "--verbose", action="store_true")
+    return p
+
+
+def settings_from_args(args: argparse.Namespace) -> EdgeSettings:
+    overrides: dict[str, Any] = {}
+    for flag, name in _FLAGS.items():
+        value = getattr(args, flag, None)
+        if value is not None:
+            overrides[name] = value
+    return EdgeSettings(**overrides)
+
+
+class LiveText:
+    """Writes decoded text as tokens arrive; colours each token's text by origin on a terminal."""
+
+    def __init__(self, client: EdgeClient, out: TextIO, colour: bool) -> None:
+        self.client, self.out, self.colour = client, out, colour
+        self.ids: list[int] = []
+        self.shown = ""
+
+    def add(self, token_id: int, origin: str) -> None:
+        self.ids.append(token_id)
+        text = self.client.decode(self.ids)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+            return
+        new, self.shown = text[len(self.shown):], text
+        if self.colour and COLOURS.get(origin):
+            new = f"{COLOURS[origin]}{new}{RESET}"
+        self.out.write(new)
+        self.out.flush()
+
+
+def summary_table(result: GenerationResult) -> str:
+    m = result.metrics
+    rows = [("mode", result.mode), ("tokens emitted", m.emitted), ("rounds", m.rounds),
+            ("cloud calls", m.cloud_calls), ("drafted / accepted", f"{m.drafted} / {m.accepted}"),
+            ("acceptance rate", f"{m.acceptance_rate:.3f}"), ("mean accepted length", f"{m.mean_accepted_len:.2f}"),
+            ("tokens per cloud call", f"{m.tokens_per_call:.2f}"),
+            ("by origin", ", ".join(f"{k}={v}" for k, v in m.by_origin.items() if v)),
+            ("local commits (unverified)", m.local_commits),
+            ("retries / reopens / resyncs / timeouts", f"{m.retries} / {m.reopens} / {m.resyncs} / {m.timeouts}"),
+            ("bytes up / down", f"{m.bytes_up} / {m.bytes_down}"),
+            ("edge / rtt / cloud prefill ms", f"{m.edge_time_ms:.0f} / {m.rtt_ms:.0f} / {m.cloud_prefill_ms:.0f}"),
+            ("ttft / wall ms", f"{m.ttft_ms:.0f} / {m.wall_ms:.0f}")]
+    width = max(len(str(k)) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def write_log(path: str, result: GenerationResult) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for r in result.rounds:
+            d = r.to_dict()
+            f.write(json.dumps({k: d[k] for k in LOG_FIELDS}) + "\n")
+
+
+def generate(args: argparse.Namespace) -> int:
+    settings = settings_from_args(args)
+    client = EdgeClient(settings)
+    try:
+        gen = client.stream(args.prompt)
+        if not args.json:
+            live = LiveText(client, sys.stdout, colour=sys.stdout.isatty())
+            for tok in gen:
+                live.add(tok.token_id, tok.origin)
+            sys.stdout.write("\n")
+        result = gen.result()
+    finally:
+        client.close()
+    if args.log:
+        write_log(args.log, result)
+    if args.json:
+        print(json.dumps(result.to_json()))
+    else:
+        print(summary_table(result), file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return generate(args)
+    except ValidationError as e:
+        print(f"specsplit-edge: bad settings: {e}", file=sys.stderr)
+        return 2
+    except SpecSplitError as e:
+        print(f"specsplit-edge: {e.code} ({e.http_status}): {e.message}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,291 @@
+"""The edge client: `generate(prompt)` and a streaming iterator of committed tokens, in three modes.
+
+- speculative: the drafter proposes, the cloud verifies (see speculative.py);
+- edge_only: the drafter alone, every token local and unverified;
+- cloud_only: target-only generation by the cloud (REST /v1/generate; over gRPC, k = 0 verify rounds).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Generator, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from shared.config import SamplingConfig
+from shared.errors import InvalidArgument
+from shared.verify import DraftKind
+
+from .drafters.base import DraftBlock, Drafter
+from .gating import GateThresholds
+from .metrics import CommittedToken, EdgeMetrics, Origin, RoundRecord
+from .round_control import KController
+from .settings import EdgeSettings, Mode
+from .speculative import RecoveryPolicy, SessionParams, SpeculativeRun, check_vocab
+from .transport.base import ModelInfo, Transport
+
+
+@dataclass
+class GenerationResult:
+    # the decoded generated text (prompt excluded)
+    text: str
+    # generated ids (prompt excluded)
+    token_ids: list[int]
+    # the prompt's ids
+    prompt_ids: list[int]
+    # every generated token with its origin
+    tokens: list[CommittedToken]
+    # one record per round (empty for REST cloud_only)
+    rounds: list[RoundRecord]
+    metrics: EdgeMetrics
+    mode: str = "speculative"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"text": self.text, "token_ids": self.token_ids, "prompt_ids": self.prompt_ids,
+                "origins": [t.origin for t in self.tokens], "mode": self.mode,
+                "rounds": [r.to_dict() for r in self.rounds], "metrics": self.metrics.to_dict()}
+
+
+class NoDrafter:
+    """Proposes nothing: every round is plain target decoding of one token (cloud_only over gRPC)."""
+
+    kind: DraftKind = "deterministic"
+    wants_top_k = 0
+    max_context: int | None = None
+
+    def reset(self) -> None:
+        return None
+
+    def propose(self, context: Sequence[int], k: int, cfg: SamplingConfig, seed: int) -> DraftBlock:
+        return DraftBlock(tokens=[], q_probs=[], kind="deterministic")
+
+    def observe(self, context: Sequence[int], draft: Sequence[int], top_k_ids: Sequence[Sequence[int]]) -> None:
+        return None
+
+
+class Generation:
+    """A running generation: iterate for committed tokens; `result()` drains and summarises."""
+
+    def __init__(self, tokens: Iterator[CommittedToken], finish: Callable[[list[CommittedToken]], GenerationResult]):
+        self._tokens = tokens
+        self._finish = finish
+        self._seen: list[CommittedToken] = []
+        self._result: GenerationResult | None = None
+
+    def __iter__(self) -> Iterator[CommittedToken]:
+        for tok in self._tokens:
+            self._seen.append(tok)
+            yield tok
+
+    def result(self) -> GenerationResult:
+        if self._result is None:
+            for _ in self:
+                pass
+            self._result = self._finish(self._seen)
+        return self._result
+
+
+@dataclass
+class _Job:
+    prompt_ids: list[int]
+    mode: Mode
+    max_new_tokens: int
+    params: SessionParams
+    metrics: EdgeMetrics = field(default_factory=EdgeMetrics)
+    rounds: list[RoundRecord] = field(default_factory=list)
+    started: float = 0.0
+
+
+class EdgeClient:
+    """Owns a transport, a drafter and a tokenizer; each is built from the settings unless given."""
+
+    def __init__(self, settings: EdgeSettings | None = None, *, transport: Transport | None = None,
+                 drafter: Drafter | None = None, tokenizer: Any = None,
+                 clock: Callable[[], float] = time.perf_counter, sleep: Callable[[float], None] = time.sleep):
+        self.settings = settings or EdgeSettings()
+        self._transport = transport
+        self._drafter = drafter
+        self._tokenizer = tokenizer
+        self._model_info: ModelInfo | None = None
+        self.clock = clock
+        self.sleep = sleep
+
+    # -- lazily built parts ---------------------------------------------------------------------
+
+    @property
+    def transport(self) -> Transport:
+        if self._transport is None:
+            from .transport import make_transport
+
+            s = self.settings
+            key = s.api_key.get_secret_value() if s.api_key else None
+            self._transport = make_transport(s.cloud_url, s.grpc_target, key)
+        return self._transport
+
+    @property
+    def drafter(self) -> Drafter:
+        if self._drafter is None:
+            from .drafters import ModelDrafter, NGramDrafter
+
+            s = self.settings
+            if s.draft == "ngram":
+                self._drafter = NGramDrafter(order=s.ngram_order, filler_top_k=s.filler_top_k)
+            else:
+                self._drafter = ModelDrafter(s.draft, device=s.device, mc_dropout_samples=s.mc_dropout_samples)
+        return self._drafter
+
+    @property
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.settings.tokenizer_dir())
+        return self._tokenizer
+
+    def model_info(self) -> ModelInfo:
+        if self._model_info is None:
+            policy = self._policy()
+            self._model_info = self.transport.get_model(policy.open_timeout_s)
+        return self._model_info
+
+    def encode(self, prompt: str) -> list[int]:
+        ids = list(self.tokenizer.encode(prompt))
+        if not ids:  # an empty prompt starts from the end-of-text token, as GPT-2 does
+            ids = [int(self.tokenizer.eos_token_id or 0)]
+        return ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self.tokenizer.decode(list(ids)))
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+
+    # -- generation -----------------------------------------------------------------------------
+
+    def stream(self, prompt: str | Sequence[int], *, max_new_tokens: int | None = None, seed: int | None = None,
+               sampling: SamplingConfig | None = None, mode: Mode | None = None) -> Generation:
+        s = self.settings
+        prompt_ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if not prompt_ids:
+            raise InvalidArgument("the prompt has no tokens")
+        params = SessionParams(sampling=sampling or s.sampling(), seed=s.seed if seed is None else seed,
+                               correction=s.correction, send_q_dists=s.send_q_dists)
+        job = _Job(prompt_ids, mode or s.mode, s.max_new_tokens if max_new_tokens is None else max_new_tokens, params)
+        return Generation(self._run(job), lambda toks: self._finish(job, toks))
+
+    def generate(self, prompt: str | Sequence[int], **kwargs: Any) -> GenerationResult:
+        return self.stream(prompt, **kwargs).result()
+
+    def _run(self, job: _Job) -> Iterator[CommittedToken]:
+        job.started = self.clock()
+        eos = set(self._eos_ids(job.mode)) if self.settings.stop_at_eos else set()
+        source = {"speculative": self._speculative, "edge_only": self._edge_only,
+                  "cloud_only": self._cloud_only}[job.mode](job)
+        try:
+            for tok in source:
+                if job.metrics.emitted == 0:
+                    job.metrics.ttft_ms = (self.clock() - job.started) * 1000
+                job.metrics.emitted += 1
+                job.metrics.by_origin[tok.origin] += 1
+                yield tok
+                if job.metrics.emitted >= job.max_new_tokens or tok.token_id in eos:
+                    break
+        finally:
+            source.close()  # the speculative source closes its cloud session
+            job.metrics.wall_ms = (self.clock() - job.started) * 1000
+
+    def _finish(self, job: _Job, tokens: list[CommittedToken]) -> GenerationResult:
+        ids = [t.token_id for t in tokens]
+        return GenerationResult(text=self.decode(ids), token_ids=ids, prompt_ids=job.prompt_ids, tokens=tokens,
+                                rounds=job.rounds, metrics=job.metrics, mode=job.mode)
+
+    def _eos_ids(self, mode: Mode) -> list[int]:
+        """The target's end-of-sequence ids (the tokenizer's in edge_only mode)."""
+        if mode != "edge_only":
+            eos = self.model_info().eos_ids
+            if eos:
+                return eos
+        tok_eos = getattr(self.tokenizer, "eos_token_id", None)
+        return [int(tok_eos)] if tok_eos is not None else []
+
+    def _policy(self) -> RecoveryPolicy:
+        s = self.settings
+        return RecoveryPolicy(timeout_s=s.timeout_ms / 1000, timeout_fallback=s.timeout_fallback,
+                              open_timeout_s=s.open_timeout_s, max_retries=s.max_retries,
+                              backoff_s=s.backoff_ms / 1000, backoff_max_s=s.backoff_max_ms / 1000)
+
+    def _k_controller(self) -> KController:
+        s = self.settings
+        if s.fixed_k is not None:
+            return KController(k=s.fixed_k, k_min=s.fixed_k, k_max=max(s.fixed_k, 1), dynamic=False)
+        return KController(k=s.k_start, k_min=s.k_min, k_max=s.k_max, up_at=s.k_up_at, down_at=s.k_down_at)
+
+    def _speculative(self, job: _Job, drafter: Drafter | None = None, origin_map: dict[str, Origin] | None = None,
+                     ) -> Generator[CommittedToken, None, None]:
+        s = self.settings
+        drafter = drafter or self.drafter
+        info = self.model_info()
+        check_vocab(getattr(drafter, "vocab_size", None), info.vocab_size)
+        gate = None
+        if s.gating:
+            gate = GateThresholds(t_nll=s.t_nll, t_entropy_bits=s.t_entropy_bits, t_margin=s.t_margin,
+                                  t_mc_var=s.t_mc_var, r_hard=s.r_hard)
+        run = SpeculativeRun(self.transport, drafter, job.params, self._k_controller(), job.metrics, self._policy(),
+                             gate=gate, rule_triggers=s.rule_triggers, detokenize=self.decode if gate else None,
+                             clock=self.clock, sleep=self.sleep)
+        job.rounds = run.records
+        limits = [m for m in (info.max_context, drafter.max_context) if m]
+        max_context = min(limits) if limits else None
+        traffic0 = (self.transport.traffic.bytes_up, self.transport.traffic.bytes_down)
+        run.open(job.prompt_ids, job.max_new_tokens)
+        if getattr(drafter, "vocab_size", 1) is None:  # n-gram: point masses need the vocabulary size
+            drafter.vocab_size = run.vocab_size  # type: ignore[attr-defined]
+        try:
+            emitted = 0
+            while emitted < job.max_new_tokens and (max_context is None or len(run.S) < max_context):
+                for tok, origin in run.step(job.max_new_tokens - emitted, max_context):
+                    emitted += 1
+                    yield CommittedToken(tok, origin_map.get(origin, origin) if origin_map else origin,
+                                         len(run.records) - 1)
+        finally:
+            run.close()
+            job.metrics.bytes_up += self.transport.traffic.bytes_up - traffic0[0]
+            job.metrics.bytes_down += self.transport.traffic.bytes_down - traffic0[1]
+
+    def _edge_only(self, job: _Job) -> Generator[CommittedToken, None, None]:
+        drafter = self.drafter
+        if drafter.kind != "sampled":
+            raise InvalidArgument("edge_only needs a draft model (the n-gram drafter cannot write alone)")
+        drafter.reset()
+        S = list(job.prompt_ids)
+        chunk = max(self.settings.k_max, 1)
+        while len(S) - len(job.prompt_ids) < job.max_new_tokens:
+            if drafter.max_context is not None and len(S) >= drafter.max_context:
+                break
+            t0 = self.clock()
+            left = job.max_new_tokens - (len(S) - len(job.prompt_ids))
+            block = drafter.propose(S, min(chunk, left), job.params.sampling, job.params.seed)
+            job.metrics.edge_time_ms += (self.clock() - t0) * 1000
+            job.metrics.rounds += 1
+            job.metrics.local_commits += block.k
+            for tok in block.tokens:
+                S.append(tok)
+                yield CommittedToken(tok, "local", job.metrics.rounds - 1)
+
+    def _cloud_only(self, job: _Job) -> Generator[CommittedToken, None, None]:
+        transport = self.transport
+        if not transport.supports_generate:
+            s0 = replace(job.params, send_q_dists=False)
+            job.params = s0
+            yield from self._speculative(job, NoDrafter(), origin_map={"bonus": "target"})
+            return
+        up, down = transport.traffic.bytes_up, transport.traffic.bytes_down
+        job.metrics.cloud_calls += 1
+        out = transport.generate(job.prompt_ids, job.params.sampling, job.params.seed, job.max_new_tokens,
+                                 self._policy().open_timeout_s)
+        job.metrics.bytes_up += transport.traffic.bytes_up - up
+        job.metrics.bytes_down += transport.traffic.bytes_down - down
+        job.metrics.rounds += 1
+        for tok in out.token_ids:
+            yield CommittedToken(tok, "target", 0)

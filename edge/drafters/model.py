@@ -1,0 +1,139 @@
+"""Model drafter: a small causal LM proposes k sampled tokens with their processed q.
+
+State by position: `_ids` are the tokens whose KV is in `_cache`. Each `propose(S, k)` crops the
+cache to the longest common prefix of `_ids` and S and feeds the rest of S: normally one token (the
+round's correction), two when all k drafts were accepted (y_k was sampled but never fed, so its KV
+is filled in here together with the bonus), more after local commits or a reopen.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
+
+from shared.config import SamplingConfig
+from shared.rng import position_uniform, sample_index
+from shared.sampling import process_logits
+from shared.verify import DraftKind
+
+from .base import DraftBlock
+
+# rng stream of the edge's draft samples, apart from the cloud's COIN (0) and SAMPLE (1) streams
+DRAFT_STREAM = 2
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def raw_signals(logits: torch.Tensor, token: int) -> tuple[float, float, float]:
+    """(NLL in nats, entropy in bits, top-1 minus top-2 probability) of softmax(logits) ([vocab])."""
+    logp = torch.log_softmax(logits.float(), dim=-1)  # [vocab]
+    p = logp.exp()  # [vocab]
+    entropy = float(-(p * logp).nan_to_num(0.0).sum()) / math.log(2)
+    top2 = torch.topk(p, 2).values  # [2]
+    return float(-logp[token]), entropy, float(top2[0] - top2[1])
+
+
+class ModelDrafter:
+    kind: DraftKind = "sampled"
+    wants_top_k = 0
+
+    def __init__(self, model_dir: str | Path, device: str = "cpu", mc_dropout_samples: int = 0) -> None:
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir)
+        self.model.to(device)  # type: ignore[arg-type]
+        self.model.eval()
+        self.device = device
+        self.vocab_size = int(self.model.get_output_embeddings().out_features)
+        cfg = self.model.config
+        self.max_context: int | None = getattr(cfg, "n_positions", None) or getattr(
+            cfg, "max_position_embeddings", None)
+        self.has_dropout = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in self.model.modules())
+        self.mc_dropout_samples = mc_dropout_samples if self.has_dropout else 0
+        self._cache = DynamicCache()
+        self._ids: list[int] = []
+
+    def reset(self) -> None:
+        self._cache = DynamicCache()
+        self._ids = []
+
+    @torch.no_grad()
+    def _feed(self, tokens: Sequence[int]) -> torch.Tensor:
+        """Run `tokens` after `_ids` through the model, extending the cache; logits of the last ([vocab])."""
+        x = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)  # [1, n]
+        out = self.model(input_ids=x, past_key_values=self._cache, use_cache=True)
+        self._ids.extend(int(t) for t in tokens)
+        return out.logits[0, -1]  # [vocab]
+
+    def _sync(self, context: Sequence[int]) -> torch.Tensor:
+        """Crop to the common prefix with `context`, feed the rest; logits after the whole context."""
+        if not context:
+            raise ValueError("the draft model needs a non-empty context")
+        keep = min(common_prefix_len(self._ids, context), len(context) - 1)  # feed >= 1 token for logits
+        drop = len(self._ids) - keep
+        if drop:
+            self._cache.crop(-drop)
+            del self._ids[keep:]
+        # where the last accepted draft token's KV is filled in: after an all-accepted round,
+        # context[keep:] is [y_k, bonus] because y_k was sampled but never fed
+        return self._feed(context[keep:])
+
+    def logits_after(self, context: Sequence[int]) -> torch.Tensor:
+        """The draft model's raw logits for the token after `context` ([vocab]); syncs the cache."""
+        return self._sync(context)
+
+    def propose(self, context: Sequence[int], k: int, cfg: SamplingConfig, seed: int) -> DraftBlock:
+        block = DraftBlock(tokens=[], q_probs=[], kind=self.kind, nll=[], entropy_bits=[], margin=[])
+        if k <= 0:
+            return block
+        logits = self._sync(context)  # [vocab]
+        seen = torch.zeros(self.vocab_size, dtype=torch.bool, device=logits.device)  # [vocab]
+        seen[torch.as_tensor(list(context), dtype=torch.long, device=logits.device)] = True
+        for i in range(k):
+            q = process_logits(logits[None], cfg, seen[None])[0].to("cpu", torch.float64)  # [vocab]
+            pos = len(context) + i + 1
+            if cfg.greedy:
+                y = int(q.argmax())
+            else:
+                y = sample_index(q, position_uniform(seed, pos, DRAFT_STREAM))
+            nll, ent, margin = raw_signals(logits, y)
+            block.tokens.append(y)
+            block.q_probs.append(float(q[y]))
+            block.q_full.append(q)
+            assert block.nll is not None and block.entropy_bits is not None and block.margin is not None
+            block.nll.append(nll)
+            block.entropy_bits.append(ent)
+            block.margin.append(margin)
+            seen[y] = True
+            if i + 1 < k:  # y_k is not fed: its KV is filled in by the next _sync
+                logits = self._feed([y])
+        if self.mc_dropout_samples:
+            block.mc_var = self._mc_dropout_variance(context, block.tokens)
+        return block
+
+    @torch.no_grad()
+    def _mc_dropout_variance(self, context: Sequence[int], tokens: Sequence[int]) -> list[float]:
+        """Variance of softmax(logits)(y_i) over dropout passes, one full forward per pass."""
+        ids = list(context) + list(tokens[:-1])
+        x = torch.tensor([ids], dtype=torch.long, device=self.device)  # [1, n]
+        rows = torch.arange(len(context) - 1, len(ids), device=self.device)  # [k]
+        y = torch.as_tensor(list(tokens), dtype=torch.long, device=self.device)  # [k]
+        self.model.train()
+        try:
+            samples = torch.stack([
+                torch.softmax(self.model(input_ids=x).logits[0, rows].float(), -1)[torch.arange(len(y)), y]
+                for _ in range(self.mc_dropout_samples)])  # [passes, k]
+        finally:
+            self.model.eval()
+        return samples.var(0, unbiased=False).tolist()
+
+    def observe(self, context: Sequence[int], draft: Sequence[int], top_k_ids: Sequence[Sequence[int]]) -> None:
+        return None

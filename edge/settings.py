@@ -1,0 +1,123 @@
+"""The edge's one settings class (env prefix SPECSPLIT_EDGE_), validated when built.
+
+Defaults follow the engineering guide: temperature 1.0, top-p 0.9, repetition penalty 1.1, k
+starting at 6 in [3, 12] (+1 when la/k >= 0.8, -1 when la/k <= 0.4), gating off, a 400 ms verify
+timeout with the "commit the first draft token" fallback.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from shared.config import SamplingConfig
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+Mode = Literal["speculative", "edge_only", "cloud_only"]
+
+
+def default_draft() -> str:
+    """models/demo-draft of the repository when it is there, else the n-gram drafter."""
+    demo = REPO_ROOT / "models" / "demo-draft"
+    return str(demo) if demo.is_dir() else "ngram"
+
+
+class EdgeSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SPECSPLIT_EDGE_", extra="forbid")
+
+    # REST base URL of the cloud (used unless grpc_target is set)
+    cloud_url: str = "http://127.0.0.1:8000"
+    # gRPC HOST:PORT; when set, verification goes over gRPC
+    grpc_target: str | None = None
+    # Bearer key sent to the cloud (REST Authorization header, gRPC metadata)
+    api_key: SecretStr | None = None
+    # a Hugging Face causal-LM directory, or "ngram" for the n-gram drafter
+    draft: str = Field(default_factory=default_draft)
+    # tokenizer directory; default: the draft directory, else models/demo-draft / demo-target
+    tokenizer: str | None = None
+    # torch device of the draft model
+    device: str = "cpu"
+    # speculative | edge_only | cloud_only
+    mode: Mode = "speculative"
+
+    # generation budget after the prompt
+    max_new_tokens: int = Field(default=128, ge=0)
+    # shared sampling settings (the session carries them; q and p are processed alike)
+    temperature: float = Field(default=1.0, ge=0)
+    top_p: float = Field(default=0.9, gt=0, le=1)
+    top_k: int = Field(default=0, ge=0)
+    repetition_penalty: float = Field(default=1.1, gt=0)
+    # keys every coin and sample: same seed, same settings -> same text
+    seed: int = Field(default=0, ge=0)
+    # "strict" (exact) or "shortcut" (corrections drawn from p; biased)
+    correction: Literal["strict", "shortcut"] = "strict"
+    # send the draft's sparse q distributions (the cloud draws the residual itself)
+    send_q_dists: bool = False
+    # stop after an end-of-sequence token
+    stop_at_eos: bool = True
+
+    # round control: fixed_k set -> k never changes; else dynamic within [k_min, k_max]
+    fixed_k: int | None = Field(default=None, ge=0)
+    k_start: int = Field(default=6, ge=0)
+    k_min: int = Field(default=3, ge=0)
+    k_max: int = Field(default=12, ge=1)
+    # la/k at or above k_up_at grows k by one; at or below k_down_at shrinks it by one
+    k_up_at: float = 0.8
+    k_down_at: float = 0.4
+
+    # uncertainty gating (off by default): signals of the draft model's raw distribution
+    gating: bool = False
+    # NLL of the drafted token (nats) above this -> hard
+    t_nll: float = 2.3
+    # entropy (bits) above this -> hard
+    t_entropy_bits: float = 2.5
+    # top-1 minus top-2 probability below this -> hard
+    t_margin: float = 0.2
+    # MC-dropout passes (0 = off; only used when the draft model has dropout) and variance threshold
+    mc_dropout_samples: int = Field(default=0, ge=0)
+    t_mc_var: float = 0.01
+    # a block with hard_ratio above this goes to the cloud, else it is committed locally
+    r_hard: float = 0.3
+    # digits, dates and amounts in the detokenized draft always go to the cloud
+    rule_triggers: bool = True
+
+    # verify answers later than this are discarded
+    timeout_ms: float = Field(default=400.0, gt=0)
+    # on such a timeout: commit the first draft token locally (lossy) instead of retrying
+    timeout_fallback: bool = True
+    # timeout of session open / close / model info / cloud_only generation
+    open_timeout_s: float = Field(default=30.0, gt=0)
+    # attempts after 429 / 413 / 5xx / connection errors, exponential backoff between them
+    max_retries: int = Field(default=6, ge=0)
+    backoff_ms: float = Field(default=50.0, ge=0)
+    backoff_max_ms: float = Field(default=2000.0, ge=0)
+
+    # n-gram drafter: longest context (tokens) and target top-k ids added per checked position
+    ngram_order: int = Field(default=4, ge=1)
+    filler_top_k: int = Field(default=0, ge=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> EdgeSettings:
+        if not self.k_min <= self.k_start <= self.k_max:
+            raise ValueError(f"need k_min <= k_start <= k_max, got {self.k_min}, {self.k_start}, {self.k_max}")
+        if self.k_down_at >= self.k_up_at:
+            raise ValueError("k_down_at must be below k_up_at")
+        self.sampling()  # raises on a bad combination
+        return self
+
+    def sampling(self) -> SamplingConfig:
+        return SamplingConfig(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                              repetition_penalty=self.repetition_penalty)
+
+    def tokenizer_dir(self) -> str:
+        if self.tokenizer:
+            return self.tokenizer
+        if self.draft != "ngram":
+            return self.draft
+        for name in ("demo-draft", "demo-target"):
+            if (REPO_ROOT / "models" / name).is_dir():
+                return str(REPO_ROOT / "models" / name)
+        raise ValueError("the n-gram drafter needs --tokenizer DIR (no models/demo-* found)")

@@ -1,0 +1,318 @@
+"""One speculative generation against the cloud: draft, (gate), verify, commit, repeat.
+
+State by position. `S` is the committed context (prompt + every committed token); it only grows.
+`cloud_len` is the length of the prefix of S that the cloud is known to hold. Every verify request
+carries ctx_len = |S|, the hash of S and append_ids = S[cloud_len:], so whatever the cloud missed
+(locally committed tokens, the edge-drawn residual, tokens after a timeout whose late answer was
+discarded) reaches it in the next round, and the cloud's crop to ctx_len - len(append_ids) makes a
+retried request idempotent. Recovery: 429 / 413 / 5xx / connection errors -> back off and resend;
+404 -> reopen with the full S; 409 -> resend from the cloud's expected_ctx_len when that is shorter
+than cloud_len, else reopen. Nothing is committed before an answer is used, so nothing is lost or
+duplicated.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from shared.config import SamplingConfig
+from shared.errors import ContextMismatch, InvalidArgument, NotFound, SpecSplitError
+from shared.hashing import ctx_hash
+from shared.protocol import DraftProposal, OpenSessionRequest, SparseDist, VerifyRequest, VerifyResponse
+from shared.verify import sample_residual
+
+from .drafters.base import DraftBlock, Drafter
+from .gating import GateDecision, GateThresholds, decide
+from .metrics import EdgeMetrics, Origin, RoundRecord
+from .round_control import KController
+from .transport.base import Transport
+from .transport.errors import CloudTimeout, is_retryable
+
+log = logging.getLogger(__name__)
+# no request with a dropped answer is outstanding
+NO_STALE = 1 << 62
+
+
+@dataclass(frozen=True)
+class RecoveryPolicy:
+    # verify answers later than this (seconds) are discarded
+    timeout_s: float = 0.4
+    # on a verify timeout: commit the first draft token locally (True) or resend (False)
+    timeout_fallback: bool = True
+    # deadline of open / close calls (seconds)
+    open_timeout_s: float = 30.0
+    # resends after retryable errors, per call
+    max_retries: int = 6
+    # first backoff and its cap (seconds); doubled per attempt
+    backoff_s: float = 0.05
+    backoff_max_s: float = 2.0
+    # reopen / resync steps allowed in one round before giving up
+    max_recoveries: int = 4
+
+    def backoff(self, attempt: int) -> float:
+        return min(self.backoff_s * 2 ** (attempt - 1), self.backoff_max_s)
+
+
+@dataclass(frozen=True)
+class SessionParams:
+    # shared sampling settings (q and p alike)
+    sampling: SamplingConfig
+    # keys coins and samples
+    seed: int
+    # "strict" | "shortcut"
+    correction: str = "strict"
+    # send the draft's sparse q distributions
+    send_q_dists: bool = False
+
+
+class SpeculativeRun:
+    """The edge side of one session; `step()` runs one round and returns the tokens it committed."""
+
+    def __init__(self, transport: Transport, drafter: Drafter, params: SessionParams, k_ctl: KController,
+                 metrics: EdgeMetrics, policy: RecoveryPolicy, *, gate: GateThresholds | None = None,
+                 rule_triggers: bool = True, detokenize: Callable[[Sequence[int]], str] | None = None,
+                 clock: Callable[[], float] = time.perf_counter, sleep: Callable[[float], None] = time.sleep,
+                 ) -> None:
+        self.transport = transport
+        self.drafter = drafter
+        self.params = params
+        self.k_ctl = k_ctl
+        self.metrics = metrics
+        self.policy = policy
+        self.gate = gate
+        self.rule_triggers = rule_triggers
+        self.detokenize = detokenize or (lambda ids: "")
+        self.clock = clock
+        self.sleep = sleep
+        self.S: list[int] = []
+        self.cloud_len = 0
+        self.ctx_id: str | None = None
+        self.vocab_size = 0
+        self.records: list[RoundRecord] = []
+        self._budget = 0
+        # lowest crop point of a request whose answer was dropped: the cloud's S below it is ours
+        self._stale_floor = NO_STALE
+
+    # -- session --------------------------------------------------------------------------------
+
+    def open(self, prompt_ids: Sequence[int], max_new_tokens: int) -> None:
+        self.S = [int(t) for t in prompt_ids]
+        self._budget = max_new_tokens
+        self.drafter.reset()
+        self._open()
+
+    def _open(self) -> None:
+        """(Re)open with the whole committed S as the prompt."""
+        req = OpenSessionRequest(prompt_ids=list(self.S), sampling_cfg=self.params.sampling, seed=self.params.seed,
+                                 correction=self.params.correction, max_new_tokens=self._budget)
+        info = self._call(lambda: self.transport.open_session(req, self.policy.open_timeout_s), retry_timeouts=True)
+        if info.ctx_len != len(self.S) or info.ctx_hash != ctx_hash(self.S):
+            raise SpecSplitError(f"opened session holds {info.ctx_len} tokens / hash {info.ctx_hash}, "
+                                 f"expected {len(self.S)} / {ctx_hash(self.S)}")
+        self.ctx_id, self.cloud_len, self.vocab_size = info.ctx_id, info.ctx_len, info.vocab_size
+        self._stale_floor = NO_STALE
+
+    def close(self) -> None:
+        if self.ctx_id is None:
+            return
+        ctx_id, self.ctx_id = self.ctx_id, None
+        try:
+            self.metrics.cloud_calls += 1
+            self.transport.close_session(ctx_id, self.policy.open_timeout_s)
+        except SpecSplitError as e:  # best effort: the cloud expires idle sessions anyway
+            log.info("closing session %s failed: %s", ctx_id, e)
+
+    def _call(self, fn: Callable[[], object], retry_timeouts: bool = False):  # type: ignore[no-untyped-def]
+        """fn() with backoff on retryable errors (and on timeouts when asked)."""
+        attempt = 0
+        while True:
+            self.metrics.cloud_calls += 1
+            try:
+                return fn()
+            except SpecSplitError as e:
+                retry = is_retryable(e) or (retry_timeouts and isinstance(e, CloudTimeout))
+                if not retry or attempt >= self.policy.max_retries:
+                    raise
+                attempt += 1
+                self.metrics.retries += 1
+                log.info("retrying after %s (attempt %d)", e.code, attempt)
+                self.sleep(self.policy.backoff(attempt))
+
+    # -- one round ------------------------------------------------------------------------------
+
+    def step(self, remaining: int, max_context: int | None = None) -> list[tuple[int, Origin]]:
+        """One round; `remaining` is the token budget left. Returns the committed (token, origin) pairs."""
+        k = max(0, min(self.k_ctl.k, remaining - 1))
+        if max_context:
+            k = max(0, min(k, max_context - len(self.S) - 1))
+        t0 = self.clock()
+        block = self.drafter.propose(self.S, k, self.params.sampling, self.params.seed)
+        edge_ms = (self.clock() - t0) * 1000
+        self.metrics.edge_time_ms += edge_ms
+        decision = None
+        if self.gate is not None and block.k > 0:
+            decision = decide(block, self.detokenize(block.tokens), self.gate, self.rule_triggers)
+            if not decision.to_cloud:
+                return self._commit_local(block, block.tokens, "gate", edge_ms, decision)
+        up, down = self.transport.traffic.bytes_up, self.transport.traffic.bytes_down
+        t1 = self.clock()
+        calls_before = self.metrics.cloud_calls
+        resp = self._verify(block, decision)
+        rtt_ms = (self.clock() - t1) * 1000
+        self.metrics.rtt_ms += rtt_ms
+        traffic = (self.transport.traffic.bytes_up - up, self.transport.traffic.bytes_down - down)
+        extra_calls = self.metrics.cloud_calls - calls_before - 1
+        if resp is None:  # late answer discarded: keep going with the first draft token, unverified
+            return self._commit_local(block, block.tokens[:1], "timeout", edge_ms, decision, rtt_ms, traffic,
+                                      extra_calls)
+        return self._commit_verified(block, resp, edge_ms, rtt_ms, traffic, decision, extra_calls)
+
+    def _request(self, block: DraftBlock, decision: GateDecision | None) -> VerifyRequest:
+        q_dists = None
+        if self.params.send_q_dists and block.kind == "sampled" and block.k > 0:
+            q_dists = []
+            for q in block.q_full:
+                ids = q.nonzero().squeeze(-1)  # [m] support of q_i
+                q_dists.append(SparseDist(ids.tolist(), q[ids].tolist()))
+        assert self.ctx_id is not None
+        return VerifyRequest(
+            ctx_id=self.ctx_id, ctx_len=len(self.S), ctx_hash=ctx_hash(self.S), append_ids=self.S[self.cloud_len:],
+            draft=DraftProposal(draft_tokens=list(block.tokens), q_token_probs=list(block.q_probs),
+                                draft_kind=block.kind, q_dists=q_dists,
+                                hard_mask=None if decision is None else decision.hard_mask),
+            return_top_k=self.drafter.wants_top_k, request_id=uuid.uuid4().hex[:16])
+
+    def _verify(self, block: DraftBlock, decision: GateDecision | None) -> VerifyResponse | None:
+        """Send the round until an answer can be used; None after a timeout with fallback."""
+        attempt = recoveries = 0
+        while True:
+            if self.ctx_id is None:
+                self._recover(recoveries := recoveries + 1, "reopen")
+            req = self._request(block, decision)
+            self.metrics.cloud_calls += 1
+            try:
+                resp = self.transport.verify(req, self.policy.timeout_s)
+            except CloudTimeout:
+                self.metrics.timeouts += 1
+                # the cloud may still apply it: it crops to this point, so below it nothing changes
+                self._stale_floor = min(self._stale_floor, self.cloud_len)
+                if self.policy.timeout_fallback and block.k > 0:
+                    return None
+                attempt = self._backoff_or_raise(attempt, CloudTimeout("verify timed out, retries exhausted"))
+                continue
+            except NotFound:
+                self.ctx_id = None
+                continue
+            except ContextMismatch as e:
+                expected = e.details.get("expected_ctx_len")
+                back_to = min(expected if isinstance(expected, int) else -1, self._stale_floor)
+                if 0 <= back_to < self.cloud_len:
+                    self._recover(recoveries := recoveries + 1, "resync")
+                    self.cloud_len = back_to
+                else:
+                    self.ctx_id = None
+                continue
+            except SpecSplitError as e:
+                if not is_retryable(e):
+                    raise
+                attempt = self._backoff_or_raise(attempt, e)
+                continue
+            self._check_answer(block, resp)
+            return resp
+
+    def _recover(self, n: int, what: str) -> None:
+        if n > self.policy.max_recoveries:
+            raise SpecSplitError(f"could not resynchronise with the cloud after {n - 1} attempts")
+        if what == "reopen":
+            self.metrics.reopens += 1
+            log.info("reopening the session with the full context (%d tokens)", len(self.S))
+            self._open()
+        else:
+            self.metrics.resyncs += 1
+
+    def _backoff_or_raise(self, attempt: int, err: SpecSplitError) -> int:
+        if attempt >= self.policy.max_retries:
+            raise err
+        self.metrics.retries += 1
+        self.sleep(self.policy.backoff(attempt + 1))
+        return attempt + 1
+
+    def _check_answer(self, block: DraftBlock, resp: VerifyResponse) -> None:
+        la, kind = resp.accepted_len, resp.next_kind
+        if kind == "bonus":
+            ok = la == block.k and resp.correction is not None
+        elif kind == "correction":
+            ok = 0 <= la < block.k and resp.correction is not None
+        elif kind == "residual":
+            ok = 0 <= la < block.k and resp.target_dist is not None and len(block.q_full) > la
+        else:
+            ok = False
+        if not ok:
+            raise SpecSplitError(f"verify answer out of contract: accepted_len={la}, k={block.k}, "
+                                 f"next_kind={kind!r}, correction={resp.correction!r}")
+
+    # -- commits --------------------------------------------------------------------------------
+
+    def _commit_verified(self, block: DraftBlock, resp: VerifyResponse, edge_ms: float, rtt_ms: float,
+                         traffic: tuple[int, int], decision: GateDecision | None,
+                         extra_calls: int) -> list[tuple[int, Origin]]:
+        la, n_before = resp.accepted_len, len(self.S)
+        out: list[tuple[int, Origin]] = [(t, "accepted") for t in block.tokens[:la]]
+        if resp.next_kind == "residual":
+            assert resp.target_dist is not None
+            tok = sample_residual(resp.target_dist.ids, resp.target_dist.probs, block.q_full[la],
+                                  self.params.seed, position=n_before + la + 1)
+            out.append((tok, "residual"))
+        else:
+            assert resp.correction is not None
+            out.append((int(resp.correction), "bonus" if resp.next_kind == "bonus" else "correction"))
+        self.S.extend(t for t, _ in out)
+        if 0 <= resp.ctx_len <= len(self.S) and resp.ctx_hash == ctx_hash(self.S[:resp.ctx_len]):
+            self.cloud_len = resp.ctx_len  # the residual (if any) goes as append_ids next round
+        else:
+            log.warning("cloud context %d/%s disagrees with ours after the round: reopening next round",
+                        resp.ctx_len, resp.ctx_hash)
+            self.ctx_id = None
+        if resp.top_k_ids:
+            self.drafter.observe(self.S[:n_before], block.tokens, resp.top_k_ids)
+        m = self.metrics
+        m.verify_calls += 1
+        m.drafted += block.k
+        m.accepted += la
+        m.cloud_prefill_ms += resp.metrics.prefill_ms
+        m.record_positions(block.k, la)
+        self.k_ctl.update(block.k, la)
+        self._record(block.k, la, resp.next_kind, "cloud", len(out), edge_ms, rtt_ms, traffic, decision,
+                     alpha=resp.metrics.alpha_mean, prefill=resp.metrics.prefill_ms, extra_calls=extra_calls)
+        return out
+
+    def _commit_local(self, block: DraftBlock, tokens: list[int], why: str, edge_ms: float,
+                      decision: GateDecision | None, rtt_ms: float = 0.0, traffic: tuple[int, int] = (0, 0),
+                      extra_calls: int = 0) -> list[tuple[int, Origin]]:
+        self.S.extend(tokens)
+        self.metrics.local_commits += len(tokens)
+        self.metrics.gated_rounds += int(why == "gate")
+        self._record(block.k, len(tokens), "local", why, len(tokens), edge_ms, rtt_ms, traffic, decision,
+                     extra_calls=extra_calls)
+        return [(t, "local") for t in tokens]
+
+    def _record(self, k: int, la: int, next_kind: str, decided_by: str, committed: int, edge_ms: float,
+                rtt_ms: float, traffic: tuple[int, int], decision: GateDecision | None, *, alpha: float = 0.0,
+                prefill: float = 0.0, extra_calls: int = 0) -> None:
+        self.metrics.rounds += 1
+        self.records.append(RoundRecord(
+            index=len(self.records), k=k, accepted_len=la, next_kind=next_kind, decided_by=decided_by,
+            committed=committed, la_over_k=la / k if k else 0.0, alpha_mean=alpha, edge_time_ms=edge_ms,
+            cloud_prefill_ms=prefill, rtt_ms=rtt_ms, A_cum=self.metrics.acceptance_rate, bytes_up=traffic[0],
+            bytes_down=traffic[1], hard_ratio=None if decision is None else decision.hard_ratio,
+            triggered=False if decision is None else decision.triggered, extra_calls=max(0, extra_calls)))
+
+
+def check_vocab(drafter_vocab: int | None, target_vocab: int) -> None:
+    """The draft and target must share the tokenizer: at least the same vocabulary size."""
+    if drafter_vocab is not None and target_vocab and drafter_vocab != target_vocab:
+        raise InvalidArgument(f"draft vocabulary ({drafter_vocab}) differs from the target's ({target_vocab})")

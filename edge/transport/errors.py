@@ -1,0 +1,108 @@
+"""Error statuses back to the project's error types: the one place for REST and gRPC alike."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import grpc
+
+from shared.errors import (
+    ERRORS_BY_STATUS,
+    ContextMismatch,
+    InvalidArgument,
+    NotFound,
+    PayloadTooLarge,
+    PermissionDenied,
+    ResourceExhausted,
+    SpecSplitError,
+    Unauthenticated,
+)
+
+
+class CloudTimeout(SpecSplitError):
+    """No answer within the deadline; the request may still have been applied by the cloud."""
+
+    code, http_status = "deadline_exceeded", 504
+
+
+class CloudUnavailable(SpecSplitError):
+    """Connection refused / reset, 5xx, or an unreadable answer: back off and retry."""
+
+    code, http_status = "unavailable", 503
+
+
+_BY_GRPC: dict[grpc.StatusCode, type[SpecSplitError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
+    grpc.StatusCode.NOT_FOUND: NotFound,
+    grpc.StatusCode.FAILED_PRECONDITION: ContextMismatch,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
+    grpc.StatusCode.DEADLINE_EXCEEDED: CloudTimeout,
+    grpc.StatusCode.UNAVAILABLE: CloudUnavailable,
+    grpc.StatusCode.INTERNAL: CloudUnavailable,
+    grpc.StatusCode.UNKNOWN: CloudUnavailable,
+    grpc.StatusCode.ABORTED: CloudUnavailable,
+}
+_EXPECTED = re.compile(r"expected_ctx_len\D{0,4}(\d+)")
+
+
+def _build(cls: type[SpecSplitError], message: str, details: dict[str, Any]) -> SpecSplitError:
+    details = {k: v for k, v in details.items() if k not in ("code", "message")}
+    if cls is ContextMismatch and "expected_ctx_len" not in details:
+        m = _EXPECTED.search(message)
+        if m:
+            details["expected_ctx_len"] = int(m.group(1))
+    return cls(message, **details)
+
+
+def error_from_http(status: int, body: bytes) -> SpecSplitError:
+    """A REST error answer -> the project's exception; the body is `{"error": {...}}` when well formed."""
+    err: dict[str, Any] = {}
+    try:
+        parsed = json.loads(body)
+        if isinstance(parsed, dict) and isinstance(parsed.get("error"), dict):
+            err = parsed["error"]
+        elif isinstance(parsed, dict) and "detail" in parsed:  # framework-level validation errors
+            err = {"message": json.dumps(parsed["detail"])[:500]}
+    except ValueError:
+        err = {"message": body[:200].decode("utf-8", "replace")}
+    message = str(err.get("message") or f"HTTP {status}")
+    cls = ERRORS_BY_STATUS.get(status)
+    if cls is None:
+        cls = CloudUnavailable if status >= 500 else SpecSplitError
+    if status == 422 or status == 400:
+        cls = InvalidArgument
+    return _build(cls, message, err)
+
+
+def error_from_grpc(code: grpc.StatusCode, message: str,
+                    trailing: tuple[tuple[str, str | bytes], ...] = ()) -> SpecSplitError:
+    """A gRPC status -> the project's exception. Details come as a JSON error body in the message or as
+    trailing metadata (e.g. `expected_ctx_len`)."""
+    details: dict[str, Any] = {}
+    text = message or ""
+    try:
+        parsed = json.loads(text)
+        if isinstance(parsed, dict):
+            err = parsed.get("error", parsed)
+            if isinstance(err, dict):
+                details = dict(err)
+                text = str(err.get("message", text))
+    except ValueError:
+        pass
+    for key, value in trailing or ():
+        if key == "expected_ctx_len":
+            details["expected_ctx_len"] = int(value)
+    cls = _BY_GRPC.get(code, CloudUnavailable)
+    if cls is ResourceExhausted and (details.get("code") == PayloadTooLarge.code or "too large" in text):
+        cls = PayloadTooLarge
+    return _build(cls, text or code.name, details)
+
+
+def is_retryable(err: SpecSplitError) -> bool:
+    """Back off and send again: capacity, size limits (per PROTOCOL.md), 5xx and connection errors."""
+    return isinstance(err, (ResourceExhausted, PayloadTooLarge, CloudUnavailable)) or (
+        err.http_status >= 500 and not isinstance(err, CloudTimeout))

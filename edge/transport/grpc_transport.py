@@ -1,0 +1,102 @@
+"""gRPC transport (stubs from shared.pb): protobuf <-> shared dataclasses, in one place."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from shared.config import SamplingConfig
+from shared.pb import verify_pb2 as pb
+from shared.pb import verify_pb2_grpc as pb_grpc
+from shared.protocol import (
+    OpenSessionRequest,
+    RoundMetrics,
+    SessionInfo,
+    SparseDist,
+    VerifyRequest,
+    VerifyResponse,
+)
+
+from .base import GenerateResult, ModelInfo, Traffic
+from .errors import CloudUnavailable, error_from_grpc
+
+
+def verify_request_to_pb(req: VerifyRequest) -> pb.VerifyRequest:
+    d = req.draft
+    return pb.VerifyRequest(
+        ctx_id=req.ctx_id, ctx_len=req.ctx_len, ctx_hash=req.ctx_hash, append_ids=req.append_ids,
+        draft_tokens=d.draft_tokens, q_token_probs=d.q_token_probs,
+        q_dists=[pb.SparseDist(ids=q.ids, probs=q.probs) for q in d.q_dists or []],
+        draft_kind=d.draft_kind, hard_mask=d.hard_mask or [], k=req.k, return_top_k=req.return_top_k,
+        request_id=req.request_id)
+
+
+def verify_response_from_pb(m: pb.VerifyResponse) -> VerifyResponse:
+    return VerifyResponse(
+        accepted_len=m.accepted_len, correction=m.correction if m.HasField("correction") else None,
+        next_kind=m.next_kind,
+        target_dist=SparseDist(list(m.target_dist.ids), list(m.target_dist.probs)) if m.HasField("target_dist") else None,
+        ctx_len=m.ctx_len, ctx_hash=m.ctx_hash, top_k_ids=[list(row.ids) for row in m.top_k_ids],
+        metrics=RoundMetrics(alpha_mean=m.metrics.alpha_mean, la_over_k=m.metrics.la_over_k,
+                             prefill_ms=m.metrics.prefill_ms, queue_ms=m.metrics.queue_ms))
+
+
+def session_from_pb(m: pb.SessionInfo) -> SessionInfo:
+    counters = json.loads(m.counters_json) if m.counters_json else {}
+    return SessionInfo(ctx_id=m.ctx_id, ctx_len=m.ctx_len, ctx_hash=m.ctx_hash, vocab_size=m.vocab_size,
+                       counters=counters)
+
+
+class GrpcTransport:
+    supports_generate = False
+
+    def __init__(self, target: str, api_key: str | None = None) -> None:
+        self._channel = grpc.insecure_channel(target)
+        self._stub = pb_grpc.VerifierStub(self._channel)
+        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+        self.traffic = Traffic()
+
+    def _call(self, rpc: Callable[..., Any], request: Any, timeout: float) -> Any:
+        self.traffic.calls += 1
+        self.traffic.bytes_up += request.ByteSize()
+        try:
+            reply = rpc(request, timeout=timeout, metadata=self._metadata)
+        except grpc.RpcError as e:
+            code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
+            details = e.details() if hasattr(e, "details") else str(e)
+            trailing = e.trailing_metadata() if hasattr(e, "trailing_metadata") else ()
+            raise error_from_grpc(code, details or "", tuple(trailing or ())) from None
+        self.traffic.bytes_down += reply.ByteSize()
+        return reply
+
+    def open_session(self, req: OpenSessionRequest, timeout: float) -> SessionInfo:
+        c = req.sampling_cfg
+        msg = pb.OpenSessionRequest(
+            prompt_ids=req.prompt_ids, seed=req.seed, correction=req.correction, max_new_tokens=req.max_new_tokens,
+            sampling_cfg=pb.SamplingConfig(temperature=c.temperature, top_p=c.top_p, top_k=c.top_k,
+                                           repetition_penalty=c.repetition_penalty))
+        return session_from_pb(self._call(self._stub.OpenSession, msg, timeout))
+
+    def verify(self, req: VerifyRequest, timeout: float) -> VerifyResponse:
+        return verify_response_from_pb(self._call(self._stub.Verify, verify_request_to_pb(req), timeout))
+
+    def get_session(self, ctx_id: str, timeout: float) -> SessionInfo:
+        return session_from_pb(self._call(self._stub.GetSession, pb.GetSessionRequest(ctx_id=ctx_id), timeout))
+
+    def close_session(self, ctx_id: str, timeout: float) -> None:
+        self._call(self._stub.CloseSession, pb.CloseSessionRequest(ctx_id=ctx_id), timeout)
+
+    def get_model(self, timeout: float) -> ModelInfo:
+        m = self._call(self._stub.GetModel, pb.GetModelRequest(), timeout)
+        return ModelInfo(model_id=m.model_id, vocab_size=m.vocab_size, eos_ids=list(m.eos_ids),
+                         max_context=m.max_context, dtype=m.dtype, device=m.device)
+
+    def generate(self, prompt_ids: list[int], cfg: SamplingConfig, seed: int, max_new_tokens: int,
+                 timeout: float) -> GenerateResult:
+        raise CloudUnavailable("the gRPC service has no target-only generate call")
+
+    def close(self) -> None:
+        self._channel.close()

@@ -1,0 +1,118 @@
+"""REST transport (httpx, one keep-alive connection pool): PROTOCOL.md JSON <-> shared dataclasses."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+
+from shared.config import SamplingConfig
+from shared.protocol import (
+    OpenSessionRequest,
+    RoundMetrics,
+    SessionInfo,
+    SparseDist,
+    VerifyRequest,
+    VerifyResponse,
+)
+
+from .base import GenerateResult, ModelInfo, Traffic
+from .errors import CloudTimeout, CloudUnavailable, error_from_http
+
+
+def verify_request_json(req: VerifyRequest) -> dict[str, Any]:
+    d = req.draft
+    return {
+        "ctx_id": req.ctx_id, "ctx_len": req.ctx_len, "ctx_hash": req.ctx_hash, "append_ids": req.append_ids,
+        "draft_tokens": d.draft_tokens, "q_token_probs": d.q_token_probs,
+        "q_dists": None if d.q_dists is None else [{"ids": q.ids, "probs": q.probs} for q in d.q_dists],
+        "draft_kind": d.draft_kind, "hard_mask": d.hard_mask, "k": req.k,
+        "return_top_k": req.return_top_k, "request_id": req.request_id,
+    }
+
+
+def verify_response_from_json(d: dict[str, Any]) -> VerifyResponse:
+    dist = d.get("target_dist")
+    m = d.get("metrics") or {}
+    return VerifyResponse(
+        accepted_len=int(d["accepted_len"]),
+        correction=None if d.get("correction") is None else int(d["correction"]),
+        next_kind=str(d["next_kind"]),
+        target_dist=None if dist is None else SparseDist([int(i) for i in dist["ids"]], [float(p) for p in dist["probs"]]),
+        ctx_len=int(d["ctx_len"]), ctx_hash=str(d["ctx_hash"]),
+        top_k_ids=[[int(i) for i in row] for row in d.get("top_k_ids") or []],
+        metrics=RoundMetrics(**{k: float(m[k]) for k in ("alpha_mean", "la_over_k", "prefill_ms", "queue_ms")
+                                if k in m}),
+    )
+
+
+def session_from_json(d: dict[str, Any]) -> SessionInfo:
+    return SessionInfo(ctx_id=str(d["ctx_id"]), ctx_len=int(d["ctx_len"]), ctx_hash=str(d["ctx_hash"]),
+                       vocab_size=int(d.get("vocab_size", 0)), counters=dict(d.get("counters") or {}))
+
+
+class RestTransport:
+    supports_generate = True
+
+    def __init__(self, base_url: str, api_key: str | None = None) -> None:
+        headers = {"content-type": "application/json"}
+        if api_key:
+            headers["authorization"] = f"Bearer {api_key}"
+        self._http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers)
+        self.traffic = Traffic()
+
+    def _call(self, method: str, path: str, body: dict[str, Any] | None, timeout: float) -> dict[str, Any]:
+        content = b"" if body is None else json.dumps(body, separators=(",", ":")).encode()
+        self.traffic.calls += 1
+        self.traffic.bytes_up += len(content)
+        try:
+            r = self._http.request(method, path, content=content or None, timeout=timeout)
+        except httpx.TimeoutException as e:
+            raise CloudTimeout(f"{method} {path}: no answer within {timeout:.3f} s") from e
+        except httpx.TransportError as e:
+            raise CloudUnavailable(f"{method} {path}: {type(e).__name__}: {e}") from e
+        self.traffic.bytes_down += len(r.content)
+        if r.status_code >= 400:
+            raise error_from_http(r.status_code, r.content)
+        try:
+            out = r.json() if r.content else {}
+        except ValueError as e:
+            raise CloudUnavailable(f"{method} {path}: unreadable answer") from e
+        if not isinstance(out, dict):
+            raise CloudUnavailable(f"{method} {path}: answer is not a JSON object")
+        return out
+
+    def open_session(self, req: OpenSessionRequest, timeout: float) -> SessionInfo:
+        body = {"prompt_ids": req.prompt_ids, "sampling_cfg": req.sampling_cfg.to_dict(), "seed": req.seed,
+                "correction": req.correction, "max_new_tokens": req.max_new_tokens}
+        return session_from_json(self._call("POST", "/v1/sessions", body, timeout))
+
+    def verify(self, req: VerifyRequest, timeout: float) -> VerifyResponse:
+        d = self._call("POST", "/v1/verify", verify_request_json(req), timeout)
+        try:
+            return verify_response_from_json(d)
+        except (KeyError, TypeError, ValueError) as e:
+            raise CloudUnavailable(f"malformed verify answer: {e!r}") from e
+
+    def get_session(self, ctx_id: str, timeout: float) -> SessionInfo:
+        return session_from_json(self._call("GET", f"/v1/sessions/{ctx_id}", None, timeout))
+
+    def close_session(self, ctx_id: str, timeout: float) -> None:
+        self._call("DELETE", f"/v1/sessions/{ctx_id}", None, timeout)
+
+    def get_model(self, timeout: float) -> ModelInfo:
+        d = self._call("GET", "/v1/model", None, timeout)
+        return ModelInfo(model_id=str(d.get("model_id", "")), vocab_size=int(d["vocab_size"]),
+                         eos_ids=[int(i) for i in d.get("eos_ids") or []], max_context=int(d.get("max_context") or 0),
+                         dtype=str(d.get("dtype", "")), device=str(d.get("device", "")))
+
+    def generate(self, prompt_ids: list[int], cfg: SamplingConfig, seed: int, max_new_tokens: int,
+                 timeout: float) -> GenerateResult:
+        body = {"prompt_ids": prompt_ids, "sampling_cfg": cfg.to_dict(), "seed": seed,
+                "max_new_tokens": max_new_tokens}
+        d = self._call("POST", "/v1/generate", body, timeout)
+        return GenerateResult([int(t) for t in d["token_ids"]], dict(d.get("metrics") or {}))
+
+    def close(self) -> None:
+        self._http.close()

@@ -1,0 +1,176 @@
+"""An in-process cloud for edge unit tests: PROTOCOL.md's verify semantics on a local target model.
+
+It implements the edge's Transport interface directly (no sockets) with the shared verify rule, so
+the client's round logic, recovery and bookkeeping can be tested fast and deterministically.
+Faults are scripted per method: `fail(method, error, times, apply_first=False)`; with apply_first
+the request is applied before the error is raised (a lost or late answer).
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from edge.transport.base import GenerateResult, ModelInfo, Traffic
+from shared.config import SamplingConfig
+from shared.errors import ContextMismatch, InvalidArgument, NotFound, SpecSplitError
+from shared.hashing import ctx_hash
+from shared.protocol import (
+    OpenSessionRequest,
+    RoundMetrics,
+    SessionInfo,
+    SparseDist,
+    VerifyRequest,
+    VerifyResponse,
+)
+from shared.rng import SAMPLE, position_uniform, sample_index
+from shared.sampling import processed_probs
+from shared.verify import dense_from_sparse, verify_round
+
+
+@dataclass
+class _Session:
+    ids: list[int]
+    cfg: SamplingConfig
+    seed: int
+    correction: str
+
+
+@dataclass
+class _Fault:
+    error: SpecSplitError
+    times: int
+    apply_first: bool
+
+
+@dataclass
+class FakeCloud:
+    model_dir: Path
+    eos_ids: list[int] = field(default_factory=list)
+    sessions: dict[str, _Session] = field(default_factory=dict)
+    calls: list[str] = field(default_factory=list)
+    requests: list[VerifyRequest] = field(default_factory=list)
+    supports_generate: bool = True
+
+    def __post_init__(self) -> None:
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir).eval()
+        self.vocab = int(self.model.get_output_embeddings().out_features)
+        self.max_context = int(self.model.config.n_positions)
+        self.traffic = Traffic()
+        self._faults: dict[str, list[_Fault]] = {}
+
+    # -- scripting ------------------------------------------------------------------------------
+
+    def fail(self, method: str, error: SpecSplitError, times: int = 1, apply_first: bool = False) -> None:
+        self._faults.setdefault(method, []).append(_Fault(error, times, apply_first))
+
+    def evict_all(self) -> None:
+        self.sessions.clear()
+
+    def _fault(self, method: str) -> _Fault | None:
+        queue = self._faults.get(method) or []
+        if not queue:
+            return None
+        f = queue[0]
+        f.times -= 1
+        if f.times <= 0:
+            queue.pop(0)
+        return f
+
+    def _enter(self, method: str) -> _Fault | None:
+        self.calls.append(method)
+        self.traffic.calls += 1
+        self.traffic.bytes_up += 10
+        self.traffic.bytes_down += 10
+        f = self._fault(method)
+        if f is not None and not f.apply_first:
+            raise f.error
+        return f
+
+    # -- model ----------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def logits(self, ids: list[int], n_last: int) -> torch.Tensor:
+        x = torch.tensor([ids], dtype=torch.long)  # [1, n]
+        return self.model(input_ids=x).logits[0, -n_last:]  # [n_last, vocab]
+
+    # -- Transport ------------------------------------------------------------------------------
+
+    def open_session(self, req: OpenSessionRequest, timeout: float) -> SessionInfo:
+        f = self._enter("open")
+        ctx_id = uuid.uuid4().hex
+        self.sessions[ctx_id] = _Session(list(req.prompt_ids), req.sampling_cfg, req.seed, req.correction)
+        if f is not None:
+            raise f.error
+        return SessionInfo(ctx_id, len(req.prompt_ids), ctx_hash(req.prompt_ids), self.vocab)
+
+    def verify(self, req: VerifyRequest, timeout: float) -> VerifyResponse:
+        f = self._enter("verify")
+        self.requests.append(req)
+        s = self.sessions.get(req.ctx_id)
+        if s is None:
+            raise NotFound(f"no session {req.ctx_id}")
+        base = req.ctx_len - len(req.append_ids)
+        if base < 0 or base > len(s.ids):
+            raise ContextMismatch("ctx_len disagrees", expected_ctx_len=len(s.ids))
+        new = s.ids[:base] + list(req.append_ids)
+        if ctx_hash(new) != req.ctx_hash:
+            raise ContextMismatch("ctx_hash disagrees", expected_ctx_len=len(s.ids))
+        d = req.draft
+        if req.k > 12:
+            raise InvalidArgument("k too large")
+        k = len(d.draft_tokens)
+        p = processed_probs(self.logits(new + d.draft_tokens, k + 1), s.cfg, new, d.draft_tokens)  # [k + 1, vocab]
+        q_dists = None
+        if d.q_dists:
+            q_dists = torch.stack([dense_from_sparse(q.ids, q.probs, self.vocab) for q in d.q_dists])  # [k, vocab]
+        out = verify_round(p, d.draft_tokens, d.q_token_probs, seed=s.seed, ctx_len=req.ctx_len,
+                           greedy=s.cfg.greedy, correction=s.correction,  # type: ignore[arg-type]
+                           draft_kind=d.draft_kind, q_dists=q_dists)  # type: ignore[arg-type]
+        s.ids = new + d.draft_tokens[:out.accepted_len] + ([out.next_token] if out.next_token is not None else [])
+        top = [torch.topk(p[i], req.return_top_k).indices.tolist() for i in range(out.accepted_len + 1)] \
+            if req.return_top_k else []
+        dist = None
+        if out.target_ids is not None and out.target_probs is not None:
+            dist = SparseDist(out.target_ids.tolist(), out.target_probs.tolist())
+        resp = VerifyResponse(out.accepted_len, out.next_token, out.next_kind, dist, len(s.ids), ctx_hash(s.ids),
+                              top, RoundMetrics(alpha_mean=sum(out.alphas) / k if k else 0.0,
+                                                la_over_k=out.accepted_len / k if k else 0.0))
+        if f is not None:
+            raise f.error
+        return resp
+
+    def get_session(self, ctx_id: str, timeout: float) -> SessionInfo:
+        self._enter("get")
+        s = self.sessions.get(ctx_id)
+        if s is None:
+            raise NotFound(ctx_id)
+        return SessionInfo(ctx_id, len(s.ids), ctx_hash(s.ids), self.vocab)
+
+    def close_session(self, ctx_id: str, timeout: float) -> None:
+        self._enter("close")
+        self.sessions.pop(ctx_id, None)
+
+    def get_model(self, timeout: float) -> ModelInfo:
+        self._enter("model")
+        return ModelInfo("fake", self.vocab, list(self.eos_ids), self.max_context)
+
+    def generate(self, prompt_ids: list[int], cfg: SamplingConfig, seed: int, max_new_tokens: int,
+                 timeout: float) -> GenerateResult:
+        self._enter("generate")
+        ids, out = list(prompt_ids), []
+        for _ in range(max_new_tokens):
+            p = processed_probs(self.logits(ids, 1), cfg, ids)[0]  # [vocab]
+            tok = int(p.argmax()) if cfg.greedy else sample_index(p, position_uniform(seed, len(ids) + 1, SAMPLE))
+            ids.append(tok)
+            out.append(tok)
+            if tok in self.eos_ids:
+                break
+        return GenerateResult(out)
+
+    def close(self) -> None:
+        return None

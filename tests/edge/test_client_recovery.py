@@ -1,0 +1,214 @@
+"""Recovery on an in-process cloud: timeouts, retries with backoff, reopen on 404, resync on 409, gating.
+
+Greedy runs with a fault must give exactly the no-fault text: nothing lost, nothing duplicated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+
+from edge.drafters.base import DraftBlock
+from edge.transport.errors import CloudTimeout, CloudUnavailable
+from shared.config import SamplingConfig
+from shared.errors import ContextMismatch, InvalidArgument, NotFound, ResourceExhausted, Unauthenticated
+from shared.hashing import ctx_hash
+from tests.edge.fake_cloud import FakeCloud
+
+PROMPT = "for i in range(10):\n    print(i)\nfor i in range("
+N = 24
+
+
+def reference(make_client, **kw) -> list[int]:  # type: ignore[no-untyped-def]
+    client, _ = make_client(temperature=0, max_new_tokens=N, **kw)
+    return client.generate(PROMPT).token_ids
+
+
+def requests_are_consistent(cloud: FakeCloud, prompt_ids: list[int], out: list[int]) -> None:
+    S = prompt_ids + out
+    for req in cloud.requests:
+        assert req.ctx_len <= len(S) and req.ctx_hash == ctx_hash(S[:req.ctx_len])
+        assert req.append_ids == S[req.ctx_len - len(req.append_ids):req.ctx_len]
+
+
+def test_late_answer_commits_the_first_draft_token_locally_and_realigns(make_client, fake_cloud: FakeCloud) -> None:
+    client, _ = make_client(temperature=0, max_new_tokens=N)
+    fake_cloud.fail("verify", CloudTimeout("late"), times=1, apply_first=True)  # applied, answer dropped
+    r = client.generate(PROMPT)
+    m = r.metrics
+    assert m.timeouts == 1 and m.local_commits == 1 and m.reopens == 0 and m.resyncs == 0
+    assert r.tokens[0].origin == "local" and r.rounds[0].decided_by == "timeout"
+    assert r.tokens[0].token_id == fake_cloud.requests[0].draft.draft_tokens[0]
+    second = fake_cloud.requests[1]  # realigns: crops back to the prompt and appends the local token
+    assert second.ctx_len - len(second.append_ids) == len(r.prompt_ids)
+    assert second.append_ids == [r.tokens[0].token_id]
+    assert len(r.token_ids) == N
+    requests_are_consistent(fake_cloud, r.prompt_ids, r.token_ids)
+
+
+def test_timeout_without_fallback_resends_and_loses_nothing(make_client, fake_cloud: FakeCloud) -> None:
+    ref = reference(make_client)
+    client, clock = make_client(temperature=0, max_new_tokens=N, timeout_fallback=False)
+    fake_cloud.fail("verify", CloudTimeout("late"), times=2, apply_first=True)
+    r = client.generate(PROMPT)
+    assert r.token_ids == ref
+    assert r.metrics.timeouts == 2 and r.metrics.retries == 2 and r.metrics.local_commits == 0
+    assert clock.sleeps == [0.05, 0.1]
+
+
+@pytest.mark.parametrize("error", [ResourceExhausted("busy"), CloudUnavailable("reset"), CloudUnavailable("500")])
+def test_retryable_errors_back_off_exponentially(make_client, fake_cloud: FakeCloud, error) -> None:  # type: ignore[no-untyped-def]
+    ref = reference(make_client)
+    client, clock = make_client(temperature=0, max_new_tokens=N, backoff_ms=10, backoff_max_ms=30)
+    fake_cloud.fail("verify", error, times=4)
+    r = client.generate(PROMPT)
+    assert r.token_ids == ref and r.metrics.retries == 4
+    assert clock.sleeps == pytest.approx([0.01, 0.02, 0.03, 0.03])
+
+
+def test_answer_lost_after_the_cloud_applied_it_is_resent_idempotently(make_client, fake_cloud: FakeCloud) -> None:
+    ref = reference(make_client)
+    client, _ = make_client(temperature=0, max_new_tokens=N)
+    fake_cloud.fail("verify", CloudUnavailable("connection reset"), times=1, apply_first=True)
+    assert client.generate(PROMPT).token_ids == ref
+
+
+def test_retries_are_bounded(make_client, fake_cloud: FakeCloud) -> None:
+    client, clock = make_client(temperature=0, max_new_tokens=N, max_retries=2)
+    fake_cloud.fail("verify", ResourceExhausted("busy"), times=3)
+    with pytest.raises(ResourceExhausted):
+        client.generate(PROMPT)
+    assert len(clock.sleeps) == 2
+
+
+@pytest.mark.parametrize("error", [Unauthenticated("no key"), InvalidArgument("bad")])
+def test_auth_and_invalid_argument_errors_stop_at_once(make_client, fake_cloud: FakeCloud, error) -> None:  # type: ignore[no-untyped-def]
+    client, clock = make_client(temperature=0, max_new_tokens=N)
+    fake_cloud.fail("verify", error)
+    with pytest.raises(type(error)):
+        client.generate(PROMPT)
+    assert clock.sleeps == [] and fake_cloud.calls.count("verify") == 1
+
+
+def test_evicted_session_is_reopened_with_the_full_context(make_client, fake_cloud: FakeCloud) -> None:
+    ref = reference(make_client)
+    fake_cloud.calls.clear()
+    client, _ = make_client(temperature=0, max_new_tokens=N)
+    gen = client.stream(PROMPT)
+    seen = []
+    for tok in gen:
+        seen.append(tok.token_id)
+        if len(seen) == 5:
+            fake_cloud.evict_all()
+    r = gen.result()
+    assert r.token_ids == ref and r.metrics.reopens == 1
+    assert fake_cloud.calls.count("open") == 2
+    reopened = [req for req in fake_cloud.requests if req.ctx_len - len(req.append_ids) > len(r.prompt_ids)]
+    assert reopened  # rounds after the reopen start from the long context
+
+
+def test_404_from_a_verify_reopens(make_client, fake_cloud: FakeCloud) -> None:
+    ref = reference(make_client)
+    client, _ = make_client(temperature=0, max_new_tokens=N)
+    fake_cloud.fail("verify", NotFound("expired"), times=1)
+    r = client.generate(PROMPT)
+    assert r.token_ids == ref and r.metrics.reopens == 1
+
+
+def _tamper_after(fake_cloud: FakeCloud, gen, n: int, how) -> list[int]:  # type: ignore[no-untyped-def]
+    out = []
+    for tok in gen:
+        out.append(tok.token_id)
+        if len(out) == n:
+            (session,) = fake_cloud.sessions.values()
+            how(session)
+    return out
+
+
+def test_cloud_behind_resends_from_its_expected_length(make_client, fake_cloud: FakeCloud) -> None:
+    ref = reference(make_client)
+    client, _ = make_client(temperature=0, max_new_tokens=N)
+    gen = client.stream(PROMPT)
+
+    def shorten(s) -> None:  # type: ignore[no-untyped-def]  # as after a duplicated older request
+        del s.ids[-3:]
+
+    _tamper_after(fake_cloud, gen, 6, shorten)
+    r = gen.result()
+    assert r.token_ids == ref and r.metrics.resyncs == 1 and r.metrics.reopens == 0
+    requests_are_consistent(fake_cloud, r.prompt_ids, r.token_ids)
+
+
+def test_cloud_with_other_content_is_reopened(make_client, fake_cloud: FakeCloud) -> None:
+    ref = reference(make_client)
+    client, _ = make_client(temperature=0, max_new_tokens=N)
+    gen = client.stream(PROMPT)
+
+    def corrupt(s) -> None:  # type: ignore[no-untyped-def]
+        s.ids[-1] = (s.ids[-1] + 1) % fake_cloud.vocab
+
+    _tamper_after(fake_cloud, gen, 6, corrupt)
+    r = gen.result()
+    assert r.token_ids == ref and r.metrics.reopens == 1
+
+
+def test_409_storm_gives_up(make_client, fake_cloud: FakeCloud) -> None:
+    client, _ = make_client(temperature=0, max_new_tokens=N)
+    fake_cloud.fail("verify", ContextMismatch("no", expected_ctx_len=0), times=50)
+    with pytest.raises(Exception, match="resynchronise"):
+        client.generate(PROMPT)
+
+
+class ScriptedDrafter:
+    """Proposes fixed tokens with scripted gating signals: easy blocks on even calls, hard on odd ones."""
+
+    kind = "sampled"
+    wants_top_k = 0
+    max_context = None
+
+    def __init__(self, vocab: int) -> None:
+        self.vocab = vocab
+        self.calls = 0
+
+    def reset(self) -> None:
+        self.calls = 0
+
+    def propose(self, context: Sequence[int], k: int, cfg: SamplingConfig, seed: int) -> DraftBlock:
+        import torch
+
+        easy = self.calls % 2 == 0
+        self.calls += 1
+        toks = [(len(context) * 7 + i) % self.vocab for i in range(k)]
+        q_full = []
+        for t in toks:
+            q = torch.full((self.vocab,), 0.5 / (self.vocab - 1), dtype=torch.float64)
+            q[t] = 0.5
+            q_full.append(q)
+        return DraftBlock(tokens=toks, q_probs=[0.5] * k, kind="sampled", q_full=q_full,
+                          nll=[0.1 if easy else 5.0] * k, entropy_bits=[1.0] * k, margin=[0.9] * k)
+
+    def observe(self, context: Sequence[int], draft: Sequence[int], top_k_ids: Sequence[Sequence[int]]) -> None:
+        return None
+
+
+def test_gate_commits_easy_blocks_locally_and_sends_them_as_append_ids(make_client, fake_cloud: FakeCloud) -> None:
+    client, _ = make_client(ScriptedDrafter(fake_cloud.vocab), temperature=1.0, max_new_tokens=30, gating=True,
+                            rule_triggers=False, fixed_k=4)
+    r = client.generate(PROMPT)
+    local = [x for x in r.rounds if x.decided_by == "gate"]
+    verified = [x for x in r.rounds if x.decided_by == "cloud"]
+    assert local and verified and r.metrics.gated_rounds == len(local)
+    assert r.metrics.local_commits == sum(x.committed for x in local) == r.metrics.by_origin["local"]
+    assert all(x.hard_ratio == 0.0 for x in local) and all(x.hard_ratio == 1.0 for x in verified if x.k)
+    first_local = [t.token_id for t in r.tokens if t.round_index == local[0].index]
+    assert fake_cloud.requests[0].append_ids == first_local  # the next verify carries them
+    assert fake_cloud.requests[0].draft.hard_mask == [1, 1, 1, 1]
+    requests_are_consistent(fake_cloud, r.prompt_ids, r.token_ids)
+
+
+def test_gating_is_off_by_default(make_client, fake_cloud: FakeCloud) -> None:
+    client, _ = make_client(ScriptedDrafter(fake_cloud.vocab), temperature=1.0, max_new_tokens=10, fixed_k=3)
+    r = client.generate(PROMPT)
+    assert r.metrics.local_commits == 0 and all(x.decided_by == "cloud" for x in r.rounds)
+    assert all(req.draft.hard_mask is None for req in fake_cloud.requests)

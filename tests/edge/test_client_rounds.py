@@ -1,0 +1,134 @@
+"""The client's rounds on an in-process cloud: exactness in greedy mode, origins, bookkeeping, modes."""
+
+from __future__ import annotations
+
+import pytest
+
+from edge.client import EdgeClient
+from edge.drafters import ModelDrafter
+from shared.errors import InvalidArgument
+from shared.hashing import ctx_hash
+from tests.edge.fake_cloud import FakeCloud
+
+PROMPTS = ["def add(a, b):\n    return a + b\n\ndef add(", "The cat sat on the mat. The cat", "import os\nimport"]
+
+
+def target_greedy(cloud: FakeCloud, client: EdgeClient, prompt: str, n: int) -> list[int]:
+    return cloud.generate(client.encode(prompt), client.settings.sampling(), 0, n, 1.0).token_ids
+
+
+@pytest.mark.parametrize("drafter", ["model", "ngram"])
+def test_greedy_speculative_output_equals_target_greedy(make_client, fake_cloud: FakeCloud, drafter: str) -> None:
+    client, _ = make_client(drafter, temperature=0, max_new_tokens=24)
+    for prompt in PROMPTS:
+        result = client.generate(prompt)
+        assert result.token_ids == target_greedy(fake_cloud, client, prompt, 24), prompt
+        assert result.metrics.local_commits == 0
+
+
+def test_tokens_carry_origins_and_metrics_add_up(make_client, fake_cloud: FakeCloud) -> None:
+    client, _ = make_client(temperature=1.0, top_p=0.9, max_new_tokens=40, seed=5)
+    r = client.generate(PROMPTS[1])
+    m = r.metrics
+    assert len(r.token_ids) == m.emitted == 40
+    assert sum(m.by_origin.values()) == 40
+    assert m.by_origin["accepted"] == m.accepted
+    verified = [x for x in r.rounds if x.decided_by == "cloud"]
+    assert m.drafted == sum(x.k for x in verified) and m.accepted == sum(x.accepted_len for x in verified)
+    assert m.verify_calls == len(verified) == m.rounds
+    assert m.position_drafted[0] == sum(1 for x in verified if x.k > 0)
+    assert sum(m.position_accepted) == m.accepted
+    # every round contributes its accepted tokens, then exactly one correction / bonus / residual
+    for x in r.rounds:
+        kinds = [t.origin for t in r.tokens if t.round_index == x.index]
+        assert kinds[:x.accepted_len] == ["accepted"] * x.accepted_len
+        assert kinds[x.accepted_len:] in ([], [x.next_kind])  # the last round may be cut by the budget
+    assert r.rounds[-1].A_cum == pytest.approx(m.acceptance_rate)
+    assert r.text == client.decode(r.token_ids)
+
+
+def test_residual_is_drawn_on_the_edge_and_sent_as_append_ids(make_client, fake_cloud: FakeCloud) -> None:
+    client, _ = make_client(temperature=1.0, top_p=0.5, max_new_tokens=30, seed=2, k_start=6, k_min=6)
+    r = client.generate(PROMPTS[0])
+    residual_rounds = [x for x in r.rounds if x.next_kind == "residual"]
+    assert residual_rounds, "no rejection in 30 tokens: pick another seed"
+    i = residual_rounds[0].index
+    token = [t.token_id for t in r.tokens if t.round_index == i][-1]
+    nxt = fake_cloud.requests[i + 1]
+    assert nxt.append_ids == [token]
+    S = r.prompt_ids + r.token_ids
+    assert nxt.ctx_hash == ctx_hash(S[:nxt.ctx_len])
+
+
+def test_q_dists_are_sent_sparse_only_when_asked(make_client, fake_cloud: FakeCloud) -> None:
+    client, _ = make_client(temperature=1.0, top_k=20, max_new_tokens=20, seed=3, send_q_dists=True)
+    r = client.generate(PROMPTS[2])
+    sent = [q for req in fake_cloud.requests for q in (req.draft.q_dists or [])]
+    assert sent and all(len(q.ids) <= 20 and abs(sum(q.probs) - 1) < 1e-5 for q in sent)
+    assert all(x.next_kind != "residual" for x in r.rounds)  # the cloud draws corrections itself
+    fake_cloud.requests.clear()
+    client2, _ = make_client(temperature=1.0, top_k=20, max_new_tokens=5, seed=3)
+    client2.generate(PROMPTS[2])
+    assert all(req.draft.q_dists is None for req in fake_cloud.requests)
+
+
+def test_k_is_dynamic_and_capped_by_the_budget(make_client, fake_cloud: FakeCloud) -> None:
+    client, _ = make_client("ngram", temperature=0, max_new_tokens=30, k_start=4, k_min=3, k_max=8)
+    r = client.generate("a b c d a b c d a b c d a b c d a b")
+    assert r.rounds[0].k <= 4
+    emitted = 0
+    for x in r.rounds:
+        assert x.k <= 30 - emitted - 1
+        emitted += x.committed
+    assert len(r.token_ids) == 30
+    fixed, _ = make_client(temperature=0, max_new_tokens=12, fixed_k=2)
+    assert {x.k for x in fixed.generate(PROMPTS[0]).rounds[:-1]} == {2}
+
+
+def test_generation_stops_after_eos(make_client, fake_cloud: FakeCloud) -> None:
+    client, _ = make_client(temperature=0, max_new_tokens=20)
+    full = client.generate(PROMPTS[0]).token_ids
+    fake_cloud.eos_ids = [full[6]]
+    client._model_info = None
+    stop = full.index(full[6])
+    assert client.generate(PROMPTS[0]).token_ids == full[: stop + 1]
+
+
+def test_stream_yields_tokens_as_rounds_commit(make_client, fake_cloud: FakeCloud) -> None:
+    client, _ = make_client(temperature=0, max_new_tokens=30)
+    gen = client.stream(PROMPTS[1])
+    first = next(iter(gen))
+    assert fake_cloud.calls.count("verify") == 1 and first.round_index == 0
+    result = gen.result()
+    assert result.tokens[0] == first and len(result.token_ids) == 30
+    assert fake_cloud.calls[-1] == "close" and not fake_cloud.sessions
+
+
+def test_edge_only_uses_the_draft_alone(make_client, fake_cloud: FakeCloud, model_drafter: ModelDrafter) -> None:
+    client, _ = make_client(temperature=0, max_new_tokens=15, mode="edge_only", stop_at_eos=False)
+    r = client.generate(PROMPTS[0])
+    assert fake_cloud.calls == [] and len(r.token_ids) == 15
+    assert {t.origin for t in r.tokens} == {"local"} and r.metrics.local_commits == 15
+    model_drafter.reset()
+    ref = model_drafter.propose(r.prompt_ids, 15, client.settings.sampling(), 0).tokens
+    assert r.token_ids == ref
+
+
+def test_cloud_only_with_and_without_a_generate_call(make_client, fake_cloud: FakeCloud) -> None:
+    client, _ = make_client(temperature=0, max_new_tokens=10, mode="cloud_only")
+    r = client.generate(PROMPTS[2])
+    assert r.token_ids == target_greedy(fake_cloud, client, PROMPTS[2], 10)
+    assert {t.origin for t in r.tokens} == {"target"} and "generate" in fake_cloud.calls
+    fake_cloud.supports_generate = False  # as over gRPC: k = 0 verify rounds
+    r2 = client.generate(PROMPTS[2])
+    assert r2.token_ids == r.token_ids and {x.k for x in r2.rounds} == {0}
+    assert {t.origin for t in r2.tokens} == {"target"}
+
+
+def test_vocab_mismatch_is_an_error(make_client, fake_cloud: FakeCloud, model_drafter: ModelDrafter,
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(model_drafter, "vocab_size", fake_cloud.vocab + 1)
+    client, _ = make_client(temperature=0, max_new_tokens=3)
+    with pytest.raises(InvalidArgument, match="vocabulary"):
+        client.generate(PROMPTS[0])
+    assert not fake_cloud.sessions
