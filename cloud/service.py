@@ -161,9 +161,16 @@ class VerifierService:
             try:
                 async with s.lock:
                     self.store.make_room((req.ctx_len + k) * self.model.kv_bytes_per_token, s)
-                    res, queue_ms = await self.worker.run(
+                    job = asyncio.ensure_future(self.worker.run(
                         lambda: run_round(self.model, s, req, q_dense, self.clock, self.settings.replay_cache_size),
-                        since=admitted)
+                        since=admitted))
+                    try:
+                        res, queue_ms = await asyncio.shield(job)
+                    except asyncio.CancelledError:
+                        # the caller went away (deadline, disconnect): an admitted round is still applied,
+                        # so the edge's retry with the same request_id is answered from the replay cache
+                        await asyncio.wait({job})
+                        raise
             finally:
                 s.inflight -= 1
                 s.last_used = self.clock()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -147,3 +148,25 @@ def assert_matches(resp: dict, ref: VerifyOutcome, ctx_len_before: int) -> None:
     else:
         assert resp["target_dist"] is None
     assert resp["ctx_len"] == ctx_len_before + ref.accepted_len + (ref.next_token is not None)
+
+
+def run_rounds(client: Any, drafter: Drafter, target: CausalLM, prompt: list[int], cfg: SamplingConfig, seed: int,
+               mode: str = "scalar", correction: str = "strict", rounds: int = 4, k: int = 4,
+               until_kind: str | None = None, max_rounds: int = 20) -> tuple[str, EdgeSim, list[dict]]:
+    """Open a session over `client` (tests.cloud.wire) and run rounds, each checked against the
+    reference; with `until_kind`, keep going (up to max_rounds) until a round ends that way."""
+    info = client.open({"prompt_ids": prompt, "sampling_cfg": cfg.to_dict(), "seed": seed, "correction": correction})
+    assert (info["ctx_len"], info["ctx_hash"]) == (len(prompt), ctx_hash(prompt))
+    edge = EdgeSim(drafter, prompt, cfg, seed, mode)
+    answers: list[dict] = []
+    while len(answers) < max_rounds:
+        body, draft = edge.request(info["ctx_id"], k)
+        ref = edge.reference(target, draft, correction)
+        resp = client.verify(body)
+        assert_matches(resp, ref, len(edge.ids))
+        edge.apply(resp, draft)
+        answers.append(resp)
+        done = len(answers) >= rounds
+        if done and (until_kind is None or any(a["next_kind"] == until_kind for a in answers)):
+            break
+    return info["ctx_id"], edge, answers
