@@ -60,3 +60,4 @@ async def serve(service: VerifierService) -> None:
     for t in (sweeper, stopper):
         t.cancel()
     service.close()
+    log.info("stopped", extra={"fields": {"event": "stopped"}})

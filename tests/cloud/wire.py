@@ -35,8 +35,12 @@ class RestClient:
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         self.http = httpx.Client(base_url=base_url, headers=headers, timeout=timeout)
 
-    def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
-        r = self.http.request(method, path, json=body)
+    def _call(self, method: str, path: str, body: dict[str, Any] | None = None,
+              raw: bytes | None = None) -> dict[str, Any]:
+        """JSON-encode `body` (NaN allowed, as a careless client would send it) or send `raw`."""
+        content = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+        headers = {"content-type": "application/json"} if content is not None else {}
+        r = self.http.request(method, path, content=content, headers=headers)
         if r.status_code != 200:
             data = r.json()
             raise WireError(r.status_code, data["error"]["code"], data)
@@ -47,6 +51,9 @@ class RestClient:
 
     def verify(self, body: dict[str, Any]) -> dict[str, Any]:
         return self._call("POST", "/v1/verify", body)
+
+    def verify_raw(self, raw: bytes) -> dict[str, Any]:
+        return self._call("POST", "/v1/verify", raw=raw)
 
     def get(self, ctx_id: str) -> dict[str, Any]:
         return self._call("GET", f"/v1/sessions/{ctx_id}")
@@ -89,6 +96,11 @@ class GrpcClient:
         if body.get("sampling_cfg") is not None:
             msg.sampling_cfg.CopyFrom(_sampling_pb(body["sampling_cfg"]))
         return _info(self._call(self.stub.OpenSession, msg))
+
+    def verify_raw(self, raw: bytes) -> dict[str, Any]:
+        """Send bytes that need not parse as a VerifyRequest."""
+        call = self.channel.unary_unary("/specsplit.v1.Verifier/Verify")
+        return response_dict(pb.VerifyResponse.FromString(self._call(call, raw)))
 
     def verify(self, body: dict[str, Any]) -> dict[str, Any]:
         fields = {k: v for k, v in body.items() if k not in ("q_dists", "sampling_cfg") and v is not None}
