@@ -1,0 +1,106 @@
+"""Deployment files, checked without a Docker engine: the compose file's services, ports,
+healthcheck and settings names; the Dockerfile's base, user, healthcheck and install steps
+(the README's: a venv, torch==2.13.0, then the project)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from cloud.settings import CloudSettings
+
+REPO = Path(__file__).resolve().parents[2]
+SETTINGS = set(CloudSettings.model_fields)
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    return dict(yaml.safe_load((REPO / "docker-compose.yml").read_text()))
+
+
+@pytest.fixture(scope="module")
+def dockerfile() -> str:
+    return (REPO / "Dockerfile.cloud").read_text()
+
+
+def env_names(text: str) -> set[str]:
+    return set(re.findall(r"\bSPECSPLIT_CLOUD_([A-Z0-9_]+)\b", text))
+
+
+def test_compose_has_the_cloud_and_an_edge_demo(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    assert {"cloud", "edge-demo"} <= set(services)
+    for svc in services.values():
+        assert svc["build"]["dockerfile"] == "Dockerfile.cloud" and (REPO / svc["build"]["context"]).is_dir()
+
+
+def test_cloud_ports_match_its_settings(compose: dict[str, Any]) -> None:
+    cloud = compose["services"]["cloud"]
+    env = cloud["environment"]
+    published = {int(p.split(":")[-1]) for p in cloud["ports"]}
+    assert published == {int(env["SPECSPLIT_CLOUD_HTTP_PORT"]), int(env["SPECSPLIT_CLOUD_GRPC_PORT"])}
+    assert env["SPECSPLIT_CLOUD_HOST"] == "0.0.0.0"  # reachable from the other containers
+
+
+def test_cloud_healthcheck_asks_readiness_on_its_http_port(compose: dict[str, Any]) -> None:
+    cloud = compose["services"]["cloud"]
+    hc = cloud["healthcheck"]
+    assert hc["test"][0] == "CMD" and "/readyz" in " ".join(hc["test"])
+    assert f":{cloud['environment']['SPECSPLIT_CLOUD_HTTP_PORT']}/readyz" in " ".join(hc["test"])
+    assert {"interval", "timeout", "retries", "start_period"} <= set(hc)
+
+
+def test_every_cloud_env_name_is_a_settings_field(compose: dict[str, Any], dockerfile: str) -> None:
+    names = {k.removeprefix("SPECSPLIT_CLOUD_") for svc in compose["services"].values()
+             for k in (svc.get("environment") or {}) if k.startswith("SPECSPLIT_CLOUD_")}
+    names |= env_names(dockerfile) | env_names((REPO / "docker-compose.yml").read_text())
+    assert names, "no SPECSPLIT_CLOUD_* names found"
+    unknown = {n for n in names if n.lower() not in SETTINGS}
+    assert not unknown, f"not fields of CloudSettings: {sorted(unknown)}"
+
+
+def test_cloud_env_values_validate_as_settings(compose: dict[str, Any], monkeypatch: pytest.MonkeyPatch,
+                                               tiny_pair: tuple[Path, Path]) -> None:
+    for k, v in compose["services"]["cloud"]["environment"].items():
+        monkeypatch.setenv(k, str(v))
+    monkeypatch.setenv("SPECSPLIT_CLOUD_MODEL", str(tiny_pair[0]))  # the image's path does not exist here
+    s = CloudSettings()  # type: ignore[call-arg]
+    assert s.http_port == 8000 and s.grpc_port == 50051
+
+
+def test_edge_demo_waits_for_a_healthy_cloud_and_runs_one_generation(compose: dict[str, Any]) -> None:
+    edge = compose["services"]["edge-demo"]
+    assert edge["depends_on"]["cloud"]["condition"] == "service_healthy"
+    cmd = edge["command"]
+    assert edge["entrypoint"] == ["specsplit-edge"] and cmd[0] == "generate"
+    http_port = compose["services"]["cloud"]["environment"]["SPECSPLIT_CLOUD_HTTP_PORT"]
+    assert cmd[cmd.index("--cloud") + 1] == f"http://cloud:{http_port}"
+    assert cmd[cmd.index("--mode") + 1] == "speculative" and "--draft" in cmd
+
+
+def test_dockerfile_is_slim_non_root_with_a_healthcheck(dockerfile: str) -> None:
+    assert re.search(r"^FROM python:\$\{PYTHON_VERSION\}-slim$", dockerfile, re.M)
+    users = re.findall(r"^USER (\S+)$", dockerfile, re.M)
+    assert users and users[-1] not in ("root", "0")
+    assert re.search(r"^HEALTHCHECK .*\n?.*/readyz", dockerfile, re.M)
+    assert re.search(r'^ENTRYPOINT \["specsplit-cloud"\]$', dockerfile, re.M)
+    assert "COPY models/demo-target" in dockerfile
+
+
+def test_dockerfile_installs_like_the_readme(dockerfile: str) -> None:
+    """Same steps as scripts/setup.sh (the README's install), the same torch pin as pyproject."""
+    setup = (REPO / "scripts" / "setup.sh").read_text()
+    pin = re.search(r'"torch==([0-9.]+)"', (REPO / "pyproject.toml").read_text())
+    assert pin is not None
+    torch_step = f'pip install -q "torch=={pin.group(1)}"'
+    for text in (setup, dockerfile):
+        assert "-m venv .venv" in text
+        assert torch_step in text
+        assert re.search(r"pip install -q -e \"?\.", text)
+    assert dockerfile.index("-m venv .venv") < dockerfile.index(torch_step) < dockerfile.index("pip install -q -e .")
+    default_index = re.search(r"^ARG TORCH_INDEX_URL=(\S+)$", dockerfile, re.M)
+    assert default_index and default_index.group(1).endswith("/whl/cpu")
