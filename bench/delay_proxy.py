@@ -91,10 +91,15 @@ class DelayProxy:
             return
         up = asyncio.ensure_future(self._pipe(c_reader, u_writer, "up"))
         down = asyncio.ensure_future(self._pipe(u_reader, c_writer, "down"))
-        await asyncio.wait({up, down}, return_when=asyncio.ALL_COMPLETED)
-        for w in (c_writer, u_writer):
-            with contextlib.suppress(OSError, RuntimeError):
-                w.close()
+        try:
+            await asyncio.wait({up, down}, return_when=asyncio.ALL_COMPLETED)
+        except asyncio.CancelledError:  # stop(): end this connection quietly
+            up.cancel()
+            down.cancel()
+        finally:
+            for w in (c_writer, u_writer):
+                with contextlib.suppress(OSError, RuntimeError):
+                    w.close()
 
     async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, direction: str) -> None:
         """Read chunks, stamp each with its deadline, write it when the deadline comes (in order)."""
@@ -138,9 +143,11 @@ class DelayProxy:
         async def shutdown() -> None:
             if server is not None:
                 server.close()
-            for task in asyncio.all_tasks():
-                if task is not asyncio.current_task():
+            for _ in range(3):  # cancelled handlers may leave their pipes' tasks behind once
+                tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+                for task in tasks:
                     task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
 
         fut = asyncio.run_coroutine_threadsafe(shutdown(), loop)
         with contextlib.suppress(Exception):

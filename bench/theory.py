@@ -87,3 +87,20 @@ def predicted_speedup(a: float, ks: Sequence[int], t_draft_ms: float, t_target_m
         return 0.0
     per_round_ms = sum(k * t_draft_ms + t_target_ms + rtt_ms for k in ks) / len(ks)
     return predicted_tokens_per_round(a, ks) * t_target_ms / per_round_ms
+
+
+def predicted_speedup_end_to_end(a: float, ks: Sequence[int], t_draft_ms: float, t_target_ms: float,
+                                 rtt_ms: float, prefill_ms: float, n_tokens: float) -> float:
+    """predicted_speedup for whole generations of n_tokens after a prompt whose prefill takes prefill_ms.
+
+    cloud_only:  prefill + n t_target + rtt                   (one request)
+    speculative: prefill + 2 rtt + n / E[tokens/round] * mean_r[k_r t_draft + t_target + rtt]
+                 (open and close cost a round trip each)
+    Tends to predicted_speedup as n grows.
+    """
+    if not ks or n_tokens <= 0:
+        return 0.0
+    per_round_ms = sum(k * t_draft_ms + t_target_ms + rtt_ms for k in ks) / len(ks)
+    rounds = n_tokens / predicted_tokens_per_round(a, ks)
+    cloud_only_ms = prefill_ms + n_tokens * t_target_ms + rtt_ms
+    return cloud_only_ms / (prefill_ms + 2 * rtt_ms + rounds * per_round_ms)

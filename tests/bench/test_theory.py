@@ -11,6 +11,7 @@ from bench.theory import (
     expected_accepted_len,
     per_position_acceptance,
     predicted_speedup,
+    predicted_speedup_end_to_end,
     predicted_tokens_per_round,
     speedup_bound,
     tokens_per_round,
@@ -99,3 +100,19 @@ def test_estimate_acceptance_rejects_impossible_rounds() -> None:
     assert estimate_acceptance([]) == 0.0
     # k = 0 rounds (nothing drafted) do not count
     assert estimate_acceptance([(0, 0), (2, 2)]) == 1.0
+
+
+def test_end_to_end_prediction_tends_to_the_per_round_bound() -> None:
+    args = (0.7, [4, 4], 1.0, 5.0, 3.0)
+    per_round = predicted_speedup(*args)
+    short = predicted_speedup_end_to_end(*args, prefill_ms=200.0, n_tokens=16)
+    long = predicted_speedup_end_to_end(*args, prefill_ms=200.0, n_tokens=1e7)
+    assert long == pytest.approx(per_round, rel=1e-4)
+    # a prefill both sides pay pulls the ratio towards 1
+    assert abs(short - 1) < abs(per_round - 1)
+
+
+def test_end_to_end_prediction_by_hand() -> None:
+    # a = 0.5, k = 2: 1.75 tokens per round; round 2*1 + 4 + 2 = 8 ms; 7 tokens -> 4 rounds
+    got = predicted_speedup_end_to_end(0.5, [2], 1.0, 4.0, 2.0, prefill_ms=10.0, n_tokens=7)
+    assert got == pytest.approx((10 + 7 * 4 + 2) / (10 + 2 * 2 + 4 * 8))

@@ -1,0 +1,100 @@
+"""The cloud under test: one `specsplit-cloud` process on free loopback ports, REST readiness awaited."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def cloud_command() -> list[str]:
+    """The console script next to this interpreter, else on PATH, else `python -m cloud.cli`."""
+    script = Path(sys.executable).parent / "specsplit-cloud"
+    if script.exists():
+        return [str(script)]
+    found = shutil.which("specsplit-cloud")
+    return [found] if found else [sys.executable, "-m", "cloud.cli"]
+
+
+class CloudServer:
+    """`specsplit-cloud --model DIR --device DEV` with `torch_threads` model threads, log in a temp file."""
+
+    def __init__(self, model_dir: Path, device: str = "cpu", torch_threads: int = 1,
+                 startup_timeout_s: float = 120.0) -> None:
+        self.model_dir = Path(model_dir)
+        self.device = device
+        self.torch_threads = torch_threads
+        self.startup_timeout_s = startup_timeout_s
+        self.http_port = free_port()
+        self.grpc_port = free_port()
+        while self.grpc_port == self.http_port:
+            self.grpc_port = free_port()
+        fd, name = tempfile.mkstemp(prefix="specsplit-bench-cloud-", suffix=".log")
+        os.close(fd)
+        self.log_path = Path(name)
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None, "the cloud is not running"
+        return self.proc.pid
+
+    def start(self) -> CloudServer:
+        cmd = [*cloud_command(), "--model", str(self.model_dir), "--host", "127.0.0.1",
+               "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port), "--device", self.device,
+               "--torch-threads", str(self.torch_threads), "--log-level", "warning"]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"specsplit-cloud exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.url + "/readyz", timeout=2.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"specsplit-cloud not ready after {self.startup_timeout_s} s:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 30) -> str:
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return "\n".join(text.splitlines()[-n:])
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log_path.unlink(missing_ok=True)
+
+    def __enter__(self) -> CloudServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
