@@ -45,13 +45,30 @@ def process_logits(logits: torch.Tensor, cfg: SamplingConfig, seen: torch.Tensor
         x = x.masked_fill(x < kth, float("-inf"))
     probs = torch.softmax(x, dim=-1)  # [n, vocab]
     if cfg.top_p < 1.0:
-        sorted_p, order = probs.sort(dim=-1, descending=True)  # [n, vocab]
-        mass_before = sorted_p.cumsum(-1) - sorted_p  # mass of strictly more likely tokens
-        drop_sorted = mass_before >= cfg.top_p  # the most likely token is always kept
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        probs = probs.masked_fill(drop, 0.0)
-        probs = probs / probs.sum(-1, keepdim=True)
+        probs = _top_p(probs, cfg.top_p)
     return probs
+
+
+def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep a token iff the mass of the tokens strictly more likely than it is < top_p; renormalise.
+
+    That is HF's TopPLogitsWarper rule except at exact ties: where the boundary falls inside a run
+    of equal probabilities, HF keeps some of them, chosen by sort order (i.e. by token id and sort
+    implementation). Here the whole run is kept, so the kept set is a function of the distribution
+    alone -- the same on the edge's CPU and the cloud's GPU, and on every replay -- and it is the
+    smallest such set whose mass reaches top_p. Ties are common with bf16 / fp16 logits.
+    """
+    sorted_p, order = probs.sort(dim=-1, descending=True)  # [n, vocab]
+    mass_before = sorted_p.cumsum(-1) - sorted_p  # [n, vocab]: mass of the tokens sorted before
+    # every token of a run of equal probabilities takes the mass before the run's first token
+    idx = torch.arange(probs.size(-1), device=probs.device).expand_as(sorted_p)  # [n, vocab]
+    run_start = torch.ones_like(sorted_p, dtype=torch.bool)  # [n, vocab]
+    run_start[..., 1:] = sorted_p[..., 1:] != sorted_p[..., :-1]
+    first_of_run = torch.where(run_start, idx, 0).cummax(-1).values  # [n, vocab]
+    drop_sorted = mass_before.gather(-1, first_of_run) >= top_p  # the most likely run is always kept
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)  # [n, vocab]
+    probs = probs.masked_fill(drop, 0.0)
+    return probs / probs.sum(-1, keepdim=True)
 
 
 def processed_probs(logits: torch.Tensor, cfg: SamplingConfig, context_ids: Sequence[int],
