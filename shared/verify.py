@@ -74,17 +74,23 @@ def check_draft(draft_tokens: Sequence[int], q_probs: Sequence[float], vocab: in
         if draft_kind == "deterministic" and q != 1.0:
             raise InvalidArgument(f"deterministic drafts have q = 1.0, got q_token_probs[{i}] = {q!r}")
     if q_dists is not None:
-        if q_dists.shape != (k, vocab):
-            raise InvalidArgument(f"q_dists has shape {tuple(q_dists.shape)}, expected ({k}, {vocab})")
-        if not torch.isfinite(q_dists).all() or (q_dists < 0).any():
-            raise InvalidArgument("q_dists must be finite and non-negative")
-        sums = q_dists.sum(-1)  # [k]
-        if ((sums - 1).abs() > 1e-3).any():
-            raise InvalidArgument(f"q_dists rows must sum to 1, got {sums.tolist()}")
-        at_draft = q_dists[torch.arange(k), torch.as_tensor(list(draft_tokens), dtype=torch.long)]  # [k]
-        q = torch.as_tensor(list(q_probs), dtype=torch.float64)
-        if ((at_draft - q).abs() > 1e-4 + 1e-3 * q).any():
-            raise InvalidArgument("q_dists disagree with q_token_probs at the draft tokens")
+        _check_q_dists(q_dists, torch.as_tensor(list(draft_tokens), dtype=torch.long), q_probs, vocab)
+
+
+def _check_q_dists(q_dists: torch.Tensor, ys: torch.Tensor, q_probs: Sequence[float], vocab: int) -> None:
+    """q_dists ([k, vocab]) must be distributions that agree with q_probs at the drafts ys ([k])."""
+    k = len(q_probs)
+    if q_dists.shape != (k, vocab):
+        raise InvalidArgument(f"q_dists has shape {tuple(q_dists.shape)}, expected ({k}, {vocab})")
+    # one read-back: row minima (NaN propagates), row sums (inf propagates), q at the drafts
+    at_draft = q_dists.gather(-1, ys[:, None])[:, 0]  # [k]
+    mins, sums, at = torch.stack([q_dists.amin(-1), q_dists.sum(-1), at_draft]).tolist()  # [3, k]
+    if not all(m >= 0 and math.isfinite(s) for m, s in zip(mins, sums, strict=True)):
+        raise InvalidArgument("q_dists must be finite and non-negative")
+    if any(abs(s - 1) > 1e-3 for s in sums):
+        raise InvalidArgument(f"q_dists rows must sum to 1, got {sums}")
+    if any(abs(a - float(q)) > 1e-4 + 1e-3 * float(q) for a, q in zip(at, q_probs, strict=True)):
+        raise InvalidArgument("q_dists disagree with q_token_probs at the draft tokens")
 
 
 def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -98,10 +104,21 @@ def sample_residual(target_ids: Sequence[int] | torch.Tensor, target_probs: Sequ
     """The edge's half of a split residual: draw norm(max(0, p_j - q_j)) at `position`.
 
     p_j arrives sparse (its support); q_full is the edge's processed q_j ([vocab]). Tokens outside
-    p_j's support have p = 0, so the residual lives on that support.
+    p_j's support have p = 0, so the residual lives on that support. Raises InvalidArgument on a
+    malformed target_dist (lengths differ, ids outside q_full's vocabulary, p not a distribution).
     """
     ids = torch.as_tensor(target_ids, dtype=torch.long)  # [m]
     p = torch.as_tensor(target_probs, dtype=torch.float64)  # [m]
+    vocab = q_full.size(-1)
+    if q_full.dim() != 1 or ids.dim() != 1 or ids.shape != p.shape or ids.numel() == 0:
+        raise InvalidArgument(f"target_dist needs matching non-empty ids and probs and q_full a [vocab] "
+                              f"vector; got {tuple(ids.shape)}, {tuple(p.shape)}, {tuple(q_full.shape)}")
+    lo, hi = ids.aminmax()
+    if int(lo) < 0 or int(hi) >= vocab:
+        raise InvalidArgument(f"target_dist ids must be in [0, {vocab})")
+    p_sum = float(p.sum())
+    if not (float(p.amin()) >= 0 and math.isfinite(p_sum) and p_sum > 0):  # NaN fails the first test
+        raise InvalidArgument("target_dist probs must be finite, non-negative, with positive mass")
     r = _residual(p, q_full.to(torch.float64)[ids])  # [m]
     return int(ids[sample_index(r, position_uniform(seed, position, SAMPLE))])
 
@@ -118,16 +135,20 @@ def verify_round(p: torch.Tensor, draft_tokens: Sequence[int], q_probs: Sequence
     vocab = p.size(-1)
     if p.shape != (k + 1, vocab):
         raise InvalidArgument(f"p has shape {tuple(p.shape)}, expected ({k + 1}, vocab)")
-    check_draft(draft_tokens, q_probs, vocab, draft_kind, q_dists)
-    p = p.detach().to("cpu", torch.float64)  # [k + 1, vocab]
+    check_draft(draft_tokens, q_probs, vocab, draft_kind)
+    ys = torch.as_tensor(list(draft_tokens), dtype=torch.long)  # [k]
     if q_dists is not None:
+        _check_q_dists(q_dists, ys, q_probs, vocab)
         q_dists = q_dists.to(torch.float64)  # [k, vocab]
+    p = p.detach().to("cpu", torch.float64)  # [k + 1, vocab]
+    if not (float(p.amin()) >= 0 and math.isfinite(float(p.sum()))):  # NaN fails the first test
+        raise InvalidArgument("p must be finite and non-negative")
 
-    p_at = p[torch.arange(k), torch.as_tensor(list(draft_tokens), dtype=torch.long)]  # [k]
     if greedy:
-        alphas = (p[:k].argmax(-1) == torch.as_tensor(list(draft_tokens))).double().tolist()
+        alphas = (p[:k].argmax(-1) == ys).double().tolist()
     else:
-        alphas = [min(1.0, float(p_at[i]) / q_probs[i]) for i in range(k)]
+        p_at = p[:k].gather(-1, ys[:, None])[:, 0].tolist()  # [k]
+        alphas = [min(1.0, p_at[i] / q_probs[i]) for i in range(k)]
 
     for i in range(k):
         pos = ctx_len + i + 1
@@ -142,10 +163,11 @@ def verify_round(p: torch.Tensor, draft_tokens: Sequence[int], q_probs: Sequence
             return VerifyOutcome(i, sample_index(p[i], u), "correction", alphas=alphas)
         if q_dists is not None:
             return VerifyOutcome(i, sample_index(_residual(p[i], q_dists[i]), u), "correction", alphas=alphas)
-        if draft_kind == "deterministic":
-            point = torch.zeros(vocab, dtype=torch.float64)
-            point[draft_tokens[i]] = 1.0
-            return VerifyOutcome(i, sample_index(_residual(p[i], point), u), "correction", alphas=alphas)
+        if draft_kind == "deterministic":  # max(0, p_j - point mass on y_j) = p_j with y_j zeroed
+            r = p[i].clone()  # [vocab]
+            r[draft_tokens[i]] = 0.0
+            r = r if float(r.sum()) > _RESIDUAL_EPS else p[i]
+            return VerifyOutcome(i, sample_index(r, u), "correction", alphas=alphas)
         support = torch.nonzero(p[i] > 0).squeeze(-1)  # [m]
         return VerifyOutcome(i, None, "residual", target_ids=support, target_probs=p[i, support], alphas=alphas)
 
