@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+import numbers
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from shared.errors import InvalidArgument
@@ -13,7 +14,8 @@ from shared.errors import InvalidArgument
 class SamplingConfig:
     # softmax temperature; 0 means greedy (argmax, no randomness)
     temperature: float = 1.0
-    # keep the smallest set of most likely tokens whose mass reaches top_p; 1.0 disables
+    # keep the smallest set of most likely tokens whose mass reaches top_p (a run of tokens tied at
+    # the boundary is kept whole); 1.0 disables
     top_p: float = 1.0
     # keep the top_k most likely tokens; 0 disables
     top_k: int = 0
@@ -21,6 +23,10 @@ class SamplingConfig:
     repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise InvalidArgument(f"{f.name} must be a number, got {value!r}")
         checks = [
             (math.isfinite(self.temperature) and self.temperature >= 0, "temperature must be >= 0"),
             (math.isfinite(self.top_p) and 0 < self.top_p <= 1, "top_p must be in (0, 1]"),
