@@ -76,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ngram-order", type=int)
     g.add_argument("--filler-top-k", type=int)
     g.add_argument("--device")
+    g.add_argument("--threads", type=int, help="torch threads of the draft model (default: torch's)")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.add_argument("--log", metavar="FILE.jsonl", help="one JSON line per round")
     g.add_argument("-v", "--verbose", action="store_true")
@@ -136,6 +137,10 @@ def write_log(path: str, result: GenerationResult) -> None:
 
 def generate(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     client = EdgeClient(settings)
     try:
         gen = client.stream(args.prompt)

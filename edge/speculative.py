@@ -171,7 +171,7 @@ class SpeculativeRun:
                                       extra_calls)
         return self._commit_verified(block, resp, edge_ms, rtt_ms, traffic, decision, extra_calls)
 
-    def _request(self, block: DraftBlock, decision: GateDecision | None) -> VerifyRequest:
+    def _request(self, block: DraftBlock, decision: GateDecision | None, request_id: str) -> VerifyRequest:
         q_dists = None
         if self.params.send_q_dists and block.kind == "sampled" and block.k > 0:
             q_dists = []
@@ -184,18 +184,19 @@ class SpeculativeRun:
             draft=DraftProposal(draft_tokens=list(block.tokens), q_token_probs=list(block.q_probs),
                                 draft_kind=block.kind, q_dists=q_dists,
                                 hard_mask=None if decision is None else decision.hard_mask),
-            return_top_k=self.drafter.wants_top_k, request_id=uuid.uuid4().hex[:16])
+            return_top_k=self.drafter.wants_top_k, request_id=request_id)
 
     def _verify(self, block: DraftBlock, decision: GateDecision | None) -> VerifyResponse | None:
         """Send the round until an answer can be used; None after a timeout with fallback."""
         attempt = recoveries = 0
+        request_id = uuid.uuid4().hex[:16]  # kept across resends: the cloud answers a duplicate from its replay cache
         while True:
             if self.ctx_id is None:
                 self._recover(recoveries := recoveries + 1, "reopen")
-            req = self._request(block, decision)
+            req = self._request(block, decision, request_id)
             self.metrics.cloud_calls += 1
             try:
-                resp = self.transport.verify(req, self.policy.timeout_s)
+                resp = self.transport.verify(req, self.policy.timeout_s, self.params.sampling)
             except CloudTimeout:
                 self.metrics.timeouts += 1
                 # the cloud may still apply it: it crops to this point, so below it nothing changes

@@ -65,6 +65,13 @@ class ModelDrafter:
         self._cache = DynamicCache()
         self._ids = []
 
+    def fork(self) -> ModelDrafter:
+        """A drafter sharing this one's weights with its own cache (one per concurrent generation)."""
+        twin = object.__new__(ModelDrafter)
+        twin.__dict__.update(self.__dict__)
+        twin.reset()
+        return twin
+
     @torch.no_grad()
     def _feed(self, tokens: Sequence[int]) -> torch.Tensor:
         """Run `tokens` after `_ids` through the model, extending the cache; logits of the last ([vocab])."""

@@ -80,8 +80,8 @@ def error_from_http(status: int, body: bytes) -> SpecSplitError:
 
 def error_from_grpc(code: grpc.StatusCode, message: str,
                     trailing: tuple[tuple[str, str | bytes], ...] = ()) -> SpecSplitError:
-    """A gRPC status -> the project's exception. Details come as a JSON error body in the message or as
-    trailing metadata (e.g. `expected_ctx_len`)."""
+    """A gRPC status -> the project's exception. Details come as the JSON error body in the trailing
+    metadata `specsplit-error` (or in the message), or as a bare `expected_ctx_len` entry."""
     details: dict[str, Any] = {}
     text = message or ""
     try:
@@ -94,7 +94,13 @@ def error_from_grpc(code: grpc.StatusCode, message: str,
     except ValueError:
         pass
     for key, value in trailing or ():
-        if key == "expected_ctx_len":
+        if key == "specsplit-error":  # the REST error body, as the cloud sends it
+            try:
+                body = json.loads(value)
+                details.update(body.get("error", {}) if isinstance(body, dict) else {})
+            except ValueError:
+                pass
+        elif key == "expected_ctx_len":
             details["expected_ctx_len"] = int(value)
     cls = _BY_GRPC.get(code, CloudUnavailable)
     if cls is ResourceExhausted and (details.get("code") == PayloadTooLarge.code or "too large" in text):

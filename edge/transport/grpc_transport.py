@@ -24,9 +24,15 @@ from .base import GenerateResult, ModelInfo, Traffic
 from .errors import CloudUnavailable, error_from_grpc
 
 
-def verify_request_to_pb(req: VerifyRequest) -> pb.VerifyRequest:
+def sampling_to_pb(c: SamplingConfig) -> pb.SamplingConfig:
+    return pb.SamplingConfig(temperature=c.temperature, top_p=c.top_p, top_k=c.top_k,
+                             repetition_penalty=c.repetition_penalty)
+
+
+def verify_request_to_pb(req: VerifyRequest, sampling: SamplingConfig | None = None) -> pb.VerifyRequest:
     d = req.draft
     return pb.VerifyRequest(
+        sampling_cfg=None if sampling is None else sampling_to_pb(sampling),
         ctx_id=req.ctx_id, ctx_len=req.ctx_len, ctx_hash=req.ctx_hash, append_ids=req.append_ids,
         draft_tokens=d.draft_tokens, q_token_probs=d.q_token_probs,
         q_dists=[pb.SparseDist(ids=q.ids, probs=q.probs) for q in d.q_dists or []],
@@ -73,15 +79,13 @@ class GrpcTransport:
         return reply
 
     def open_session(self, req: OpenSessionRequest, timeout: float) -> SessionInfo:
-        c = req.sampling_cfg
         msg = pb.OpenSessionRequest(
             prompt_ids=req.prompt_ids, seed=req.seed, correction=req.correction, max_new_tokens=req.max_new_tokens,
-            sampling_cfg=pb.SamplingConfig(temperature=c.temperature, top_p=c.top_p, top_k=c.top_k,
-                                           repetition_penalty=c.repetition_penalty))
+            sampling_cfg=sampling_to_pb(req.sampling_cfg))
         return session_from_pb(self._call(self._stub.OpenSession, msg, timeout))
 
-    def verify(self, req: VerifyRequest, timeout: float) -> VerifyResponse:
-        return verify_response_from_pb(self._call(self._stub.Verify, verify_request_to_pb(req), timeout))
+    def verify(self, req: VerifyRequest, timeout: float, sampling: SamplingConfig | None = None) -> VerifyResponse:
+        return verify_response_from_pb(self._call(self._stub.Verify, verify_request_to_pb(req, sampling), timeout))
 
     def get_session(self, ctx_id: str, timeout: float) -> SessionInfo:
         return session_from_pb(self._call(self._stub.GetSession, pb.GetSessionRequest(ctx_id=ctx_id), timeout))

@@ -21,9 +21,10 @@ from .base import GenerateResult, ModelInfo, Traffic
 from .errors import CloudTimeout, CloudUnavailable, error_from_http
 
 
-def verify_request_json(req: VerifyRequest) -> dict[str, Any]:
+def verify_request_json(req: VerifyRequest, sampling: SamplingConfig | None = None) -> dict[str, Any]:
     d = req.draft
-    return {
+    extra = {} if sampling is None else {"sampling_cfg": sampling.to_dict()}
+    return {**extra,
         "ctx_id": req.ctx_id, "ctx_len": req.ctx_len, "ctx_hash": req.ctx_hash, "append_ids": req.append_ids,
         "draft_tokens": d.draft_tokens, "q_token_probs": d.q_token_probs,
         "q_dists": None if d.q_dists is None else [{"ids": q.ids, "probs": q.probs} for q in d.q_dists],
@@ -88,8 +89,8 @@ class RestTransport:
                 "correction": req.correction, "max_new_tokens": req.max_new_tokens}
         return session_from_json(self._call("POST", "/v1/sessions", body, timeout))
 
-    def verify(self, req: VerifyRequest, timeout: float) -> VerifyResponse:
-        d = self._call("POST", "/v1/verify", verify_request_json(req), timeout)
+    def verify(self, req: VerifyRequest, timeout: float, sampling: SamplingConfig | None = None) -> VerifyResponse:
+        d = self._call("POST", "/v1/verify", verify_request_json(req, sampling), timeout)
         try:
             return verify_response_from_json(d)
         except (KeyError, TypeError, ValueError) as e:

@@ -108,12 +108,14 @@ class FakeCloud:
             raise f.error
         return SessionInfo(ctx_id, len(req.prompt_ids), ctx_hash(req.prompt_ids), self.vocab)
 
-    def verify(self, req: VerifyRequest, timeout: float) -> VerifyResponse:
+    def verify(self, req: VerifyRequest, timeout: float, sampling: SamplingConfig | None = None) -> VerifyResponse:
         f = self._enter("verify")
         self.requests.append(req)
         s = self.sessions.get(req.ctx_id)
         if s is None:
             raise NotFound(f"no session {req.ctx_id}")
+        if sampling is not None and sampling != s.cfg:
+            raise InvalidArgument("sampling_cfg differs from the session's")
         base = req.ctx_len - len(req.append_ids)
         if base < 0 or base > len(s.ids):
             raise ContextMismatch("ctx_len disagrees", expected_ctx_len=len(s.ids))

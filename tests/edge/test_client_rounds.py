@@ -6,6 +6,7 @@ import pytest
 
 from edge.client import EdgeClient
 from edge.drafters import ModelDrafter
+from shared.config import SamplingConfig
 from shared.errors import InvalidArgument
 from shared.hashing import ctx_hash
 from tests.edge.fake_cloud import FakeCloud
@@ -132,3 +133,18 @@ def test_vocab_mismatch_is_an_error(make_client, fake_cloud: FakeCloud, model_dr
     with pytest.raises(InvalidArgument, match="vocabulary"):
         client.generate(PROMPTS[0])
     assert not fake_cloud.sessions
+
+
+def test_sampling_mismatch_with_the_session_is_an_error(make_client, fake_cloud: FakeCloud,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    client, _ = make_client(temperature=0.8, max_new_tokens=5)
+    real_open = fake_cloud.open_session
+
+    def open_with_other_settings(req, timeout):  # type: ignore[no-untyped-def]
+        info = real_open(req, timeout)
+        fake_cloud.sessions[info.ctx_id].cfg = SamplingConfig(temperature=0.9)
+        return info
+
+    monkeypatch.setattr(fake_cloud, "open_session", open_with_other_settings)
+    with pytest.raises(InvalidArgument, match="sampling"):
+        client.generate(PROMPTS[0])

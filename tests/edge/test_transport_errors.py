@@ -78,3 +78,12 @@ def test_which_errors_are_retried() -> None:
     assert is_retryable(PayloadTooLarge("x")) and is_retryable(SpecSplitError("internal"))
     for err in (InvalidArgument("x"), NotFound("x"), ContextMismatch("x"), Unauthenticated("x"), CloudTimeout("x")):
         assert not is_retryable(err)
+
+
+def test_grpc_details_from_the_clouds_trailing_error_body() -> None:
+    body = json.dumps({"error": {"code": "failed_precondition", "message": "m", "expected_ctx_len": 11}})
+    err = error_from_grpc(grpc.StatusCode.FAILED_PRECONDITION, "m", (("specsplit-error", body),))
+    assert isinstance(err, ContextMismatch) and err.details["expected_ctx_len"] == 11
+    size = json.dumps({"error": {"code": "payload_too_large", "message": "big"}})
+    assert isinstance(error_from_grpc(grpc.StatusCode.RESOURCE_EXHAUSTED, "big", (("specsplit-error", size),)),
+                      PayloadTooLarge)

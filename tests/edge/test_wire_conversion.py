@@ -47,3 +47,13 @@ def test_protobuf_request_and_response_round_trip() -> None:
     residual = verify_response_from_pb(pb.VerifyResponse(accepted_len=0, next_kind="residual",
                                                          target_dist=pb.SparseDist(ids=[1], probs=[1.0])))
     assert residual.correction is None and residual.target_dist is not None
+
+
+def test_sampling_settings_travel_with_every_verify() -> None:
+    from shared.config import SamplingConfig
+
+    cfg = SamplingConfig(temperature=0.5, top_p=0.9, top_k=7, repetition_penalty=1.1)
+    assert verify_request_json(request(), cfg)["sampling_cfg"] == cfg.to_dict()
+    m = verify_request_to_pb(request(), cfg)
+    assert m.HasField("sampling_cfg") and m.sampling_cfg.top_k == 7 and m.sampling_cfg.top_p == 0.9
+    assert not verify_request_to_pb(request()).HasField("sampling_cfg")

@@ -1,0 +1,175 @@
+"""Sampling through the real cloud keeps the target's exact distribution (strict correction).
+
+Test: Pearson chi-square goodness of fit of the first two generated tokens (t1, t2) over N = 3,000
+generations with seeds 0..2999, against the target's own sampling distribution
+p(t1 | P) * p(t2 | P, t1), computed exactly from the target model with the shared processing
+(temperature 1, top-k 5, repetition penalty 1.3, so t2's distribution depends on t1). Cells with an
+expected count below 5 are pooled into one cell. Threshold: the test fails when the p-value is
+below 1e-3. Each generation drafts k = 2 tokens with the tiny random draft model, so the first two
+tokens go through acceptance at positions 1 and 2, rejections at both, the residual (edge-drawn
+from the cloud's target_dist, or cloud-drawn from the sent q_dists) and the bonus.
+
+Power: the same statistic on the biased variant (correction "shortcut": corrections drawn from p)
+must fail the same threshold, shown with N = 1,000 generations (a third of the sample: the biased
+variant fails even with less data).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from scipy.stats import chi2
+
+from edge.client import EdgeClient
+from edge.drafters import ModelDrafter
+from edge.settings import EdgeSettings
+from shared.config import SamplingConfig
+from shared.sampling import processed_probs
+from tests.server import CloudProcess
+
+N = 3000
+N_BIASED = 1000
+P_THRESHOLD = 1e-3
+MIN_EXPECTED = 5.0
+CFG = SamplingConfig(temperature=1.0, top_p=1.0, top_k=5, repetition_penalty=1.3)
+PROMPT = "The quick brown fox"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():  # type: ignore[no-untyped-def]
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def cloud(tiny_pair: tuple[Path, Path]):  # type: ignore[no-untyped-def]
+    with CloudProcess(tiny_pair[0]) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_pair: tuple[Path, Path]) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_pair[0])
+
+
+@pytest.fixture(scope="module")
+def drafter(tiny_pair: tuple[Path, Path]) -> ModelDrafter:
+    return ModelDrafter(tiny_pair[1])
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_pair: tuple[Path, Path], tokenizer: Any) -> dict[tuple[int, int], float]:
+    """The target's exact probability of every (t1, t2) pair after the prompt."""
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_pair[0]).eval()
+    ids = tokenizer.encode(PROMPT)
+    with torch.no_grad():
+        p1 = processed_probs(target(input_ids=torch.tensor([ids])).logits[0, -1:], CFG, ids)[0]  # [vocab]
+        out = {}
+        for t1 in p1.nonzero().squeeze(-1).tolist():
+            ctx = ids + [t1]
+            p2 = processed_probs(target(input_ids=torch.tensor([ctx])).logits[0, -1:], CFG, ctx)[0]  # [vocab]
+            for t2 in p2.nonzero().squeeze(-1).tolist():
+                out[(t1, t2)] = float(p1[t1]) * float(p2[t2])
+    return out
+
+
+def chi_square_pvalue(counts: Counter[tuple[int, int]], probs: dict[tuple[int, int], float]) -> tuple[float, int]:
+    """Pearson chi-square p-value and degrees of freedom; cells expected below MIN_EXPECTED are pooled.
+
+    Observed pairs the target gives probability 0 make the statistic infinite (p-value 0).
+    """
+    n = sum(counts.values())
+    if any(pair not in probs for pair in counts):
+        return 0.0, 0
+    big = [c for c, p in probs.items() if n * p >= MIN_EXPECTED]
+    cells = [(counts[c], n * probs[c]) for c in big]
+    rest_obs = n - sum(o for o, _ in cells)
+    rest_exp = n - sum(e for _, e in cells)
+    if rest_exp >= MIN_EXPECTED:
+        cells.append((rest_obs, rest_exp))
+    elif cells:  # too little left to stand alone: fold it into the smallest cell
+        i = min(range(len(cells)), key=lambda j: cells[j][1])
+        cells[i] = (cells[i][0] + rest_obs, cells[i][1] + rest_exp)
+    stat = sum((o - e) ** 2 / e for o, e in cells)
+    dof = len(cells) - 1
+    return float(chi2.sf(stat, dof)), dof
+
+
+Sample = tuple[Counter[tuple[int, int]], Counter[str]]
+
+
+def first_pairs(cloud: CloudProcess, tokenizer: Any, drafter: ModelDrafter, n: int, **kw: Any) -> Sample:
+    """(t1, t2) counts and first-two-token origins of n seeded generations (seeds 0..n-1)."""
+    s = EdgeSettings(grpc_target=cloud.grpc_target, temperature=CFG.temperature, top_p=CFG.top_p, top_k=CFG.top_k,
+                     repetition_penalty=CFG.repetition_penalty, max_new_tokens=3, fixed_k=2, stop_at_eos=False,
+                     timeout_ms=30_000, timeout_fallback=False, **kw)
+    client = EdgeClient(s, drafter=drafter, tokenizer=tokenizer)
+    ids = tokenizer.encode(PROMPT)
+    pairs: Counter[tuple[int, int]] = Counter()
+    origins: Counter[str] = Counter()
+    for seed in range(n):
+        r = client.generate(ids, seed=seed)
+        pairs[(r.token_ids[0], r.token_ids[1])] += 1
+        origins.update(t.origin for t in r.tokens[:2])
+        assert r.metrics.local_commits == 0
+    client.close()
+    return pairs, origins
+
+
+@pytest.fixture(scope="module")
+def samples(cloud: CloudProcess, tokenizer: Any, drafter: ModelDrafter) -> dict[str, Sample]:
+    """The three variants, generated concurrently (one drafter fork each) against one cloud."""
+    variants: dict[str, tuple[int, dict[str, Any]]] = {
+        "split_residual": (N, {}), "q_dists": (N, {"send_q_dists": True}),
+        "shortcut": (N_BIASED, {"correction": "shortcut"})}
+    with ThreadPoolExecutor(len(variants)) as pool:
+        futures = {name: pool.submit(first_pairs, cloud, tokenizer, drafter.fork(), n, **kw)
+                   for name, (n, kw) in variants.items()}
+        return {name: f.result() for name, f in futures.items()}
+
+
+def test_pooling_keeps_every_sample_and_flags_impossible_pairs() -> None:
+    probs = {(1, 1): 0.5, (1, 2): 0.49, (2, 2): 0.006, (2, 3): 0.004}
+    counts = Counter({(1, 1): 500, (1, 2): 490, (2, 2): 6, (2, 3): 4})
+    p, dof = chi_square_pvalue(counts, probs)
+    assert dof == 2 and p > 0.5  # the two rare cells pooled into one
+    assert chi_square_pvalue(Counter({(9, 9): 1, **counts}), probs)[0] == 0.0
+
+
+@pytest.mark.slow
+def test_split_residual_matches_target_sampling(samples: dict[str, Sample],
+                                                expected: dict[tuple[int, int], float]) -> None:
+    pairs, origins = samples["split_residual"]
+    p, dof = chi_square_pvalue(pairs, expected)
+    print(f"split residual: chi-square p = {p:.3f} with {dof} dof over {N} generations")
+    assert origins["residual"] > 0.2 * N and origins["accepted"] > 0.05 * N  # every path was taken
+    assert p >= P_THRESHOLD, f"chi-square p = {p:.2e} ({dof} dof): not the target's distribution"
+
+
+@pytest.mark.slow
+def test_q_dists_match_target_sampling(samples: dict[str, Sample], expected: dict[tuple[int, int], float]) -> None:
+    pairs, origins = samples["q_dists"]
+    p, dof = chi_square_pvalue(pairs, expected)
+    print(f"q_dists: chi-square p = {p:.3f} with {dof} dof over {N} generations")
+    assert origins["residual"] == 0 and origins["correction"] > 0.2 * N  # the cloud drew the residual
+    assert p >= P_THRESHOLD, f"chi-square p = {p:.2e} ({dof} dof): not the target's distribution"
+
+
+@pytest.mark.slow
+def test_biased_shortcut_fails_the_same_test(samples: dict[str, Sample],
+                                             expected: dict[tuple[int, int], float]) -> None:
+    pairs, _ = samples["shortcut"]
+    p, dof = chi_square_pvalue(pairs, expected)
+    print(f"shortcut (biased): chi-square p = {p:.2e} with {dof} dof over {N_BIASED} generations")
+    assert p < P_THRESHOLD, f"the biased variant passed (p = {p:.2e}, {dof} dof): the test has no power"
