@@ -215,7 +215,7 @@ def next_token(p: torch.Tensor, cfg: SamplingConfig, seed: int, position: int) -
     """Target-only draw at `position` from processed p ([vocab]): the same rule as a k = 0 bonus."""
     if cfg.greedy:
         return int(p.argmax())
-    return sample_index(p.to(torch.float64), position_uniform(seed, position, SAMPLE))
+    return sample_index(p.to("cpu", torch.float64), position_uniform(seed, position, SAMPLE))
 
 
 @dataclass

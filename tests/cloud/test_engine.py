@@ -239,3 +239,18 @@ def test_return_top_k_gives_the_targets_top_ids_per_checked_position(
     logits = tiny_reference.logits(edge.ids + draft.tokens, 4)  # [k + 1, vocab]
     la = resp["accepted_len"]
     assert resp["top_k_ids"] == logits[: la + 1].topk(4, dim=-1).indices.tolist()
+
+
+def test_bfloat16_target_runs_rounds_with_half_the_kv_bytes(tiny_pair: tuple[Path, Path], tiny_target: TargetModel,
+                                                            tiny_drafter: Drafter, prompt: list[int]) -> None:
+    half = TargetModel(tiny_pair[0], dtype="bfloat16")
+    assert half.kv_bytes_per_token * 2 == tiny_target.kv_bytes_per_token
+    cfg = SamplingConfig(1.0, 0.9, 0, 1.1)
+    s = open_session(half, prompt, cfg, seed=12)
+    edge = EdgeSim(tiny_drafter, prompt, cfg, seed=12)
+    for _ in range(3):
+        body, draft = edge.request(s.ctx_id, k=3)
+        resp = do_round(half, s, body)
+        edge.apply(resp, draft)
+        assert s.kv_len == len(s.context) - (resp["next_kind"] != "residual")
+    assert half.info.dtype == "bfloat16"
