@@ -20,7 +20,13 @@ from tests.cloud.reference import CausalLM, Drafter, EdgeSim, assert_matches
 from tests.cloud.wire import GrpcClient, RestClient, WireError
 from tests.server import CloudProcess
 
-KV_PER_TOKEN = 2 * 8 * 256 * 4  # demo target: K and V, 8 layers, d = 256, float32
+
+def kv_per_token(model_dir: Path) -> int:
+    """K and V, every layer, the whole width, float32: one cached position of a GPT-2."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    return 2 * cfg["n_layer"] * cfg["n_embd"] * 4
+
+
 BUDGET_TOKENS = 80
 MAX_SESSIONS = 6
 TRANSPORTS = ["rest", "grpc"]
@@ -28,7 +34,7 @@ TRANSPORTS = ["rest", "grpc"]
 
 @pytest.fixture(scope="module")
 def cloud(demo_target_dir: Path) -> Iterator[CloudProcess]:
-    args = ("--kv-budget-bytes", str(BUDGET_TOKENS * KV_PER_TOKEN), "--max-sessions", str(MAX_SESSIONS))
+    args = ("--kv-budget-bytes", str(BUDGET_TOKENS * kv_per_token(demo_target_dir)), "--max-sessions", str(MAX_SESSIONS))
     c = CloudProcess(demo_target_dir, extra_args=args).start()
     yield c
     c.stop()

@@ -4,9 +4,10 @@ round checked against a cache-free reference computed here; retries, timeouts, r
 
 from __future__ import annotations
 
+import math
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -54,6 +55,20 @@ def client(request: pytest.FixtureRequest, cloud_server: CloudProcess) -> Iterat
     c.shutdown()
 
 
+def metric(cloud: CloudProcess, name: str) -> float:
+    for line in httpx.get(cloud.http_url + "/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def wait_for(cond: Callable[[], bool], timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.005)
+
+
 def encode(tokenizer, text: str) -> list[int]:  # type: ignore[no-untyped-def]
     return list(tokenizer.encode(text))
 
@@ -99,8 +114,8 @@ def test_retried_round_is_idempotent(client: RestClient | GrpcClient, drafter: D
 def test_round_replayed_after_the_edge_timed_out(client: RestClient | GrpcClient, cloud_server: CloudProcess,
                                                  drafter: Drafter, target: CausalLM,
                                                  tokenizer) -> None:  # type: ignore[no-untyped-def]
-    """The model is kept busy (long prefills queued first), the edge gives up on its round after
-    50 ms; the server still applies it; the edge's retry (same request_id) gets the same answer
+    """The model is kept busy (~0.6 s of long prefills queued first), the edge gives up on its round
+    after 50 ms; the server still applies it; the edge's retry (same request_id) gets the same answer
     without a second application, and the session goes on exactly like the reference."""
     cfg = SamplingConfig(1.0, 0.9, 0, 1.1)
     prompt = encode(tokenizer, "class Stack:\n    def push(self, x):")
@@ -110,15 +125,20 @@ def test_round_replayed_after_the_edge_timed_out(client: RestClient | GrpcClient
     rounds_before = client.get(ctx_id)["counters"]["rounds"]
     impatient = RestClient(cloud_server.http_url, timeout=0.05) if client.name == "rest" \
         else GrpcClient(cloud_server.grpc_target, timeout=0.05)
-    long_prompt = (prompt * 200)[: 500]
+    long_prompt = (prompt * 200)[:500]
+    opened: list[str] = []
 
-    def long_open() -> None:
-        httpx.post(cloud_server.http_url + "/v1/sessions", json={"prompt_ids": long_prompt}, timeout=60)
+    def long_open() -> float:
+        t0 = time.monotonic()
+        r = httpx.post(cloud_server.http_url + "/v1/sessions", json={"prompt_ids": long_prompt}, timeout=60)
+        opened.append(r.json()["ctx_id"])
+        return time.monotonic() - t0
 
-    busy = [threading.Thread(target=long_open) for _ in range(4)]
+    n = min(40, max(3, math.ceil(0.6 / long_open())))  # enough prefills for ~0.6 s of model work
+    busy = [threading.Thread(target=long_open) for _ in range(n)]
     for t in busy:
         t.start()
-    time.sleep(0.1)
+    wait_for(lambda: metric(cloud_server, "specsplit_cloud_queue_depth") >= 2)  # they hold the model
     with pytest.raises((httpx.TimeoutException, WireError)) as e:
         impatient.verify(body)
     if isinstance(e.value, WireError):
@@ -126,6 +146,8 @@ def test_round_replayed_after_the_edge_timed_out(client: RestClient | GrpcClient
     impatient.shutdown()
     for t in busy:
         t.join()
+    for other in opened:
+        httpx.delete(f"{cloud_server.http_url}/v1/sessions/{other}")
     deadline = time.monotonic() + 10
     while client.get(ctx_id)["counters"]["rounds"] == rounds_before and time.monotonic() < deadline:
         time.sleep(0.05)  # the abandoned round is applied once the model gets to it
