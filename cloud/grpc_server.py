@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict
 from typing import Any, TypeVar
@@ -45,6 +46,7 @@ GRPC_CODES: dict[str, grpc.StatusCode] = {
     "resource_exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,
     "payload_too_large": grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
+log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Verifier"].full_name
 R = TypeVar("R")
 
@@ -122,12 +124,22 @@ def _mapped(method: Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[R]]
                 raise InvalidArgument(f"malformed message: {request.error}")
             return await method(self, request, context)
         except SpecSplitError as err:
-            self.service.count_error(err.code)
-            context.set_trailing_metadata((("specsplit-error", json.dumps(err.to_body())),))
-            await context.abort(GRPC_CODES.get(err.code, grpc.StatusCode.INTERNAL), err.message)
+            await _abort(self, context, err)
             raise  # unreachable: abort raises
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # a bug or a device failure: INTERNAL with a body, logged
+            log.exception("unexpected error in %s", method.__name__)
+            await _abort(self, context, SpecSplitError(f"internal error: {type(exc).__name__}"))
+            raise
 
     return call
+
+
+async def _abort(servicer: VerifierServicer, context: grpc.aio.ServicerContext, err: SpecSplitError) -> None:
+    servicer.service.count_error(err.code)
+    context.set_trailing_metadata((("specsplit-error", json.dumps(err.to_body())),))
+    await context.abort(GRPC_CODES.get(err.code, grpc.StatusCode.INTERNAL), err.message)
 
 
 class VerifierServicer(pb_grpc.VerifierServicer):

@@ -8,6 +8,7 @@ OpenAPI docs at /docs.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import asdict
 from typing import Any
@@ -24,6 +25,8 @@ from cloud.service import GenerateEvent, GenerateRequest, VerifierService
 from shared.config import SamplingConfig
 from shared.errors import ERRORS_BY_STATUS, PayloadTooLarge, SpecSplitError
 from shared.protocol import DraftProposal, OpenSessionRequest, SparseDist, VerifyRequest
+
+log = logging.getLogger(__name__)
 
 
 class SamplingBody(BaseModel):
@@ -142,6 +145,11 @@ def create_app(service: VerifierService) -> FastAPI:
     async def on_error(_: Request, err: SpecSplitError) -> JSONResponse:
         service.count_error(err.code)
         return _error_response(err)
+
+    @app.exception_handler(Exception)
+    async def on_crash(r: Request, exc: Exception) -> JSONResponse:
+        log.exception("unexpected error on %s", r.url.path)
+        return await on_error(r, SpecSplitError(f"internal error: {type(exc).__name__}"))
 
     @app.exception_handler(RequestValidationError)
     async def on_invalid(_: Request, exc: RequestValidationError) -> JSONResponse:

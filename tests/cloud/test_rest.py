@@ -138,3 +138,18 @@ def test_generate_streams_server_sent_events(client: Callable[..., TestClient]) 
     done = json.loads(events[-1].split("data: ", 1)[1])
     assert tokens == done["token_ids"] == plain["token_ids"] and len(tokens) == 5
     assert done["metrics"]["stop_reason"] == "length"
+
+
+def test_unexpected_failure_is_500_with_an_error_body(make_service: Callable[..., VerifierService],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    svc = make_service()
+
+    async def broken(*a: Any, **kw: Any) -> None:
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(svc, "verify", broken)
+    with TestClient(create_app(svc), raise_server_exceptions=False) as c:
+        r = c.post("/v1/verify", json={"ctx_id": "x", "ctx_len": 1, "ctx_hash": "0" * 16, "draft_tokens": [],
+                                       "q_token_probs": [], "k": 0})
+    assert r.status_code == 500
+    assert r.json()["error"]["code"] == "internal" and "RuntimeError" in r.json()["error"]["message"]
