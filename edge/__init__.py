@@ -1,0 +1,20 @@
+"""specsplit edge client: drafts on the device, has the cloud verify, commits the target's text.
+
+    from edge import EdgeClient, EdgeSettings
+    client = EdgeClient(EdgeSettings(cloud_url="http://127.0.0.1:8000", draft="models/demo-draft"))
+    result = client.generate("def fib(n):", max_new_tokens=64)      # text, ids, rounds, metrics
+    for tok in client.stream("Once upon a time"):                    # committed tokens as they come
+        print(tok.token_id, tok.origin)
+
+Layout: drafters/ (the Drafter interface, ModelDrafter, NGramDrafter), gating.py (uncertainty
+gate), round_control.py (dynamic k), transport/ (REST and gRPC behind one interface, error
+mapping), speculative.py (one session's rounds and recovery), client.py (modes, streaming),
+metrics.py, settings.py (EdgeSettings, env prefix SPECSPLIT_EDGE_), cli.py (specsplit-edge).
+"""
+
+from .client import EdgeClient, Generation, GenerationResult
+from .metrics import CommittedToken, EdgeMetrics, RoundRecord
+from .settings import EdgeSettings
+
+__all__ = ["CommittedToken", "EdgeClient", "EdgeMetrics", "EdgeSettings", "Generation", "GenerationResult",
+           "RoundRecord"]

@@ -282,10 +282,12 @@ class EdgeClient:
             return
         up, down = transport.traffic.bytes_up, transport.traffic.bytes_down
         job.metrics.cloud_calls += 1
-        out = transport.generate(job.prompt_ids, job.params.sampling, job.params.seed, job.max_new_tokens,
-                                 self._policy().open_timeout_s)
-        job.metrics.bytes_up += transport.traffic.bytes_up - up
-        job.metrics.bytes_down += transport.traffic.bytes_down - down
         job.metrics.rounds += 1
-        for tok in out.token_ids:
-            yield CommittedToken(tok, "target", 0)
+        try:
+            for item in transport.generate_stream(job.prompt_ids, job.params.sampling, job.params.seed,
+                                                  job.max_new_tokens, self._policy().open_timeout_s):
+                if isinstance(item, int):
+                    yield CommittedToken(item, "target", 0)
+        finally:
+            job.metrics.bytes_up += transport.traffic.bytes_up - up
+            job.metrics.bytes_down += transport.traffic.bytes_down - down

@@ -6,6 +6,7 @@ raises only `shared.errors` types (plus the edge's CloudTimeout / CloudUnavailab
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -63,5 +64,10 @@ class Transport(Protocol):
 
     def generate(self, prompt_ids: list[int], cfg: SamplingConfig, seed: int, max_new_tokens: int,
                  timeout: float) -> GenerateResult: ...
+
+    def generate_stream(self, prompt_ids: list[int], cfg: SamplingConfig, seed: int, max_new_tokens: int,
+                        timeout: float) -> Iterator[int | GenerateResult]:
+        """Target-only generation as it happens: each token id, then the GenerateResult."""
+        ...
 
     def close(self) -> None: ...

@@ -108,6 +108,15 @@ def error_from_grpc(code: grpc.StatusCode, message: str,
     return _build(cls, text or code.name, details)
 
 
+def error_from_body(body: dict[str, Any]) -> SpecSplitError:
+    """An error body `{"error": {"code", "message", ...}}` without a status (e.g. mid-stream) -> its type."""
+    err = body.get("error") if isinstance(body.get("error"), dict) else {}
+    assert isinstance(err, dict)
+    by_code = {cls.code: cls for cls in ERRORS_BY_STATUS.values()}
+    cls = by_code.get(str(err.get("code")), CloudUnavailable)
+    return _build(cls, str(err.get("message") or "error event"), err)
+
+
 def is_retryable(err: SpecSplitError) -> bool:
     """Back off and send again: capacity, size limits (per PROTOCOL.md), 5xx and connection errors."""
     return isinstance(err, (ResourceExhausted, PayloadTooLarge, CloudUnavailable)) or (

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
@@ -100,6 +100,10 @@ class GrpcTransport:
 
     def generate(self, prompt_ids: list[int], cfg: SamplingConfig, seed: int, max_new_tokens: int,
                  timeout: float) -> GenerateResult:
+        raise CloudUnavailable("the gRPC service has no target-only generate call")
+
+    def generate_stream(self, prompt_ids: list[int], cfg: SamplingConfig, seed: int, max_new_tokens: int,
+                        timeout: float) -> Iterator[int | GenerateResult]:
         raise CloudUnavailable("the gRPC service has no target-only generate call")
 
     def close(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -18,7 +19,7 @@ from shared.protocol import (
 )
 
 from .base import GenerateResult, ModelInfo, Traffic
-from .errors import CloudTimeout, CloudUnavailable, error_from_http
+from .errors import CloudTimeout, CloudUnavailable, error_from_body, error_from_http
 
 
 def verify_request_json(req: VerifyRequest, sampling: SamplingConfig | None = None) -> dict[str, Any]:
@@ -114,6 +115,41 @@ class RestTransport:
                 "max_new_tokens": max_new_tokens}
         d = self._call("POST", "/v1/generate", body, timeout)
         return GenerateResult([int(t) for t in d["token_ids"]], dict(d.get("metrics") or {}))
+
+    def generate_stream(self, prompt_ids: list[int], cfg: SamplingConfig, seed: int, max_new_tokens: int,
+                        timeout: float) -> Iterator[int | GenerateResult]:
+        """POST /v1/generate with "stream": true (server-sent events)."""
+        body = {"prompt_ids": prompt_ids, "sampling_cfg": cfg.to_dict(), "seed": seed,
+                "max_new_tokens": max_new_tokens, "stream": True}
+        content = json.dumps(body, separators=(",", ":")).encode()
+        self.traffic.calls += 1
+        self.traffic.bytes_up += len(content)
+        ids: list[int] = []
+        try:
+            with self._http.stream("POST", "/v1/generate", content=content, timeout=timeout) as r:
+                if r.status_code >= 400:
+                    raise error_from_http(r.status_code, r.read())
+                event = "message"
+                for line in r.iter_lines():
+                    self.traffic.bytes_down += len(line) + 1
+                    if line.startswith("event:"):
+                        event = line[6:].strip()
+                    elif line.startswith("data:"):
+                        data = json.loads(line[5:])
+                        if event == "error":
+                            raise error_from_body(data)
+                        if event == "done":
+                            yield GenerateResult(ids, dict(data.get("metrics") or {}))
+                            return
+                        ids.append(int(data["token_id"]))
+                        yield ids[-1]
+                    elif not line:
+                        event = "message"
+        except httpx.TimeoutException as e:
+            raise CloudTimeout(f"POST /v1/generate: no answer within {timeout:.3f} s") from e
+        except httpx.TransportError as e:
+            raise CloudUnavailable(f"POST /v1/generate: {type(e).__name__}: {e}") from e
+        raise CloudUnavailable("POST /v1/generate: the event stream ended without 'done'")
 
     def close(self) -> None:
         self._http.close()

@@ -9,6 +9,7 @@ the request is applied before the error is raised (a lost or late answer).
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -173,6 +174,12 @@ class FakeCloud:
             if tok in self.eos_ids:
                 break
         return GenerateResult(out)
+
+    def generate_stream(self, prompt_ids: list[int], cfg: SamplingConfig, seed: int, max_new_tokens: int,
+                        timeout: float) -> Iterator[int | GenerateResult]:
+        out = self.generate(prompt_ids, cfg, seed, max_new_tokens, timeout)
+        yield from out.token_ids
+        yield out
 
     def close(self) -> None:
         return None

@@ -87,3 +87,11 @@ def test_grpc_details_from_the_clouds_trailing_error_body() -> None:
     size = json.dumps({"error": {"code": "payload_too_large", "message": "big"}})
     assert isinstance(error_from_grpc(grpc.StatusCode.RESOURCE_EXHAUSTED, "big", (("specsplit-error", size),)),
                       PayloadTooLarge)
+
+
+def test_error_body_without_a_status_maps_by_code() -> None:
+    from edge.transport.errors import error_from_body
+
+    assert isinstance(error_from_body({"error": {"code": "resource_exhausted", "message": "busy"}}), ResourceExhausted)
+    assert isinstance(error_from_body({"error": {"code": "not_found", "message": "x"}}), NotFound)
+    assert isinstance(error_from_body({"oops": 1}), CloudUnavailable)
