@@ -233,6 +233,8 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--smoke", action="store_true", help="a few steps on a small corpus, for CI")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue training the pair saved in OUT (same tokenizer) instead of starting afresh")
     ap.add_argument("--eval-only", action="store_true",
                     help="skip training: load OUT/demo-target and OUT/demo-draft and rewrite the report")
     args = ap.parse_args()
@@ -260,26 +262,34 @@ def main() -> None:
 
     t_dir.mkdir(parents=True, exist_ok=True)
     d_dir.mkdir(parents=True, exist_ok=True)
-    tok = train_tokenizer(train_files, t_dir)
-    tok.save_pretrained(d_dir)
+    previous = json.loads(report_path.read_text()) if args.resume and report_path.exists() else {}
+    if args.resume:
+        tok = PreTrainedTokenizerFast.from_pretrained(t_dir)
+        target, draft = GPT2LMHeadModel.from_pretrained(t_dir), GPT2LMHeadModel.from_pretrained(d_dir)
+    else:
+        tok = train_tokenizer(train_files, t_dir)
+        tok.save_pretrained(d_dir)
+        target, draft = make_model(TARGET, tok), make_model(DRAFT, tok)
     train_ids, val_ids = encode_files(tok, train_files), encode_files(tok, held_files)
     log.info("tokens: train %d, held-out %d", len(train_ids), len(val_ids))
 
-    target = make_model(TARGET, tok)
-    t_stats = train_loop(target, ce_loss(target), train_ids, args.target_minutes, max_steps, 2e-3,
+    peak = 1e-3 if args.resume else 2e-3  # a continued run starts from a trained model: a gentler peak
+    t_stats = train_loop(target, ce_loss(target), train_ids, args.target_minutes, max_steps, peak,
                          args.batch, args.seq, "target")
     target.save_pretrained(t_dir)
-    draft = make_model(DRAFT, tok)
     for p in target.parameters():
         p.requires_grad_(False)
-    d_stats = train_loop(draft, kl_loss(draft, target), train_ids, args.draft_minutes, max_steps, 3e-3,
+    d_stats = train_loop(draft, kl_loss(draft, target), train_ids, args.draft_minutes, max_steps, 1.5 * peak,
                          args.batch, args.seq, "draft")
     draft.save_pretrained(d_dir)
 
     report = report_pair(target, draft, tok, val_ids, args.seq, args.smoke)
+    runs_t = previous.get("target_training_runs", [previous["target_training"]] if "target_training" in previous else [])
+    runs_d = previous.get("draft_training_runs", [previous["draft_training"]] if "draft_training" in previous else [])
     report.update({
         "target_shape": asdict(TARGET), "draft_shape": asdict(DRAFT),
-        "target_training": t_stats, "draft_training": d_stats, "train_tokens_available": int(len(train_ids)),
+        "target_training_runs": runs_t + [t_stats], "draft_training_runs": runs_d + [d_stats],
+        "train_tokens_available": int(len(train_ids)),
     })
     report_path.write_text(json.dumps(report, indent=2) + "\n")
     log.info("report: %s", json.dumps(report))

@@ -15,7 +15,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train_demo_models.py
 REPORT_KEYS = {
     "target_val_loss", "draft_val_loss", "greedy_agreement", "beta_t1", "target_ms_per_token",
     "draft_ms_per_token", "cost_ratio_target_over_draft", "target_params", "draft_params", "target_shape",
-    "draft_shape", "vocab", "target_training", "draft_training", "train_tokens_available", "held_out_tokens",
+    "draft_shape", "vocab", "target_training_runs", "draft_training_runs", "train_tokens_available", "held_out_tokens",
     "held_out_windows", "window", "torch_threads", "machine", "python", "torch",
 }
 
@@ -32,7 +32,8 @@ def test_smoke_run_writes_loadable_models_and_a_report(tmp_path: Path) -> None:
     for key in ("target_val_loss", "draft_val_loss", "target_ms_per_token", "draft_ms_per_token"):
         assert math.isfinite(report[key]) and report[key] > 0, key
     assert 0 <= report["greedy_agreement"] <= 1 and 0 < report["beta_t1"] <= 1
-    assert report["target_training"]["steps"] == report["draft_training"]["steps"] == 3
+    assert [r["steps"] for r in report["target_training_runs"]] == [3]
+    assert [r["steps"] for r in report["draft_training_runs"]] == [3]
     assert report["target_params"] > report["draft_params"] > 0
     assert report["window"] == 32 and report["torch_threads"] == 1
 
@@ -52,3 +53,18 @@ def test_smoke_run_writes_loadable_models_and_a_report(tmp_path: Path) -> None:
         with torch.no_grad():
             logits = model(torch.tensor([ids])).logits  # [1, n, vocab]
         assert logits.shape == (1, len(ids), len(tok)) and torch.isfinite(logits).all()
+
+
+def test_resume_continues_the_saved_pair_and_keeps_the_tokenizer(tmp_path: Path) -> None:
+    base = [sys.executable, str(SCRIPT), "--smoke", "--batch", "2", "--seq", "32", "--threads", "1",
+            "--target-minutes", "5", "--draft-minutes", "5", "--out", str(tmp_path)]
+    assert subprocess.run(base, capture_output=True, timeout=300).returncode == 0
+    vocab_before = (tmp_path / "demo-target" / "tokenizer.json").read_text()
+    weights_before = (tmp_path / "demo-target" / "model.safetensors").read_bytes()
+    proc = subprocess.run(base + ["--resume"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "training_report.json").read_text())
+    assert [r["steps"] for r in report["target_training_runs"]] == [3, 3]
+    assert [r["steps"] for r in report["draft_training_runs"]] == [3, 3]
+    assert (tmp_path / "demo-target" / "tokenizer.json").read_text() == vocab_before
+    assert (tmp_path / "demo-target" / "model.safetensors").read_bytes() != weights_before
