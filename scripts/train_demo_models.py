@@ -265,7 +265,10 @@ def main() -> None:
     previous = json.loads(report_path.read_text()) if args.resume and report_path.exists() else {}
     if args.resume:
         tok = PreTrainedTokenizerFast.from_pretrained(t_dir)
-        target, draft = GPT2LMHeadModel.from_pretrained(t_dir), GPT2LMHeadModel.from_pretrained(d_dir)
+        target = GPT2LMHeadModel.from_pretrained(t_dir)
+        has_draft = (d_dir / "config.json").exists()
+        draft = GPT2LMHeadModel.from_pretrained(d_dir) if has_draft else make_model(DRAFT, tok)
+        tok.save_pretrained(d_dir)
     else:
         tok = train_tokenizer(train_files, t_dir)
         tok.save_pretrained(d_dir)
