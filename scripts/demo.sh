@@ -2,6 +2,8 @@
 # The README's demo command: install, start the cloud verifier on loopback with the bundled
 # target, run the edge client against it with the bundled draft (text streams as it is
 # committed), then stop the cloud. Usage: bash scripts/demo.sh ["PROMPT"] [extra specsplit-edge flags]
+# One torch thread per process: cloud and edge share this machine's cores, and two
+# multi-threaded torch processes on two cores slow each other down many times over.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh dev,bench >/dev/null
@@ -12,7 +14,7 @@ grpc_port=${SPECSPLIT_DEMO_GRPC_PORT:-50051}
 log=$(mktemp -t specsplit-cloud.XXXXXX.log)
 
 .venv/bin/specsplit-cloud --model models/demo-target --host 127.0.0.1 \
-  --http-port "$http_port" --grpc-port "$grpc_port" >"$log" 2>&1 &
+  --http-port "$http_port" --grpc-port "$grpc_port" --torch-threads 1 >"$log" 2>&1 &
 cloud=$!
 trap 'kill $cloud 2>/dev/null; wait $cloud 2>/dev/null || true' EXIT
 for _ in $(seq 1 120); do
@@ -24,4 +26,4 @@ for _ in $(seq 1 120); do
 done
 echo "cloud verifier ready on http://127.0.0.1:$http_port (gRPC :$grpc_port); log: $log"
 .venv/bin/specsplit-edge generate "$prompt" --cloud "http://127.0.0.1:$http_port" \
-  --draft models/demo-draft --mode speculative --max-new-tokens 120 "$@"
+  --draft models/demo-draft --mode speculative --max-new-tokens 120 --threads 1 "$@"
