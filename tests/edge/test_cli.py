@@ -1,0 +1,54 @@
+"""CLI pieces: flags -> EdgeSettings, live text coloured by origin on a terminal, the JSONL round log."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from edge.cli import COLOURS, LOG_FIELDS, LiveText, build_parser, settings_from_args, summary_table, write_log
+
+
+def test_flags_override_settings_and_unset_flags_leave_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPECSPLIT_EDGE_TOP_P", "0.5")
+    args = build_parser().parse_args(["generate", "hi", "--grpc", "127.0.0.1:1", "--draft", "ngram", "--k", "4",
+                                      "--temperature", "0", "--no-timeout-fallback", "--send-q-dists"])
+    s = settings_from_args(args)
+    assert s.grpc_target == "127.0.0.1:1" and s.draft == "ngram" and s.fixed_k == 4 and s.temperature == 0
+    assert s.top_p == 0.5 and s.timeout_fallback is False and s.send_q_dists is True
+    assert s.repetition_penalty == 1.1 and s.k_start == 6 and s.timeout_ms == 400  # documented defaults
+
+
+class Letters:
+    """A stand-in tokenizer client: token i decodes to chr(97 + i)."""
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(97 + i) for i in ids)
+
+
+def test_live_text_colours_each_token_by_origin_only_on_a_terminal() -> None:
+    out = io.StringIO()
+    live = LiveText(Letters(), out, colour=True)  # type: ignore[arg-type]
+    for tok, origin in [(0, "accepted"), (1, "correction"), (2, "local")]:
+        live.add(tok, origin)
+    assert out.getvalue() == (f"{COLOURS['accepted']}a\x1b[0m{COLOURS['correction']}b\x1b[0m"
+                              f"{COLOURS['local']}c\x1b[0m")
+    plain = io.StringIO()
+    live = LiveText(Letters(), plain, colour=False)  # type: ignore[arg-type]
+    for tok in (0, 1, 2):
+        live.add(tok, "bonus")
+    assert plain.getvalue() == "abc"
+
+
+def test_round_log_has_one_line_per_round_with_the_guide_fields(make_client: Any, tmp_path: Path) -> None:
+    client, _ = make_client(temperature=0, max_new_tokens=10)
+    result = client.generate("x = 1\ny = 2\n")
+    path = tmp_path / "log.jsonl"
+    write_log(str(path), result)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(lines) == len(result.rounds) and all(set(line) == set(LOG_FIELDS) for line in lines)
+    table = summary_table(result)
+    assert "acceptance rate" in table and "bytes up / down" in table
