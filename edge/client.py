@@ -10,10 +10,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from shared.config import SamplingConfig
-from shared.errors import InvalidArgument
+from shared.errors import InvalidArgument, SpecSplitError
 from shared.verify import DraftKind
 
 from .drafters.base import DraftBlock, Drafter
@@ -23,6 +23,9 @@ from .round_control import KController
 from .settings import EdgeSettings, Mode
 from .speculative import RecoveryPolicy, SessionParams, SpeculativeRun, check_vocab
 from .transport.base import ModelInfo, Transport
+from .transport.errors import CloudTimeout, is_retryable
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -144,9 +147,21 @@ class EdgeClient:
 
     def model_info(self) -> ModelInfo:
         if self._model_info is None:
-            policy = self._policy()
-            self._model_info = self.transport.get_model(policy.open_timeout_s)
+            timeout = self._policy().open_timeout_s
+            self._model_info = self._retrying(lambda: self.transport.get_model(timeout))
         return self._model_info
+
+    def _retrying(self, fn: Callable[[], T]) -> T:
+        """fn() with backoff on retryable errors and timeouts (calls that change nothing)."""
+        policy, attempt = self._policy(), 0
+        while True:
+            try:
+                return fn()
+            except SpecSplitError as e:
+                if not (is_retryable(e) or isinstance(e, CloudTimeout)) or attempt >= policy.max_retries:
+                    raise
+                attempt += 1
+                self.sleep(policy.backoff(attempt))
 
     def encode(self, prompt: str) -> list[int]:
         ids = list(self.tokenizer.encode(prompt))
@@ -281,13 +296,27 @@ class EdgeClient:
             yield from self._speculative(job, NoDrafter(), origin_map={"bonus": "target"})
             return
         up, down = transport.traffic.bytes_up, transport.traffic.bytes_down
-        job.metrics.cloud_calls += 1
+        policy, attempt = self._policy(), 0
+        got: list[int] = []
         job.metrics.rounds += 1
         try:
-            for item in transport.generate_stream(job.prompt_ids, job.params.sampling, job.params.seed,
-                                                  job.max_new_tokens, self._policy().open_timeout_s):
-                if isinstance(item, int):
-                    yield CommittedToken(item, "target", 0)
+            while True:
+                job.metrics.cloud_calls += 1
+                try:
+                    # the cloud's draws are keyed by (seed, position): resuming from prompt + the
+                    # tokens received so far continues the very same text
+                    for item in transport.generate_stream(job.prompt_ids + got, job.params.sampling, job.params.seed,
+                                                          job.max_new_tokens - len(got), policy.open_timeout_s):
+                        if isinstance(item, int):
+                            got.append(item)
+                            yield CommittedToken(item, "target", 0)
+                    return
+                except SpecSplitError as e:
+                    if not (is_retryable(e) or isinstance(e, CloudTimeout)) or attempt >= policy.max_retries:
+                        raise
+                    attempt += 1
+                    job.metrics.retries += 1
+                    self.sleep(policy.backoff(attempt))
         finally:
             job.metrics.bytes_up += transport.traffic.bytes_up - up
             job.metrics.bytes_down += transport.traffic.bytes_down - down

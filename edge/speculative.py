@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from shared.config import SamplingConfig
 from shared.errors import ContextMismatch, InvalidArgument, NotFound, SpecSplitError
-from shared.hashing import ctx_hash
+from shared.hashing import FNV_OFFSET, hash_hex, prefix_hashes
 from shared.protocol import DraftProposal, OpenSessionRequest, SparseDist, VerifyRequest, VerifyResponse
 from shared.verify import sample_residual
 
@@ -89,6 +89,8 @@ class SpeculativeRun:
         self.clock = clock
         self.sleep = sleep
         self.S: list[int] = []
+        # FNV-1a state after each token of S: the hash of any prefix without rehashing
+        self._states: list[int] = []
         self.cloud_len = 0
         self.ctx_id: str | None = None
         self.vocab_size = 0
@@ -100,7 +102,8 @@ class SpeculativeRun:
     # -- session --------------------------------------------------------------------------------
 
     def open(self, prompt_ids: Sequence[int], max_new_tokens: int) -> None:
-        self.S = [int(t) for t in prompt_ids]
+        self.S, self._states = [], []
+        self._extend([int(t) for t in prompt_ids])
         self._budget = max_new_tokens
         self.drafter.reset()
         self._open()
@@ -110,11 +113,19 @@ class SpeculativeRun:
         req = OpenSessionRequest(prompt_ids=list(self.S), sampling_cfg=self.params.sampling, seed=self.params.seed,
                                  correction=self.params.correction, max_new_tokens=self._budget)
         info = self._call(lambda: self.transport.open_session(req, self.policy.open_timeout_s), retry_timeouts=True)
-        if info.ctx_len != len(self.S) or info.ctx_hash != ctx_hash(self.S):
+        if info.ctx_len != len(self.S) or info.ctx_hash != self.hash_at(len(self.S)):
             raise SpecSplitError(f"opened session holds {info.ctx_len} tokens / hash {info.ctx_hash}, "
-                                 f"expected {len(self.S)} / {ctx_hash(self.S)}")
+                                 f"expected {len(self.S)} / {self.hash_at(len(self.S))}")
         self.ctx_id, self.cloud_len, self.vocab_size = info.ctx_id, info.ctx_len, info.vocab_size
         self._stale_floor = NO_STALE
+
+    def _extend(self, tokens: Sequence[int]) -> None:
+        self._states.extend(prefix_hashes(tokens, self._states[-1] if self._states else FNV_OFFSET))
+        self.S.extend(tokens)
+
+    def hash_at(self, n: int) -> str:
+        """ctx_hash of S[:n]."""
+        return hash_hex(self._states[n - 1] if n else FNV_OFFSET)
 
     def close(self) -> None:
         if self.ctx_id is None:
@@ -180,7 +191,8 @@ class SpeculativeRun:
                 q_dists.append(SparseDist(ids.tolist(), q[ids].tolist()))
         assert self.ctx_id is not None
         return VerifyRequest(
-            ctx_id=self.ctx_id, ctx_len=len(self.S), ctx_hash=ctx_hash(self.S), append_ids=self.S[self.cloud_len:],
+            ctx_id=self.ctx_id, ctx_len=len(self.S), ctx_hash=self.hash_at(len(self.S)),
+            append_ids=self.S[self.cloud_len:],
             draft=DraftProposal(draft_tokens=list(block.tokens), q_token_probs=list(block.q_probs),
                                 draft_kind=block.kind, q_dists=q_dists,
                                 hard_mask=None if decision is None else decision.hard_mask),
@@ -271,8 +283,8 @@ class SpeculativeRun:
         else:
             assert resp.correction is not None
             out.append((int(resp.correction), "bonus" if resp.next_kind == "bonus" else "correction"))
-        self.S.extend(t for t, _ in out)
-        if 0 <= resp.ctx_len <= len(self.S) and resp.ctx_hash == ctx_hash(self.S[:resp.ctx_len]):
+        self._extend([t for t, _ in out])
+        if 0 <= resp.ctx_len <= len(self.S) and resp.ctx_hash == self.hash_at(resp.ctx_len):
             self.cloud_len = resp.ctx_len  # the residual (if any) goes as append_ids next round
         else:
             log.warning("cloud context %d/%s disagrees with ours after the round: reopening next round",
@@ -294,7 +306,7 @@ class SpeculativeRun:
     def _commit_local(self, block: DraftBlock, tokens: list[int], why: str, edge_ms: float,
                       decision: GateDecision | None, rtt_ms: float = 0.0, traffic: tuple[int, int] = (0, 0),
                       extra_calls: int = 0) -> list[tuple[int, Origin]]:
-        self.S.extend(tokens)
+        self._extend(tokens)
         self.metrics.local_commits += len(tokens)
         self.metrics.gated_rounds += int(why == "gate")
         self._record(block.k, len(tokens), "local", why, len(tokens), edge_ms, rtt_ms, traffic, decision,

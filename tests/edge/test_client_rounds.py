@@ -148,3 +148,32 @@ def test_sampling_mismatch_with_the_session_is_an_error(make_client, fake_cloud:
     monkeypatch.setattr(fake_cloud, "open_session", open_with_other_settings)
     with pytest.raises(InvalidArgument, match="sampling"):
         client.generate(PROMPTS[0])
+
+
+def test_cloud_only_resumes_an_interrupted_stream_with_the_same_tokens(make_client, fake_cloud: FakeCloud) -> None:
+    from edge.transport.errors import CloudUnavailable
+
+    client, clock = make_client(temperature=0.8, max_new_tokens=12, mode="cloud_only", seed=4)
+    ref = client.generate(PROMPTS[1]).token_ids
+    real = fake_cloud.generate_stream
+    calls = []
+
+    def flaky(prompt_ids, cfg, seed, n, timeout):  # type: ignore[no-untyped-def]
+        calls.append(len(prompt_ids))
+        for i, item in enumerate(real(prompt_ids, cfg, seed, n, timeout)):
+            if len(calls) == 1 and i == 5:
+                raise CloudUnavailable("connection reset mid-stream")
+            yield item
+
+    fake_cloud.generate_stream = flaky  # type: ignore[method-assign]
+    r = client.generate(PROMPTS[1])
+    assert r.token_ids == ref and r.metrics.retries == 1 and len(clock.sleeps) == 1
+    assert calls[1] == calls[0] + 5  # resumed after the five tokens received
+
+
+def test_model_info_is_retried(make_client, fake_cloud: FakeCloud) -> None:
+    from edge.transport.errors import CloudUnavailable
+
+    fake_cloud.fail("model", CloudUnavailable("starting"), times=2)
+    client, clock = make_client(temperature=0, max_new_tokens=3)
+    assert len(client.generate(PROMPTS[0]).token_ids) == 3 and len(clock.sleeps) == 2
