@@ -17,6 +17,7 @@ Answer: {"ok": true, "wall_ms", "peak_rss_bytes", "cpu_s", "generations": [...]}
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import logging
 import sys
@@ -41,13 +42,20 @@ class Pools:
         self._tokenizers: dict[str, Any] = {}
 
     def drafter(self, draft: str | None, slot: int) -> Any:
+        """Slot 0 loads the drafter; other slots are shallow copies after `reset()` (their own text
+        state, the same read-only weights), so 16 sessions do not load 16 models."""
         if draft is None:
             return None
         key = (draft, slot)
         if key not in self._drafters:
-            from edge.drafters import ModelDrafter, NGramDrafter
+            if slot == 0:
+                from edge.drafters import ModelDrafter, NGramDrafter
 
-            self._drafters[key] = NGramDrafter() if draft == "ngram" else ModelDrafter(draft)
+                self._drafters[key] = NGramDrafter() if draft == "ngram" else ModelDrafter(draft)
+            else:
+                twin = copy.copy(self.drafter(draft, 0))
+                twin.reset()
+                self._drafters[key] = twin
         return self._drafters[key]
 
     def transport(self, url: str, slot: int) -> Any:
@@ -114,6 +122,10 @@ def run_job(job: dict[str, Any], pools: Pools, rss: PeakRss) -> dict[str, Any]:
             errors.append(traceback.format_exc())
             start.abort()
 
+    for slot in range(len(sessions)):  # before the threads: loading a model is not thread-safe
+        pools.drafter(job["draft"], slot)
+        pools.transport(job["cloud_url"], slot)
+    pools.tokenizer(job["tokenizer"])
     threads = [threading.Thread(target=target, args=(i,), name=f"edge-{i}") for i in range(len(sessions))]
     rss.reset()
     cpu0 = cpu_seconds(rss.pid)

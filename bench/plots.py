@@ -68,15 +68,18 @@ def plot_accepted_hist(an: Analysis, out: Path) -> Path:
         s = an.get(Case("main", "speculative", drafter, sampling, k))
         if s is None or s.acc is None:
             continue
-        total = sum(s.acc.histogram.values())
+        hist = s.acc.histogram.get(k, {})  # rounds that drafted the full k (not the n-gram's shorter ones)
+        total = sum(hist.values())
+        if not total:
+            continue
         xs = list(range(k + 1))
-        shares = [s.acc.histogram.get(x, 0) / total for x in xs]
+        shares = [hist.get(x, 0) / total for x in xs]
         ax.bar([x + (i - (len(rows) - 1) / 2) * width for x in xs], shares, width=width,
-               label=f"spec-{drafter}, {sampling} (a = {s.acc.a:.2f})", color=f"C{i}")
+               label=f"spec-{drafter}, {sampling} (a = {s.acc.a:.2f}, {total} rounds)", color=f"C{i}")
         a = s.acc.a  # geometric law of La under a constant per-position acceptance a
         theory = [a**x * (1 - a) for x in range(k)] + [a**k]
         ax.plot([x + (i - (len(rows) - 1) / 2) * width for x in xs], theory, "k.", markersize=4)
-    ax.set_xlabel(f"accepted length La per round (fixed k = {k})")
+    ax.set_xlabel(f"accepted length La per round (rounds that drafted k = {k})")
     ax.set_ylabel("share of verified rounds")
     ax.set_title("Accepted-length histogram (dots: a^La (1 - a), a^k for La = k)")
     ax.legend(fontsize=7)

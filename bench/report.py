@@ -87,7 +87,10 @@ def setup_section(an: Analysis) -> list[str]:
         "start of this run): " + ", ".join(f"{k} {v:.2f} ms" for k, v in cal.t_target_ms.items())
         + "; prompt prefill P (first step of a 1-token generation): "
         + ", ".join(f"{p.name} {ms:.1f} ms" for p, ms in zip(r.prompts, cal.prefill_ms, strict=True)) + ".",
-        "- Hybrid drafter: not available in the edge (only the draft model and the n-gram drafter).", "",
+        "- Hybrid drafter: not available in the edge (only the draft model and the n-gram drafter).",
+        *([f"- GPU memory is not measured: the cloud ran on `{r.notes.get('device')}` and exposes no device "
+           "memory figure; RSS and KV above are host memory and the KV gauge."]
+          if r.notes.get("device", "cpu") != "cpu" else []), "",
     ]
 
 
@@ -232,16 +235,24 @@ def sessions_section(an: Analysis, rel: str) -> list[str]:
 
 
 def noise_section(an: Analysis) -> list[str]:
-    noisy = an.noisy()
     lines = ["## Noise", "",
              "Counts (acceptance, tokens per round, forwards, calls, bytes) are exact for this prompt set and "
              "these seeds: the *same ids every repeat* column checks the generated ids repeat for repeat. "
-             "Timings are not: the numbers below moved by more than 10 % between repeats (min–max).", ""]
-    if not noisy:
-        lines.append("No timing moved by more than 10 % between repeats.")
-    else:
-        lines += table(["case", "metric", "median", "min", "max"],
-                       [[c, m, fmt(s.mid, 2), fmt(s.lo, 2), fmt(s.hi, 2)] for c, m, s in noisy])
+             "Timings are not. Spread = (max - min) / median over the repeats of one case; the table gives, "
+             "per timing metric, how many cases moved by more than 10 % and the worst one. Treat any timing "
+             "difference smaller than its case's min–max range as noise.", ""]
+    skipped = an.results.notes.get("skipped")
+    if skipped:
+        lines += [f"Skipped to stay within the time budget (these cases have fewer repeats): {skipped}.", ""]
+    rows = []
+    for metric, items in an.spreads().items():
+        worst = max(items)
+        rows.append([metric, str(len(items)), str(sum(sp > 0.10 for sp, _ in items)),
+                     f"{100 * sorted(sp for sp, _ in items)[len(items) // 2]:.0f} %", f"{100 * worst[0]:.0f} %",
+                     worst[1]])
+    if rows:
+        lines += table(["metric", "cases repeated", "spread > 10 %", "median spread", "largest spread",
+                        "case"], rows)
     return lines + [""]
 
 

@@ -33,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cloud-threads", type=int, default=1, help="torch threads of the cloud model worker (default 1)")
     p.add_argument("--shared-edge-worker", action="store_true",
                    help="one edge process for every case (faster start; edge RSS then mixes drafters)")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="skip later repeats that would end the run after this many seconds "
+                        "(default 570 for the full run, none with --quick; 0 = no budget)")
     p.add_argument("--from-json", type=Path, default=None, help="re-render the report from a results.json")
     return p
 
@@ -74,7 +77,9 @@ def main(argv: list[str] | None = None) -> int:
             plan = with_repeats(plan, args.repeats)
         say(f"plan: {len(plan.cases)} cases, {plan.prompts_per_set} prompts per set, {plan.max_new_tokens} new tokens")
         runner = Runner(plan, args.target, args.draft, args.device, args.edge_threads, args.cloud_threads,
-                        shared_worker=args.shared_edge_worker or args.quick, progress=say)
+                        shared_worker=args.shared_edge_worker or args.quick,
+                        budget_s=args.budget_s if args.budget_s is not None else (0.0 if args.quick else 570.0),
+                        progress=say)
         results = runner.run(n_ping=5 if args.quick else 20)
         total_s = time.perf_counter() - t0
         results.total_s = total_s
@@ -86,10 +91,11 @@ def main(argv: list[str] | None = None) -> int:
     path = report.write(an, args.out, plots_dir, command, total_s)
     say("")
     say("\n".join(report.latency_table(report.main_rows(an))))
-    noisy = an.noisy()
-    say(f"\nnoisy numbers (min-max over repeats > 10 % of the median): {len(noisy)}")
-    for case, metric, st in noisy:
-        say(f"  {case} {metric}: {st.mid:.2f} ({st.lo:.2f}-{st.hi:.2f})")
+    say("\nnoisy numbers: timing metrics whose min-max over repeats exceeds 10 % of the median")
+    for metric, items in an.spreads().items():
+        worst = max(items)
+        say(f"  {metric}: {sum(sp > 0.10 for sp, _ in items)} of {len(items)} cases; largest "
+            f"{100 * worst[0]:.0f} % ({worst[1]})")
     say(f"\nwrote {path} and {plots_dir}/*.png in {total_s:.1f} s total")
     return 0
 

@@ -44,6 +44,10 @@ CLOUD_COUNTERS = ("specsplit_cloud_rounds_total", "specsplit_cloud_generated_tok
                   "specsplit_cloud_drafted_tokens_total", "specsplit_cloud_accepted_tokens_total",
                   "specsplit_cloud_prefill_ms_count", "specsplit_cloud_prefill_ms_sum")
 KV_GAUGE = "specsplit_cloud_kv_bytes"
+# seconds between two reads of KV_GAUGE during a case (each read costs the cloud a /metrics render)
+KV_POLL_S = 0.1
+# seconds kept for analysis, figures and the report when checking the time budget
+REPORT_RESERVE_S = 20.0
 # seed of prompt i (the same in every mode, so modes see the same draws where they can)
 SEED_BASE = 1000
 
@@ -196,17 +200,26 @@ class EdgeWorker:
 
 
 def worker_kind(case: Case, shared: bool = False) -> str:
-    """Edge worker process of a case: one per drafter kind (honest edge RSS), or one for all."""
-    return "all" if shared else (case.drafter or "none")
+    """Edge worker process of a case: one per drafter kind (honest edge RSS), plus one for the
+    multi-session model-drafter cases (their 16 drafter states would raise the others' peaks); or
+    one process for everything."""
+    if shared:
+        return "all"
+    if case.part == "concurrency" and case.drafter == "model":
+        return "model-sessions"
+    return case.drafter or "none"
 
 
 class Runner:
     def __init__(self, plan: Plan, target: Path, draft: Path, device: str = "cpu", edge_threads: int = 1,
-                 cloud_threads: int = 1, shared_worker: bool = False,
+                 cloud_threads: int = 1, shared_worker: bool = False, budget_s: float = 0.0,
                  progress: Callable[[str], None] = lambda s: None) -> None:
         self.plan, self.target, self.draft, self.device = plan, Path(target), Path(draft), device
         # one edge worker process for every case (faster start; edge RSS then mixes drafters)
         self.shared_worker = shared_worker
+        # whole-run time budget (0 = none): later repeats that would overrun it are skipped
+        self.budget_s = budget_s
+        self._warm: set[tuple[object, ...]] = set()
         self.edge_threads, self.cloud_threads, self.progress = edge_threads, cloud_threads, progress
         self.config = json.loads((self.target / "config.json").read_text())
         self.n_ctx = int(self.config.get("n_positions") or self.config.get("max_position_embeddings") or 1024)
@@ -247,7 +260,7 @@ class Runner:
 
     def _preload(self, kind: str) -> list[str]:
         """Drafters a worker loads while the cloud starts."""
-        return {"model": [str(self.draft)], "ngram": ["ngram"], "none": [],
+        return {"model": [str(self.draft)], "model-sessions": [str(self.draft)], "ngram": ["ngram"], "none": [],
                 "all": [str(self.draft), "ngram"]}[kind]
 
     def _work(self, case: Case, prompts: list[Prompt]) -> list[list[dict[str, Any]]]:
@@ -270,14 +283,16 @@ class Runner:
     def _run_case(self, case: Case, repeat: int, worker: EdgeWorker, cloud: CloudServer, cloud_rss: PeakRss,
                   url: str, proxy: DelayProxy | None, prompts: list[Prompt]) -> CaseRun:
         work = self._work(case, prompts)
-        if repeat == 0 and self.plan.warmup:  # warm-up: every session slot once, a few tokens, not measured
+        warm_key = (worker.name, case.mode, case.drafter, case.sampling, case.sessions, url)
+        if self.plan.warmup and warm_key not in self._warm:  # every session slot once, a few tokens, not measured
             worker.run(self._job(case, url, [w[:1] for w in work], 4))
+            self._warm.add(warm_key)
         job = self._job(case, url, work, self.plan.max_new_tokens)
         before = scrape(cloud.url)
         wire0 = (proxy.counters.bytes_up, proxy.counters.bytes_down) if proxy else (0, 0)
         cloud_rss.reset()
         cpu0 = cpu_seconds(cloud.pid)
-        with GaugePoller(cloud.url, KV_GAUGE) as kv:
+        with GaugePoller(cloud.url, KV_GAUGE, KV_POLL_S) as kv:
             ans = worker.run(job)
         cloud_cpu = cpu_seconds(cloud.pid) - cpu0
         cloud_peak = cloud_rss.peak_bytes()
@@ -288,6 +303,34 @@ class Runner:
                        kv_peak_bytes=kv.peak, kv_polls=kv.samples,
                        cloud_counters={c: after.get(c, 0.0) - before.get(c, 0.0) for c in CLOUD_COUNTERS},
                        wire_up=wire1[0] - wire0[0], wire_down=wire1[1] - wire0[1], generations=ans["generations"])
+
+    def _run_all(self, t_start: float, cloud: CloudServer, workers: dict[str, EdgeWorker],
+                 proxies: dict[float, DelayProxy], prompts: list[Prompt]) -> tuple[list[CaseRun], list[str]]:
+        """Repeat-major order. A repeat after the first is skipped when the time it took the first
+        time would end the run past the budget; the skipped ones are returned."""
+        cloud_rss = PeakRss(cloud.pid)
+        runs: list[CaseRun] = []
+        took: dict[str, float] = {}
+        skipped: list[str] = []
+        for rep in range(max(c.repeats for c in self.plan.cases)):
+            for case in self.plan.cases:
+                if rep >= case.repeats:
+                    continue
+                elapsed = time.perf_counter() - t_start
+                if rep > 0 and self.budget_s and elapsed + took[case.key] + REPORT_RESERVE_S > self.budget_s:
+                    skipped.append(f"{case.key} repeat {rep + 1}")
+                    continue
+                t0 = time.perf_counter()
+                proxy = proxies.get(case.rtt_ms)
+                worker = workers[worker_kind(case, self.shared_worker)]
+                runs.append(self._run_case(case, rep, worker, cloud, cloud_rss, proxy.url if proxy else cloud.url,
+                                           proxy, prompts))
+                took.setdefault(case.key, time.perf_counter() - t0)
+                self.progress(f"[{time.perf_counter() - t_start:6.1f} s] repeat {rep + 1} {case.key} "
+                              f"({time.perf_counter() - t0:.1f} s)")
+        if skipped:
+            self.progress(f"time budget {self.budget_s:.0f} s: skipped {len(skipped)} later repeats")
+        return runs, skipped
 
     # -- the whole plan ---------------------------------------------------------------------------
 
@@ -312,31 +355,22 @@ class Runner:
             calib = self._calibrate(cloud, proxies, prompts, n_ping)
             self.progress(f"set-up done in {time.perf_counter() - t_start:.1f} s; target "
                           + ", ".join(f"{k} {v:.2f} ms/token" for k, v in calib.t_target_ms.items()))
-            cloud_rss = PeakRss(cloud.pid)
             edge_rss_ok = PeakRss(next(iter(workers.values())).pid).resettable
-            runs: list[CaseRun] = []
-            for rep in range(max(c.repeats for c in self.plan.cases)):
-                for case in self.plan.cases:
-                    if rep >= case.repeats:
-                        continue
-                    t0 = time.perf_counter()
-                    proxy = proxies.get(case.rtt_ms)
-                    url = proxy.url if proxy else cloud.url
-                    runs.append(self._run_case(case, rep, workers[worker_kind(case, self.shared_worker)], cloud, cloud_rss, url, proxy,
-                                               prompts))
-                    self.progress(f"[{time.perf_counter() - t_start:6.1f} s] repeat {rep + 1} {case.key} "
-                                  f"({time.perf_counter() - t0:.1f} s)")
+            runs, skipped = self._run_all(t_start, cloud, workers, proxies, prompts)
+            cloud_resettable = PeakRss(cloud.pid).resettable
             notes = {
                 "delay": "injected by bench/delay_proxy.py: a loopback TCP proxy adding rtt/2 to each direction",
                 "edge_rss": ("VmHWM of the one edge worker process that ran every case (drafters of earlier "
                              "cases stay loaded)" if self.shared_worker else
                              "VmHWM of the edge worker process (python + torch + tokenizer + drafter + its "
-                             "HTTP clients; one process per drafter kind)") + ", reset per case"
+                             "HTTP clients; one process per drafter kind, another for the multi-session "
+                             "cases)") + ", reset per case"
                             + ("" if edge_rss_ok else " (reset refused: from start)"),
                 "cloud_rss": "VmHWM of the specsplit-cloud process, reset per case"
-                             + ("" if cloud_rss.resettable else " (reset refused: from process start)"),
-                "kv": f"largest {KV_GAUGE} of GET /metrics, polled every 50 ms during the case",
+                             + ("" if cloud_resettable else " (reset refused: from process start)"),
+                "kv": f"largest {KV_GAUGE} of GET /metrics, polled every {KV_POLL_S * 1000:g} ms during the case",
                 "device": self.device, "target": rel_to_repo(self.target), "draft": rel_to_repo(self.draft),
+                "skipped": "; ".join(skipped),
             }
             return RunResults(info, self.plan, prompts, calib, runs, notes, started,
                               total_s=time.perf_counter() - t_start)

@@ -25,6 +25,9 @@ from bench.theory import (
     predicted_tokens_per_round,
 )
 
+# the timing metrics whose spread over repeats the report gives
+TIMING = ("ttft_p50", "ttft_p95", "total_p50", "total_p95", "otps", "throughput", "speedup",
+          "tokens_per_cloud_cpu_s", "t_draft_ms")
 # round row columns (bench.edge_worker.round_rows)
 K, LA, KIND, BY, EDGE_MS, PREFILL_MS, RTT_MS = range(7)
 
@@ -69,8 +72,8 @@ class Acceptance:
     predicted_tokens_per_round: float
     # mean k of verified rounds
     mean_k: float
-    # histogram of La: {La: rounds}
-    histogram: dict[int, int] = field(default_factory=dict)
+    # histogram of La per k: {k: {La: rounds}}
+    histogram: dict[int, dict[int, int]] = field(default_factory=dict)
 
 
 def acceptance(gens: list[dict[str, Any]]) -> Acceptance | None:
@@ -84,7 +87,8 @@ def acceptance(gens: list[dict[str, Any]]) -> Acceptance | None:
                       mean_accepted=sum(la for _, la in pairs) / len(pairs),
                       tokens_per_round=sum(la + 1 for _, la in pairs) / len(pairs),
                       predicted_tokens_per_round=predicted_tokens_per_round(a, ks), mean_k=drafted / len(pairs),
-                      histogram=dict(sorted(Counter(la for _, la in pairs).items())))
+                      histogram={k: dict(sorted(Counter(la for kk, la in pairs if kk == k).items()))
+                                 for k in sorted(set(ks))})
 
 
 @dataclass
@@ -179,7 +183,8 @@ def summarise(case: Case, runs: list[CaseRun], kv_per_token: int) -> CaseSummary
         total_p95=_per_repeat(runs, lambda r: pct([g["metrics"]["wall_ms"] for g in r.generations], 95)),
         otps=_per_repeat(runs, lambda r: tokens / (sum(g["metrics"]["wall_ms"] for g in r.generations) / 1000)),
         throughput=_per_repeat(runs, lambda r: tokens / (r.wall_ms / 1000)),
-        tokens_per_cloud_cpu_s=_per_repeat(runs, lambda r: tokens / r.cloud_cpu_s if r.cloud_cpu_s else 0.0),
+        tokens_per_cloud_cpu_s=(Stat.of([]) if case.mode == "edge_only" else  # the cloud only idles
+                                _per_repeat(runs, lambda r: tokens / r.cloud_cpu_s if r.cloud_cpu_s else 0.0)),
         cloud_cores_busy=_per_repeat(runs, lambda r: r.cloud_cpu_s / (r.wall_ms / 1000)),
         forwards_per_token=forwards * per_tok, calls_per_token=tot("cloud_calls") * per_tok,
         tokens_per_call=tokens / tot("cloud_calls") if tot("cloud_calls") else 0.0,
@@ -243,11 +248,22 @@ class Analysis:
     def get(self, case: Case) -> CaseSummary | None:
         return self.summaries.get(case.key)
 
+    def spreads(self) -> dict[str, list[tuple[float, str]]]:
+        """Per timing metric: (relative min-max spread, case) of every case with two or more repeats."""
+        out: dict[str, list[tuple[float, str]]] = {}
+        for s in self.summaries.values():
+            for name in TIMING:
+                st = getattr(s, name)
+                if isinstance(st, Stat) and st.n > 1:
+                    out.setdefault(name, []).append((st.spread, f"{s.case.part}: {s.case.label} {s.case.sampling} "
+                                                                 f"rtt {s.case.rtt_ms:g} x{s.case.sessions}"))
+        return out
+
     def noisy(self, threshold: float = 0.10) -> list[tuple[str, str, Stat]]:
         """(case label, metric, stat) whose min-max spread over repeats exceeds `threshold` of the median."""
         out = []
         for s in self.summaries.values():
-            for name in ("ttft_p50", "total_p50", "otps", "throughput", "speedup"):
+            for name in TIMING:
                 st = getattr(s, name)
                 if isinstance(st, Stat) and st.n > 1 and st.spread > threshold:
                     out.append((f"{s.case.part}: {s.case.label} {s.case.sampling} rtt {s.case.rtt_ms:g} "
