@@ -42,7 +42,8 @@ _FLAGS: dict[str, str] = {"cloud": "cloud_url", "grpc": "grpc_target", "api_key"
                           "send_q_dists": "send_q_dists", "k": "fixed_k", "k_start": "k_start", "k_min": "k_min",
                           "k_max": "k_max", "gating": "gating", "timeout_ms": "timeout_ms",
                           "timeout_fallback": "timeout_fallback", "ngram_order": "ngram_order",
-                          "filler_top_k": "filler_top_k", "device": "device", "r_hard": "r_hard"}
+                          "filler_top_k": "filler_top_k", "device": "device", "r_hard": "r_hard",
+                          "hybrid": "hybrid"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--timeout-fallback", action=argparse.BooleanOptionalAction, default=None)
     g.add_argument("--ngram-order", type=int)
     g.add_argument("--filler-top-k", type=int)
+    g.add_argument("--hybrid", action=argparse.BooleanOptionalAction, default=None,
+                   help="n-gram continuation while confident, the draft model for the rest")
     g.add_argument("--device")
     g.add_argument("--threads", type=int, help="torch threads of the draft model (default: torch's)")
     g.add_argument("--json", action="store_true", help="print one JSON object")

@@ -128,13 +128,17 @@ class EdgeClient:
     @property
     def drafter(self) -> Drafter:
         if self._drafter is None:
-            from .drafters import ModelDrafter, NGramDrafter
+            from .drafters import HybridDrafter, ModelDrafter, NGramDrafter
 
             s = self.settings
             if s.draft == "ngram":
                 self._drafter = NGramDrafter(order=s.ngram_order, filler_top_k=s.filler_top_k)
             else:
-                self._drafter = ModelDrafter(s.draft, device=s.device, mc_dropout_samples=s.mc_dropout_samples)
+                model = ModelDrafter(s.draft, device=s.device, mc_dropout_samples=s.mc_dropout_samples)
+                self._drafter = model
+                if s.hybrid:
+                    ngram = NGramDrafter(order=s.ngram_order, filler_top_k=s.filler_top_k)
+                    self._drafter = HybridDrafter(model, ngram, s.hybrid_min_level)
         return self._drafter
 
     @property
@@ -252,6 +256,9 @@ class EdgeClient:
         job.rounds = run.records
         limits = [m for m in (info.max_context, drafter.max_context) if m]
         max_context = min(limits) if limits else None
+        if drafter.max_context and len(job.prompt_ids) >= drafter.max_context:
+            raise InvalidArgument(f"the prompt has {len(job.prompt_ids)} tokens; the draft model holds "
+                                  f"{drafter.max_context} positions")
         traffic0 = (self.transport.traffic.bytes_up, self.transport.traffic.bytes_down)
         run.open(job.prompt_ids, job.max_new_tokens)
         if getattr(drafter, "vocab_size", 1) is None:  # n-gram: point masses need the vocabulary size
@@ -269,7 +276,11 @@ class EdgeClient:
             job.metrics.bytes_down += self.transport.traffic.bytes_down - traffic0[1]
 
     def _edge_only(self, job: _Job) -> Generator[CommittedToken, None, None]:
+        from .drafters import HybridDrafter
+
         drafter = self.drafter
+        if isinstance(drafter, HybridDrafter):  # a hybrid writes with its model
+            drafter = drafter.model
         if drafter.kind != "sampled":
             raise InvalidArgument("edge_only needs a draft model (the n-gram drafter cannot write alone)")
         drafter.reset()

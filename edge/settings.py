@@ -98,6 +98,10 @@ class EdgeSettings(BaseSettings):
     # n-gram drafter: longest context (tokens) and target top-k ids added per checked position
     ngram_order: int = Field(default=4, ge=1)
     filler_top_k: int = Field(default=0, ge=0)
+    # with a draft model: take the n-gram's continuation while it comes from a context of at least
+    # hybrid_min_level tokens, the model's for the rest of the block
+    hybrid: bool = False
+    hybrid_min_level: int = Field(default=2, ge=1)
 
     @model_validator(mode="after")
     def _check(self) -> EdgeSettings:

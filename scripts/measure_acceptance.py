@@ -1,7 +1,7 @@
 """Acceptance and speed of the edge's drafters against a cloud on loopback, vs the cloud_only baseline.
 
-For each configuration (cloud_only; speculative with the draft model; with the n-gram drafter, with
-and without the top-k filler) and every prompt, one generation; the table gives
+For each configuration (cloud_only; speculative with the draft model; the hybrid of n-gram and model;
+the n-gram drafter, with and without the top-k filler) and every prompt, one generation; the table gives
   mean La          accepted draft tokens per verify round
   accept rate      accepted / drafted
   tok/call         emitted tokens per cloud request (every attempt counted; open/close included)
@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from edge.client import EdgeClient  # noqa: E402
-from edge.drafters import ModelDrafter, NGramDrafter  # noqa: E402
+from edge.drafters import HybridDrafter, ModelDrafter, NGramDrafter  # noqa: E402
 from edge.metrics import EdgeMetrics  # noqa: E402
 from edge.settings import EdgeSettings  # noqa: E402
 
@@ -126,6 +126,8 @@ def configs(args: argparse.Namespace) -> list[tuple[str, dict[str, Any], Any]]:
     out: list[tuple[str, dict[str, Any], Any]] = [("cloud_only", {"mode": "cloud_only"}, None)]
     if draft is not None:
         out.append(("model drafter", {}, lambda: draft))
+        out.append(("hybrid n-gram/model", {"hybrid": True},
+                    lambda: HybridDrafter(draft, NGramDrafter(order=args.ngram_order), min_level=2)))
     out.append(("n-gram", {"draft": "ngram"}, lambda: NGramDrafter(order=args.ngram_order)))
     out.append((f"n-gram + filler top-{args.filler_top_k}", {"draft": "ngram", "filler_top_k": args.filler_top_k},
                 lambda: NGramDrafter(order=args.ngram_order, filler_top_k=args.filler_top_k)))

@@ -177,3 +177,12 @@ def test_model_info_is_retried(make_client, fake_cloud: FakeCloud) -> None:
     fake_cloud.fail("model", CloudUnavailable("starting"), times=2)
     client, clock = make_client(temperature=0, max_new_tokens=3)
     assert len(client.generate(PROMPTS[0]).token_ids) == 3 and len(clock.sleeps) == 2
+
+
+def test_a_prompt_longer_than_the_draft_model_is_refused(make_client, fake_cloud: FakeCloud,
+                                                         model_drafter: ModelDrafter) -> None:
+    client, _ = make_client(temperature=0, max_new_tokens=3)
+    assert model_drafter.max_context is not None
+    with pytest.raises(InvalidArgument, match="positions"):
+        client.generate(list(range(model_drafter.max_context)))
+    assert "open" not in fake_cloud.calls
