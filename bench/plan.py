@@ -111,7 +111,8 @@ def concurrency_cases(sessions: list[int], per_session: int, repeats: int) -> li
 
 
 def full_plan() -> Plan:
-    """About 3 minutes of measurement on 2 idle cores; the time budget trims later repeats on a busy machine."""
+    """About 7 minutes on 2 cores with another job busy on one of them; the time budget (bench.run) trims
+    later repeats when the machine is slower than that."""
     k = 4
     return Plan(prompts_per_set=2, max_new_tokens=64, main_k=k, cases=[
         *main_cases(repeats=3, k=k),

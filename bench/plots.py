@@ -12,7 +12,6 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from bench.plan import Case  # noqa: E402
 from bench.stats import Analysis, CaseSummary, Stat, rtt_of  # noqa: E402
-from bench.theory import tokens_per_round  # noqa: E402
 
 DPI = 110
 FILES = {"rtt": "speedup_vs_rtt.png", "hist": "accepted_length_hist.png", "k": "acceptance_vs_k.png",
@@ -109,8 +108,8 @@ def plot_acceptance_vs_k(an: Analysis, out: Path) -> Path:
                   label=f"accepted / drafted, {sampling}")
         right.plot(ks, [s.acc.tokens_per_round for _, s in pts if s.acc], "o-", color=colour,
                    label=f"measured, {sampling}")
-        right.plot(ks, [tokens_per_round(s.acc.a, k) for k, s in pts if s.acc], "--", color=colour,
-                   label=f"(1 - a^(k+1)) / (1 - a), {sampling}")
+        right.plot(ks, [s.acc.predicted_tokens_per_round for _, s in pts if s.acc], "--", color=colour,
+                   label=f"(1 - a^(k+1)) / (1 - a), measured a, {sampling}")
     left.set_xlabel("fixed k")
     left.set_ylabel("acceptance")
     left.set_ylim(0, 1.05)
