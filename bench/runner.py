@@ -89,8 +89,9 @@ class CaseRun:
 class Calibration:
     # ms of GET /healthz per path: "direct" and "rtt<ms>" through the proxy (all samples)
     ping_ms: dict[str, list[float]]
-    # target forward + draw per token in target-only decoding, per sampling (cloud-side decode_ms / tokens)
-    t_target_ms: dict[str, float]
+    # target forward + draw per token in target-only decoding, per sampling (cloud-side decode_ms / tokens),
+    # measured before every repeat
+    t_target_ms: dict[str, list[float]]
     # per prompt (index into RunResults.prompts): cloud-side time of the first target step (prefill), ms
     prefill_ms: list[float]
     # KV bytes per cached position, from the target's config
@@ -120,7 +121,9 @@ class RunResults:
                    plan=Plan(prompts_per_set=plan["prompts_per_set"], max_new_tokens=plan["max_new_tokens"],
                              cases=[Case(**c) for c in plan["cases"]], main_k=plan["main_k"],
                              warmup=plan.get("warmup", True)),
-                   prompts=[Prompt(**p) for p in d["prompts"]], calibration=Calibration(**d["calibration"]),
+                   prompts=[Prompt(**p) for p in d["prompts"]],
+                   calibration=Calibration(**{**d["calibration"], "t_target_ms": {
+                       k: v if isinstance(v, list) else [v] for k, v in d["calibration"]["t_target_ms"].items()}}),
                    runs=[CaseRun(**r) for r in d["runs"]], notes=d["notes"], started=d["started"],
                    total_s=d.get("total_s", 0.0))
 
@@ -236,17 +239,8 @@ class Runner:
         pings = {"direct": ping_ms(cloud.url + "/healthz", n_ping)}
         for rtt, proxy in proxies.items():
             pings[f"rtt{rtt:g}"] = ping_ms(proxy.url + "/healthz", n_ping)
-        t_target: dict[str, float] = {}
+        t_target = {name: [ms] for name, ms in self._t_target(cloud, prompts, warm=True).items()}
         with httpx.Client(base_url=cloud.url, timeout=300.0) as http:
-            for name, cfg in SAMPLINGS.items():
-                per_token = []
-                for i, p in enumerate(prompts[:2] * 2):  # the first pass warms the cloud up
-                    body = {"prompt_ids": p.ids, "sampling_cfg": cfg, "seed": SEED_BASE + i,
-                            "max_new_tokens": self.plan.max_new_tokens, "stop_at_eos": False}
-                    m = http.post("/v1/generate", json=body).raise_for_status().json()["metrics"]
-                    if i >= 2 and m["tokens"] > 1:
-                        per_token.append(m["decode_ms"] / (m["tokens"] - 1))
-                t_target[name] = median(per_token)
             prefill = []
             for i, p in enumerate(prompts):
                 body = {"prompt_ids": p.ids, "sampling_cfg": SAMPLINGS["greedy"], "seed": SEED_BASE + i,
@@ -255,6 +249,22 @@ class Runner:
                                      ["metrics"]["prefill_ms"]))
         dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}.get(str(self.config.get("dtype", "float32")), 4)
         return Calibration(pings, t_target, prefill, kv_bytes_per_token(self.config, dtype_bytes))
+
+    def _t_target(self, cloud: CloudServer, prompts: list[Prompt], warm: bool) -> dict[str, float]:
+        """Cloud-side decode ms per token of POST /v1/generate on the first two prompts, per sampling."""
+        out: dict[str, float] = {}
+        with httpx.Client(base_url=cloud.url, timeout=300.0) as http:
+            for name, cfg in SAMPLINGS.items():
+                per_token = []
+                passes = prompts[:2] * 2 if warm else prompts[:2]  # a first pass warms the cloud up
+                for i, p in enumerate(passes):
+                    body = {"prompt_ids": p.ids, "sampling_cfg": cfg, "seed": SEED_BASE + i,
+                            "max_new_tokens": self.plan.max_new_tokens, "stop_at_eos": False}
+                    m = http.post("/v1/generate", json=body).raise_for_status().json()["metrics"]
+                    if (i >= 2 or not warm) and m["tokens"] > 1:
+                        per_token.append(m["decode_ms"] / (m["tokens"] - 1))
+                out[name] = median(per_token)
+        return out
 
     # -- one case ---------------------------------------------------------------------------------
 
@@ -305,7 +315,8 @@ class Runner:
                        wire_up=wire1[0] - wire0[0], wire_down=wire1[1] - wire0[1], generations=ans["generations"])
 
     def _run_all(self, t_start: float, cloud: CloudServer, workers: dict[str, EdgeWorker],
-                 proxies: dict[float, DelayProxy], prompts: list[Prompt]) -> tuple[list[CaseRun], list[str]]:
+                 proxies: dict[float, DelayProxy], prompts: list[Prompt],
+                 calib: Calibration) -> tuple[list[CaseRun], list[str]]:
         """Repeat-major order. A repeat after the first is skipped when the time it took the first
         time would end the run past the budget; the skipped ones are returned."""
         cloud_rss = PeakRss(cloud.pid)
@@ -313,6 +324,9 @@ class Runner:
         took: dict[str, float] = {}
         skipped: list[str] = []
         for rep in range(max(c.repeats for c in self.plan.cases)):
+            if rep > 0:
+                for name, ms in self._t_target(cloud, prompts, warm=False).items():
+                    calib.t_target_ms[name].append(ms)
             for case in self.plan.cases:
                 if rep >= case.repeats:
                     continue
@@ -354,9 +368,9 @@ class Runner:
                 proxies[rtt] = DelayProxy("127.0.0.1", cloud.http_port, rtt).start()
             calib = self._calibrate(cloud, proxies, prompts, n_ping)
             self.progress(f"set-up done in {time.perf_counter() - t_start:.1f} s; target "
-                          + ", ".join(f"{k} {v:.2f} ms/token" for k, v in calib.t_target_ms.items()))
+                          + ", ".join(f"{k} {v[0]:.2f} ms/token" for k, v in calib.t_target_ms.items()))
             edge_rss_ok = PeakRss(next(iter(workers.values())).pid).resettable
-            runs, skipped = self._run_all(t_start, cloud, workers, proxies, prompts)
+            runs, skipped = self._run_all(t_start, cloud, workers, proxies, prompts, calib)
             cloud_resettable = PeakRss(cloud.pid).resettable
             notes = {
                 "delay": "injected by bench/delay_proxy.py: a loopback TCP proxy adding rtt/2 to each direction",

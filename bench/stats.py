@@ -27,7 +27,7 @@ from bench.theory import (
 
 # the timing metrics whose spread over repeats the report gives
 TIMING = ("ttft_p50", "ttft_p95", "total_p50", "total_p95", "otps", "throughput", "speedup",
-          "tokens_per_cloud_cpu_s", "t_draft_ms")
+          "tokens_per_cloud_cpu_s", "t_draft_ms", "verify_ms", "exchange_ms")
 # round row columns (bench.edge_worker.round_rows)
 K, LA, KIND, BY, EDGE_MS, PREFILL_MS, RTT_MS = range(7)
 
@@ -128,6 +128,10 @@ class CaseSummary:
     # draft time per drafted token (ms)
     t_draft_ms: Stat
     acc: Acceptance | None
+    # mean over verified rounds: the cloud's verify forward as it reports it (k + 1 positions and
+    # more) and the whole verify exchange as the edge timed it (forward + HTTP + queue + network), ms
+    verify_ms: Stat
+    exchange_ms: Stat
     # same token ids in every repeat
     deterministic: bool
     # generations whose ids equal the target-only greedy output of the same prompt (greedy only)
@@ -146,6 +150,12 @@ class CaseSummary:
 
 def _per_repeat(runs: list[CaseRun], fn: Callable[[CaseRun], float]) -> Stat:
     return Stat.of([fn(r) for r in runs])
+
+
+def round_mean(gens: list[dict[str, Any]], column: int) -> float | None:
+    """Mean of one round-row column over verified rounds; None when there are none."""
+    vals = [float(r[column]) for g in gens for r in g["rounds"] if r[BY] == "cloud"]
+    return sum(vals) / len(vals) if vals else None
 
 
 def draft_ms_per_token(gens: list[dict[str, Any]]) -> float:
@@ -196,6 +206,8 @@ def summarise(case: Case, runs: list[CaseRun], kv_per_token: int) -> CaseSummary
         kv_peak_bytes=kv_peak, kv_computed=kv_computed,
         t_draft_ms=draft_ms if case.mode != "cloud_only" else Stat.of([]),
         acc=acceptance(gens) if case.mode == "speculative" else None,
+        verify_ms=Stat.of([v for v in (round_mean(r.generations, PREFILL_MS) for r in runs) if v is not None]),
+        exchange_ms=Stat.of([v for v in (round_mean(r.generations, RTT_MS) for r in runs) if v is not None]),
         deterministic=all(x == ids[0] for x in ids))
 
 
@@ -286,7 +298,7 @@ def analyse(results: RunResults) -> Analysis:
     for k, s in summaries.items():
         base_key = s.case.baseline_key()
         base_runs = by_key.get(base_key, [])
-        t_target = results.calibration.t_target_ms[s.case.sampling]
+        t_target = median(results.calibration.t_target_ms[s.case.sampling])
         compare(s, summaries.get(base_key), base_runs, by_key[k], t_target, rtt_of(results, s.case.rtt_ms),
                 results.calibration.prefill_ms)
         greedy_check(s, by_key[k], base_runs)
