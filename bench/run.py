@@ -83,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         results = runner.run(n_ping=5 if args.quick else 20)
         total_s = time.perf_counter() - t0
         results.total_s = total_s
+        results.notes["command"] = command
     an = analyse(results)
     plots_dir.mkdir(parents=True, exist_ok=True)
     plots.write_all(an, plots_dir)
