@@ -294,5 +294,5 @@ def write(an: Analysis, out: Path, plots_dir: Path, command: str, total_s: float
 def write_raw(an: Analysis, plots_dir: Path) -> Path:
     path = plots_dir / "results.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(an.results.to_json(), indent=1) + "\n")
+    path.write_text(json.dumps(an.results.to_json(), separators=(",", ":")) + "\n")
     return path
