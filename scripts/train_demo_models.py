@@ -10,7 +10,7 @@ Files are split into train / held-out by a hash of their path (stable across ver
 
 Stages: tokenizer -> target (next-token cross-entropy) -> draft (forward KL to the frozen
 target's distribution at every position, so that beta = sum_x min(p, q) is high) -> report
-(validation loss, greedy agreement, beta, ms/token) written as JSON and into models/README.md.
+(validation loss, greedy agreement, beta, ms/token) written to OUT/training_report.json.
 Schedules are by wall-clock time, so a run fits its budget on any CPU.
 """
 
