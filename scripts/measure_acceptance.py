@@ -75,7 +75,7 @@ class Row:
     def summary(self, baseline_wall: float | None) -> dict[str, Any]:
         return {
             "config": self.name,
-            "mean_La": self.accepted / self.verify_calls if self.verify_calls else None,
+            "mean_La": self.accepted / self.verify_calls if self.drafted else None,
             "accept_rate": self.accepted / self.drafted if self.drafted else None,
             "tok_per_call": self.emitted / self.cloud_calls if self.cloud_calls else None,
             "emitted": self.emitted, "cloud_calls": self.cloud_calls, "wall_s": round(self.wall_s, 2),
