@@ -191,6 +191,8 @@ class EdgeClient:
         params = SessionParams(sampling=sampling or s.sampling(), seed=s.seed if seed is None else seed,
                                correction=s.correction, send_q_dists=s.send_q_dists)
         job = _Job(prompt_ids, mode or s.mode, s.max_new_tokens if max_new_tokens is None else max_new_tokens, params)
+        if job.mode != "cloud_only":  # load the draft model before the clock starts
+            _ = self.drafter
         return Generation(self._run(job), lambda toks: self._finish(job, toks))
 
     def generate(self, prompt: str | Sequence[int], **kwargs: Any) -> GenerationResult:
