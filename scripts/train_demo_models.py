@@ -62,7 +62,8 @@ def is_held_out(rel_path: str) -> bool:
 def stdlib_files() -> tuple[list[Path], list[Path]]:
     """(train, held_out) lists of the standard library's .py files, site-packages excluded."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    train, held = [], []
+    train: list[Path] = []
+    held: list[Path] = []
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root).as_posix()
         if "site-packages" in rel or "dist-packages" in rel:
