@@ -49,6 +49,8 @@ class DelayProxy:
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._error: BaseException | None = None
+        # connection and delivery tasks alive on the proxy's loop
+        self._tasks: set[asyncio.Future[None]] = set()
 
     @property
     def url(self) -> str:
@@ -84,6 +86,10 @@ class DelayProxy:
 
     async def _handle(self, c_reader: asyncio.StreamReader, c_writer: asyncio.StreamWriter) -> None:
         self.counters.connections += 1
+        me = asyncio.current_task()
+        if me is not None:  # a strong reference: a half-closed connection's task is not collected mid-wait
+            self._tasks.add(me)
+            me.add_done_callback(self._tasks.discard)
         try:
             u_reader, u_writer = await asyncio.open_connection(*self.upstream)
         except OSError:
@@ -91,6 +97,9 @@ class DelayProxy:
             return
         up = asyncio.ensure_future(self._pipe(c_reader, u_writer, "up"))
         down = asyncio.ensure_future(self._pipe(u_reader, c_writer, "down"))
+        for t in (up, down):
+            self._tasks.add(t)
+            t.add_done_callback(self._tasks.discard)
         try:
             await asyncio.wait({up, down}, return_when=asyncio.ALL_COMPLETED)
         except asyncio.CancelledError:  # stop(): end this connection quietly
@@ -124,6 +133,8 @@ class DelayProxy:
                     writer.write_eof()
 
         sender = asyncio.ensure_future(deliver())
+        self._tasks.add(sender)
+        sender.add_done_callback(self._tasks.discard)
         try:
             while True:
                 data = await reader.read(CHUNK)

@@ -231,7 +231,9 @@ def k_section(an: Analysis, rel: str) -> list[str]:
         "## Acceptance vs k (model drafter, loopback, 1 session)", "",
         f"![acceptance vs k]({rel}/{FILES['k']})", "",
         f"![accepted-length histogram]({rel}/{FILES['hist']})", "",
-        "Cases other than the main table's k run once: their timing columns are single measurements.", "",
+        "Cases other than the main table's k run once: their timing columns are single measurements "
+        "(speedup against the median cloud_only run), so read acceptance from this table and speedups from "
+        "the main table.", "",
         *table(["k", "sampling", "a", "accepted / drafted", "mean La", "tokens / round", "predicted",
                 "tokens/s", "speedup", "bound"], rows), "",
     ]

@@ -222,11 +222,14 @@ def compare(s: CaseSummary, base: CaseSummary | None, base_runs: list[CaseRun], 
     if use == "throughput":
         base_otps = {r.repeat: base.tokens / (r.wall_ms / 1000) for r in base_runs}
     fallback = median(base_otps.values())
+    # pair repeat r with the baseline's repeat r (run in the same pass, under the same load) when both
+    # have every repeat; a case with fewer repeats (the k sweep) is compared with the baseline's median
+    paired = len(runs) == len(base_runs)
     speedups = []
     for r in runs:
         mine = (s.tokens / (r.wall_ms / 1000) if use == "throughput"
                 else s.tokens / (sum(g["metrics"]["wall_ms"] for g in r.generations) / 1000))
-        speedups.append(mine / base_otps.get(r.repeat, fallback))
+        speedups.append(mine / (base_otps.get(r.repeat, fallback) if paired else fallback))
     s.speedup = Stat.of(speedups)
     if s.acc is None:
         return
