@@ -13,11 +13,8 @@ The process log (JSON lines) is kept in `log_path` while the object lives.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import socket
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
@@ -27,22 +24,9 @@ import grpc
 import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bench.cloud_proc import cloud_command, free_port
+
 REPO = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def cloud_command() -> list[str]:
-    """The installed console script next to this interpreter, else `python -m cloud.cli`."""
-    script = Path(sys.executable).parent / "specsplit-cloud"
-    if script.exists():
-        return [str(script)]
-    found = shutil.which("specsplit-cloud")
-    return [found] if found else [sys.executable, "-m", "cloud.cli"]
 
 
 class CloudProcess:
