@@ -1,15 +1,20 @@
 """End-to-end fixtures: a real `specsplit-cloud` process on loopback (see tests/server.py).
 
 Module-scoped, so the tests of one module share one process; each test opens its own sessions.
+`cloud`, `tokenizer` and `drafter` are the tiny pair's, as the edge modules use them; a module
+that needs others (the cloud modules use the demo pair) defines its own, which take precedence.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
+from edge.drafters import ModelDrafter
 from tests.server import CloudProcess
 
 
@@ -25,3 +30,31 @@ def tiny_cloud_server(tiny_pair: tuple[Path, Path]) -> Iterator[CloudProcess]:
     """specsplit-cloud with the tiny random target of `tiny_pair`, auth off."""
     with CloudProcess(tiny_pair[0]) as cloud:
         yield cloud
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread() -> Iterator[None]:
+    """In-process models run faster on one thread than fighting the server over the shared cores."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def cloud(tiny_pair: tuple[Path, Path]) -> Iterator[CloudProcess]:
+    """A fresh specsplit-cloud with the tiny target for this module (some tests kill it)."""
+    with CloudProcess(tiny_pair[0]) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_pair: tuple[Path, Path]) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_pair[0])
+
+
+@pytest.fixture(scope="module")
+def drafter(tiny_pair: tuple[Path, Path]) -> ModelDrafter:
+    return ModelDrafter(tiny_pair[1])

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from edge.client import EdgeClient, GenerationResult
 from edge.drafters import ModelDrafter
@@ -29,16 +29,9 @@ PROMPT = "def area(width, height):\n    return width * height\n\n\ndef volume("
 TTL_S = 2.0
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():  # type: ignore[no-untyped-def]
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
-def cloud(tiny_pair: tuple[Path, Path]):  # type: ignore[no-untyped-def]
+def cloud(tiny_pair: tuple[Path, Path]) -> Iterator[CloudProcess]:
+    """The tiny-target cloud with a short session TTL, so idle sessions expire within a test."""
     with CloudProcess(tiny_pair[0], extra_args=("--session-ttl-s", str(TTL_S))) as c:
         yield c
 
@@ -47,18 +40,6 @@ def cloud(tiny_pair: tuple[Path, Path]):  # type: ignore[no-untyped-def]
 def proxy(cloud: CloudProcess):  # type: ignore[no-untyped-def]
     with FaultProxy("127.0.0.1", cloud.http_port) as p:
         yield p
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_pair: tuple[Path, Path]) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_pair[0])
-
-
-@pytest.fixture(scope="module")
-def drafter(tiny_pair: tuple[Path, Path]) -> ModelDrafter:
-    return ModelDrafter(tiny_pair[1])
 
 
 def client(url: str | None, tokenizer: Any, drafter: ModelDrafter, grpc: str | None = None, **kw: Any) -> EdgeClient:

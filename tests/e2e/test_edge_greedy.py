@@ -48,38 +48,11 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():  # type: ignore[no-untyped-def]
-    """The tiny draft model runs faster on one thread than fighting over the shared cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def cloud(tiny_pair: tuple[Path, Path]):  # type: ignore[no-untyped-def]
-    with CloudProcess(tiny_pair[0]) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_pair: tuple[Path, Path]) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_pair[0])
-
-
 @pytest.fixture(scope="module")
 def target(tiny_pair: tuple[Path, Path]) -> Any:
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(tiny_pair[0]).eval()
-
-
-@pytest.fixture(scope="module")
-def drafter(tiny_pair: tuple[Path, Path]) -> ModelDrafter:
-    return ModelDrafter(tiny_pair[1])
 
 
 def settings(cloud: CloudProcess, transport: str, **kw: Any) -> EdgeSettings:

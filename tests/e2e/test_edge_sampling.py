@@ -42,32 +42,6 @@ CFG = SamplingConfig(temperature=1.0, top_p=1.0, top_k=5, repetition_penalty=1.3
 PROMPT = "The quick brown fox"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():  # type: ignore[no-untyped-def]
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def cloud(tiny_pair: tuple[Path, Path]):  # type: ignore[no-untyped-def]
-    with CloudProcess(tiny_pair[0]) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_pair: tuple[Path, Path]) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_pair[0])
-
-
-@pytest.fixture(scope="module")
-def drafter(tiny_pair: tuple[Path, Path]) -> ModelDrafter:
-    return ModelDrafter(tiny_pair[1])
-
-
 @pytest.fixture(scope="module")
 def expected(tiny_pair: tuple[Path, Path], tokenizer: Any) -> dict[tuple[int, int], float]:
     """The target's exact probability of every (t1, t2) pair after the prompt."""
