@@ -6,31 +6,16 @@ Only the model worker thread calls `forward`; everything here is synchronous.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
+from shared.protocol import ModelInfo
+
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    # the directory's name (or the config's name_or_path)
-    model_id: str
-    # rows of the output logits = the id range accepted on the wire
-    vocab_size: int
-    # end-of-sequence token ids
-    eos_ids: list[int] = field(default_factory=list)
-    # positions the model can attend over (prompt + generated)
-    max_context: int = 0
-    # "float32" | "bfloat16" | "float16"
-    dtype: str = "float32"
-    # torch device string
-    device: str = "cpu"
 
 
 def crop_to(cache: DynamicCache, length: int) -> None:

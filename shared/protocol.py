@@ -35,6 +35,22 @@ class OpenSessionRequest:
 
 
 @dataclass
+class ModelInfo:
+    # the target's name (its directory's name, or the config's name_or_path)
+    model_id: str
+    # rows of the target's logits = the id range accepted on the wire
+    vocab_size: int
+    # end-of-sequence token ids
+    eos_ids: list[int] = field(default_factory=list)
+    # positions the target attends over, prompt + generated (0 = unknown)
+    max_context: int = 0
+    # "float32" | "bfloat16" | "float16"
+    dtype: str = ""
+    # torch device string
+    device: str = ""
+
+
+@dataclass
 class SessionInfo:
     # unguessable session id
     ctx_id: str

@@ -11,21 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from shared.config import SamplingConfig
-from shared.protocol import OpenSessionRequest, SessionInfo, VerifyRequest, VerifyResponse
-
-
-@dataclass
-class ModelInfo:
-    # the target's name or path
-    model_id: str
-    # the target's vocabulary size
-    vocab_size: int
-    # end-of-sequence ids
-    eos_ids: list[int] = field(default_factory=list)
-    # longest context the target holds (0 = unknown)
-    max_context: int = 0
-    dtype: str = ""
-    device: str = ""
+from shared.protocol import ModelInfo, OpenSessionRequest, SessionInfo, VerifyRequest, VerifyResponse
 
 
 @dataclass
