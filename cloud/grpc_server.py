@@ -45,6 +45,7 @@ GRPC_CODES: dict[str, grpc.StatusCode] = {
     "permission_denied": grpc.StatusCode.PERMISSION_DENIED,
     "resource_exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,
     "payload_too_large": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "unavailable": grpc.StatusCode.UNAVAILABLE,
 }
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Verifier"].full_name

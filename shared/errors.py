@@ -56,8 +56,14 @@ class PayloadTooLarge(SpecSplitError):
     code, http_status = "payload_too_large", 413
 
 
+class Unavailable(SpecSplitError):
+    """The process cannot take this call now (draining before exit, not ready): retry, possibly elsewhere."""
+
+    code, http_status = "unavailable", 503
+
+
 ERRORS_BY_STATUS: dict[int, type[SpecSplitError]] = {
     cls.http_status: cls
     for cls in (InvalidArgument, NotFound, ContextMismatch, Unauthenticated, PermissionDenied,
-                ResourceExhausted, PayloadTooLarge)
+                ResourceExhausted, PayloadTooLarge, Unavailable)
 }
