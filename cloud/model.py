@@ -1,28 +1,33 @@
-"""The target model: loading, its public facts (GET /v1/model), and forwards over a KV cache.
+"""The target model: loading and start-up checks, its public facts (GET /v1/model), batched forwards.
 
-Only the model worker thread calls `forward`; everything here is synchronous.
+Only the model thread calls `forward`; everything here is synchronous. Every session's KV lives
+in one `KVPool` (shared/kvpool.py): a round is a `Row` of that pool, and rows of several sessions
+run as one forward.
+
+Start-up refuses, with one line, what cannot be served exactly: a model whose layers keep
+recurrent or convolution state (no rollback by position), a directory without a tokenizer, and
+any architecture whose batched, cropped forward does not reproduce its own plain forward
+(`check_rollback`, run once at load on a short random sequence).
 """
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import AutoConfig, AutoModelForCausalLM
 
+from shared.kvpool import KVPool, Row, UnsupportedModel, attention_layout
 from shared.protocol import ModelInfo
+from shared.tokenizer_id import load_tokenizer, tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def crop_to(cache: DynamicCache, length: int) -> None:
-    """Keep the KV of the first `length` positions (no-op when the cache is not longer)."""
-    extra = cache.get_seq_length() - length
-    if extra > 0:
-        cache.crop(-extra)  # transformers 5: a negative argument removes that many positions
+# check_rollback: largest |batched - plain| logit difference allowed, relative to 1 + max |logit|
+ROLLBACK_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.1, torch.float16: 0.05}
 
 
 def _eos_ids(model: torch.nn.Module) -> list[int]:
@@ -35,36 +40,75 @@ def _eos_ids(model: torch.nn.Module) -> list[int]:
     return out
 
 
+def load_causal_lm(model_dir: Path, device: str, dtype: torch.dtype) -> Any:
+    """A causal LM in eval mode whose attention takes explicit masks (sdpa, else eager)."""
+    try:
+        config = AutoConfig.from_pretrained(model_dir)
+    except (OSError, ValueError, KeyError) as e:
+        raise UnsupportedModel(f"cannot read the model config in {model_dir}: {str(e).splitlines()[0]}") from None
+    attention_layout(config)  # refuse recurrent models before loading their weights
+    model = None
+    for impl in ("sdpa", "eager"):
+        try:
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=impl)
+            break
+        except ValueError as e:
+            if impl == "eager":
+                raise UnsupportedModel(f"cannot load {model_dir}: {str(e).splitlines()[0]}") from None
+    assert model is not None
+    model.to(torch.device(device))  # type: ignore[arg-type]
+    return model.eval()
+
+
+@torch.inference_mode()
+def check_rollback(model: Any, pool: KVPool, vocab: int, dtype: torch.dtype) -> None:
+    """Two sequences through the pool (a prefill, a crop, then both in one batch) must give the logits of
+    the model's own uncached forward; UnsupportedModel otherwise. Leaves the pool empty."""
+    n = min(24, pool.max_positions)
+    g = torch.Generator().manual_seed(0)
+    a_ids = torch.randint(0, vocab, (n,), generator=g).tolist()
+    b_ids = torch.randint(0, vocab, (n,), generator=g).tolist()
+    dev = next(model.parameters()).device
+    refs = [model(input_ids=torch.tensor([x], device=dev)).logits[0].float() for x in (a_ids, b_ids)]
+    a, b = pool.allocate(), pool.allocate()
+    h = n // 2
+    pool.forward(model, [Row(a, 0, a_ids[:h], 0), Row(b, 0, b_ids[: h + 2], 0)])
+    # b is cropped back by 3 (its last positions are rewritten), then both rows run together
+    out = pool.forward(model, [Row(a, h, a_ids[h:], n - h), Row(b, h - 1, b_ids[h - 1:], n - h + 1)])
+    pool.release(a)
+    pool.release(b)
+    pool.lengths.clear()
+    worst = max(float((out[0] - refs[0][h:]).abs().max()), float((out[1] - refs[1][h - 1:]).abs().max()))
+    scale = 1.0 + float(max(r.abs().max() for r in refs))
+    if not worst <= ROLLBACK_TOLERANCE[dtype] * scale:
+        raise UnsupportedModel(
+            f"model type {model.config.model_type!r}: batched forwards with per-row positions and masks do not "
+            f"reproduce the plain forward (max logit difference {worst:.3g}); it cannot be served exactly")
+
+
 class TargetModel:
-    """A Hugging Face causal LM in eval mode, plus what a session needs to size its KV cache."""
+    """A Hugging Face causal LM in eval mode, its facts, and the KV pool of every session."""
 
     def __init__(self, model_dir: Path, device: str = "cpu", dtype: str = "float32") -> None:
         self.device = torch.device(device)
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype])
-        self.model.to(self.device)  # type: ignore[arg-type]
-        self.model.eval()
+        torch_dtype = DTYPES[dtype]
+        tokenizer = load_tokenizer(model_dir)
+        self.model = load_causal_lm(model_dir, device, torch_dtype)
         cfg = self.model.config.get_text_config()
         n_ctx = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or 2048
+        vocab = int(self.model.get_output_embeddings().weight.shape[0])
         self.info = ModelInfo(
-            model_id=model_dir.resolve().name, vocab_size=int(self.model.get_output_embeddings().weight.shape[0]),
-            eos_ids=_eos_ids(self.model), max_context=int(n_ctx), dtype=dtype, device=str(self.device))
-        heads = cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-        itemsize = torch.tensor([], dtype=DTYPES[dtype]).element_size()
-        # K and V, every layer, every kv head: bytes one position of one session's cache takes
-        self.kv_bytes_per_token = 2 * cfg.num_hidden_layers * kv_heads * head_dim * itemsize
+            model_id=model_dir.resolve().name, vocab_size=vocab, eos_ids=_eos_ids(self.model),
+            max_context=int(n_ctx), dtype=dtype, device=str(self.device),
+            tokenizer_fingerprint=tokenizer_fingerprint(tokenizer))
+        self.pool = KVPool(attention_layout(self.model.config), int(n_ctx), self.device, torch_dtype)
+        check_rollback(self.model, self.pool, vocab, torch_dtype)
+        # K and V of every layer: bytes one position of one session's cache takes
+        self.kv_bytes_per_token = self.pool.bytes_per_position
         log.info("target loaded: %s", self.info)
 
-    def new_cache(self) -> DynamicCache:
-        return DynamicCache(config=self.model.config)
-
     @torch.inference_mode()
-    def forward(self, ids: list[int], cache: DynamicCache, keep: int) -> torch.Tensor:
-        """Run `ids` after the cache's positions; returns the last `keep` rows of logits, float32.
-
-        The cache grows by len(ids) positions.
-        """
-        x = torch.tensor([ids], dtype=torch.long, device=self.device)  # [1, n]
-        out = self.model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=keep)
-        return out.logits[0].float()  # [keep, vocab]
+    def forward(self, rows: list[Row]) -> list[torch.Tensor]:
+        """One forward over every row; each row's logits for its last `keep` ids ([keep, vocab], float32).
+        Pool lengths are the caller's to set once the answer is used."""
+        return self.pool.forward(self.model, rows)

@@ -44,6 +44,10 @@ class CloudSettings(BaseSettings):
     kv_budget_bytes: int = Field(default=2 * 1024**3, gt=0)
     # largest k (draft tokens per round) accepted
     max_k: int = Field(default=16, ge=0, le=256)
+    # sessions (rows) in one batched forward at most; 1 = one session per forward (no batching)
+    max_batch_size: int = Field(default=32, ge=1)
+    # padded tokens (rows x longest row) in one forward at most; longer prefills run in chunks of this size
+    max_batch_tokens: int = Field(default=1024, ge=16)
     # model-bound requests admitted at once (queued or running); more answer 429 / RESOURCE_EXHAUSTED
     max_queue_depth: int = Field(default=64, ge=1)
     # largest request body (REST) / message (gRPC); larger answer 413 / RESOURCE_EXHAUSTED
