@@ -25,7 +25,7 @@ from grpc_reflection.v1alpha import reflection
 
 from cloud.service import VerifierService
 from shared.config import SamplingConfig
-from shared.errors import InvalidArgument, SpecSplitError
+from shared.errors import Internal, InvalidArgument, SpecSplitError
 from shared.pb import verify_pb2 as pb
 from shared.pb import verify_pb2_grpc as pb_grpc
 from shared.protocol import (
@@ -130,8 +130,9 @@ def _mapped(method: Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[R]]
         except grpc.aio.AbortError:
             raise
         except Exception as exc:  # a bug or a device failure: INTERNAL with a body, logged
-            log.exception("unexpected error in %s", method.__name__)
-            await _abort(self, context, SpecSplitError(f"internal error: {type(exc).__name__}"))
+            crash = Internal.of(exc)
+            log.error("unexpected error %s in %s", crash.details["error_id"], method.__name__, exc_info=exc)
+            await _abort(self, context, crash)
             raise
 
     return call

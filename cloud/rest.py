@@ -23,7 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cloud.service import GenerateEvent, GenerateRequest, VerifierService
 from shared.config import SamplingConfig
-from shared.errors import ERRORS_BY_STATUS, PayloadTooLarge, SpecSplitError
+from shared.errors import ERRORS_BY_STATUS, Internal, PayloadTooLarge, SpecSplitError
 from shared.protocol import DraftProposal, OpenSessionRequest, SparseDist, VerifyRequest
 
 log = logging.getLogger(__name__)
@@ -148,8 +148,9 @@ def create_app(service: VerifierService) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def on_crash(r: Request, exc: Exception) -> JSONResponse:
-        log.exception("unexpected error on %s", r.url.path)
-        return await on_error(r, SpecSplitError(f"internal error: {type(exc).__name__}"))
+        err = Internal.of(exc)
+        log.error("unexpected error %s on %s", err.details["error_id"], r.url.path, exc_info=exc)
+        return await on_error(r, err)
 
     @app.exception_handler(RequestValidationError)
     async def on_invalid(_: Request, exc: RequestValidationError) -> JSONResponse:

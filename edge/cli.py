@@ -24,6 +24,7 @@ from typing import Any, TextIO
 from pydantic import ValidationError
 
 from shared.errors import SpecSplitError
+from shared.kvpool import UnsupportedModel
 
 from .client import EdgeClient, GenerationResult
 from .settings import EdgeSettings
@@ -174,8 +175,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"specsplit-edge: bad settings: {e}", file=sys.stderr)
         return 2
     except SpecSplitError as e:
-        print(f"specsplit-edge: {e.code} ({e.http_status}): {e.message}", file=sys.stderr)
+        extra = f" [error_id {e.details['error_id']}]" if "error_id" in e.details else ""
+        print(f"specsplit-edge: {e.code} ({e.http_status}): {e.message}{extra}", file=sys.stderr)
         return 1
+    except UnsupportedModel as e:
+        print(f"specsplit-edge: cannot start: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

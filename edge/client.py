@@ -19,6 +19,7 @@ from shared.verify import DraftKind
 from .drafters.base import DraftBlock, Drafter
 from .gating import GateThresholds
 from .metrics import CommittedToken, EdgeMetrics, Origin, RoundRecord
+from .pairing import check_pairing
 from .round_control import KController
 from .settings import EdgeSettings, Mode
 from .speculative import RecoveryPolicy, SessionParams, SpeculativeRun, check_vocab
@@ -99,6 +100,15 @@ class _Job:
     started: float = 0.0
 
 
+def _draft_fingerprint(drafter: Any) -> str | None:
+    """The tokenizer fingerprint a model drafter (or a hybrid's model half) was stored with."""
+    for part in (drafter, getattr(drafter, "model", None)):
+        fp = getattr(part, "tokenizer_fingerprint", None)
+        if isinstance(fp, str):
+            return fp
+    return None
+
+
 class EdgeClient:
     """Owns a transport, a drafter and a tokenizer; each is built from the settings unless given."""
 
@@ -144,9 +154,9 @@ class EdgeClient:
     @property
     def tokenizer(self) -> Any:
         if self._tokenizer is None:
-            from transformers import AutoTokenizer
+            from shared.tokenizer_id import load_tokenizer
 
-            self._tokenizer = AutoTokenizer.from_pretrained(self.settings.tokenizer_dir())
+            self._tokenizer = load_tokenizer(self.settings.tokenizer_dir())
         return self._tokenizer
 
     def model_info(self) -> ModelInfo:
@@ -248,6 +258,8 @@ class EdgeClient:
         drafter = drafter or self.drafter
         info = self.model_info()
         check_vocab(getattr(drafter, "vocab_size", None), info.vocab_size)
+        check_pairing(info, self.tokenizer, self.settings.tokenizer_dir(),
+                      _draft_fingerprint(drafter), None)
         gate = None
         if s.gating:
             gate = GateThresholds(t_nll=s.t_nll, t_entropy_bits=s.t_entropy_bits, t_margin=s.t_margin,

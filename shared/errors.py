@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 from typing import Any
 
 
@@ -62,8 +63,19 @@ class Unavailable(SpecSplitError):
     code, http_status = "unavailable", 503
 
 
+class Internal(SpecSplitError):
+    """A fault of the server itself (a bug, a device failure): not retried as if transient; `error_id`
+    names the log line with the traceback."""
+
+    code, http_status = "internal", 500
+
+    @classmethod
+    def of(cls, exc: BaseException) -> Internal:
+        return cls(f"internal error: {type(exc).__name__}", error_id=secrets.token_hex(8))
+
+
 ERRORS_BY_STATUS: dict[int, type[SpecSplitError]] = {
     cls.http_status: cls
     for cls in (InvalidArgument, NotFound, ContextMismatch, Unauthenticated, PermissionDenied,
-                ResourceExhausted, PayloadTooLarge, Unavailable)
+                ResourceExhausted, PayloadTooLarge, Unavailable, Internal)
 }

@@ -39,7 +39,8 @@ FULL, SLIDING = "full_attention", "sliding_attention"
 
 
 class UnsupportedModel(ValueError):
-    """The model cannot be served with rollback by position; the message is one line for the user."""
+    """A model directory that cannot be used: no rollback by position, no tokenizer, an unreadable
+    config. The message is one line for the user."""
 
 
 @dataclass(frozen=True)

@@ -22,11 +22,13 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
 
 
 def load_tokenizer(path: str | Path) -> Any:
-    """The tokenizer stored in `path`; ValueError with one line when there is none."""
+    """The tokenizer stored in `path`; UnsupportedModel (a ValueError) with one line when there is none."""
     from transformers import AutoTokenizer
+
+    from shared.kvpool import UnsupportedModel
 
     try:
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, TypeError, KeyError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"no usable tokenizer in {path}: {first}") from None
+        raise UnsupportedModel(f"no usable tokenizer in {path}: {first}") from None

@@ -11,6 +11,7 @@ import grpc
 from shared.errors import (
     ERRORS_BY_STATUS,
     ContextMismatch,
+    Internal,
     InvalidArgument,
     NotFound,
     PayloadTooLarge,
@@ -42,7 +43,7 @@ _BY_GRPC: dict[grpc.StatusCode, type[SpecSplitError]] = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
     grpc.StatusCode.DEADLINE_EXCEEDED: CloudTimeout,
     grpc.StatusCode.UNAVAILABLE: CloudUnavailable,
-    grpc.StatusCode.INTERNAL: CloudUnavailable,
+    grpc.StatusCode.INTERNAL: Internal,
     grpc.StatusCode.UNKNOWN: CloudUnavailable,
     grpc.StatusCode.ABORTED: CloudUnavailable,
 }
@@ -118,6 +119,9 @@ def error_from_body(body: dict[str, Any]) -> SpecSplitError:
 
 
 def is_retryable(err: SpecSplitError) -> bool:
-    """Back off and send again: capacity, size limits (per PROTOCOL.md), 5xx and connection errors."""
+    """Back off and send again: capacity, size limits (per PROTOCOL.md), 5xx and connection errors; not
+    the cloud's own fault (500 internal, surfaced with its error_id)."""
+    if isinstance(err, Internal):
+        return False
     return isinstance(err, (ResourceExhausted, PayloadTooLarge, CloudUnavailable)) or (
         err.http_status >= 500 and not isinstance(err, CloudTimeout))
