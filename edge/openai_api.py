@@ -29,7 +29,15 @@ from shared.errors import SpecSplitError
 
 from .chat import ChatTemplate, require
 from .openai_bodies import ChatCompletionBody, CompletionBody
-from .openai_engine import Event, Finished, GenerationStream, OpenAIEngine, TextDelta, TextRequest
+from .openai_engine import (
+    Event,
+    Finished,
+    GenerationCancelled,
+    GenerationStream,
+    OpenAIEngine,
+    TextDelta,
+    TextRequest,
+)
 from .openai_errors import OpenAIError, from_specsplit, invalid
 
 log = logging.getLogger(__name__)
@@ -115,6 +123,8 @@ async def respond(engine: OpenAIEngine, req: TextRequest, shape: Shape, stream_i
         watcher.cancel()
         stream.cancel()
         raise
+    if isinstance(first, GenerationCancelled):
+        return Response(status_code=499)  # nobody is listening any more
     if isinstance(first, SpecSplitError):
         watcher.cancel()
         raise first
@@ -123,6 +133,8 @@ async def respond(engine: OpenAIEngine, req: TextRequest, shape: Shape, stream_i
             done = first if isinstance(first, Finished) else None
             parts = [first.text] if isinstance(first, TextDelta) else []
             async for event in events:
+                if isinstance(event, GenerationCancelled):
+                    return Response(status_code=499)
                 if isinstance(event, SpecSplitError):
                     raise event
                 if isinstance(event, TextDelta):

@@ -35,6 +35,12 @@ log = logging.getLogger(__name__)
 FinishReason = Literal["stop", "length"]
 
 
+class GenerationCancelled(SpecSplitError):
+    """The client went away; the generation ended early and its cloud session is closed."""
+
+    code, http_status = "cancelled", 499
+
+
 @dataclass(frozen=True)
 class TextRequest:
     # the prompt's token ids
@@ -155,6 +161,8 @@ class OpenAIEngine:
         try:
             done = self._generate(req, cancelled, emit)
             finish = "cancelled" if done is None else done.finish_reason
+            if done is None:  # ends the event stream of a response that may still be waiting
+                emit(GenerationCancelled("the generation was cancelled: its client went away"))
         except SpecSplitError as e:
             emit(e)
         except Exception as e:  # a bug must still end the response, not hang it

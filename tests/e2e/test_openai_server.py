@@ -303,3 +303,18 @@ def test_a_client_that_disconnects_mid_stream_cancels_and_closes_its_cloud_sessi
     while metric(model_server.url, cancelled) == before and time.monotonic() < deadline:
         time.sleep(0.05)
     assert metric(model_server.url, cancelled) == before + 1  # it ended by cancellation, not by finishing
+
+
+def test_a_client_that_gives_up_on_a_whole_answer_cancels_it_too(
+        model_server: EdgeServeProcess, cloud_server: CloudProcess) -> None:
+    cancelled = 'specsplit_edge_generations_total{endpoint="chat",finish="cancelled"}'
+    before = metric(model_server.url, cancelled)
+    impatient = openai.OpenAI(base_url=model_server.url + "/v1", api_key="unused", max_retries=0, timeout=1.5)
+    with pytest.raises(openai.APITimeoutError):
+        impatient.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "tell me a story"}],
+                                          max_tokens=480, temperature=1.0, seed=5)
+    deadline = time.monotonic() + 20
+    while metric(model_server.url, cancelled) == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric(model_server.url, cancelled) == before + 1
+    assert metric(cloud_server.http_url, "specsplit_cloud_open_sessions") == 0
