@@ -81,6 +81,13 @@ class Generation:
             self._seen.append(tok)
             yield tok
 
+    def close(self) -> None:
+        """Stop early: ends the token source, which closes its cloud session; `result()` then
+        summarises the tokens seen so far."""
+        close = getattr(self._tokens, "close", None)
+        if close is not None:
+            close()
+
     def result(self) -> GenerationResult:
         if self._result is None:
             for _ in self:
@@ -113,13 +120,14 @@ class EdgeClient:
     """Owns a transport, a drafter and a tokenizer; each is built from the settings unless given."""
 
     def __init__(self, settings: EdgeSettings | None = None, *, transport: Transport | None = None,
-                 drafter: Drafter | None = None, tokenizer: Any = None,
+                 drafter: Drafter | None = None, tokenizer: Any = None, model_info: ModelInfo | None = None,
                  clock: Callable[[], float] = time.perf_counter, sleep: Callable[[float], None] = time.sleep):
         self.settings = settings or EdgeSettings()
         self._transport = transport
         self._drafter = drafter
         self._tokenizer = tokenizer
-        self._model_info: ModelInfo | None = None
+        # the cloud's model (GET /v1/model), asked for once unless given
+        self._model_info = model_info
         self.clock = clock
         self.sleep = sleep
 

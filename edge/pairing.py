@@ -23,7 +23,7 @@ def check_pairing(info: ModelInfo, tokenizer: Any, tokenizer_dir: str, draft_fin
                               "not share a tokenizer; use a draft trained on the target's tokenizer")
     if not info.tokenizer_fingerprint:
         return
-    mine = tokenizer_fingerprint(tokenizer)
+    mine = getattr(tokenizer, "fingerprint", None) or tokenizer_fingerprint(tokenizer)
     if mine != info.tokenizer_fingerprint:
         raise InvalidArgument(
             f"the edge's tokenizer ({tokenizer_dir}, fingerprint {mine}) differs from the target's "
