@@ -70,7 +70,8 @@ class VerifierService:
                                   max_context=model.info.max_context, vocab_size=model.info.vocab_size)
         self.metrics = CloudMetrics.create(settings.max_k)
         self.store = SessionStore(max_sessions=settings.max_sessions, ttl_s=settings.session_ttl_s,
-                                  kv_budget_bytes=settings.kv_budget_bytes, clock=clock, on_remove=self._removed)
+                                  kv_budget_bytes=settings.kv_budget_bytes, clock=clock, on_remove=self._removed,
+                                  max_sessions_per_owner=settings.sessions_per_key_limit())
         self.worker = ModelWorker(settings.max_queue_depth, clock, settings.torch_threads)
         self._keys = settings.api_key_values()
         self.ready = True
@@ -111,10 +112,10 @@ class VerifierService:
         need = len(req.prompt_ids) * self.model.kv_bytes_per_token
         with self.worker.admit():
             admitted = self.clock()
-            self.store.check_room(need)
+            self.store.check_room(need, owner)
             (ctx, cache, ms), queue_ms = await self.worker.run(lambda: self._timed_prefill(req.prompt_ids),
                                                                since=admitted)
-            self.store.check_room(need)  # others may have opened meanwhile
+            self.store.check_room(need, owner)  # others may have opened meanwhile
             now = self.clock()
             s = Session(ctx_id=self.new_id(), owner=owner, sampling_cfg=req.sampling_cfg, seed=req.seed,
                         correction=req.correction, max_new_tokens=req.max_new_tokens,
