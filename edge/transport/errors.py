@@ -91,9 +91,8 @@ def error_from_http(status: int, body: bytes, retry_after: str | None = None) ->
     except ValueError:
         err = {"message": body[:200].decode("utf-8", "replace")}
     message = str(err.get("message") or f"HTTP {status}")
-    cls = ERRORS_BY_STATUS.get(status)
-    if cls is None:
-        cls = CloudUnavailable if status >= 500 else SpecSplitError
+    # every 5xx (the cloud's 503 `unavailable` included) is the edge's CloudUnavailable: back off, retry
+    cls = CloudUnavailable if status >= 500 else ERRORS_BY_STATUS.get(status, SpecSplitError)
     if status == 422 or status == 400:
         cls = InvalidArgument
     seconds = _retry_after(retry_after) if retry_after is not None else None
