@@ -68,15 +68,15 @@ class SessionStore:
         """Raise ResourceExhausted unless one more session holding `need_bytes` of KV can be opened
         (by `owner`, when given: its own sessions count against max_sessions_per_owner)."""
         self.expire()
+        if len(self._sessions) >= self.max_sessions:
+            raise ResourceExhausted(f"{len(self._sessions)} sessions are open (max_sessions = "
+                                    f"{self.max_sessions}); retry later", limit="max_sessions")
         if owner is not None:
             mine = sum(1 for s in self._sessions.values() if hmac.compare_digest(s.owner, owner))
             if mine >= self.max_sessions_per_owner:
                 raise ResourceExhausted(f"this API key holds {mine} open sessions (max_sessions_per_key = "
                                         f"{self.max_sessions_per_owner}); close one or retry later",
                                         limit="max_sessions_per_key")
-        if len(self._sessions) >= self.max_sessions:
-            raise ResourceExhausted(f"{len(self._sessions)} sessions are open (max_sessions = "
-                                    f"{self.max_sessions}); retry later", limit="max_sessions")
         self.make_room(need_bytes)
 
     def add(self, s: Session) -> None:
