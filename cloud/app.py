@@ -32,7 +32,8 @@ async def serve(service: VerifierService) -> None:
     st = service.settings
     grpc_server, grpc_port, health = await start_grpc(service, st.host, st.grpc_port)
     cfg = uvicorn.Config(create_app(service), host=st.host, port=st.http_port, log_config=None,
-                         access_log=False, lifespan="off", timeout_graceful_shutdown=max(1, int(st.shutdown_grace_s)))
+                         access_log=False, lifespan="off", timeout_graceful_shutdown=max(1, int(st.shutdown_grace_s)),
+                         limit_concurrency=st.max_connections)
     http = _Uvicorn(cfg)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from cloud.guards import check_context_room
 from cloud.model import TargetModel
 from cloud.session import Context, Session
 from shared.config import SamplingConfig
@@ -39,7 +40,7 @@ class RoundLimits:
     max_k: int
     # largest return_top_k accepted
     max_return_top_k: int
-    # the model's positions: ctx_len + k must fit
+    # the model's positions: ctx_len + k + 1 must fit
     max_context: int
     # rows of the logits: valid ids are [0, vocab_size)
     vocab_size: int
@@ -76,8 +77,7 @@ def check_request(req: VerifyRequest, declared_k: int, lim: RoundLimits, session
         raise InvalidArgument(f"ctx_len = {req.ctx_len}: the context must hold at least one token")
     if len(req.append_ids) > req.ctx_len:
         raise InvalidArgument(f"len(append_ids) = {len(req.append_ids)} exceeds ctx_len = {req.ctx_len}")
-    if req.ctx_len + k > lim.max_context:
-        raise InvalidArgument(f"ctx_len + k = {req.ctx_len + k} exceeds the model's context ({lim.max_context})")
+    check_context_room(req.ctx_len, k, lim.max_context)
     if not HASH_RE.fullmatch(req.ctx_hash):
         raise InvalidArgument(f"ctx_hash {req.ctx_hash!r} is not 16 lower-case hex digits")
     if not 0 <= req.return_top_k <= lim.max_return_top_k:

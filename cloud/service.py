@@ -83,7 +83,8 @@ class VerifierService:
                                   max_context=model.info.max_context, vocab_size=model.info.vocab_size)
         self.metrics = CloudMetrics.create(settings.max_k)
         self.store = SessionStore(max_sessions=settings.max_sessions, ttl_s=settings.session_ttl_s,
-                                  kv_budget_bytes=settings.kv_budget_bytes, clock=clock, on_remove=self._removed)
+                                  kv_budget_bytes=settings.kv_budget_bytes, clock=clock, on_remove=self._removed,
+                                  max_sessions_per_owner=settings.sessions_per_key_limit())
         self.worker = Scheduler(settings.max_queue_depth, clock, max_batch_size=settings.max_batch_size,
                                 max_batch_tokens=settings.max_batch_tokens, torch_threads=settings.torch_threads,
                                 forward=lambda rows: self.model.forward(rows),
@@ -127,7 +128,7 @@ class VerifierService:
         need = len(req.prompt_ids) * self.model.kv_bytes_per_token
         with self.worker.admit():
             admitted = self.clock()
-            self.store.check_room(need)
+            self.store.check_room(need, owner)
             pre = Prefill(req.prompt_ids[:-1], chunk=self.settings.max_batch_tokens)
             job = asyncio.ensure_future(self.worker.submit(self._prefill_job(pre), since=admitted))
             try:
@@ -138,7 +139,7 @@ class VerifierService:
                 self._release(pre.slot)
                 raise
             try:
-                self.store.check_room(need)  # others may have opened meanwhile
+                self.store.check_room(need, owner)  # others may have opened meanwhile
             except BaseException:
                 self._release(pre.slot)
                 raise

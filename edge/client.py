@@ -24,7 +24,7 @@ from .round_control import KController
 from .settings import EdgeSettings, Mode
 from .speculative import RecoveryPolicy, SessionParams, SpeculativeRun, check_vocab
 from .transport.base import ModelInfo, Transport
-from .transport.errors import CloudTimeout, is_retryable
+from .transport.errors import CloudTimeout, is_retryable, retry_delay
 
 T = TypeVar("T")
 
@@ -43,10 +43,12 @@ class GenerationResult:
     rounds: list[RoundRecord]
     metrics: EdgeMetrics
     mode: str = "speculative"
+    # why it ended: "length" (max_new_tokens), "eos", or "context" (the model's context is full)
+    stop_reason: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return {"text": self.text, "token_ids": self.token_ids, "prompt_ids": self.prompt_ids,
-                "origins": [t.origin for t in self.tokens], "mode": self.mode,
+                "origins": [t.origin for t in self.tokens], "mode": self.mode, "stop_reason": self.stop_reason,
                 "rounds": [r.to_dict() for r in self.rounds], "metrics": self.metrics.to_dict()}
 
 
@@ -105,6 +107,7 @@ class _Job:
     metrics: EdgeMetrics = field(default_factory=EdgeMetrics)
     rounds: list[RoundRecord] = field(default_factory=list)
     started: float = 0.0
+    stop_reason: str = ""
 
 
 def _draft_fingerprint(drafter: Any) -> str | None:
@@ -183,7 +186,7 @@ class EdgeClient:
                 if not (is_retryable(e) or isinstance(e, CloudTimeout)) or attempt >= policy.max_retries:
                     raise
                 attempt += 1
-                self.sleep(policy.backoff(attempt))
+                self.sleep(retry_delay(e, policy.backoff(attempt)))
 
     def encode(self, prompt: str) -> list[int]:
         ids = list(self.tokenizer.encode(prompt))
@@ -229,7 +232,10 @@ class EdgeClient:
                 job.metrics.by_origin[tok.origin] += 1
                 yield tok
                 if job.metrics.emitted >= job.max_new_tokens or tok.token_id in eos:
+                    job.stop_reason = "eos" if tok.token_id in eos else "length"
                     break
+            else:  # the source ran dry before the budget: the context is full
+                job.stop_reason = job.stop_reason or "context"
         finally:
             source.close()  # the speculative source closes its cloud session
             job.metrics.wall_ms = (self.clock() - job.started) * 1000
@@ -237,7 +243,7 @@ class EdgeClient:
     def _finish(self, job: _Job, tokens: list[CommittedToken]) -> GenerationResult:
         ids = [t.token_id for t in tokens]
         return GenerationResult(text=self.decode(ids), token_ids=ids, prompt_ids=job.prompt_ids, tokens=tokens,
-                                rounds=job.rounds, metrics=job.metrics, mode=job.mode)
+                                rounds=job.rounds, metrics=job.metrics, mode=job.mode, stop_reason=job.stop_reason)
 
     def _eos_ids(self, mode: Mode) -> list[int]:
         """The target's end-of-sequence ids (the tokenizer's in edge_only mode)."""
@@ -343,13 +349,15 @@ class EdgeClient:
                         if isinstance(item, int):
                             got.append(item)
                             yield CommittedToken(item, "target", 0)
+                        else:  # the cloud says why it stopped
+                            job.stop_reason = str(item.metrics.get("stop_reason", ""))
                     return
                 except SpecSplitError as e:
                     if not (is_retryable(e) or isinstance(e, CloudTimeout)) or attempt >= policy.max_retries:
                         raise
                     attempt += 1
                     job.metrics.retries += 1
-                    self.sleep(policy.backoff(attempt))
+                    self.sleep(retry_delay(e, policy.backoff(attempt)))
         finally:
             job.metrics.bytes_up += transport.traffic.bytes_up - up
             job.metrics.bytes_down += transport.traffic.bytes_down - down

@@ -11,6 +11,9 @@ class SpecSplitError(Exception):
 
     code = "internal"
     http_status = 500
+    # seconds a client should wait before sending again (REST `Retry-After`, gRPC trailing
+    # metadata `retry-after`, `retry_after_s` in the body); None: retrying the same call is no use
+    retry_after_s: int | None = None
 
     def __init__(self, message: str, **details: Any) -> None:
         super().__init__(message)
@@ -18,7 +21,8 @@ class SpecSplitError(Exception):
         self.details = details
 
     def to_body(self) -> dict[str, Any]:
-        return {"error": {"code": self.code, "message": self.message, **self.details}}
+        extra = {} if self.retry_after_s is None else {"retry_after_s": self.retry_after_s}
+        return {"error": {"code": self.code, "message": self.message, **extra, **self.details}}
 
 
 class InvalidArgument(SpecSplitError):
@@ -51,6 +55,7 @@ class ResourceExhausted(SpecSplitError):
     """Over capacity (queue full, too many sessions): back off and retry."""
 
     code, http_status = "resource_exhausted", 429
+    retry_after_s = 1
 
 
 class PayloadTooLarge(SpecSplitError):
@@ -61,6 +66,7 @@ class Unavailable(SpecSplitError):
     """The process cannot take this call now (draining before exit, not ready): retry, possibly elsewhere."""
 
     code, http_status = "unavailable", 503
+    retry_after_s = 1
 
 
 class Internal(SpecSplitError):

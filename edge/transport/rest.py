@@ -76,7 +76,7 @@ class RestTransport:
             raise CloudUnavailable(f"{method} {path}: {type(e).__name__}: {e}") from e
         self.traffic.bytes_down += len(r.content)
         if r.status_code >= 400:
-            raise error_from_http(r.status_code, r.content)
+            raise error_from_http(r.status_code, r.content, r.headers.get("retry-after"))
         try:
             out = r.json() if r.content else {}
         except ValueError as e:
@@ -129,7 +129,7 @@ class RestTransport:
         try:
             with self._http.stream("POST", "/v1/generate", content=content, timeout=timeout) as r:
                 if r.status_code >= 400:
-                    raise error_from_http(r.status_code, r.read())
+                    raise error_from_http(r.status_code, r.read(), r.headers.get("retry-after"))
                 event = "message"
                 for line in r.iter_lines():
                     self.traffic.bytes_down += len(line) + 1
