@@ -14,9 +14,8 @@ p_1..p_{k+1} at positions L + 1 .. L + k + 1.
 from __future__ import annotations
 
 import hashlib
-import json
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
@@ -104,10 +103,13 @@ def check_request(req: VerifyRequest, declared_k: int, lim: RoundLimits, session
 
 
 def fingerprint(req: VerifyRequest) -> str:
-    """What a duplicate must share with the original to be answered from the replay cache."""
-    body = asdict(req)
-    body.pop("request_id")
-    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+    """What a duplicate must share with the original to be answered from the replay cache: every
+    field but request_id (repr of ints, floats and strings is exact)."""
+    d = req.draft
+    dists = None if d.q_dists is None else [(sd.ids, sd.probs) for sd in d.q_dists]
+    body = (req.ctx_id, req.ctx_len, req.ctx_hash, req.append_ids, req.return_top_k, d.draft_tokens,
+            d.q_token_probs, d.draft_kind, dists, d.hard_mask)
+    return hashlib.sha256(repr(body).encode()).hexdigest()
 
 
 def check_context(ctx: Context, req: VerifyRequest) -> int:
