@@ -12,8 +12,13 @@ one batch:
 - one `KVPool.forward` runs every row; then each job's `finish()` applies its own result (the verify
   rule, a commit). An exception in one job's plan or finish fails that job alone; a failed
   forward fails every job of the batch and each `abort()` leaves its session as it was.
-Nothing waits for a batch to fill: a job that arrives while a batch runs joins the next one. A
-session never has two jobs queued (its lock is held while its round is queued), so its rounds
+A job that arrives while a batch runs joins the next one. Sessions that were just answered come
+back within a few milliseconds (the client's turnaround); left alone they would form waves that
+never merge (half the sessions in one forward, half in the next, each costing nearly a full
+forward on a CPU). So before a forward the thread waits, at most `batch_wait_ms` and at most half
+the last forward's time, for the sessions answered within the last three forwards that have not
+queued their next round yet; it starts at once when they all have (always with one session).
+`batch_wait_ms = 0` never waits. A session never has two jobs queued (its lock is held while its round is queued), so its rounds
 stay in order. Prefills longer than `max_batch_tokens` run in chunks of that size, one per
 forward, so the activations of one forward stay bounded by `max_batch_tokens` (one verify row
 longer than that, after a long resync, runs alone).
@@ -29,6 +34,7 @@ import collections
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
@@ -68,6 +74,8 @@ class Job(Generic[T]):
     started: float | None = None
     # a plain callable for run(): runs alone
     call: Callable[[], T] | None = None
+    # whose work it is (a session, a generate stream): its next job is expected soon after an answer
+    key: str | None = None
 
 
 @dataclass
@@ -86,6 +94,8 @@ class Scheduler:
     clock: Callable[[], float]
     max_batch_size: int = 32
     max_batch_tokens: int = 1024
+    # longest wait before a forward for recently answered sessions' next rounds, ms (0: never wait)
+    batch_wait_ms: float = 5.0
     torch_threads: int = 0
     # runs `forward(rows) -> logits per row` (the model's); set before the first job
     forward: Callable[[list[Row]], list[torch.Tensor]] | None = None
@@ -98,6 +108,9 @@ class Scheduler:
     _cv: threading.Condition = field(default_factory=threading.Condition)
     _stop: bool = False
     _thread: threading.Thread | None = None
+    # model thread only: when each key was last answered (monotonic s), and the last forward's time (s)
+    _answered: dict[str, float] = field(default_factory=dict)
+    _last_forward_s: float = 0.0
 
     def __post_init__(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="model", daemon=True)
@@ -182,8 +195,28 @@ class Scheduler:
                 between, self._between = self._between, []
             for fn in between:
                 fn()
+            self._await_stragglers()
             with torch.inference_mode():
                 self._step()
+
+    def _await_stragglers(self) -> None:
+        """Wait briefly for the next rounds of sessions answered within the last three forwards."""
+        if self.batch_wait_ms <= 0 or not self._answered:
+            return
+        now = time.monotonic()
+        recent = now - 3 * self._last_forward_s
+        for key in [k for k, t in self._answered.items() if t < recent]:
+            del self._answered[key]
+        deadline = now + min(self.batch_wait_ms / 1000.0, self._last_forward_s / 2)
+        with self._cv:
+            while not self._stop:
+                queued = {j.key for j in self._queue}
+                if len(queued) >= self.max_batch_size or all(k in queued for k in self._answered):
+                    return
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self._cv.wait(left)
 
     def _take(self) -> list[Job[Any]]:
         with self._cv:
@@ -233,7 +266,7 @@ class Scheduler:
                 break
         if not batch:
             return
-        now = self.clock()
+        now, wall = self.clock(), time.monotonic()
         for job, _ in batch:
             if job.started is None:
                 job.started = now
@@ -249,6 +282,7 @@ class Scheduler:
                 self._resolve(job, error=e)
             return
         ms = (self.clock() - now) * 1000.0
+        self._last_forward_s = time.monotonic() - wall
         self.on_batch(BatchStats(rows=len(batch), tokens=len(batch) * longest, ms=ms))
         for (job, _), out in zip(batch, logits, strict=True):
             try:
@@ -262,6 +296,8 @@ class Scheduler:
             if result is PENDING:
                 continue  # stays queued in its place: its next chunk joins a later forward
             self._drop(job)
+            if job.key is not None:
+                self._answered[job.key] = time.monotonic()
             self._resolve(job, value=result)
 
     def _run_call(self, job: Job[Any]) -> None:

@@ -86,7 +86,8 @@ class VerifierService:
                                   kv_budget_bytes=settings.kv_budget_bytes, clock=clock, on_remove=self._removed,
                                   max_sessions_per_owner=settings.sessions_per_key_limit())
         self.worker = Scheduler(settings.max_queue_depth, clock, max_batch_size=settings.max_batch_size,
-                                max_batch_tokens=settings.max_batch_tokens, torch_threads=settings.torch_threads,
+                                max_batch_tokens=settings.max_batch_tokens, batch_wait_ms=settings.batch_wait_ms,
+                                torch_threads=settings.torch_threads,
                                 forward=lambda rows: self.model.forward(rows),
                                 on_batch=self._batched)
         self._keys = settings.api_key_values()
@@ -259,7 +260,7 @@ class VerifierService:
             if planned:
                 s.set_kv_len(self.model.pool, min(s.kv_len, planned[0].past))
 
-        return Job(plan=plan, finish=finish, abort=abort, answer=answer)
+        return Job(plan=plan, finish=finish, abort=abort, answer=answer, key=s.ctx_id)
 
     def _log_round(self, req: VerifyRequest, resp: VerifyResponse, k: int, replayed: bool) -> None:
         m = resp.metrics
@@ -335,7 +336,7 @@ class VerifierService:
                 st.kv_len = min(st.kv_len, rows[0].past)
                 self.model.pool.lengths[st.slot] = st.kv_len
 
-        return Job(plan=plan, finish=finish, abort=abort)
+        return Job(plan=plan, finish=finish, abort=abort, key=f"generate-{id(st)}")
 
     # --- housekeeping -------------------------------------------------------------------------
     def render_metrics(self) -> bytes:

@@ -52,6 +52,9 @@ class CloudSettings(BaseSettings):
     max_batch_size: int = Field(default=32, ge=1)
     # padded tokens (rows x longest row) in one forward at most; longer prefills run in chunks of this size
     max_batch_tokens: int = Field(default=1024, ge=16)
+    # before a forward, wait at most this long (ms; and at most half the last forward's time) for the
+    # next rounds of sessions answered within the last three forwards, so they share one forward; 0 = never
+    batch_wait_ms: float = Field(default=5.0, ge=0, le=1000)
     # model-bound requests admitted at once (queued or running); more answer 429 / RESOURCE_EXHAUSTED
     max_queue_depth: int = Field(default=64, ge=1)
     # largest request body (REST) / message (gRPC); larger answer 413 / RESOURCE_EXHAUSTED
