@@ -19,6 +19,7 @@ import shlex
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,7 +63,7 @@ class CapacityPlan:
     # concurrent sessions of each case
     levels: tuple[int, ...] = (1, 4, 16, 64)
     # tokens per text (each text is cut after the round that reaches it)
-    max_tokens: int = 48
+    max_tokens: int = 32
     # arm name -> extra specsplit-cloud flags (shell words)
     arms: tuple[tuple[str, str], ...] = (("batched", BATCHED_FLAGS), ("max-batch-size 1", UNBATCHED_FLAGS))
     # session count the ratios are read at, and its baseline for the latency ratio
@@ -164,16 +165,16 @@ class CapacityRunner:
         config = json.loads((self.target / "config.json").read_text())
         self.kv_per_position = kv_bytes_per_token(config, 2 if plan.dtype in ("bfloat16", "float16") else 4)
 
-    def traces(self) -> tuple[list[Trace], str]:
-        """The committed traces when they were recorded against this target, else fresh ones."""
+    def traces(self, cloud: CloudServer) -> tuple[list[Trace], str]:
+        """The committed traces when they were recorded against this target, else fresh ones recorded
+        against `cloud` (one session at a time, so batching plays no part in them)."""
         found = load_dir(self.traces_dir, self.target)
         if found is not None:
             return found, f"`{_rel(self.traces_dir)}` (recorded with `python -m bench.traces`)"
         out = Path(tempfile.mkdtemp(prefix="specsplit-traces-"))
         self.progress(f"no traces recorded against {self.target}: recording {2 * self.plan.prompts_per_set} "
                       "prompts x 2 drafters")
-        record_dir(self.target, self.draft, out, self.plan.prompts_per_set, self.plan.trace_tokens,
-                   self.plan.device, self.cloud_base_args())
+        record_dir(self.target, self.draft, out, self.plan.prompts_per_set, self.plan.trace_tokens, cloud.url)
         found = load_dir(out, self.target)
         assert found is not None
         return found, f"recorded at the start of this run against `{_rel(self.target)}`"
@@ -202,36 +203,45 @@ class CapacityRunner:
                            kv_demand_bytes=res.peak_positions * self.kv_per_position, counters=counters,
                            texts=_round_floats(res.texts))
 
-    def _arm(self, arm: str, flags: str, traces: list[Trace], t_start: float) -> list[CapacityRun]:
-        args = [*self.cloud_base_args(), *shlex.split(flags)]
+    def _arm(self, arm: str, cloud: CloudServer, traces: list[Trace], t_start: float) -> list[CapacityRun]:
         runs = []
-        with CloudServer(self.target, self.plan.device, torch_threads=1, extra_args=args) as cloud:
-            rss = PeakRss(cloud.pid)
-            for mode in MODES:  # warm-up, not measured: first forwards, connections, allocator
-                asyncio.run(run_load(mode, traces, min(4, max(self.plan.levels)), 4, SAMPLINGS["greedy"],
-                                     f"127.0.0.1:{cloud.grpc_port}", cloud.url))
-            for mode in MODES:
-                for n in self.plan.levels:
-                    run = self._case(cloud, rss, arm, mode, n, traces)
-                    runs.append(run)
-                    self.progress(f"[{time.perf_counter() - t_start:6.1f} s] capacity {arm} {mode} {n} sessions: "
-                                  f"{run.tokens} tokens, {run.tokens / max(run.cloud_cpu_s, 1e-9):.1f} "
-                                  f"tokens / cloud CPU-s, {run.wall_s:.1f} s")
+        rss = PeakRss(cloud.pid)
+        warm = min(4, max(self.plan.levels))
+        for mode in MODES:  # warm-up, not measured: first forwards, connections, allocator
+            asyncio.run(run_load(mode, traces, warm, 4, SAMPLINGS["greedy"], f"127.0.0.1:{cloud.grpc_port}",
+                                 cloud.url, texts=warm))
+        for mode in MODES:
+            for n in self.plan.levels:
+                run = self._case(cloud, rss, arm, mode, n, traces)
+                runs.append(run)
+                self.progress(f"[{time.perf_counter() - t_start:6.1f} s] capacity {arm} {mode} {n} sessions: "
+                              f"{run.tokens} tokens, {run.tokens / max(run.cloud_cpu_s, 1e-9):.1f} "
+                              f"tokens / cloud CPU-s, {run.wall_s:.1f} s")
         return runs
 
     def run(self, command: str) -> CapacityResults:
+        """Both arms' clouds start together (one start-up wait); each is measured alone, then stopped,
+        the other idle meanwhile. Traces missing for this target are recorded on the last arm's cloud."""
         t_start = time.perf_counter()
         started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
-        traces, source = self.traces()
-        info = machine_info(0, 1)
+        clouds = [CloudServer(self.target, self.plan.device, torch_threads=1,
+                              extra_args=[*self.cloud_base_args(), *shlex.split(flags)]) for _, flags in self.plan.arms]
         runs: list[CapacityRun] = []
-        for arm, flags in self.plan.arms:
-            self.progress(f"capacity arm {arm!r}: specsplit-cloud {' '.join(self.cloud_base_args())} {flags}")
-            runs += self._arm(arm, flags, traces, t_start)
+        try:
+            with ThreadPoolExecutor(len(clouds)) as pool:
+                list(pool.map(CloudServer.start, clouds))
+            traces, source = self.traces(clouds[-1])
+            for (arm, flags), cloud in zip(self.plan.arms, clouds, strict=True):
+                self.progress(f"capacity arm {arm!r}: specsplit-cloud {' '.join(self.cloud_base_args())} {flags}")
+                runs += self._arm(arm, cloud, traces, t_start)
+                cloud.stop()
+        finally:
+            for cloud in clouds:
+                cloud.stop()
         notes: dict[str, Any] = {
             "command": command, "started": started, "traces": source,
             "trace_names": [f"{t.drafter}:{t.prompt}" for t in traces],
-            "machine": asdict(info), "gpu": gpu_name(self.plan.device), "target": _rel(self.target),
+            "machine": asdict(machine_info(0, 1)), "gpu": gpu_name(self.plan.device), "target": _rel(self.target),
             "cloud_args": " ".join(self.cloud_base_args()), "kv_per_position": self.kv_per_position,
         }
         return CapacityResults(self.plan, notes, runs, total_s=time.perf_counter() - t_start)

@@ -66,11 +66,11 @@ class LoadResult:
     peak_positions: int
 
 
-def assign_texts(sessions: int, n_traces: int) -> list[list[int]]:
-    """Trace index of each text, per session: max(sessions, n_traces) texts, round robin."""
+def assign_texts(sessions: int, n_traces: int, texts: int | None = None) -> list[list[int]]:
+    """Trace index of each text, per session: `texts` (default max(sessions, n_traces)) texts, round robin."""
     if sessions < 1 or n_traces < 1:
         raise ValueError(f"need at least one session and one trace, not {sessions} / {n_traces}")
-    texts = max(sessions, n_traces)
+    texts = max(sessions, n_traces) if texts is None else texts
     return [[j % n_traces for j in range(s, texts, sessions)] for s in range(sessions)]
 
 
@@ -205,14 +205,16 @@ async def stream_cloud_only(http: Any, trace: Trace, index: int, session: int, m
 
 
 async def run_load(mode: str, traces: Sequence[Trace], sessions: int, max_tokens: int,
-                   sampling: dict[str, float | int], grpc_target: str, http_url: str) -> LoadResult:
-    """`sessions` concurrent edges of one mode ("speculative" | "cloud_only") against one cloud."""
+                   sampling: dict[str, float | int], grpc_target: str, http_url: str,
+                   texts: int | None = None) -> LoadResult:
+    """`sessions` concurrent edges of one mode ("speculative" | "cloud_only") against one cloud
+    (`texts`: fewer texts than a case runs, for a warm-up)."""
     import grpc
     import httpx
 
     from shared.pb import verify_pb2_grpc as pb_grpc
 
-    plan = assign_texts(sessions, len(traces))
+    plan = assign_texts(sessions, len(traces), texts)
     occ = Occupancy()
     channel = grpc.aio.insecure_channel(grpc_target)
     http = httpx.AsyncClient(base_url=http_url, limits=httpx.Limits(max_connections=sessions + 4),

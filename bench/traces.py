@@ -245,11 +245,15 @@ def bench_prompts(target: Path, per_set: int, max_new_tokens: int) -> list[tuple
 
 
 def record_dir(target: Path, draft: Path, out_dir: Path, per_set: int, max_new_tokens: int,
-               device: str = "cpu", cloud_args: list[str] | None = None) -> list[Path]:
-    """Start a cloud, record every drafter's traces, write `out_dir/<drafter>.json`."""
+               cloud_url: str | None = None) -> list[Path]:
+    """Record every drafter's traces against the cloud at `cloud_url` (or one started for it, on CPU),
+    and write `out_dir/<drafter>.json`."""
     prompts = bench_prompts(target, per_set, max_new_tokens)
-    with CloudServer(target, device, torch_threads=1, extra_args=cloud_args or []) as cloud:
-        sets = record(target, draft, prompts, max_new_tokens, cloud.url)
+    if cloud_url is not None:
+        sets = record(target, draft, prompts, max_new_tokens, cloud_url)
+    else:
+        with CloudServer(target, "cpu", torch_threads=1) as cloud:
+            sets = record(target, draft, prompts, max_new_tokens, cloud.url)
     return [save(ts, Path(out_dir) / f"{name}.json") for name, ts in sets.items()]
 
 
