@@ -99,7 +99,7 @@ class CapacityRun:
     # CPU seconds of the cloud process and of the load generator over the case
     cloud_cpu_s: float
     client_cpu_s: float
-    # VmHWM of the cloud during the case, bytes
+    # VmHWM of the cloud during the case, and its RSS when the case began (what earlier cases left), bytes
     cloud_peak_rss: int
     # largest KV gauge read (bytes) and the reads made
     kv_peak_bytes: float
@@ -110,6 +110,7 @@ class CapacityRun:
     counters: dict[str, float]
     # every text (bench.loadgen.TextRun as a dict)
     texts: list[dict[str, Any]] = field(default_factory=list)
+    cloud_start_rss: int = 0
 
     def text_runs(self) -> list[TextRun]:
         return [TextRun(**t) for t in self.texts]
@@ -187,6 +188,7 @@ class CapacityRunner:
         grpc_target = f"127.0.0.1:{cloud.grpc_port}"
         before = scrape(cloud.url)
         rss.reset()
+        start_rss = rss.current_bytes()
         cpu0 = cpu_seconds(cloud.pid)
         # one keep-alive client for the polls: a fresh client per read costs this process milliseconds
         with httpx.Client(base_url=cloud.url, timeout=5.0) as http, GaugePoller(
@@ -201,7 +203,7 @@ class CapacityRunner:
                            cloud_cpu_s=cloud_cpu, client_cpu_s=res.client_cpu_s, cloud_peak_rss=peak,
                            kv_peak_bytes=kv.peak, kv_polls=kv.samples,
                            kv_demand_bytes=res.peak_positions * self.kv_per_position, counters=counters,
-                           texts=_round_floats(res.texts))
+                           texts=_round_floats(res.texts), cloud_start_rss=start_rss)
 
     def _arm(self, arm: str, cloud: CloudServer, traces: list[Trace], t_start: float) -> list[CapacityRun]:
         runs = []
