@@ -18,7 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from bench.capacity import BATCHED_FLAGS, UNBATCHED_FLAGS, CapacityPlan, quick_capacity_plan
+from bench.capacity import BATCHED_FLAGS, UNBATCHED_FLAGS, CapacityPlan, CapacityResults, quick_capacity_plan
 from bench.cloud_proc import REPO
 from bench.plan import full_plan, quick_plan, with_repeats
 from bench.traces import TRACES_DIR
@@ -109,6 +109,16 @@ def rerender_capacity(raw: dict[str, Any], out: Path, plots_dir: Path) -> int:
     return 0
 
 
+def other_capacity_runs(raw: Path, section_id: str) -> list[CapacityResults]:
+    """Capacity runs stored in `raw` for another device kind than `section_id` ("" = all; none if unreadable)."""
+    from bench.capacity_report import load_raw
+
+    try:
+        return [r for r in load_raw(json.loads(raw.read_text())) if r.plan.section_id != section_id]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     t0 = time.perf_counter()
@@ -151,6 +161,10 @@ def main(argv: list[str] | None = None) -> int:
         total_s = time.perf_counter() - t0
         results.total_s = total_s
         results.notes["command"] = command
+    measure_capacity = not (args.from_json or args.quick or args.skip_capacity)
+    # capacity sections this run does not measure again (the GPU table, or all with --skip-capacity) are kept
+    kept = [] if args.from_json else other_capacity_runs(plots_dir / "results.json",
+                                                         capacity_plan(args).section_id if measure_capacity else "")
     an = analyse(results)
     plots_dir.mkdir(parents=True, exist_ok=True)
     plots.write_all(an, plots_dir)
@@ -159,8 +173,10 @@ def main(argv: list[str] | None = None) -> int:
     path = report.write(an, args.out, plots_dir, command, total_s)
     if args.from_json:
         rerender_capacity(raw, path, plots_dir)
-    elif not args.quick and not args.skip_capacity:
-        run_capacity(args, command, path, plots_dir)
+    else:
+        rerender_capacity({"capacity": {r.plan.section_id: r.to_json() for r in kept}}, path, plots_dir)
+        if measure_capacity:
+            run_capacity(args, command, path, plots_dir)
     say("")
     say("\n".join(report.latency_table(report.main_rows(an))))
     say("\nnoisy numbers: timing metrics whose min-max over repeats exceeds 10 % of the median")

@@ -233,3 +233,22 @@ def test_committed_traces_are_consistent_with_the_demo_target(demo_target_dir: P
             assert (r.answer_ctx_len, r.answer_ctx_hash) == (len(s), ctx_hash(s))
             assert r.next_kind in ("correction", "bonus")
         assert s[len(t.prompt_ids):] == t.token_ids
+
+
+def test_a_rerun_keeps_the_other_device_kinds_section(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from bench.capacity_report import load_raw, store_raw
+    from bench.run import other_capacity_runs
+
+    cpu = results([run_of("batched", "speculative", 1, 100, 1.0, [10.0])])
+    gpu = replace(cpu, plan=replace(cpu.plan, device="cuda", dtype="bfloat16"))
+    raw = tmp_path / "results.json"
+    raw.write_text(json.dumps({"machine": {}}))
+    store_raw(cpu, raw)
+    store_raw(gpu, raw)
+    assert json.loads(raw.read_text())["machine"] == {}  # the main results stay as they were
+    assert load_raw(json.loads(raw.read_text())) == [cpu, gpu]
+    assert other_capacity_runs(raw, "cpu") == [gpu]
+    assert other_capacity_runs(raw, "") == [cpu, gpu]
+    assert other_capacity_runs(tmp_path / "missing.json", "cpu") == []
