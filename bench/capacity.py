@@ -169,16 +169,17 @@ class CapacityRunner:
     def traces(self, cloud: CloudServer) -> tuple[list[Trace], str]:
         """The committed traces when they were recorded against this target, else fresh ones recorded
         against `cloud` (one session at a time, so batching plays no part in them)."""
-        found = load_dir(self.traces_dir, self.target)
+        p = self.plan
+        found = load_dir(self.traces_dir, self.target, p.device, p.dtype)
         if found is not None:
             return found, f"`{_rel(self.traces_dir)}` (recorded with `python -m bench.traces`)"
         out = Path(tempfile.mkdtemp(prefix="specsplit-traces-"))
-        self.progress(f"no traces recorded against {self.target}: recording {2 * self.plan.prompts_per_set} "
+        self.progress(f"no traces recorded against {self.target} on {p.device} / {p.dtype}: recording {2 * self.plan.prompts_per_set} "
                       "prompts x 2 drafters")
-        record_dir(self.target, self.draft, out, self.plan.prompts_per_set, self.plan.trace_tokens, cloud.url)
-        found = load_dir(out, self.target)
+        record_dir(self.target, self.draft, out, p.prompts_per_set, p.trace_tokens, cloud.url, p.device, p.dtype)
+        found = load_dir(out, self.target, p.device, p.dtype)
         assert found is not None
-        return found, f"recorded at the start of this run against `{_rel(self.target)}`"
+        return found, f"recorded at the start of this run against `{_rel(self.target)}` on {p.device} / {p.dtype}"
 
     def cloud_base_args(self) -> list[str]:
         return ["--dtype", self.plan.dtype, *ADMISSION_FLAGS]

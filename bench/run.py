@@ -82,7 +82,13 @@ def run_capacity(args: argparse.Namespace, command: str, out: Path, plots_dir: P
     plan = capacity_plan(args)
     say(f"capacity: sessions {', '.join(map(str, plan.levels))}; {plan.max_tokens} tokens per text; "
         f"device {plan.device}, dtype {plan.dtype}")
-    res = CapacityRunner(plan, args.target, args.draft, args.traces, progress=say).run(command)
+    try:
+        res = CapacityRunner(plan, args.target, args.draft, args.traces, progress=say).run(command)
+    except RuntimeError as e:  # a cloud that would not start, e.g. a flag this specsplit-cloud lacks
+        print(f"specsplit-bench: capacity section failed: {e}\n(arm flags: "
+              + "; ".join(f"{name}: {flags!r}" for name, flags in plan.arms)
+              + "; --capacity-batched-flags / --capacity-unbatched-flags change them)", file=sys.stderr)
+        return 1
     path = write_into(res, out)
     raw = store_raw(res, plots_dir / "results.json")
     say("")
@@ -175,8 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         rerender_capacity(raw, path, plots_dir)
     else:
         rerender_capacity({"capacity": {r.plan.section_id: r.to_json() for r in kept}}, path, plots_dir)
-        if measure_capacity:
-            run_capacity(args, command, path, plots_dir)
+        if measure_capacity and run_capacity(args, command, path, plots_dir) != 0:
+            return 1
     say("")
     say("\n".join(report.latency_table(report.main_rows(an))))
     say("\nnoisy numbers: timing metrics whose min-max over repeats exceeds 10 % of the median")

@@ -12,8 +12,9 @@ were made by
 
     .venv/bin/python -m bench.traces
 
-Each file also names the target it was recorded against (a hash of its weights), so a trace is
-only replayed against that target (bench.capacity records fresh ones for any other target).
+Each file also names the target it was recorded against (a hash of its weights) and the cloud's
+device kind and dtype, so a trace is only replayed against that target on that kind of device in
+that dtype (bench.capacity records fresh ones otherwise, e.g. for a GPU run in bfloat16).
 """
 
 from __future__ import annotations
@@ -144,11 +145,13 @@ def load(path: Path) -> TraceSet:
     return TraceSet.from_json(json.loads(Path(path).read_text()))
 
 
-def load_dir(traces_dir: Path, target: Path) -> list[Trace] | None:
-    """Every drafter's traces in `traces_dir` recorded against `target`, interleaved by prompt
-    (model, ngram, model, ngram, ...); None when a file is missing or was recorded against other weights."""
+def load_dir(traces_dir: Path, target: Path, device: str = "cpu", dtype: str = "float32") -> list[Trace] | None:
+    """Every drafter's traces in `traces_dir` recorded against `target` on a cloud of this device kind
+    and dtype, interleaved by prompt (model, ngram, model, ngram, ...); None when a file is missing or
+    was recorded otherwise (another dtype or device can change a greedy answer)."""
     sets = []
     fp = target_fingerprint(target)
+    kind = "cpu" if device == "cpu" else "cuda"
     for drafter in DRAFTERS:
         path = Path(traces_dir) / f"{drafter}.json"
         if not path.is_file():
@@ -156,6 +159,10 @@ def load_dir(traces_dir: Path, target: Path) -> list[Trace] | None:
         ts = load(path)
         if ts.target_fingerprint != fp:
             log.info("%s was recorded against target %s, not %s", path, ts.target_fingerprint, fp)
+            return None
+        if (ts.recorded_with.get("device"), ts.recorded_with.get("dtype")) != (kind, dtype):
+            log.info("%s was recorded on %s / %s, not %s / %s", path, ts.recorded_with.get("device"),
+                     ts.recorded_with.get("dtype"), kind, dtype)
             return None
         sets.append(ts.traces)
     return [t for group in zip(*sets, strict=True) for t in group]
@@ -189,8 +196,9 @@ class RecordingTransport:
 
 
 def record(target: Path, draft: Path, prompts: list[tuple[str, list[int]]], max_new_tokens: int,
-           cloud_url: str) -> dict[str, TraceSet]:
-    """One greedy speculative generation per (drafter, prompt) against the running cloud at `cloud_url`."""
+           cloud_url: str, device: str = "cpu", dtype: str = "float32") -> dict[str, TraceSet]:
+    """One greedy speculative generation per (drafter, prompt) against the running cloud at `cloud_url`
+    (which runs the target on `device` in `dtype`)."""
     from edge.client import EdgeClient
     from edge.drafters import ModelDrafter, NGramDrafter
     from edge.settings import EdgeSettings
@@ -222,7 +230,8 @@ def record(target: Path, draft: Path, prompts: list[tuple[str, list[int]]], max_
         client.close()
         out[drafter_name] = TraceSet(fp, {"target": _rel(target), "draft": _rel(draft) if drafter_name == "model"
                                           else "ngram", "sampling": sampling, "max_new_tokens": max_new_tokens,
-                                          "k": "edge default (dynamic)", "transport": "rest"}, traces)
+                                          "k": "edge default (dynamic)", "transport": "rest",
+                                          "device": "cpu" if device == "cpu" else "cuda", "dtype": dtype}, traces)
     return out
 
 
@@ -245,15 +254,15 @@ def bench_prompts(target: Path, per_set: int, max_new_tokens: int) -> list[tuple
 
 
 def record_dir(target: Path, draft: Path, out_dir: Path, per_set: int, max_new_tokens: int,
-               cloud_url: str | None = None) -> list[Path]:
-    """Record every drafter's traces against the cloud at `cloud_url` (or one started for it, on CPU),
-    and write `out_dir/<drafter>.json`."""
+               cloud_url: str | None = None, device: str = "cpu", dtype: str = "float32") -> list[Path]:
+    """Record every drafter's traces against the cloud at `cloud_url` (running on `device` in `dtype`),
+    or against one started for it, and write `out_dir/<drafter>.json`."""
     prompts = bench_prompts(target, per_set, max_new_tokens)
     if cloud_url is not None:
-        sets = record(target, draft, prompts, max_new_tokens, cloud_url)
+        sets = record(target, draft, prompts, max_new_tokens, cloud_url, device, dtype)
     else:
-        with CloudServer(target, "cpu", torch_threads=1) as cloud:
-            sets = record(target, draft, prompts, max_new_tokens, cloud.url)
+        with CloudServer(target, device, torch_threads=1, extra_args=["--dtype", dtype]) as cloud:
+            sets = record(target, draft, prompts, max_new_tokens, cloud.url, device, dtype)
     return [save(ts, Path(out_dir) / f"{name}.json") for name, ts in sets.items()]
 
 
@@ -264,10 +273,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=TRACES_DIR)
     p.add_argument("--prompts-per-set", type=int, default=2, help="prompts of each set (code, prose)")
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--device", default="cpu", help="the cloud's torch device (traces replay only on this kind)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    for path in record_dir(args.target, args.draft, args.out, args.prompts_per_set, args.max_new_tokens):
+    for path in record_dir(args.target, args.draft, args.out, args.prompts_per_set, args.max_new_tokens,
+                           device=args.device, dtype=args.dtype):
         print(f"wrote {path} ({path.stat().st_size} bytes)")
     return 0
 

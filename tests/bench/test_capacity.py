@@ -209,12 +209,14 @@ def test_results_survive_json() -> None:
 
 
 def test_trace_files_round_trip_and_belong_to_one_target(tmp_path: Path, demo_target_dir: Path) -> None:
-    ts = TraceSet(target_fingerprint(demo_target_dir), {"k": "dynamic"}, [make_trace([2, 1])])
+    ts = TraceSet(target_fingerprint(demo_target_dir), {"device": "cpu", "dtype": "float32"}, [make_trace([2, 1])])
     for d in DRAFTERS:
         save(ts, tmp_path / f"{d}.json")
     assert load(tmp_path / "model.json") == ts
     assert load_dir(tmp_path, demo_target_dir) == [ts.traces[0], ts.traces[0]]
-    other = TraceSet("0" * 16, {}, ts.traces)
+    # recorded in another dtype: a greedy answer may differ, so these do not replay
+    assert load_dir(tmp_path, demo_target_dir, "cuda", "bfloat16") is None
+    other = TraceSet("0" * 16, ts.recorded_with, ts.traces)
     save(other, tmp_path / "ngram.json")
     assert load_dir(tmp_path, demo_target_dir) is None
 
