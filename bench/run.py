@@ -1,7 +1,7 @@
 """`specsplit-bench`: measure edge_only, cloud_only and speculative decoding on this machine and
 write BENCHMARKS.md plus its PNG figures.
 
-    specsplit-bench                      # the full run (about 10 minutes on 2 CPU cores)
+    specsplit-bench                      # the full run (about 10 minutes on 2 CPU cores, then the capacity section)
     specsplit-bench --quick --out /tmp/B.md --plots /tmp/plots   # seconds-scale smoke run
     specsplit-bench --from-json bench/plots/results.json          # re-render from raw results
     specsplit-bench --only capacity      # the cloud capacity section alone (a few minutes)
