@@ -9,10 +9,9 @@ the trace's text, which is target greedy. gRPC aio (one HTTP/2 channel, protobuf
 client of the two transports per request, so verify traffic uses it; the client's own CPU time is
 measured so a reader can see it stays small next to the cloud's.
 
-Work of a case with n sessions over T traces: max(n, T) texts, text j replays trace j mod T,
-session s runs texts s, s + n, s + 2n, ... in order, each cut after the round that reaches the
-per-text token cap. So every case covers every trace at least once, and one session runs them
-all back to back.
+Work of a case with n sessions over T traces (`assign_texts`): every session replays the same
+number of texts, half from each drafter's traces, each cut after the round that reaches the
+per-text token cap, so the case keeps n sessions busy until its end and covers every trace.
 """
 
 from __future__ import annotations
@@ -67,11 +66,23 @@ class LoadResult:
 
 
 def assign_texts(sessions: int, n_traces: int, texts: int | None = None) -> list[list[int]]:
-    """Trace index of each text, per session: `texts` (default max(sessions, n_traces)) texts, round robin."""
+    """Trace index of each text, per session.
+
+    Default: every session runs the same amount of work, so all n stay busy until the end (a
+    session that finished early would leave the case at lower concurrency than it claims). The
+    traces are two halves of equal kind (model drafter, n-gram drafter), so session s runs trace
+    s mod T, then s + T/2 (the other drafter's trace of the same prompt), then s + 1, s + 1 + T/2,
+    ...: max(2, ceil(T / n)) texts (rounded up to even), one of each half in turn, and together the
+    sessions cover every trace. `texts` instead: that many texts dealt round robin (a warm-up).
+    """
     if sessions < 1 or n_traces < 1:
         raise ValueError(f"need at least one session and one trace, not {sessions} / {n_traces}")
-    texts = max(sessions, n_traces) if texts is None else texts
-    return [[j % n_traces for j in range(s, texts, sessions)] for s in range(sessions)]
+    if texts is not None:
+        return [[j % n_traces for j in range(s, texts, sessions)] for s in range(sessions)]
+    half = max(n_traces // 2, 1)
+    each = max(2, -(-n_traces // sessions))
+    each += each % 2
+    return [[(s + i // 2 + (i % 2) * half) % n_traces for i in range(each)] for s in range(sessions)]
 
 
 class Occupancy:

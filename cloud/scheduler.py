@@ -6,8 +6,9 @@ one batch:
 - each job's `plan()` (on the model thread, reading its session) gives the `Row` it needs, or
   answers at once (a replay, a closed session: no forward);
 - the oldest job always runs; a later one joins while the batch stays within `max_batch_size`
-  rows and `max_batch_tokens` padded tokens (rows x longest row), and padding stays under half of
-  the batch (a short verify row does not ride along with a long prefill chunk, and the reverse);
+  rows and `max_batch_tokens` padded tokens (rows x longest row), and the padded tokens stay within
+  PADDING_FACTOR times the real ones (verify rows of different k share a forward, which costs less
+  than a second forward; a short verify row does not ride along with a long prefill chunk);
   what does not fit waits for the next forward, which starts right after this one;
 - one `KVPool.forward` runs every row; then each job's `finish()` applies its own result (the verify
   rule, a commit). An exception in one job's plan or finish fails that job alone; a failed
@@ -46,6 +47,8 @@ from shared.kvpool import Row
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+# a row joins a batch only while rows x longest row <= PADDING_FACTOR x the real tokens
+PADDING_FACTOR = 4
 
 
 class Pending:
@@ -258,7 +261,7 @@ class Scheduler:
                 wide = max(longest, n)
                 rows = len(batch) + 1
                 if (rows > self.max_batch_size or wide * rows > self.max_batch_tokens
-                        or 2 * (real + n) < wide * rows):
+                        or PADDING_FACTOR * (real + n) < wide * rows):
                     continue  # waits for a later forward
             batch.append((job, row))
             longest, real = max(longest, n), real + n

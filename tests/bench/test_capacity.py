@@ -46,13 +46,13 @@ def make_trace(tokens_per_round: list[int], prompt: list[int] | None = None) -> 
     return Trace("code/x", "model", 1000, prompt, s[len(prompt):], rounds)
 
 
-def test_every_case_covers_every_trace_round_robin() -> None:
-    assert assign_texts(1, 4) == [[0, 1, 2, 3]]
-    assert assign_texts(2, 4) == [[0, 2], [1, 3]]
+def test_every_session_gets_equal_work_from_both_drafters_and_the_case_covers_every_trace() -> None:
+    assert assign_texts(1, 8) == [[0, 4, 1, 5, 2, 6, 3, 7]]
+    assert assign_texts(4, 8) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    sixteen = assign_texts(16, 8)
+    assert all(len(p) == 2 and (p[0] < 4) != (p[1] < 4) for p in sixteen)  # one trace of each half
+    assert sorted({j for p in assign_texts(64, 8) for j in p}) == list(range(8))
     assert assign_texts(4, 8, texts=4) == [[0], [1], [2], [3]]
-    six = assign_texts(6, 4)
-    assert six == [[0], [1], [2], [3], [0], [1]]
-    assert sorted(j for s in assign_texts(64, 8) for j in s) == sorted(list(range(8)) * 8)
     with pytest.raises(ValueError):
         assign_texts(0, 4)
 
