@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import AsyncIterator
 from dataclasses import asdict
 from typing import Any
@@ -88,7 +89,9 @@ class GenerateBody(BaseModel):
 
 
 def _error_response(err: SpecSplitError) -> JSONResponse:
-    return JSONResponse(err.to_body(), status_code=err.http_status)
+    retry_after = err.details.get("retry_after_s")
+    headers = {"Retry-After": str(math.ceil(retry_after))} if isinstance(retry_after, (int, float)) else None
+    return JSONResponse(err.to_body(), status_code=err.http_status, headers=headers)
 
 
 class BodyLimit:
