@@ -1,0 +1,120 @@
+"""Helpers of the replica tests: a real cluster (bench.cluster: specsplit-cloud replicas behind a real
+nginx on loopback), who holds a routing key, generations paused mid-way, edge clients through the balancer.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from bench.cluster import Cluster, Replica
+from edge.client import EdgeClient, GenerationResult
+from edge.drafters.base import Drafter
+from edge.settings import EdgeSettings
+
+# the calls of a session (what must carry the routing key); GET /v1/model is per client, not per generation
+SESSION_URIS_REST = ("/v1/sessions", "/v1/verify")
+SESSION_URIS_GRPC = ("/specsplit.v1.Verifier/OpenSession", "/specsplit.v1.Verifier/Verify",
+                     "/specsplit.v1.Verifier/GetSession", "/specsplit.v1.Verifier/CloseSession")
+
+
+def is_session_call(entry: dict[str, str]) -> bool:
+    uri = entry["uri"]
+    return uri.startswith(SESSION_URIS_REST) or uri in SESSION_URIS_GRPC
+
+
+def last_upstream(entry: dict[str, str]) -> str:
+    """The replica that answered: nginx lists every upstream it tried, the answering one last."""
+    return entry["upstream"].split(",")[-1].strip()
+
+
+def holder_of(cluster: Cluster, route_key: str, since: int) -> Replica:
+    """The replica that answered the latest successful session call with `route_key`."""
+    calls = [e for e in cluster.nginx.access_log(since)
+             if e["route"] == route_key and is_session_call(e) and e["status"] == "200"]
+    assert calls, f"no session call with route key {route_key} in the access log"
+    return cluster.replica_at(last_upstream(calls[-1]))
+
+
+def opens_logged(replica: Replica, after: float = 0.0) -> list[dict[str, Any]]:
+    """The replica's `open` log events (newer than the time `after`)."""
+    return [e for e in replica.log_events() if e.get("event") == "open" and e.get("ts", 0) >= after]
+
+
+def edge_client(cluster: Cluster, transport: str, tokenizer: Any, drafter: Drafter, **kw: Any) -> EdgeClient:
+    """An edge client through the balancer; verified rounds only (no lossy timeout fallback)."""
+    kw.setdefault("temperature", 0)
+    s = EdgeSettings(cloud_url=cluster.nginx.http_url,
+                     grpc_target=cluster.nginx.grpc_target if transport == "grpc" else None,
+                     timeout_ms=20_000, timeout_fallback=False, backoff_ms=20, **kw)
+    return EdgeClient(s, drafter=drafter, tokenizer=tokenizer)
+
+
+@dataclass
+class PausedRuns:
+    """Generations in threads that all stop after `after` tokens until `resume()`; then run to the end."""
+
+    after: int
+    runs: dict[str, Callable[[], Any]]
+    results: dict[str, GenerationResult] = field(default_factory=dict)
+    errors: dict[str, BaseException] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._paused = threading.Barrier(len(self.runs) + 1)
+        self._resume = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(name, start), daemon=True)
+                         for name, start in self.runs.items()]
+        for t in self._threads:
+            t.start()
+
+    def _run(self, name: str, start: Callable[[], Any]) -> None:
+        try:
+            gen = start()
+            for n, _ in enumerate(gen, 1):
+                if n == self.after:
+                    self._paused.wait(120)
+                    self._resume.wait(120)
+            self.results[name] = gen.result()
+        except BaseException as e:  # reported by finish()
+            self.errors[name] = e
+            self._paused.abort()
+
+    def wait_paused(self) -> None:
+        """Every generation has committed `after` tokens and waits (its session open, no call in flight)."""
+        self._paused.wait(120)
+
+    def resume(self) -> None:
+        self._resume.set()
+
+    def finish(self) -> dict[str, GenerationResult]:
+        self.resume()
+        for t in self._threads:
+            t.join(120)
+        assert not self.errors, self.errors
+        return self.results
+
+
+def relaunch_stopped(cluster: Cluster) -> None:
+    """Start killed or drained replicas again, without waiting (they come back on their ports)."""
+    for r in cluster.replicas:
+        if not r.alive():
+            r.launch()
+
+
+def wait_ready(cluster: Cluster, at_least: int) -> None:
+    """Until `at_least` replicas answer ready (restarting ones may still be loading)."""
+    deadline = time.monotonic() + 180
+    while sum(r.ready() for r in cluster.replicas) < at_least:
+        assert time.monotonic() < deadline, "replicas did not come back"
+        time.sleep(0.2)
+
+
+def ensure_all_up(cluster: Cluster, fail_timeout_s: float) -> None:
+    """Every replica ready, and nginx's failure marks expired, so every key is routed by the full ring."""
+    relaunch_stopped(cluster)
+    for r in cluster.replicas:
+        r.wait_ready()
+    time.sleep(fail_timeout_s)
