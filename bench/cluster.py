@@ -45,6 +45,11 @@ COMPOSE_PORTS = {"http": 8000, "grpc": 50051, "balancer_http": 8080, "balancer_g
 MAX_FAILS = 2
 FAIL_TIMEOUT = "10s"
 
+# the calls of a session (those that carry the routing key; GET /v1/model is per client, not per generation)
+SESSION_URIS_REST = ("/v1/sessions", "/v1/verify")
+SESSION_URIS_GRPC = ("/specsplit.v1.Verifier/OpenSession", "/specsplit.v1.Verifier/Verify",
+                     "/specsplit.v1.Verifier/GetSession", "/specsplit.v1.Verifier/CloseSession")
+
 _LOG_FORMAT = ('{"time":"$time_iso8601","route":"$http_x_specsplit_route","method":"$request_method",'
                '"uri":"$uri","status":"$status","upstream":"$upstream_addr",'
                '"upstream_status":"$upstream_status","request_time":"$request_time"}')
@@ -148,6 +153,17 @@ def compose_nginx_conf() -> str:
     p = COMPOSE_PORTS
     return nginx_conf([f"{r}:{p['http']}" for r in COMPOSE_REPLICAS], [f"{r}:{p['grpc']}" for r in COMPOSE_REPLICAS],
                       str(p["balancer_http"]), str(p["balancer_grpc"]))
+
+
+def is_session_call(entry: dict[str, str]) -> bool:
+    """An access log record of a session call (open, verify, get, close; REST or gRPC)."""
+    uri = entry["uri"]
+    return uri.startswith(SESSION_URIS_REST) or uri in SESSION_URIS_GRPC
+
+
+def last_upstream(entry: dict[str, str]) -> str:
+    """The replica that answered: nginx lists every upstream it tried, the answering one last."""
+    return entry["upstream"].split(",")[-1].strip()
 
 
 def nginx_binary() -> str:
@@ -382,6 +398,15 @@ class Cluster:
             if upstream in r.addresses:
                 return r
         raise KeyError(upstream)
+
+    def holder_of(self, route_key: str, since: int = 0) -> Replica:
+        """The replica that answered the latest successful session call with `route_key` (access log
+        from byte `since`): the one holding that generation's session."""
+        calls = [e for e in self.nginx.access_log(since)
+                 if e["route"] == route_key and is_session_call(e) and e["status"] == "200"]
+        if not calls:
+            raise KeyError(f"no session call with route key {route_key} in the access log")
+        return self.replica_at(last_upstream(calls[-1]))
 
     def stop(self, keep_files: bool = False) -> None:
         self.nginx.stop()

@@ -10,33 +10,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.cluster import Cluster, Replica
+from bench.cluster import Cluster, Replica, is_session_call, last_upstream
 from edge.client import EdgeClient, GenerationResult
 from edge.drafters.base import Drafter
 from edge.settings import EdgeSettings
 
-# the calls of a session (what must carry the routing key); GET /v1/model is per client, not per generation
-SESSION_URIS_REST = ("/v1/sessions", "/v1/verify")
-SESSION_URIS_GRPC = ("/specsplit.v1.Verifier/OpenSession", "/specsplit.v1.Verifier/Verify",
-                     "/specsplit.v1.Verifier/GetSession", "/specsplit.v1.Verifier/CloseSession")
-
-
-def is_session_call(entry: dict[str, str]) -> bool:
-    uri = entry["uri"]
-    return uri.startswith(SESSION_URIS_REST) or uri in SESSION_URIS_GRPC
-
-
-def last_upstream(entry: dict[str, str]) -> str:
-    """The replica that answered: nginx lists every upstream it tried, the answering one last."""
-    return entry["upstream"].split(",")[-1].strip()
-
 
 def holder_of(cluster: Cluster, route_key: str, since: int) -> Replica:
-    """The replica that answered the latest successful session call with `route_key`."""
-    calls = [e for e in cluster.nginx.access_log(since)
-             if e["route"] == route_key and is_session_call(e) and e["status"] == "200"]
-    assert calls, f"no session call with route key {route_key} in the access log"
-    return cluster.replica_at(last_upstream(calls[-1]))
+    """The replica holding the session(s) of `route_key`, by nginx's access log."""
+    return cluster.holder_of(route_key, since)
 
 
 def opens_logged(replica: Replica, after: float = 0.0) -> list[dict[str, Any]]:
@@ -118,3 +100,7 @@ def ensure_all_up(cluster: Cluster, fail_timeout_s: float) -> None:
     for r in cluster.replicas:
         r.wait_ready()
     time.sleep(fail_timeout_s)
+
+
+__all__ = ["PausedRuns", "edge_client", "ensure_all_up", "holder_of", "is_session_call", "last_upstream",
+           "opens_logged", "relaunch_stopped", "wait_ready"]
