@@ -56,7 +56,7 @@ class CloudSettings(BaseSettings):
     replay_cache_size: int = Field(default=8, ge=0)
     # largest max_new_tokens of POST /v1/generate
     max_generate_tokens: int = Field(default=1024, ge=1)
-    # seconds given to in-flight calls at shutdown
+    # at SIGTERM, the drain waits at most this long (seconds) for open sessions to close and rounds to finish
     shutdown_grace_s: float = Field(default=2.0, ge=0)
     # logging level of the process
     log_level: Literal["debug", "info", "warning", "error"] = "info"

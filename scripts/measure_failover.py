@@ -148,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="write the results here too")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     import torch
     from transformers import AutoTokenizer
 
