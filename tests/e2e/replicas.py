@@ -79,9 +79,12 @@ class PausedRuns:
         return self.results
 
 
-def relaunch_stopped(cluster: Cluster) -> None:
-    """Start killed or drained replicas again, without waiting (they come back on their ports)."""
+def keep_two_alive(cluster: Cluster) -> None:
+    """Start stopped replicas again (without waiting) until two are running: enough for a failover,
+    and no more start-ups than needed competing for the cores."""
     for r in cluster.replicas:
+        if sum(x.alive() for x in cluster.replicas) >= 2:
+            return
         if not r.alive():
             r.launch()
 
@@ -94,13 +97,14 @@ def wait_ready(cluster: Cluster, at_least: int) -> None:
         time.sleep(0.2)
 
 
-def ensure_all_up(cluster: Cluster, fail_timeout_s: float) -> None:
-    """Every replica ready, and nginx's failure marks expired, so every key is routed by the full ring."""
-    relaunch_stopped(cluster)
+def settle(cluster: Cluster, fail_timeout_s: float) -> None:
+    """Every running replica ready and nginx's failure marks expired: no replica joins or leaves the
+    ring during the next case, so a key keeps its replica."""
     for r in cluster.replicas:
-        r.wait_ready()
+        if r.alive():
+            r.wait_ready()
     time.sleep(fail_timeout_s)
 
 
-__all__ = ["PausedRuns", "edge_client", "ensure_all_up", "holder_of", "is_session_call", "last_upstream",
-           "opens_logged", "relaunch_stopped", "wait_ready"]
+__all__ = ["PausedRuns", "edge_client", "holder_of", "is_session_call", "keep_two_alive", "last_upstream",
+           "opens_logged", "settle", "wait_ready"]
