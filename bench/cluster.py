@@ -435,16 +435,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--http-port", type=int, default=8000, help="balancer REST port (default 8000; 0 = free)")
     p.add_argument("--grpc-port", type=int, default=50051, help="balancer gRPC port (default 50051; 0 = free)")
     p.add_argument("--torch-threads", type=int, default=1, help="torch threads per replica (default 1)")
-    p.add_argument("replica_args", nargs=argparse.REMAINDER, help="after --: more specsplit-cloud flags")
+    p.epilog = "Flags after -- go to every specsplit-cloud replica (e.g. -- --shutdown-grace-s 20)."
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args = _parser().parse_args(argv[:cut])
+    extra = tuple(argv[cut + 1:])
     if args.replicas < 1:
         print("cluster: need at least one replica", file=sys.stderr)
         return 2
-    extra = tuple(a for a in args.replica_args if a != "--")
     cluster = Cluster(ClusterConfig(args.replicas, args.model, extra, args.torch_threads, args.http_port,
                                     args.grpc_port))
 
