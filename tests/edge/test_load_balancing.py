@@ -1,5 +1,6 @@
-"""The routing key: one per generation (random unless given), the same on every call of it and across
-reopens, sent by the REST transport as X-Specsplit-Route; the CLI and settings take a caller's own."""
+"""Behind a load balancer. The routing key: one per generation (random unless given), the same on every
+call of it and across reopens, sent by the REST transport as X-Specsplit-Route; the CLI and settings
+take a caller's own. A balancer's own gateway errors (HTML 502 / 503 / 504) are retried with backoff."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pydantic import ValidationError
 
 from edge.cli import build_parser, settings_from_args
 from edge.settings import EdgeSettings
-from edge.transport import ROUTE_HEADER, RestTransport
+from edge.transport import ROUTE_HEADER, CloudTimeout, RestTransport, error_from_http, is_retryable
 from shared.config import SamplingConfig
 from shared.errors import InvalidArgument
 from shared.protocol import DraftProposal, OpenSessionRequest, VerifyRequest
@@ -78,3 +79,18 @@ def test_rest_view_sends_the_key_on_open_verify_get_and_close() -> None:
     base.get_session("s", 1)  # the base transport itself sends no key
     assert [k for _, _, k in seen] == ["gen-1"] * 4 + [None]
     assert base.traffic.calls == 5  # the view counts into the same traffic
+
+
+@pytest.mark.parametrize("status", [502, 503, 504])
+def test_a_balancers_gateway_error_is_retried_with_backoff(make_client, fake_cloud: FakeCloud, status: int) -> None:
+    page = f"<html><head><title>{status}</title></head><body><center>nginx</center></body></html>".encode()
+    err = error_from_http(status, page)
+    assert is_retryable(err) and not isinstance(err, CloudTimeout)
+    ref, _ = make_client(temperature=0, max_new_tokens=8)
+    expected = ref.generate(PROMPT).token_ids
+    client, clock = make_client(temperature=0, max_new_tokens=8, backoff_ms=50)
+    fake_cloud.fail("verify", err, times=2)
+    fake_cloud.fail("open", error_from_http(status, page), times=1)
+    r = client.generate(PROMPT)
+    assert r.token_ids == expected and r.metrics.retries == 3 and r.metrics.reopens == 0
+    assert clock.sleeps == [0.05, 0.05, 0.1]  # open: one backoff; verify: doubling per attempt
