@@ -197,9 +197,8 @@ class EdgeClient:
             raise InvalidArgument("the prompt has no tokens")
         params = SessionParams(sampling=sampling or s.sampling(), seed=s.seed if seed is None else seed,
                                correction=s.correction, send_q_dists=s.send_q_dists)
-        key = check_route_key(route_key or s.route_key or new_route_key())
-        job = _Job(prompt_ids, mode or s.mode, s.max_new_tokens if max_new_tokens is None else max_new_tokens, params,
-                   key)
+        n_new = s.max_new_tokens if max_new_tokens is None else max_new_tokens
+        job = _Job(prompt_ids, mode or s.mode, n_new, params, check_route_key(route_key or s.route_key or new_route_key()))
         if job.mode != "cloud_only":  # load the draft model before the clock starts
             _ = self.drafter
         return Generation(self._run(job), lambda toks: self._finish(job, toks))
@@ -261,7 +260,8 @@ class EdgeClient:
         if s.gating:
             gate = GateThresholds(t_nll=s.t_nll, t_entropy_bits=s.t_entropy_bits, t_margin=s.t_margin,
                                   t_mc_var=s.t_mc_var, r_hard=s.r_hard)
-        run = SpeculativeRun(self.transport.routed(job.route_key), drafter, job.params, self._k_controller(), job.metrics, self._policy(),
+        transport = self.transport.routed(job.route_key)
+        run = SpeculativeRun(transport, drafter, job.params, self._k_controller(), job.metrics, self._policy(),
                              gate=gate, rule_triggers=s.rule_triggers, detokenize=self.decode if gate else None,
                              clock=self.clock, sleep=self.sleep)
         job.rounds = run.records
