@@ -33,13 +33,15 @@ def cloud_command() -> list[str]:
 
 
 class CloudServer:
-    """`specsplit-cloud --model DIR --device DEV` with `torch_threads` model threads, log in a temp file."""
+    """`specsplit-cloud --model DIR --device DEV` with `torch_threads` model threads, log in a temp file;
+    `extra_args` are appended to the command line (e.g. `--dtype bfloat16`, `--max-batch-size 1`)."""
 
     def __init__(self, model_dir: Path, device: str = "cpu", torch_threads: int = 1,
-                 startup_timeout_s: float = 120.0) -> None:
+                 startup_timeout_s: float = 120.0, extra_args: list[str] | None = None) -> None:
         self.model_dir = Path(model_dir)
         self.device = device
         self.torch_threads = torch_threads
+        self.extra_args = list(extra_args or [])
         self.startup_timeout_s = startup_timeout_s
         self.http_port = free_port()
         self.grpc_port = free_port()
@@ -62,7 +64,7 @@ class CloudServer:
     def start(self) -> CloudServer:
         cmd = [*cloud_command(), "--model", str(self.model_dir), "--host", "127.0.0.1",
                "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port), "--device", self.device,
-               "--torch-threads", str(self.torch_threads), "--log-level", "warning"]
+               "--torch-threads", str(self.torch_threads), "--log-level", "warning", *self.extra_args]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)

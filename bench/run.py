@@ -1,9 +1,10 @@
 """`specsplit-bench`: measure edge_only, cloud_only and speculative decoding on this machine and
 write BENCHMARKS.md plus its PNG figures.
 
-    specsplit-bench                      # the full run (about 10 minutes on 2 CPU cores)
+    specsplit-bench                      # the full run (about 10 minutes on 2 CPU cores, then the capacity section)
     specsplit-bench --quick --out /tmp/B.md --plots /tmp/plots   # seconds-scale smoke run
     specsplit-bench --from-json bench/plots/results.json          # re-render from raw results
+    specsplit-bench --only capacity      # the cloud capacity section alone (a few minutes)
 """
 
 from __future__ import annotations
@@ -13,10 +14,14 @@ import json
 import shlex
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
+from bench.capacity import BATCHED_FLAGS, UNBATCHED_FLAGS, CapacityPlan, CapacityResults, quick_capacity_plan
 from bench.cloud_proc import REPO
 from bench.plan import full_plan, quick_plan, with_repeats
+from bench.traces import TRACES_DIR
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,7 +42,59 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip later repeats that would end the run after this many seconds "
                         "(default 570 for the full run, none with --quick; 0 = no budget)")
     p.add_argument("--from-json", type=Path, default=None, help="re-render the report from a results.json")
+    p.add_argument("--only", choices=["capacity"], default=None,
+                   help="run only this section and splice it into OUT and the results JSON")
+    p.add_argument("--skip-capacity", action="store_true", help="full run without the cloud capacity section")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                   help="the cloud's dtype in the capacity section")
+    p.add_argument("--capacity-levels", default=None,
+                   help="concurrent sessions of the capacity cases, comma-separated (default 1,4,16,64)")
+    p.add_argument("--capacity-tokens", type=int, default=None, help="tokens per capacity text (default 32)")
+    p.add_argument("--capacity-batched-flags", default=None,
+                   help=f"specsplit-cloud flags of the batching arm (default '{BATCHED_FLAGS}'; '' = none)")
+    p.add_argument("--capacity-unbatched-flags", default=None,
+                   help=f"specsplit-cloud flags of the one-at-a-time arm (default '{UNBATCHED_FLAGS}'; '' = none)")
+    p.add_argument("--traces", type=Path, default=TRACES_DIR, help="recorded traces (default bench/traces)")
     return p
+
+
+def capacity_plan(args: argparse.Namespace) -> CapacityPlan:
+    plan = quick_capacity_plan(args.device, args.dtype) if args.quick else CapacityPlan(device=args.device,
+                                                                                         dtype=args.dtype)
+    if args.capacity_levels:
+        levels = tuple(int(x) for x in args.capacity_levels.split(","))
+        plan = replace(plan, levels=levels, ref_level=plan.ref_level if plan.ref_level in levels else max(levels))
+    if args.capacity_tokens:
+        plan = replace(plan, max_tokens=args.capacity_tokens)
+    (batched, b_flags), (single, s_flags) = plan.arms
+    if args.capacity_batched_flags is not None:
+        b_flags = args.capacity_batched_flags
+    if args.capacity_unbatched_flags is not None:
+        s_flags = args.capacity_unbatched_flags
+    return replace(plan, arms=((batched, b_flags), (single, s_flags)))
+
+
+def run_capacity(args: argparse.Namespace, command: str, out: Path, plots_dir: Path) -> int:
+    """The capacity section: measured, spliced into OUT, stored under "capacity" in results.json."""
+    from bench.capacity import CapacityRunner
+    from bench.capacity_report import console_lines, store_raw, write_into
+
+    plan = capacity_plan(args)
+    say(f"capacity: sessions {', '.join(map(str, plan.levels))}; {plan.max_tokens} tokens per text; "
+        f"device {plan.device}, dtype {plan.dtype}")
+    try:
+        res = CapacityRunner(plan, args.target, args.draft, args.traces, progress=say).run(command)
+    except RuntimeError as e:  # a cloud that would not start, e.g. a flag this specsplit-cloud lacks
+        print(f"specsplit-bench: capacity section failed: {e}\n(arm flags: "
+              + "; ".join(f"{name}: {flags!r}" for name, flags in plan.arms)
+              + "; --capacity-batched-flags / --capacity-unbatched-flags change them)", file=sys.stderr)
+        return 1
+    path = write_into(res, out)
+    raw = store_raw(res, plots_dir / "results.json")
+    say("")
+    say("\n".join(console_lines(res)))
+    say(f"\nwrote the capacity section into {path} and its raw data into {raw} ({res.total_s:.1f} s)")
+    return 0
 
 
 def default_plots(out: Path) -> Path:
@@ -46,6 +103,26 @@ def default_plots(out: Path) -> Path:
 
 def say(msg: str) -> None:
     print(msg, flush=True)
+
+
+def rerender_capacity(raw: dict[str, Any], out: Path, plots_dir: Path) -> int:
+    """Splice every capacity run of the results JSON `raw` into `out` and store it in plots_dir/results.json."""
+    from bench.capacity_report import load_raw, store_raw, write_into
+
+    for res in load_raw(raw):
+        write_into(res, out)
+        store_raw(res, plots_dir / "results.json")
+    return 0
+
+
+def other_capacity_runs(raw: Path, section_id: str) -> list[CapacityResults]:
+    """Capacity runs stored in `raw` for another device kind than `section_id` ("" = all; none if unreadable)."""
+    from bench.capacity_report import load_raw
+
+    try:
+        return [r for r in load_raw(json.loads(raw.read_text())) if r.plan.section_id != section_id]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,14 +137,20 @@ def main(argv: list[str] | None = None) -> int:
     from bench.runner import Runner, RunResults
     from bench.stats import analyse
 
-    if args.from_json:
-        results = RunResults.from_json(json.loads(args.from_json.read_text()))
-        total_s = results.total_s
-    else:
+    if not args.from_json:
         for name in ("target", "draft"):
             if not (getattr(args, name) / "config.json").is_file():
                 print(f"specsplit-bench: {getattr(args, name)} is not a model directory", file=sys.stderr)
                 return 2
+    if args.only == "capacity":
+        return run_capacity(args, command, args.out, plots_dir)
+    raw: dict[str, Any] = json.loads(args.from_json.read_text()) if args.from_json else {}
+    if args.from_json:
+        if "machine" not in raw:  # a results file holding capacity runs only
+            return rerender_capacity(raw, args.out, plots_dir)
+        results = RunResults.from_json(raw)
+        total_s = results.total_s
+    else:
         info = machine_info(args.edge_threads, args.cloud_threads)
         say(f"machine: {info.cpu_model}, {info.cpus} CPUs ({info.cpus_usable} usable), load {info.load_avg_1m:.2f}; "
             f"torch threads edge {args.edge_threads} / cloud {args.cloud_threads}; "
@@ -84,12 +167,22 @@ def main(argv: list[str] | None = None) -> int:
         total_s = time.perf_counter() - t0
         results.total_s = total_s
         results.notes["command"] = command
+    measure_capacity = not (args.from_json or args.quick or args.skip_capacity)
+    # capacity sections this run does not measure again (the GPU table, or all with --skip-capacity) are kept
+    kept = [] if args.from_json else other_capacity_runs(plots_dir / "results.json",
+                                                         capacity_plan(args).section_id if measure_capacity else "")
     an = analyse(results)
     plots_dir.mkdir(parents=True, exist_ok=True)
     plots.write_all(an, plots_dir)
     report.write_raw(an, plots_dir)
     total_s = results.total_s if args.from_json else time.perf_counter() - t0
     path = report.write(an, args.out, plots_dir, command, total_s)
+    if args.from_json:
+        rerender_capacity(raw, path, plots_dir)
+    else:
+        rerender_capacity({"capacity": {r.plan.section_id: r.to_json() for r in kept}}, path, plots_dir)
+        if measure_capacity and run_capacity(args, command, path, plots_dir) != 0:
+            return 1
     say("")
     say("\n".join(report.latency_table(report.main_rows(an))))
     say("\nnoisy numbers: timing metrics whose min-max over repeats exceeds 10 % of the median")

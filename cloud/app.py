@@ -60,7 +60,8 @@ async def serve(service: VerifierService) -> None:
     st = service.settings
     grpc_server, grpc_port, health = await start_grpc(service, st.host, st.grpc_port)
     cfg = uvicorn.Config(create_app(service), host=st.host, port=st.http_port, log_config=None,
-                         access_log=False, lifespan="off", timeout_graceful_shutdown=ROUND_FINISH_S)
+                         access_log=False, lifespan="off", timeout_graceful_shutdown=ROUND_FINISH_S,
+                         limit_concurrency=st.max_connections)
     http = _Uvicorn(cfg)
     stop, hurry = asyncio.Event(), asyncio.Event()
 

@@ -1,8 +1,10 @@
-"""The verify round on a session's KV cache, and the target-only decode step. Synchronous.
+"""The verify round on a session's KV, the prefill of a new session, the target-only decode step.
 
 Checks that need no session state (`check_request`) run on the event loop before a request
-is queued; everything that reads or writes a session's context or cache (`run_round`) runs
-on the model worker thread, so rounds of all sessions are applied one at a time, in order.
+is queued; everything that reads or writes a session's context or KV (`plan_round`,
+`finish_round`) runs on the model thread, in the scheduler's batches (cloud/scheduler.py): a
+round is planned (the Row it needs), runs in one forward with other sessions' rows, and is
+finished with its own k + 1 distributions, so its answer does not depend on its batch.
 
 Positions (PROTOCOL.md): S' = S[:m] + append_ids with |S'| = ctx_len = L; draft y_i sits at
 position L + i; one forward over S'[c:] + y_1..y_k gives the k + 1 distributions
@@ -12,18 +14,17 @@ p_1..p_{k+1} at positions L + 1 .. L + k + 1.
 from __future__ import annotations
 
 import hashlib
-import json
 import re
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
 
-from cloud.model import TargetModel, crop_to
+from cloud.guards import check_context_room
+from cloud.model import TargetModel
 from cloud.session import Context, Session
 from shared.config import SamplingConfig
 from shared.errors import ContextMismatch, InvalidArgument, NotFound
+from shared.kvpool import KVPool, Row
 from shared.protocol import RoundMetrics, SparseDist, VerifyRequest, VerifyResponse
 from shared.rng import SAMPLE, position_uniform, sample_index
 from shared.sampling import processed_probs
@@ -38,7 +39,7 @@ class RoundLimits:
     max_k: int
     # largest return_top_k accepted
     max_return_top_k: int
-    # the model's positions: ctx_len + k must fit
+    # the model's positions: ctx_len + k + 1 must fit
     max_context: int
     # rows of the logits: valid ids are [0, vocab_size)
     vocab_size: int
@@ -75,8 +76,7 @@ def check_request(req: VerifyRequest, declared_k: int, lim: RoundLimits, session
         raise InvalidArgument(f"ctx_len = {req.ctx_len}: the context must hold at least one token")
     if len(req.append_ids) > req.ctx_len:
         raise InvalidArgument(f"len(append_ids) = {len(req.append_ids)} exceeds ctx_len = {req.ctx_len}")
-    if req.ctx_len + k > lim.max_context:
-        raise InvalidArgument(f"ctx_len + k = {req.ctx_len + k} exceeds the model's context ({lim.max_context})")
+    check_context_room(req.ctx_len, k, lim.max_context)
     if not HASH_RE.fullmatch(req.ctx_hash):
         raise InvalidArgument(f"ctx_hash {req.ctx_hash!r} is not 16 lower-case hex digits")
     if not 0 <= req.return_top_k <= lim.max_return_top_k:
@@ -103,10 +103,13 @@ def check_request(req: VerifyRequest, declared_k: int, lim: RoundLimits, session
 
 
 def fingerprint(req: VerifyRequest) -> str:
-    """What a duplicate must share with the original to be answered from the replay cache."""
-    body = asdict(req)
-    body.pop("request_id")
-    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+    """What a duplicate must share with the original to be answered from the replay cache: every
+    field but request_id (repr of ints, floats and strings is exact)."""
+    d = req.draft
+    dists = None if d.q_dists is None else [(sd.ids, sd.probs) for sd in d.q_dists]
+    body = (req.ctx_id, req.ctx_len, req.ctx_hash, req.append_ids, req.return_top_k, d.draft_tokens,
+            d.q_token_probs, d.draft_kind, dists, d.hard_mask)
+    return hashlib.sha256(repr(body).encode()).hexdigest()
 
 
 def check_context(ctx: Context, req: VerifyRequest) -> int:
@@ -139,34 +142,40 @@ def _replay(session: Session, req: VerifyRequest, fp: str) -> VerifyResponse | N
     return None
 
 
-def run_round(model: TargetModel, session: Session, req: VerifyRequest, q_dense: torch.Tensor | None,
-              clock: Callable[[], float], replay_keep: int) -> RoundResult:
-    """One verify round on the worker thread. A raised error leaves context and cache as they were."""
-    cache = session.cache
-    if session.closed or cache is None:
+@dataclass
+class RoundPlan:
+    # S' = S[:m] + append_ids, |S'| = ctx_len = L
+    new: Context
+    # positions of S' whose KV is kept: c = min(kv_len, m, L - 1) (>= 1 token of S' is fed to get p_1)
+    past: int
+    # the forward this round needs: S'[c:] + y_1..y_k, logits of the last k + 1
+    row: Row
+    # what a duplicate must share with this request (replay cache)
+    fp: str
+
+
+def plan_round(session: Session, req: VerifyRequest, fp: str) -> RoundPlan | VerifyResponse:
+    """What the round needs from the model, or the cached answer of a duplicate. Reads, never writes."""
+    if session.closed or session.slot is None:
         raise NotFound(f"session {session.ctx_id!r} was closed or evicted; reopen it with the full context",
                        ctx_id=session.ctx_id)
     ctx = session.context
     m = check_context(ctx, req)
-    fp = fingerprint(req)
     cached = _replay(session, req, fp)
     if cached is not None:
-        session.counters.replayed += 1
-        return RoundResult(cached, None, replayed=True)
+        return cached
+    L, k = req.ctx_len, len(req.draft.draft_tokens)
+    new = ctx.cut_and_extend(m, req.append_ids)
+    c = min(session.kv_len, m, L - 1)
+    return RoundPlan(new, c, Row(session.slot, c, list(new.ids[c:]) + req.draft.draft_tokens, keep=k + 1), fp)
 
-    d, L = req.draft, req.ctx_len
+
+def finish_round(model: TargetModel, session: Session, req: VerifyRequest, q_dense: torch.Tensor | None,
+                 plan: RoundPlan, logits: torch.Tensor, prefill_ms: float, replay_keep: int) -> RoundResult:
+    """The verify rule on this round's logits ([k + 1, vocab]), then the commit. A raised error leaves
+    context and counters as they were; the caller's abort() crops the KV back to `plan.past`."""
+    d, L, new = req.draft, req.ctx_len, plan.new
     k = len(d.draft_tokens)
-    new = ctx.cut_and_extend(m, req.append_ids)  # S', |S'| = L
-    # the cache is valid up to min(kv_len, m); at least one token of S' must be fed to get p_1
-    c = min(cache.get_seq_length(), m, L - 1)
-    crop_to(cache, c)
-    try:
-        t0 = clock()
-        logits = model.forward(list(new.ids[c:]) + d.draft_tokens, cache, keep=k + 1)  # [k + 1, vocab]
-        prefill_ms = (clock() - t0) * 1000.0
-    except BaseException:
-        crop_to(cache, c)  # layers that appended drop it again: the cache still holds KV of S[:c]
-        raise
     cfg = session.sampling_cfg
     p = processed_probs(logits, cfg, new.ids, d.draft_tokens)  # [k + 1, vocab]
     out = verify_round(p, d.draft_tokens, d.q_token_probs, seed=session.seed, ctx_len=L, greedy=cfg.greedy,
@@ -176,11 +185,6 @@ def run_round(model: TargetModel, session: Session, req: VerifyRequest, q_dense:
     la = out.accepted_len
     committed = d.draft_tokens[:la] + ([out.next_token] if out.next_token is not None else [])
     final = new.cut_and_extend(L, committed)
-    # KV stays valid for S' + y_1..y_La: the last accepted draft token's KV was filled in by this
-    # forward (it was an input). The correction/bonus token has no KV yet; the next round feeds it
-    # as S[kv_len:]. For "residual", S ends at y_La and the edge's token arrives as append_ids.
-    crop_to(cache, L + la)
-
     top: list[list[int]] = []
     if req.return_top_k:
         top = logits[: la + 1].topk(min(req.return_top_k, logits.size(-1)), dim=-1).indices.tolist()
@@ -193,22 +197,42 @@ def run_round(model: TargetModel, session: Session, req: VerifyRequest, q_dense:
         ctx_len=len(final), ctx_hash=final.hash_at(len(final)), top_k_ids=top,
         metrics=RoundMetrics(alpha_mean=sum(out.alphas) / k if k else 0.0, la_over_k=la / k if k else 0.0,
                              prefill_ms=prefill_ms))
-    if not session.closed:
-        session.context = final
-        cnt = session.counters
-        cnt.rounds, cnt.drafted, cnt.accepted = cnt.rounds + 1, cnt.drafted + k, cnt.accepted + la
-        cnt.emitted += len(committed)
-        cnt.prefill_ms += prefill_ms
-        session.remember(req.request_id, fp, resp, replay_keep)
+    # KV stays valid for S' + y_1..y_La: the last accepted draft token's KV was filled in by this
+    # forward (it was an input). The correction/bonus token has no KV yet; the next round feeds it
+    # as S[kv_len:]. For "residual", S ends at y_La and the edge's token arrives as append_ids.
+    session.set_kv_len(model.pool, L + la)
+    session.context = final
+    cnt = session.counters
+    cnt.rounds, cnt.drafted, cnt.accepted = cnt.rounds + 1, cnt.drafted + k, cnt.accepted + la
+    cnt.emitted += len(committed)
+    cnt.prefill_ms += prefill_ms
+    session.remember(req.request_id, plan.fp, resp, replay_keep)
     return RoundResult(resp, out)
 
 
-def prefill(model: TargetModel, ids: list[int]) -> tuple[Context, DynamicCache]:
-    """Context and cache for a new session: KV of S[:-1] (the last token is fed by the first round)."""
-    cache = model.new_cache()
-    if len(ids) > 1:
-        model.forward(ids[:-1], cache, keep=1)
-    return Context.of(ids), cache
+@dataclass
+class Prefill:
+    """A new sequence's KV, fed in chunks of at most `chunk` tokens; `slot` is allocated on first use."""
+    # the tokens whose KV is wanted (a session's S[:-1]: its last token is fed by the first round)
+    ids: list[int]
+    chunk: int
+    slot: int | None = None
+    # positions done
+    done: int = 0
+
+    def plan(self, pool: KVPool) -> Row | None:
+        if self.slot is None:
+            self.slot = pool.allocate()
+        if self.done >= len(self.ids):
+            return None
+        return Row(self.slot, self.done, self.ids[self.done: self.done + self.chunk], keep=0)
+
+    def advance(self, pool: KVPool) -> bool:
+        """After a forward: the chunk is cached; True when the whole prefill is."""
+        assert self.slot is not None
+        self.done = min(len(self.ids), self.done + self.chunk)
+        pool.lengths[self.slot] = self.done
+        return self.done >= len(self.ids)
 
 
 def next_token(p: torch.Tensor, cfg: SamplingConfig, seed: int, position: int) -> int:
@@ -222,16 +246,29 @@ def next_token(p: torch.Tensor, cfg: SamplingConfig, seed: int, position: int) -
 class DecodeState:
     # prompt + generated so far
     ids: list[int]
+    # pool slot of this generation's KV (None until the first step)
+    slot: int | None = None
     # KV of ids[:kv_len]
-    cache: DynamicCache
+    kv_len: int = 0
 
+    def plan(self, pool: KVPool, chunk: int) -> Row:
+        """Feed ids[kv_len:] (the last token at least); a long prompt in chunks, logits only at the end."""
+        if self.slot is None:
+            self.slot = pool.allocate()
+        c = min(self.kv_len, len(self.ids) - 1)
+        todo = self.ids[c:]
+        if len(todo) > chunk:
+            return Row(self.slot, c, todo[:chunk], keep=0)
+        return Row(self.slot, c, todo, keep=1)
 
-def decode_step(model: TargetModel, st: DecodeState, cfg: SamplingConfig, seed: int) -> int:
-    """Append one target token to st.ids (position len(ids) + 1) and return it."""
-    cache = st.cache
-    c = min(cache.get_seq_length(), len(st.ids) - 1)
-    logits = model.forward(st.ids[c:], cache, keep=1)  # [1, vocab]
-    p = processed_probs(logits, cfg, st.ids)  # [1, vocab]
-    tok = next_token(p[0], cfg, seed, len(st.ids) + 1)
-    st.ids.append(tok)
-    return tok
+    def step(self, pool: KVPool, row: Row, logits: torch.Tensor, cfg: SamplingConfig, seed: int) -> int | None:
+        """After a forward: the token at position len(ids) + 1 (appended), or None after a prompt chunk."""
+        assert self.slot is not None
+        self.kv_len = row.past + len(row.ids)
+        pool.lengths[self.slot] = self.kv_len
+        if row.keep == 0:
+            return None
+        p = processed_probs(logits, cfg, self.ids)  # [1, vocab]
+        tok = next_token(p[0], cfg, seed, len(self.ids) + 1)
+        self.ids.append(tok)
+        return tok

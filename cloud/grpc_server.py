@@ -1,9 +1,12 @@
 """gRPC boundary (grpc.aio): protobuf <-> shared.protocol dataclasses, errors -> status codes.
 
 `specsplit.v1.Verifier`, the standard `grpc.health.v1.Health` service and server reflection.
-Auth: metadata `authorization: Bearer KEY`. A `SpecSplitError` aborts the call with the code
-of `GRPC_CODES` (the one mapping), its message as details, and the REST error body as JSON in
-the trailing metadata `specsplit-error` (e.g. `expected_ctx_len` of a 409).
+Auth: metadata `authorization: Bearer KEY` (the REST rule: any other form is no key). Order of a
+call: the key (before the message is even parsed) -> the parse -> list counts (Verify: before any
+conversion, so a message of a million entries is refused at the cost of a length) -> the service.
+A `SpecSplitError` aborts the call with the code of `GRPC_CODES` (the one mapping), its message as
+details, the REST error body as JSON in the trailing metadata `specsplit-error` (e.g.
+`expected_ctx_len` of a 409) and, for 429 / 503 kinds, `retry-after` (seconds).
 Proto3 has no presence for scalars: an empty draft_kind reads "sampled", an empty correction
 "strict", an unset sampling_cfg the defaults, and top_p / repetition_penalty of 0 read 1.0.
 """
@@ -23,9 +26,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from cloud.guards import bearer_key, check_dist_sizes, check_verify_counts
 from cloud.service import VerifierService
 from shared.config import SamplingConfig
-from shared.errors import InvalidArgument, SpecSplitError
+from shared.errors import Internal, InvalidArgument, SpecSplitError
 from shared.pb import verify_pb2 as pb
 from shared.pb import verify_pb2_grpc as pb_grpc
 from shared.protocol import (
@@ -46,6 +50,7 @@ GRPC_CODES: dict[str, grpc.StatusCode] = {
     "resource_exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,
     "payload_too_large": grpc.StatusCode.RESOURCE_EXHAUSTED,
     "unavailable": grpc.StatusCode.UNAVAILABLE,
+    "internal": grpc.StatusCode.INTERNAL,
 }
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Verifier"].full_name
@@ -59,24 +64,21 @@ class Malformed:
         self.error = error
 
 
-def _lenient(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
-    def deserialize(data: bytes) -> Any:
-        try:
-            return parse(data)
-        except DecodeError as e:
-            return Malformed(str(e))
-
-    return deserialize
+def parse_message(message_class: Any, data: bytes) -> Any:
+    try:
+        return message_class.FromString(data)
+    except DecodeError as e:
+        return Malformed(str(e))
 
 
 def add_verifier(servicer: VerifierServicer, server: grpc.aio.Server) -> None:
-    """Register the servicer like the generated helper does, with the lenient request parsers."""
+    """Register the servicer like the generated helper does, but with the raw bytes as the request:
+    each method checks the key first and parses after (`_mapped`)."""
     handlers = {}
     for m in pb.DESCRIPTOR.services_by_name["Verifier"].methods:
-        req, resp = getattr(pb, m.input_type.name), getattr(pb, m.output_type.name)
+        resp = getattr(pb, m.output_type.name)
         handlers[m.name] = grpc.unary_unary_rpc_method_handler(
-            getattr(servicer, m.name), request_deserializer=_lenient(req.FromString),
-            response_serializer=resp.SerializeToString)
+            getattr(servicer, m.name), request_deserializer=None, response_serializer=resp.SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
@@ -115,31 +117,65 @@ def response_to_pb(r: VerifyResponse) -> pb.VerifyResponse:
     return out
 
 
-# --- errors (the one mapping) -----------------------------------------------------------------
-def _mapped(method: Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[R]]
-            ) -> Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[R]]:
-    @functools.wraps(method)
-    async def call(self: VerifierServicer, request: Any, context: grpc.aio.ServicerContext) -> R:
-        try:
-            if isinstance(request, Malformed):
-                raise InvalidArgument(f"malformed message: {request.error}")
-            return await method(self, request, context)
-        except SpecSplitError as err:
-            await _abort(self, context, err)
-            raise  # unreachable: abort raises
-        except grpc.aio.AbortError:
-            raise
-        except Exception as exc:  # a bug or a device failure: INTERNAL with a body, logged
-            log.exception("unexpected error in %s", method.__name__)
-            await _abort(self, context, SpecSplitError(f"internal error: {type(exc).__name__}"))
-            raise
+def check_verify_pb(m: pb.VerifyRequest, service: VerifierService) -> None:
+    """The list counts of a Verify message, read as lengths before any entry is converted."""
+    lim = service.limits
+    check_verify_counts(declared_k=m.k, n_draft=len(m.draft_tokens), n_q=len(m.q_token_probs),
+                        n_dists=len(m.q_dists) or None, n_hard=len(m.hard_mask), n_append=len(m.append_ids),
+                        max_k=lim.max_k, max_context=lim.max_context)
+    check_dist_sizes(((len(d.ids), len(d.probs)) for d in m.q_dists), lim.vocab_size)
 
-    return call
+
+# --- errors (the one mapping) -----------------------------------------------------------------
+Method = Callable[[Any, Any, grpc.aio.ServicerContext, str], Awaitable[R]]
+
+
+def _mapped(message_class: Any) -> Callable[[Method[R]], Callable[[Any, bytes, grpc.aio.ServicerContext],
+                                                                   Awaitable[R]]]:
+    """Key check, parse into `message_class`, call method(self, request, context, owner), map errors."""
+
+    def wrap(method: Method[R]) -> Callable[[Any, bytes, grpc.aio.ServicerContext], Awaitable[R]]:
+        @functools.wraps(method)
+        async def call(self: VerifierServicer, data: bytes, context: grpc.aio.ServicerContext) -> R:
+            return await _guarded(self, context, lambda: method(self, _parsed(message_class, data), context,
+                                                                self._owner(context)))
+
+        return call
+
+    return wrap
+
+
+def _parsed(message_class: Any, data: bytes) -> Any:
+    request = parse_message(message_class, data)
+    if isinstance(request, Malformed):
+        raise InvalidArgument(f"malformed message: {request.error}")
+    return request
+
+
+async def _guarded(servicer: VerifierServicer, context: grpc.aio.ServicerContext,
+                   run: Callable[[], Awaitable[R]]) -> R:
+    method = getattr(run, "__name__", "call")
+    try:
+        servicer._owner(context)  # the key before anything else, even the parse
+        return await run()
+    except SpecSplitError as err:
+        await _abort(servicer, context, err)
+        raise  # unreachable: abort raises
+    except grpc.aio.AbortError:
+        raise
+    except Exception as exc:  # a bug or a device failure: INTERNAL with a body, logged
+        crash = Internal.of(exc)
+        log.error("unexpected error %s in %s", crash.details["error_id"], method, exc_info=exc)
+        await _abort(servicer, context, crash)
+        raise
 
 
 async def _abort(servicer: VerifierServicer, context: grpc.aio.ServicerContext, err: SpecSplitError) -> None:
     servicer.service.count_error(err.code)
-    context.set_trailing_metadata((("specsplit-error", json.dumps(err.to_body())),))
+    trailing = [("specsplit-error", json.dumps(err.to_body()))]
+    if err.retry_after_s is not None:
+        trailing.append(("retry-after", str(err.retry_after_s)))
+    context.set_trailing_metadata(tuple(trailing))
     await context.abort(GRPC_CODES.get(err.code, grpc.StatusCode.INTERNAL), err.message)
 
 
@@ -148,33 +184,35 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self.service = service
 
     def _owner(self, context: grpc.aio.ServicerContext) -> str:
-        auth = dict(context.invocation_metadata() or ()).get("authorization", "")
-        scheme, _, key = str(auth).partition(" ")
-        return self.service.authenticate(key.strip() if scheme.lower() == "bearer" else str(auth).strip())
+        auth = dict(context.invocation_metadata() or ()).get("authorization")
+        return self.service.authenticate(bearer_key(auth if isinstance(auth, str) else None))
 
-    @_mapped
-    async def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.aio.ServicerContext) -> pb.SessionInfo:
-        return info_to_pb(await self.service.open_session(open_from_pb(request), self._owner(context)))
+    @_mapped(pb.OpenSessionRequest)
+    async def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.aio.ServicerContext,
+                          owner: str) -> pb.SessionInfo:
+        return info_to_pb(await self.service.open_session(open_from_pb(request), owner))
 
-    @_mapped
-    async def Verify(self, request: pb.VerifyRequest, context: grpc.aio.ServicerContext) -> pb.VerifyResponse:
-        owner = self._owner(context)
+    @_mapped(pb.VerifyRequest)
+    async def Verify(self, request: pb.VerifyRequest, context: grpc.aio.ServicerContext,
+                     owner: str) -> pb.VerifyResponse:
+        check_verify_pb(request, self.service)
         cfg = sampling_from_pb(request.sampling_cfg) if request.HasField("sampling_cfg") else None
         return response_to_pb(await self.service.verify(verify_from_pb(request), owner, request.k, cfg))
 
-    @_mapped
-    async def GetSession(self, request: pb.GetSessionRequest, context: grpc.aio.ServicerContext) -> pb.SessionInfo:
-        return info_to_pb(self.service.get_session(request.ctx_id, self._owner(context)))
+    @_mapped(pb.GetSessionRequest)
+    async def GetSession(self, request: pb.GetSessionRequest, context: grpc.aio.ServicerContext,
+                         owner: str) -> pb.SessionInfo:
+        return info_to_pb(self.service.get_session(request.ctx_id, owner))
 
-    @_mapped
-    async def CloseSession(self, request: pb.CloseSessionRequest,
-                           context: grpc.aio.ServicerContext) -> pb.CloseSessionResponse:
-        self.service.close_session(request.ctx_id, self._owner(context))
+    @_mapped(pb.CloseSessionRequest)
+    async def CloseSession(self, request: pb.CloseSessionRequest, context: grpc.aio.ServicerContext,
+                           owner: str) -> pb.CloseSessionResponse:
+        self.service.close_session(request.ctx_id, owner)
         return pb.CloseSessionResponse(closed=True)
 
-    @_mapped
-    async def GetModel(self, request: pb.GetModelRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
-        self._owner(context)
+    @_mapped(pb.GetModelRequest)
+    async def GetModel(self, request: pb.GetModelRequest, context: grpc.aio.ServicerContext,
+                       owner: str) -> pb.ModelInfo:
         return pb.ModelInfo(**asdict(self.service.info))
 
 

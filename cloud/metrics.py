@@ -39,10 +39,18 @@ class CloudMetrics:
     prefill_ms: Histogram
     # time a request waited for the model (its session and the queue), ms
     queue_ms: Histogram
+    # rows (sessions, prefills, generate streams) in each batched forward
+    batch_size: Histogram
+    # padded tokens (rows x longest row) in each batched forward
+    batch_tokens: Histogram
+    # wall time of each batched forward, ms
+    forward_ms: Histogram
     # sessions open now
     open_sessions: Gauge
-    # KV cache bytes held by open sessions
+    # KV cache bytes held by open sessions (their lengths x bytes per position)
     kv_bytes: Gauge
+    # bytes the KV pool has allocated (slots x capacity x bytes per position)
+    kv_pool_bytes: Gauge
     # model-bound requests admitted and not finished
     queue_depth: Gauge
     # sessions removed other than by DELETE, by reason ("ttl", "kv_budget")
@@ -72,8 +80,15 @@ class CloudMetrics:
             prefill_ms=Histogram(p + "prefill_ms", "target forward wall time, ms", buckets=_MS_BUCKETS,
                                  registry=r),
             queue_ms=Histogram(p + "queue_ms", "wait for the model, ms", buckets=_MS_BUCKETS, registry=r),
+            batch_size=Histogram(p + "batch_size", "rows per batched forward",
+                                 buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, float("inf")), registry=r),
+            batch_tokens=Histogram(p + "batch_tokens", "padded tokens per batched forward",
+                                   buckets=(1, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, float("inf")),
+                                   registry=r),
+            forward_ms=Histogram(p + "forward_ms", "batched forward wall time, ms", buckets=_MS_BUCKETS, registry=r),
             open_sessions=Gauge(p + "open_sessions", "sessions open", registry=r),
             kv_bytes=Gauge(p + "kv_bytes", "KV cache bytes held by sessions", registry=r),
+            kv_pool_bytes=Gauge(p + "kv_pool_bytes", "KV pool bytes allocated", registry=r),
             queue_depth=Gauge(p + "queue_depth", "model-bound requests admitted", registry=r),
             evictions=Counter(p + "evictions", "sessions evicted or expired", ["reason"], registry=r),
             errors=Counter(p + "errors", "error answers by code", ["code"], registry=r),

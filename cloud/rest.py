@@ -1,42 +1,59 @@
 """REST boundary (FastAPI): pydantic bodies <-> shared.protocol dataclasses, errors -> status codes.
 
 Routes stay thin: parse -> service -> serialise. `SpecSplitError` -> its REST status in one
-handler (`_error_response`); pydantic's validation errors come out in the same body with 422.
-OpenAPI docs at /docs.
+handler (`rest_guards.error_response`, with Retry-After on 429 / 503); pydantic's validation
+errors come out in the same body with 422. The key, the body size and the JSON parse are checked
+before a route runs (cloud/rest_guards.py). Floats are strict (no strings, no booleans), like ints;
+strings must be encodable text (no lone surrogates). OpenAPI docs at /docs.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 from collections.abc import AsyncIterator
 from dataclasses import asdict
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictFloat, StrictInt
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from cloud.guards import bearer_key, check_dist_sizes, check_verify_counts
+from cloud.rest_guards import OBJECT_SLACK, BodyLimit, BodyRejected, CheckedRoute, KeyFirst, error_response
 from cloud.service import GenerateEvent, GenerateRequest, VerifierService
 from shared.config import SamplingConfig
-from shared.errors import ERRORS_BY_STATUS, PayloadTooLarge, SpecSplitError
+from shared.errors import ERRORS_BY_STATUS, Internal, InvalidArgument, SpecSplitError
 from shared.protocol import DraftProposal, OpenSessionRequest, SparseDist, VerifyRequest
 
 log = logging.getLogger(__name__)
+# lists sized by k: no setting allows more (CloudSettings.max_k <= 256); the exact limit is checked after
+K_LIST_MAX = 256
+
+
+def _text(v: str) -> str:
+    """Strings must be text that can be sent back (a lone surrogate cannot be encoded)."""
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("must be valid Unicode text (no lone surrogates)") from None
+    return v
+
+
+Text = Annotated[str, AfterValidator(_text)]
+KList = Field(max_length=K_LIST_MAX)
 
 
 class SamplingBody(BaseModel):
     """Processing applied alike to p (cloud) and q (edge); temperature 0 = greedy."""
     model_config = ConfigDict(extra="forbid")  # a misspelt field would silently split p from q
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: StrictFloat = 1.0
+    top_p: StrictFloat = 1.0
     top_k: StrictInt = 0
-    repetition_penalty: float = 1.0
+    repetition_penalty: StrictFloat = 1.0
 
     def to_cfg(self) -> SamplingConfig:
         return SamplingConfig.from_dict(self.model_dump())
@@ -46,30 +63,39 @@ class OpenSessionBody(BaseModel):
     prompt_ids: list[StrictInt]
     sampling_cfg: SamplingBody = Field(default_factory=SamplingBody)
     seed: StrictInt = 0
-    correction: str = "strict"
+    correction: Text = "strict"
     max_new_tokens: StrictInt = 256
 
 
 class SparseDistBody(BaseModel):
     ids: list[StrictInt]
-    probs: list[float]
+    probs: list[StrictFloat]
 
 
 class VerifyBody(BaseModel):
-    ctx_id: str
+    ctx_id: Text
     ctx_len: StrictInt
-    ctx_hash: str
+    ctx_hash: Text
     append_ids: list[StrictInt] = Field(default_factory=list)
-    draft_tokens: list[StrictInt]
-    q_token_probs: list[float]
-    q_dists: list[SparseDistBody] | None = None
-    draft_kind: str = "sampled"
-    hard_mask: list[StrictInt] | None = None
+    draft_tokens: Annotated[list[StrictInt], KList]
+    q_token_probs: Annotated[list[StrictFloat], KList]
+    q_dists: Annotated[list[SparseDistBody], KList] | None = None
+    draft_kind: Text = "sampled"
+    hard_mask: Annotated[list[StrictInt], KList] | None = None
     k: StrictInt
     return_top_k: StrictInt = 0
-    request_id: str = ""
+    request_id: Text = ""
     # optional: when sent it must equal the session's (422 otherwise)
     sampling_cfg: SamplingBody | None = None
+
+    def check_counts(self, service: VerifierService) -> None:
+        """The list lengths against k and the limits, before anything is converted."""
+        lim = service.limits
+        check_verify_counts(declared_k=self.k, n_draft=len(self.draft_tokens), n_q=len(self.q_token_probs),
+                            n_dists=None if self.q_dists is None else len(self.q_dists),
+                            n_hard=len(self.hard_mask or ()), n_append=len(self.append_ids), max_k=lim.max_k,
+                            max_context=lim.max_context)
+        check_dist_sizes(((len(d.ids), len(d.probs)) for d in self.q_dists or ()), lim.vocab_size)
 
     def to_request(self) -> VerifyRequest:
         dists = None if self.q_dists is None else [SparseDist(d.ids, d.probs) for d in self.q_dists]
@@ -88,71 +114,27 @@ class GenerateBody(BaseModel):
     stop_at_eos: bool = True
 
 
-def _error_response(err: SpecSplitError) -> JSONResponse:
-    retry_after = err.details.get("retry_after_s")
-    headers = {"Retry-After": str(math.ceil(retry_after))} if isinstance(retry_after, (int, float)) else None
-    return JSONResponse(err.to_body(), status_code=err.http_status, headers=headers)
-
-
-class BodyLimit:
-    """ASGI middleware: 413 for a body over `max_bytes` (declared or streamed)."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int, on_error: Any) -> None:
-        self.app, self.max_bytes, self.on_error = app, max_bytes, on_error
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        err = PayloadTooLarge(f"request body exceeds max_body_bytes = {self.max_bytes}")
-        declared = dict(scope["headers"]).get(b"content-length")
-        too_big = declared is not None and declared.isdigit() and int(declared) > self.max_bytes
-        chunks: list[bytes] = []
-        seen, more = 0, not too_big
-        while more and not too_big:  # buffer the body (at most max_bytes) so a stream is limited too
-            msg = await receive()
-            if msg["type"] != "http.request":
-                return
-            chunks.append(msg.get("body", b""))
-            seen += len(chunks[-1])
-            more, too_big = msg.get("more_body", False), seen > self.max_bytes
-        if too_big:
-            self.on_error(err.code)
-            return await _error_response(err)(scope, receive, send)
-        body, sent = b"".join(chunks), False
-
-        async def replay() -> Message:
-            nonlocal sent
-            if sent:
-                return await receive()
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        await self.app(scope, replay, send)
-
-
-def bearer(request: Request) -> str | None:
-    auth = request.headers.get("authorization", "")
-    scheme, _, key = auth.partition(" ")
-    return key.strip() if scheme.lower() == "bearer" else None
-
-
 def create_app(service: VerifierService) -> FastAPI:
     app = FastAPI(title="specsplit cloud verifier", version="1",
-                  description="Edge-cloud speculative decoding: the wire contract of PROTOCOL.md.")
+                  description="Edge-cloud speculative decoding: the wire contract of docs/PROTOCOL.md.")
+    app.router.route_class = CheckedRoute
+    app.state.max_json_objects = service.settings.max_k + OBJECT_SLACK
     app.add_middleware(BodyLimit, max_bytes=service.settings.max_body_bytes, on_error=service.count_error)
+    app.add_middleware(KeyFirst, authenticate=service.authenticate, on_error=service.count_error)  # outermost
 
     def owner(request: Request) -> str:
-        return service.authenticate(bearer(request))
+        return service.authenticate(bearer_key(request.headers.get("authorization")))
 
     @app.exception_handler(SpecSplitError)
     async def on_error(_: Request, err: SpecSplitError) -> JSONResponse:
         service.count_error(err.code)
-        return _error_response(err)
+        return error_response(err)
 
     @app.exception_handler(Exception)
     async def on_crash(r: Request, exc: Exception) -> JSONResponse:
-        log.exception("unexpected error on %s", r.url.path)
-        return await on_error(r, SpecSplitError(f"internal error: {type(exc).__name__}"))
+        err = Internal.of(exc)
+        log.error("unexpected error %s on %s", err.details["error_id"], r.url.path, exc_info=exc)
+        return await on_error(r, err)
 
     @app.exception_handler(RequestValidationError)
     async def on_invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -161,6 +143,10 @@ def create_app(service: VerifierService) -> FastAPI:
         first = problems[0] if problems else {"loc": [], "msg": "invalid body"}
         msg = f"malformed body: {'.'.join(str(x) for x in first['loc'])}: {first['msg']}"
         return await on_error(_, ERRORS_BY_STATUS[422](msg, problems=problems))
+
+    @app.exception_handler(BodyRejected)
+    async def on_rejected(_: Request, exc: BodyRejected) -> JSONResponse:
+        return await on_error(_, exc.as_error())
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -175,7 +161,8 @@ def create_app(service: VerifierService) -> FastAPI:
     @app.get("/readyz", tags=["ops"])
     async def readyz() -> JSONResponse:
         ready = service.ready
-        return JSONResponse({"ready": ready, "model_id": service.info.model_id}, status_code=200 if ready else 503)
+        return JSONResponse({"ready": ready, "model_id": service.info.model_id}, status_code=200 if ready else 503,
+                            headers=None if ready else {"Retry-After": "1"})
 
     @app.get("/metrics", tags=["ops"])
     async def metrics() -> Response:
@@ -194,34 +181,49 @@ def create_app(service: VerifierService) -> FastAPI:
 
     @app.post("/v1/verify", tags=["v1"])
     async def verify(body: VerifyBody, who: str = Depends(owner)) -> dict[str, Any]:
+        body.check_counts(service)
         cfg = body.sampling_cfg.to_cfg() if body.sampling_cfg is not None else None
         return asdict(await service.verify(body.to_request(), who, body.k, cfg))
 
     @app.get("/v1/sessions/{ctx_id}", tags=["v1"])
     async def get_session(ctx_id: str, who: str = Depends(owner)) -> dict[str, Any]:
-        return asdict(service.get_session(ctx_id, who))
+        return asdict(service.get_session(_path_text(ctx_id), who))
 
     @app.delete("/v1/sessions/{ctx_id}", tags=["v1"])
     async def close_session(ctx_id: str, who: str = Depends(owner)) -> dict[str, Any]:
-        service.close_session(ctx_id, who)
+        service.close_session(_path_text(ctx_id), who)
         return {"closed": True, "ctx_id": ctx_id}
 
     @app.post("/v1/generate", tags=["v1"], response_model=None)
-    async def generate(body: GenerateBody, who: str = Depends(owner)) -> dict[str, Any] | StreamingResponse:
+    async def generate(body: GenerateBody, request: Request, who: str = Depends(owner)
+                       ) -> dict[str, Any] | StreamingResponse | Response:
         req = GenerateRequest(body.prompt_ids, body.sampling_cfg.to_cfg(), body.seed, body.max_new_tokens,
                               body.stop_at_eos)
         events = service.start_generate(req, who)
-        if body.stream:
+        if body.stream:  # a disconnect cancels the stream (Starlette listens for it)
             return StreamingResponse(_sse(events), media_type="text/event-stream")
         ids: list[int] = []
         metrics: dict[str, Any] = {}
-        async for e in events:
-            if e.token_id is not None:
-                ids.append(e.token_id)
-            metrics = e.metrics or metrics
+        try:
+            async for e in events:
+                if e.token_id is not None:
+                    ids.append(e.token_id)
+                metrics = e.metrics or metrics
+                if await request.is_disconnected():  # nobody to answer: stop at this step, leave the queue
+                    log.info("generate stopped: the client went away after %d tokens", len(ids))
+                    return Response(status_code=499)
+        finally:
+            await events.aclose()  # type: ignore[attr-defined]
         return {"token_ids": ids, "metrics": metrics}
 
     return app
+
+
+def _path_text(value: str) -> str:
+    try:
+        return _text(value)
+    except ValueError as e:
+        raise InvalidArgument(f"malformed path: {e}") from None
 
 
 async def _sse(events: AsyncIterator[GenerateEvent]) -> AsyncIterator[str]:
@@ -237,3 +239,5 @@ async def _sse(events: AsyncIterator[GenerateEvent]) -> AsyncIterator[str]:
                 yield f"event: done\ndata: {json.dumps({'token_ids': ids, 'metrics': e.metrics})}\n\n"
     except SpecSplitError as err:
         yield f"event: error\ndata: {json.dumps(err.to_body())}\n\n"
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]

@@ -15,17 +15,30 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
-from cloud.engine import DecodeState, RoundLimits, check_ids, check_request, decode_step, prefill, run_round
+from cloud.engine import (
+    DecodeState,
+    Prefill,
+    RoundLimits,
+    RoundPlan,
+    RoundResult,
+    check_ids,
+    check_request,
+    fingerprint,
+    finish_round,
+    plan_round,
+)
 from cloud.metrics import CloudMetrics
 from cloud.model import ModelInfo, TargetModel
-from cloud.session import Session
+from cloud.scheduler import PENDING, BatchStats, Job, Pending, Scheduler
+from cloud.session import Context, Session
 from cloud.settings import CloudSettings
 from cloud.store import CLOSED, SessionStore
-from cloud.worker import ModelWorker
 from shared.config import SamplingConfig
 from shared.errors import InvalidArgument, NotFound, Unauthenticated, Unavailable
+from shared.kvpool import Row
 from shared.protocol import OpenSessionRequest, SessionInfo, VerifyRequest, VerifyResponse
 
 log = logging.getLogger(__name__)
@@ -64,14 +77,19 @@ class VerifierService:
     def __init__(self, settings: CloudSettings, model: TargetModel, *, clock: Callable[[], float] = time.monotonic,
                  new_id: Callable[[], str] = lambda: secrets.token_urlsafe(24)) -> None:
         self.settings, self.model, self.clock, self.new_id = settings, model, clock, new_id
-        self.info: ModelInfo = model.info
+        self.info: ModelInfo = replace(model.info, max_k=settings.max_k)
         self.prompt_limit = settings.prompt_limit(model.info.max_context)
         self.limits = RoundLimits(max_k=settings.max_k, max_return_top_k=settings.max_return_top_k,
                                   max_context=model.info.max_context, vocab_size=model.info.vocab_size)
         self.metrics = CloudMetrics.create(settings.max_k)
         self.store = SessionStore(max_sessions=settings.max_sessions, ttl_s=settings.session_ttl_s,
-                                  kv_budget_bytes=settings.kv_budget_bytes, clock=clock, on_remove=self._removed)
-        self.worker = ModelWorker(settings.max_queue_depth, clock, settings.torch_threads)
+                                  kv_budget_bytes=settings.kv_budget_bytes, clock=clock, on_remove=self._removed,
+                                  max_sessions_per_owner=settings.sessions_per_key_limit())
+        self.worker = Scheduler(settings.max_queue_depth, clock, max_batch_size=settings.max_batch_size,
+                                max_batch_tokens=settings.max_batch_tokens, batch_wait_ms=settings.batch_wait_ms,
+                                torch_threads=settings.torch_threads,
+                                forward=lambda rows: self.model.forward(rows),
+                                on_batch=self._batched)
         self._keys = settings.api_key_values()
         self.ready = True
         # set at SIGTERM (cloud.app.drain): new sessions and generations are refused, verify is still served
@@ -114,31 +132,61 @@ class VerifierService:
         need = len(req.prompt_ids) * self.model.kv_bytes_per_token
         with self.worker.admit():
             admitted = self.clock()
-            self.store.check_room(need)
-            (ctx, cache, ms), queue_ms = await self.worker.run(lambda: self._timed_prefill(req.prompt_ids),
-                                                               since=admitted)
-            self.store.check_room(need)  # others may have opened meanwhile
+            self.store.check_room(need, owner)
+            pre = Prefill(req.prompt_ids[:-1], chunk=self.settings.max_batch_tokens)
+            job = asyncio.ensure_future(self.worker.submit(self._prefill_job(pre), since=admitted))
+            try:
+                (ms, queue_ms) = await asyncio.shield(job)
+            except BaseException:
+                # gone before the session exists (disconnect, failure): its slot goes back to the pool
+                await asyncio.wait({job})
+                self._release(pre.slot)
+                raise
+            try:
+                self.store.check_room(need, owner)  # others may have opened meanwhile
+            except BaseException:
+                self._release(pre.slot)
+                raise
             now = self.clock()
             s = Session(ctx_id=self.new_id(), owner=owner, sampling_cfg=req.sampling_cfg, seed=req.seed,
                         correction=req.correction, max_new_tokens=req.max_new_tokens,
-                        prompt_len=len(req.prompt_ids), context=ctx, cache=cache,
-                        kv_bytes_per_token=self.model.kv_bytes_per_token, last_used=now, created=now)
+                        prompt_len=len(req.prompt_ids), context=Context.of(req.prompt_ids), slot=pre.slot,
+                        kv_bytes_per_token=self.model.kv_bytes_per_token, last_used=now, created=now,
+                        kv_len=len(pre.ids))
             self.store.add(s)
         self.metrics.prefill_ms.observe(ms)
         self.metrics.queue_ms.observe(queue_ms)
-        log.info("session opened", extra={"fields": {"event": "open", "ctx_id": s.ctx_id, "prompt_len": len(ctx),
-                                                     "prefill_ms": round(ms, 3)}})
+        log.info("session opened", extra={"fields": {"event": "open", "ctx_id": s.ctx_id,
+                                                     "prompt_len": len(req.prompt_ids), "prefill_ms": round(ms, 3)}})
         return self._info(s)
 
     def _refuse_when_draining(self, what: str) -> None:
         if self.draining:
-            raise Unavailable(f"this replica is shutting down and takes no new {what}: retry (elsewhere)",
-                              retry_after_s=1)
+            raise Unavailable(f"this replica is shutting down and takes no new {what}: retry (elsewhere)")
 
-    def _timed_prefill(self, ids: list[int]):  # type: ignore[no-untyped-def]
-        t0 = self.clock()
-        ctx, cache = prefill(self.model, ids)
-        return ctx, cache, (self.clock() - t0) * 1000.0
+    def _prefill_job(self, pre: Prefill) -> Job[float]:
+        """KV of a prompt's S[:-1], in chunks; the result is the forward time (ms) summed over chunks."""
+        spent = [0.0]
+
+        def finish(_: object, ms: float) -> float | Pending:
+            spent[0] += ms
+            return spent[0] if pre.advance(self.model.pool) else PENDING
+
+        def abort() -> None:
+            if pre.slot is not None:
+                self.model.pool.lengths[pre.slot] = 0
+                pre.done = 0
+
+        return Job(plan=lambda: pre.plan(self.model.pool), finish=finish, abort=abort, answer=lambda: spent[0])
+
+    def _release(self, slot: int | None) -> None:
+        if slot is not None:
+            self.worker.between_batches(lambda: self.model.pool.release(slot))
+
+    def _batched(self, b: BatchStats) -> None:
+        self.metrics.batch_size.observe(b.rows)
+        self.metrics.batch_tokens.observe(b.tokens)
+        self.metrics.forward_ms.observe(b.ms)
 
     def _info(self, s: Session, counters: bool = False) -> SessionInfo:
         ctx = s.context
@@ -161,10 +209,12 @@ class VerifierService:
         except NotFound:
             if self.draining:
                 raise Unavailable(f"this replica is shutting down and holds no session {ctx_id!r}: retry "
-                                  "(elsewhere)", retry_after_s=1) from None
+                                  "(elsewhere)") from None
             raise
 
     def _removed(self, s: Session, reason: str) -> None:
+        slot, s.slot = s.slot, None
+        self._release(slot)  # on the model thread, after any batch that still uses it
         if reason != CLOSED:
             self.metrics.evictions.labels(reason=reason).inc()
         log.info("session removed", extra={"fields": {"event": "remove", "ctx_id": s.ctx_id, "reason": reason}})
@@ -181,9 +231,8 @@ class VerifierService:
             try:
                 async with s.lock:
                     self.store.make_room((req.ctx_len + k) * self.model.kv_bytes_per_token, s)
-                    job = asyncio.ensure_future(self.worker.run(
-                        lambda: run_round(self.model, s, req, q_dense, self.clock, self.settings.replay_cache_size),
-                        since=admitted))
+                    job = asyncio.ensure_future(self.worker.submit(self._round_job(s, req, q_dense),
+                                                                   since=admitted))
                     try:
                         res, queue_ms = await asyncio.shield(job)
                     except asyncio.CancelledError:
@@ -203,6 +252,34 @@ class VerifierService:
             self.metrics.record_round(res.outcome, k, resp.metrics.prefill_ms, queue_ms)
         self._log_round(req, resp, k, res.replayed)
         return resp
+
+    def _round_job(self, s: Session, req: VerifyRequest, q_dense: Any) -> Job[RoundResult]:
+        """One verify round as a scheduler job: plan on the model thread, run in a batch, finish alone."""
+        fp = fingerprint(req)
+        planned: list[RoundPlan] = []
+
+        def plan() -> Row | None:
+            p = plan_round(s, req, fp)
+            planned.clear()
+            if isinstance(p, VerifyResponse):
+                return None
+            planned.append(p)
+            return p.row
+
+        def answer() -> RoundResult:
+            s.counters.replayed += 1
+            cached = plan_round(s, req, fp)
+            assert isinstance(cached, VerifyResponse)
+            return RoundResult(cached, None, replayed=True)
+
+        def finish(logits: Any, ms: float) -> RoundResult:
+            return finish_round(self.model, s, req, q_dense, planned[0], logits, ms, self.settings.replay_cache_size)
+
+        def abort() -> None:
+            if planned:
+                s.set_kv_len(self.model.pool, min(s.kv_len, planned[0].past))
+
+        return Job(plan=plan, finish=finish, abort=abort, answer=answer, key=s.ctx_id)
 
     def _log_round(self, req: VerifyRequest, resp: VerifyResponse, k: int, replayed: bool) -> None:
         m = resp.metrics
@@ -230,37 +307,62 @@ class VerifierService:
 
     async def _generate(self, req: GenerateRequest) -> AsyncIterator[GenerateEvent]:
         t_start = self.clock()
-        st = DecodeState(list(req.prompt_ids), self.model.new_cache())
+        st = DecodeState(list(req.prompt_ids))
         limit = min(req.max_new_tokens, self.info.max_context - len(st.ids))
         reason, prefill_ms, decode_ms, queue_ms = "length", 0.0, 0.0, 0.0
-        with self.worker.admit():
-            for i in range(max(limit, 0)):
-                (tok, ms), waited = await self.worker.run(lambda: self._timed_step(st, req),
-                                                          since=t_start if i == 0 else None)
-                prefill_ms, decode_ms = (ms, decode_ms) if i == 0 else (prefill_ms, decode_ms + ms)
-                queue_ms += waited
-                self.metrics.generated.inc()
-                yield GenerateEvent(token_id=tok)
-                if req.stop_at_eos and tok in self.info.eos_ids:
-                    reason = "eos"
-                    break
-            else:
-                if limit < req.max_new_tokens:
-                    reason = "context"
+        try:
+            with self.worker.admit():
+                for i in range(max(limit, 0)):
+                    job = asyncio.ensure_future(self.worker.submit(self._decode_job(st, req),
+                                                                   since=t_start if i == 0 else None))
+                    try:
+                        (tok, ms), waited = await asyncio.shield(job)
+                    except BaseException:
+                        await asyncio.wait({job})  # the slot is released only once the model is done with it
+                        raise
+                    prefill_ms, decode_ms = (ms, decode_ms) if i == 0 else (prefill_ms, decode_ms + ms)
+                    queue_ms += waited
+                    self.metrics.generated.inc()
+                    yield GenerateEvent(token_id=tok)
+                    if req.stop_at_eos and tok in self.info.eos_ids:
+                        reason = "eos"
+                        break
+                else:
+                    if limit < req.max_new_tokens:
+                        reason = "context"
+        finally:
+            self._release(st.slot)
         self.metrics.prefill_ms.observe(prefill_ms)
         yield GenerateEvent(metrics={"tokens": len(st.ids) - len(req.prompt_ids), "prefill_ms": prefill_ms,
                                      "decode_ms": decode_ms, "queue_ms": queue_ms,
                                      "total_ms": (self.clock() - t_start) * 1000.0, "stop_reason": reason})
 
-    def _timed_step(self, st: DecodeState, req: GenerateRequest) -> tuple[int, float]:
-        t0 = self.clock()
-        tok = decode_step(self.model, st, req.sampling_cfg, req.seed)
-        return tok, (self.clock() - t0) * 1000.0
+    def _decode_job(self, st: DecodeState, req: GenerateRequest) -> Job[tuple[int, float]]:
+        """One target-only token (a long prompt first runs in chunks); result (token, forward ms)."""
+        rows: list[Row] = []
+        spent = [0.0]
+
+        def plan() -> Row:
+            rows[:] = [st.plan(self.model.pool, self.settings.max_batch_tokens)]
+            return rows[0]
+
+        def finish(logits: Any, ms: float) -> tuple[int, float] | Pending:
+            spent[0] += ms
+            tok = st.step(self.model.pool, rows[0], logits, req.sampling_cfg, req.seed)
+            return PENDING if tok is None else (tok, spent[0])
+
+        def abort() -> None:
+            if rows and st.slot is not None:
+                st.kv_len = min(st.kv_len, rows[0].past)
+                self.model.pool.lengths[st.slot] = st.kv_len
+
+        return Job(plan=plan, finish=finish, abort=abort, key=f"generate-{id(st)}")
 
     # --- housekeeping -------------------------------------------------------------------------
     def render_metrics(self) -> bytes:
         self.metrics.open_sessions.set(len(self.store))
         self.metrics.kv_bytes.set(self.store.kv_bytes)
+        self.metrics.kv_pool_bytes.set(self.model.pool.allocated_bytes)
         self.metrics.queue_depth.set(self.worker.depth)
         return self.metrics.render()
 

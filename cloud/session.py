@@ -1,9 +1,9 @@
 """One verify session: committed context S, its prefix hashes, the KV cache, counters.
 
-State is by position. The cache holds the KV of S[:kv_len] with kv_len <= |S|; a round crops
-it (rollback = crop), never rebuilds it. The model worker is the only writer of `context`
-and `cache`; other threads read `context`, which is replaced as a whole (never mutated), so a
-reader always sees ids and hashes that belong together.
+State is by position. The session's slot of the target's KV pool holds the KV of S[:kv_len]
+with kv_len <= |S|; a round crops it (rollback = crop), never rebuilds it. The model thread is
+the only writer of `context`, `kv_len` and the slot; other threads read `context`, which is
+replaced as a whole (never mutated), so a reader always sees ids and hashes that belong together.
 """
 
 from __future__ import annotations
@@ -13,10 +13,9 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from transformers import DynamicCache
-
 from shared.config import SamplingConfig
 from shared.hashing import FNV_OFFSET, fnv1a64, hash_hex
+from shared.kvpool import KVPool
 from shared.protocol import VerifyResponse
 
 
@@ -93,8 +92,8 @@ class Session:
     prompt_len: int
     # committed context S and its prefix hashes
     context: Context
-    # the target's KV for S[:kv_len]; None once closed
-    cache: DynamicCache | None
+    # the slot of the target's KV pool holding S[:kv_len]; None once closed (released by the model thread)
+    slot: int | None
     # bytes one cached position takes
     kv_bytes_per_token: int
     # monotonic time of the last use (LRU order and TTL)
@@ -110,14 +109,18 @@ class Session:
     closed: bool = False
     # serialises this session's rounds and keeps at most one of them in the model queue
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-
-    @property
-    def kv_len(self) -> int:
-        return 0 if self.cache is None else self.cache.get_seq_length()
+    # positions of S whose KV the slot holds
+    kv_len: int = 0
 
     @property
     def kv_bytes(self) -> int:
-        return self.kv_len * self.kv_bytes_per_token
+        return 0 if self.slot is None else self.kv_len * self.kv_bytes_per_token
+
+    def set_kv_len(self, pool: KVPool, n: int) -> None:
+        """The slot holds the KV of S[:n] (model thread only)."""
+        if self.slot is not None:
+            pool.lengths[self.slot] = n
+        self.kv_len = n
 
     def remember(self, request_id: str, fingerprint: str, response: VerifyResponse, keep: int) -> None:
         if not request_id or keep <= 0:

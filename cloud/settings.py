@@ -38,12 +38,23 @@ class CloudSettings(BaseSettings):
 
     # open sessions at most; opening one more answers 429 unless an expired one can go
     max_sessions: int = Field(default=64, ge=1)
+    # open sessions one API key may hold; more answer 429 naming max_sessions_per_key. 0 = automatic:
+    # max_sessions when fewer than two keys are configured, else half of max_sessions (at least 1),
+    # so no single key can take every session
+    max_sessions_per_key: int = Field(default=0, ge=0)
     # a session idle this long expires (404 afterwards)
     session_ttl_s: float = Field(default=600.0, gt=0)
     # total KV cache bytes over all sessions; least recently used idle sessions are evicted beyond it
     kv_budget_bytes: int = Field(default=2 * 1024**3, gt=0)
     # largest k (draft tokens per round) accepted
     max_k: int = Field(default=16, ge=0, le=256)
+    # sessions (rows) in one batched forward at most; 1 = one session per forward (no batching)
+    max_batch_size: int = Field(default=32, ge=1)
+    # padded tokens (rows x longest row) in one forward at most; longer prefills run in chunks of this size
+    max_batch_tokens: int = Field(default=1024, ge=16)
+    # before a forward, wait at most this long (ms; and at most half the last forward's time) for the
+    # next rounds of sessions answered within the last three forwards, so they share one forward; 0 = never
+    batch_wait_ms: float = Field(default=5.0, ge=0, le=1000)
     # model-bound requests admitted at once (queued or running); more answer 429 / RESOURCE_EXHAUSTED
     max_queue_depth: int = Field(default=64, ge=1)
     # largest request body (REST) / message (gRPC); larger answer 413 / RESOURCE_EXHAUSTED
@@ -56,6 +67,9 @@ class CloudSettings(BaseSettings):
     replay_cache_size: int = Field(default=8, ge=0)
     # largest max_new_tokens of POST /v1/generate
     max_generate_tokens: int = Field(default=1024, ge=1)
+    # REST connections and requests at once (uvicorn limit_concurrency); beyond it new requests get a
+    # plain 503. Bounds what slow or idle connections can hold; put a proxy with header timeouts in front
+    max_connections: int = Field(default=512, ge=1)
     # at SIGTERM, the drain waits at most this long (seconds) for open sessions to close and rounds to finish
     shutdown_grace_s: float = Field(default=2.0, ge=0)
     # logging level of the process
@@ -85,6 +99,12 @@ class CloudSettings(BaseSettings):
 
     def api_key_values(self) -> list[str]:
         return [k.get_secret_value() for k in self.api_keys]
+
+    def sessions_per_key_limit(self) -> int:
+        """The effective max_sessions_per_key (see the field)."""
+        if self.max_sessions_per_key:
+            return min(self.max_sessions_per_key, self.max_sessions)
+        return self.max_sessions if len(self.api_keys) < 2 else max(1, self.max_sessions // 2)
 
     def prompt_limit(self, model_context: int) -> int:
         """The effective max prompt length for a model with `model_context` positions."""

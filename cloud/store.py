@@ -4,6 +4,8 @@ Policy:
 - `max_sessions`: opening one more first drops sessions idle past the TTL; if the store is
   still full it answers ResourceExhausted (429). Working sessions are never evicted to make
   room for a new one (that would only move the 404 to someone else).
+- `max_sessions_per_owner`: the same, counted over one owner's (API key's) sessions, so one key
+  cannot take every session (ResourceExhausted naming `max_sessions_per_key`).
 - `session_ttl_s`: a session idle that long is gone (NotFound on its next call).
 - `kv_budget_bytes`: before a forward grows a cache, the least recently used sessions with no
   request in flight are evicted until the growth fits. A session whose own cache would exceed the
@@ -27,8 +29,10 @@ TTL, KV_BUDGET, CLOSED = "ttl", "kv_budget", "closed"
 
 class SessionStore:
     def __init__(self, *, max_sessions: int, ttl_s: float, kv_budget_bytes: int,
-                 clock: Callable[[], float], on_remove: Callable[[Session, str], None] | None = None) -> None:
+                 clock: Callable[[], float], on_remove: Callable[[Session, str], None] | None = None,
+                 max_sessions_per_owner: int | None = None) -> None:
         self.max_sessions = max_sessions
+        self.max_sessions_per_owner = max_sessions_per_owner or max_sessions
         self.ttl_s = ttl_s
         self.kv_budget_bytes = kv_budget_bytes
         self.clock = clock
@@ -60,12 +64,19 @@ class SessionStore:
         self._sessions.move_to_end(ctx_id)
         return s
 
-    def check_room(self, need_bytes: int) -> None:
-        """Raise ResourceExhausted unless one more session holding `need_bytes` of KV can be opened."""
+    def check_room(self, need_bytes: int, owner: str | None = None) -> None:
+        """Raise ResourceExhausted unless one more session holding `need_bytes` of KV can be opened
+        (by `owner`, when given: its own sessions count against max_sessions_per_owner)."""
         self.expire()
         if len(self._sessions) >= self.max_sessions:
             raise ResourceExhausted(f"{len(self._sessions)} sessions are open (max_sessions = "
                                     f"{self.max_sessions}); retry later", limit="max_sessions")
+        if owner is not None:
+            mine = sum(1 for s in self._sessions.values() if hmac.compare_digest(s.owner, owner))
+            if mine >= self.max_sessions_per_owner:
+                raise ResourceExhausted(f"this API key holds {mine} open sessions (max_sessions_per_key = "
+                                        f"{self.max_sessions_per_owner}); close one or retry later",
+                                        limit="max_sessions_per_key")
         self.make_room(need_bytes)
 
     def add(self, s: Session) -> None:
@@ -104,8 +115,7 @@ class SessionStore:
 
     def _remove(self, s: Session, reason: str) -> None:
         self._sessions.pop(s.ctx_id, None)
-        s.closed = True
-        s.cache = None
+        s.closed = True  # its slot is released by on_remove, on the model thread
         s.replies.clear()
         if self.on_remove is not None:
             self.on_remove(s, reason)

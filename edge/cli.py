@@ -3,7 +3,9 @@
     specsplit-edge generate PROMPT --cloud http://127.0.0.1:8000 [--grpc 127.0.0.1:50051]
         --draft DIR|ngram --mode speculative|edge_only|cloud_only --max-new-tokens N
         --temperature T --top-p P --top-k K --repetition-penalty R --seed S [--route-key KEY]
-        [--json] [--log FILE.jsonl]
+        [--json] [--log FILE.jsonl] [--chat [--chat-template FILE]]
+    specsplit-edge serve --cloud URL --draft DIR|ngram [--chat-template FILE] [--served-model-name NAME]
+        --host 127.0.0.1 --port 8001      (an OpenAI-compatible server: see docs/OPENAI.md)
 
 Defaults (EdgeSettings, overridable by SPECSPLIT_EDGE_* variables): --draft models/demo-draft when
 present (else ngram), temperature 1.0, top-p 0.9, top-k 0 (off), repetition penalty 1.1, seed 0,
@@ -87,7 +89,26 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.add_argument("--log", metavar="FILE.jsonl", help="one JSON line per round")
     g.add_argument("-v", "--verbose", action="store_true")
+    g.add_argument("--chat", action="store_true", help="send PROMPT as a user message through the chat template")
+    g.add_argument("--chat-template", metavar="FILE", help="Jinja chat template (default: the tokenizer's)")
+    add_serve_parser(sub, g)
     return p
+
+
+# generate's options that a server takes per request instead (OpenAI fields, OpenAI defaults)
+_PER_REQUEST = {"prompt", "temperature", "top_p", "top_k", "repetition_penalty", "seed", "json", "log", "chat",
+                "help"}
+
+
+def add_serve_parser(sub: Any, generate: argparse.ArgumentParser) -> None:
+    """`serve` takes generate's edge options (cloud, draft, k, gating, timeouts, ...) and its own."""
+    s = sub.add_parser("serve", help="an OpenAI-compatible server on this device (docs/OPENAI.md)")
+    for action in generate._actions:
+        if action.dest not in _PER_REQUEST:
+            s._add_action(action)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8001)
+    s.add_argument("--served-model-name", help="the model id clients send (default: the cloud's model id)")
 
 
 def settings_from_args(args: argparse.Namespace) -> EdgeSettings:
@@ -150,7 +171,7 @@ def generate(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     client = EdgeClient(settings)
     try:
-        gen = client.stream(args.prompt)
+        gen = client.stream(chat_prompt(client, args) if args.chat else args.prompt)
         if not args.json:
             live = LiveText(client, sys.stdout, colour=sys.stdout.isatty())
             for tok in gen:
@@ -168,18 +189,44 @@ def generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def chat_prompt(client: EdgeClient, args: argparse.Namespace) -> list[int]:
+    """PROMPT as one user message through the chat template, tokenized without added special tokens."""
+    from .chat import ChatMessage, load_chat_template, require
+
+    template = require(load_chat_template(args.chat_template, client.tokenizer))
+    text = template.render([ChatMessage("user", args.prompt)])
+    return list(client.tokenizer.encode(text, add_special_tokens=False))
+
+
+def serve(args: argparse.Namespace) -> int:
+    from .serve import ServeArgs, run
+
+    settings = settings_from_args(args)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    run(settings, ServeArgs(args.host, args.port, args.chat_template, args.served_model_name),
+        log_level="info" if args.verbose else "warning")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        return generate(args)
+        return serve(args) if args.command == "serve" else generate(args)
     except ValidationError as e:
         print(f"specsplit-edge: bad settings: {e}", file=sys.stderr)
         return 2
     except SpecSplitError as e:
-        print(f"specsplit-edge: {e.code} ({e.http_status}): {e.message}", file=sys.stderr)
+        extra = f" [error_id {e.details['error_id']}]" if "error_id" in e.details else ""
+        print(f"specsplit-edge: {e.code} ({e.http_status}): {e.message}{extra}", file=sys.stderr)
         return 1
+    except (OSError, ValueError) as e:  # a missing / malformed / unsupported model, tokenizer or template file
+        print(f"specsplit-edge: cannot start: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -19,11 +19,12 @@ from shared.verify import DraftKind
 from .drafters.base import DraftBlock, Drafter
 from .gating import GateThresholds
 from .metrics import CommittedToken, EdgeMetrics, Origin, RoundRecord
+from .pairing import check_pairing
 from .round_control import KController
 from .settings import EdgeSettings, Mode
 from .speculative import RecoveryPolicy, SessionParams, SpeculativeRun, check_vocab
 from .transport.base import ModelInfo, Transport, check_route_key, new_route_key
-from .transport.errors import CloudTimeout, is_retryable
+from .transport.errors import CloudTimeout, is_retryable, retry_delay
 
 T = TypeVar("T")
 
@@ -42,12 +43,15 @@ class GenerationResult:
     rounds: list[RoundRecord]
     metrics: EdgeMetrics
     mode: str = "speculative"
+    # why it ended: "length" (max_new_tokens), "eos", or "context" (the model's context is full)
+    stop_reason: str = ""
     # the routing key every cloud call of this generation carried (X-Specsplit-Route)
     route_key: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return {"text": self.text, "token_ids": self.token_ids, "prompt_ids": self.prompt_ids,
-                "origins": [t.origin for t in self.tokens], "mode": self.mode, "route_key": self.route_key,
+                "origins": [t.origin for t in self.tokens], "mode": self.mode, "stop_reason": self.stop_reason,
+                "route_key": self.route_key,
                 "rounds": [r.to_dict() for r in self.rounds], "metrics": self.metrics.to_dict()}
 
 
@@ -82,6 +86,13 @@ class Generation:
             self._seen.append(tok)
             yield tok
 
+    def close(self) -> None:
+        """Stop early: ends the token source, which closes its cloud session; `result()` then
+        summarises the tokens seen so far."""
+        close = getattr(self._tokens, "close", None)
+        if close is not None:
+            close()
+
     def result(self) -> GenerationResult:
         if self._result is None:
             for _ in self:
@@ -101,19 +112,30 @@ class _Job:
     metrics: EdgeMetrics = field(default_factory=EdgeMetrics)
     rounds: list[RoundRecord] = field(default_factory=list)
     started: float = 0.0
+    stop_reason: str = ""
+
+
+def _draft_fingerprint(drafter: Any) -> str | None:
+    """The tokenizer fingerprint a model drafter (or a hybrid's model half) was stored with."""
+    for part in (drafter, getattr(drafter, "model", None)):
+        fp = getattr(part, "tokenizer_fingerprint", None)
+        if isinstance(fp, str):
+            return fp
+    return None
 
 
 class EdgeClient:
     """Owns a transport, a drafter and a tokenizer; each is built from the settings unless given."""
 
     def __init__(self, settings: EdgeSettings | None = None, *, transport: Transport | None = None,
-                 drafter: Drafter | None = None, tokenizer: Any = None,
+                 drafter: Drafter | None = None, tokenizer: Any = None, model_info: ModelInfo | None = None,
                  clock: Callable[[], float] = time.perf_counter, sleep: Callable[[float], None] = time.sleep):
         self.settings = settings or EdgeSettings()
         self._transport = transport
         self._drafter = drafter
         self._tokenizer = tokenizer
-        self._model_info: ModelInfo | None = None
+        # the cloud's model (GET /v1/model), asked for once unless given
+        self._model_info = model_info
         self.clock = clock
         self.sleep = sleep
 
@@ -148,9 +170,9 @@ class EdgeClient:
     @property
     def tokenizer(self) -> Any:
         if self._tokenizer is None:
-            from transformers import AutoTokenizer
+            from shared.tokenizer_id import load_tokenizer
 
-            self._tokenizer = AutoTokenizer.from_pretrained(self.settings.tokenizer_dir())
+            self._tokenizer = load_tokenizer(self.settings.tokenizer_dir())
         return self._tokenizer
 
     def model_info(self) -> ModelInfo:
@@ -169,7 +191,7 @@ class EdgeClient:
                 if not (is_retryable(e) or isinstance(e, CloudTimeout)) or attempt >= policy.max_retries:
                     raise
                 attempt += 1
-                self.sleep(policy.backoff(attempt))
+                self.sleep(retry_delay(e, policy.backoff(attempt)))
 
     def encode(self, prompt: str) -> list[int]:
         ids = list(self.tokenizer.encode(prompt))
@@ -219,7 +241,10 @@ class EdgeClient:
                 job.metrics.by_origin[tok.origin] += 1
                 yield tok
                 if job.metrics.emitted >= job.max_new_tokens or tok.token_id in eos:
+                    job.stop_reason = "eos" if tok.token_id in eos else "length"
                     break
+            else:  # the source ran dry before the budget: the context is full
+                job.stop_reason = job.stop_reason or "context"
         finally:
             source.close()  # the speculative source closes its cloud session
             job.metrics.wall_ms = (self.clock() - job.started) * 1000
@@ -227,7 +252,8 @@ class EdgeClient:
     def _finish(self, job: _Job, tokens: list[CommittedToken]) -> GenerationResult:
         ids = [t.token_id for t in tokens]
         return GenerationResult(text=self.decode(ids), token_ids=ids, prompt_ids=job.prompt_ids, tokens=tokens,
-                                rounds=job.rounds, metrics=job.metrics, mode=job.mode, route_key=job.route_key)
+                                rounds=job.rounds, metrics=job.metrics, mode=job.mode, stop_reason=job.stop_reason,
+                                route_key=job.route_key)
 
     def _eos_ids(self, mode: Mode) -> list[int]:
         """The target's end-of-sequence ids (the tokenizer's in edge_only mode)."""
@@ -256,6 +282,8 @@ class EdgeClient:
         drafter = drafter or self.drafter
         info = self.model_info()
         check_vocab(getattr(drafter, "vocab_size", None), info.vocab_size)
+        check_pairing(info, self.tokenizer, self.settings.tokenizer_dir(),
+                      _draft_fingerprint(drafter), None)
         gate = None
         if s.gating:
             gate = GateThresholds(t_nll=s.t_nll, t_entropy_bits=s.t_entropy_bits, t_margin=s.t_margin,
@@ -332,13 +360,15 @@ class EdgeClient:
                         if isinstance(item, int):
                             got.append(item)
                             yield CommittedToken(item, "target", 0)
+                        else:  # the cloud says why it stopped
+                            job.stop_reason = str(item.metrics.get("stop_reason", ""))
                     return
                 except SpecSplitError as e:
                     if not (is_retryable(e) or isinstance(e, CloudTimeout)) or attempt >= policy.max_retries:
                         raise
                     attempt += 1
                     job.metrics.retries += 1
-                    self.sleep(policy.backoff(attempt))
+                    self.sleep(retry_delay(e, policy.backoff(attempt)))
         finally:
             job.metrics.bytes_up += transport.traffic.bytes_up - up
             job.metrics.bytes_down += transport.traffic.bytes_down - down

@@ -30,7 +30,7 @@ from .gating import GateDecision, GateThresholds, decide
 from .metrics import EdgeMetrics, Origin, RoundRecord
 from .round_control import KController
 from .transport.base import Transport
-from .transport.errors import CloudTimeout, is_retryable
+from .transport.errors import CloudTimeout, is_retryable, retry_delay
 
 log = logging.getLogger(__name__)
 # no request with a dropped answer is outstanding
@@ -151,7 +151,7 @@ class SpeculativeRun:
                 attempt += 1
                 self.metrics.retries += 1
                 log.info("retrying after %s (attempt %d)", e.code, attempt)
-                self.sleep(self.policy.backoff(attempt))
+                self.sleep(retry_delay(e, self.policy.backoff(attempt)))
 
     # -- one round ------------------------------------------------------------------------------
 
@@ -251,7 +251,7 @@ class SpeculativeRun:
         if attempt >= self.policy.max_retries:
             raise err
         self.metrics.retries += 1
-        self.sleep(self.policy.backoff(attempt + 1))
+        self.sleep(retry_delay(err, self.policy.backoff(attempt + 1)))
         return attempt + 1
 
     def _check_answer(self, block: DraftBlock, resp: VerifyResponse) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 from typing import Any
 
 
@@ -10,6 +11,9 @@ class SpecSplitError(Exception):
 
     code = "internal"
     http_status = 500
+    # seconds a client should wait before sending again (REST `Retry-After`, gRPC trailing
+    # metadata `retry-after`, `retry_after_s` in the body); None: retrying the same call is no use
+    retry_after_s: int | None = None
 
     def __init__(self, message: str, **details: Any) -> None:
         super().__init__(message)
@@ -17,7 +21,8 @@ class SpecSplitError(Exception):
         self.details = details
 
     def to_body(self) -> dict[str, Any]:
-        return {"error": {"code": self.code, "message": self.message, **self.details}}
+        extra = {} if self.retry_after_s is None else {"retry_after_s": self.retry_after_s}
+        return {"error": {"code": self.code, "message": self.message, **extra, **self.details}}
 
 
 class InvalidArgument(SpecSplitError):
@@ -50,6 +55,7 @@ class ResourceExhausted(SpecSplitError):
     """Over capacity (queue full, too many sessions): back off and retry."""
 
     code, http_status = "resource_exhausted", 429
+    retry_after_s = 1
 
 
 class PayloadTooLarge(SpecSplitError):
@@ -60,10 +66,22 @@ class Unavailable(SpecSplitError):
     """The process cannot take this call now (draining before exit, not ready): retry, possibly elsewhere."""
 
     code, http_status = "unavailable", 503
+    retry_after_s = 1
+
+
+class Internal(SpecSplitError):
+    """A fault of the server itself (a bug, a device failure): not retried as if transient; `error_id`
+    names the log line with the traceback."""
+
+    code, http_status = "internal", 500
+
+    @classmethod
+    def of(cls, exc: BaseException) -> Internal:
+        return cls(f"internal error: {type(exc).__name__}", error_id=secrets.token_hex(8))
 
 
 ERRORS_BY_STATUS: dict[int, type[SpecSplitError]] = {
     cls.http_status: cls
     for cls in (InvalidArgument, NotFound, ContextMismatch, Unauthenticated, PermissionDenied,
-                ResourceExhausted, PayloadTooLarge, Unavailable)
+                ResourceExhausted, PayloadTooLarge, Unavailable, Internal)
 }

@@ -48,6 +48,10 @@ class ModelInfo:
     dtype: str = ""
     # torch device string
     device: str = ""
+    # shared/tokenizer_id.py: the edge's draft must speak the tokenizer with this fingerprint
+    tokenizer_fingerprint: str = ""
+    # largest k a verify round may carry
+    max_k: int = 0
 
 
 @dataclass

@@ -1,9 +1,11 @@
 """Model drafter: a small causal LM proposes k sampled tokens with their processed q.
 
-State by position: `_ids` are the tokens whose KV is in `_cache`. Each `propose(S, k)` crops the
-cache to the longest common prefix of `_ids` and S and feeds the rest of S: normally one token (the
-round's correction), two when all k drafts were accepted (y_k was sampled but never fed, so its KV
-is filled in here together with the bonus), more after local commits or a reopen.
+State by position: `_ids` are the tokens whose KV is in the drafter's one-slot `KVPool` (the
+cloud's KV layout, shared/kvpool.py: sliding-window models roll back like any other, recurrent
+ones are refused at load). Each `propose(S, k)` crops the KV to the longest common prefix of
+`_ids` and S and feeds the rest of S: normally one token (the round's correction), two when all
+k drafts were accepted (y_k was sampled but never fed, so its KV is filled in here together with
+the bonus), more after local commits or a reopen.
 """
 
 from __future__ import annotations
@@ -13,11 +15,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache
 
 from shared.config import SamplingConfig
+from shared.hf_model import check_rollback, load_causal_lm
+from shared.kvpool import KVPool, Row, attention_layout
 from shared.rng import position_uniform, sample_index
 from shared.sampling import process_logits
+from shared.tokenizer_id import load_tokenizer, tokenizer_fingerprint
 from shared.verify import DraftKind
 
 from .base import DraftBlock
@@ -43,27 +47,46 @@ def raw_signals(logits: torch.Tensor, token: int) -> tuple[float, float, float]:
     return float(-logp[token]), entropy, float(top2[0] - top2[1])
 
 
+def _own_tokenizer_fingerprint(model_dir: Path) -> str | None:
+    if not any(model_dir.glob("tokenizer*")) and not (model_dir / "vocab.json").exists():
+        return None
+    try:
+        return tokenizer_fingerprint(load_tokenizer(model_dir))
+    except ValueError:
+        return None
+
+
 class ModelDrafter:
     kind: DraftKind = "sampled"
     wants_top_k = 0
 
     def __init__(self, model_dir: str | Path, device: str = "cpu", mc_dropout_samples: int = 0) -> None:
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir)
-        self.model.to(device)  # type: ignore[arg-type]
-        self.model.eval()
+        self.model = load_causal_lm(Path(model_dir), device, torch.float32)
         self.device = device
-        self.vocab_size = int(self.model.get_output_embeddings().out_features)
-        cfg = self.model.config
+        self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
+        cfg = self.model.config.get_text_config()
         self.max_context: int | None = getattr(cfg, "n_positions", None) or getattr(
             cfg, "max_position_embeddings", None)
         self.has_dropout = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in self.model.modules())
         self.mc_dropout_samples = mc_dropout_samples if self.has_dropout else 0
-        self._cache = DynamicCache()
-        self._ids: list[int] = []
+        # fingerprint of the tokenizer stored with the draft (None when its directory has none)
+        self.tokenizer_fingerprint = _own_tokenizer_fingerprint(Path(model_dir))
+        self._layout = attention_layout(self.model.config)
+        check_rollback(self.model, self._new_pool(), self.vocab_size, torch.float32)
+        self.reset()
+
+    @property
+    def kv_len(self) -> int:
+        """Positions whose KV the drafter holds."""
+        return self._pool.length(self._slot)
+
+    def _new_pool(self) -> KVPool:
+        return KVPool(self._layout, self.max_context or 1 << 20, self.device, torch.float32)
 
     def reset(self) -> None:
-        self._cache = DynamicCache()
-        self._ids = []
+        self._pool = self._new_pool()
+        self._slot = self._pool.allocate()
+        self._ids: list[int] = []
 
     def fork(self) -> ModelDrafter:
         """A drafter sharing this one's weights with its own cache (one per concurrent generation)."""
@@ -75,19 +98,19 @@ class ModelDrafter:
     @torch.no_grad()
     def _feed(self, tokens: Sequence[int]) -> torch.Tensor:
         """Run `tokens` after `_ids` through the model, extending the cache; logits of the last ([vocab])."""
-        x = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)  # [1, n]
-        out = self.model(input_ids=x, past_key_values=self._cache, use_cache=True)
-        self._ids.extend(int(t) for t in tokens)
-        return out.logits[0, -1]  # [vocab]
+        row = Row(self._slot, len(self._ids), [int(t) for t in tokens], keep=1)
+        (logits,) = self._pool.forward(self.model, [row])  # [1, vocab]
+        self._ids.extend(row.ids)
+        self._pool.lengths[self._slot] = len(self._ids)
+        return logits[-1]  # [vocab]
 
     def _sync(self, context: Sequence[int]) -> torch.Tensor:
         """Crop to the common prefix with `context`, feed the rest; logits after the whole context."""
         if not context:
             raise ValueError("the draft model needs a non-empty context")
         keep = min(common_prefix_len(self._ids, context), len(context) - 1)  # feed >= 1 token for logits
-        drop = len(self._ids) - keep
-        if drop:
-            self._cache.crop(-drop)
+        if keep < len(self._ids):
+            self._pool.crop(self._slot, keep)
             del self._ids[keep:]
         # where the last accepted draft token's KV is filled in: after an all-accepted round,
         # context[keep:] is [y_k, bonus] because y_k was sampled but never fed

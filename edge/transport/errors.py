@@ -11,6 +11,7 @@ import grpc
 from shared.errors import (
     ERRORS_BY_STATUS,
     ContextMismatch,
+    Internal,
     InvalidArgument,
     NotFound,
     PayloadTooLarge,
@@ -42,7 +43,7 @@ _BY_GRPC: dict[grpc.StatusCode, type[SpecSplitError]] = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
     grpc.StatusCode.DEADLINE_EXCEEDED: CloudTimeout,
     grpc.StatusCode.UNAVAILABLE: CloudUnavailable,
-    grpc.StatusCode.INTERNAL: CloudUnavailable,
+    grpc.StatusCode.INTERNAL: Internal,
     grpc.StatusCode.UNKNOWN: CloudUnavailable,
     grpc.StatusCode.ABORTED: CloudUnavailable,
 }
@@ -58,8 +59,29 @@ def _build(cls: type[SpecSplitError], message: str, details: dict[str, Any]) -> 
     return cls(message, **details)
 
 
-def error_from_http(status: int, body: bytes) -> SpecSplitError:
-    """A REST error answer -> the project's exception; the body is `{"error": {...}}` when well formed."""
+# the longest wait a Retry-After may impose on the edge (seconds)
+MAX_RETRY_AFTER_S = 30.0
+
+
+def _retry_after(value: object) -> float | None:
+    """Seconds of a Retry-After value (delay-seconds; an HTTP date or garbage reads as none)."""
+    try:
+        seconds = float(str(value))
+    except ValueError:
+        return None
+    return seconds if seconds >= 0 and seconds == seconds else None
+
+
+def retry_delay(err: SpecSplitError, backoff_s: float) -> float:
+    """How long to wait before resending after `err`: the own backoff, or longer when the cloud asked
+    for it (Retry-After / `retry_after_s`), at most MAX_RETRY_AFTER_S."""
+    asked = _retry_after(err.details.get("retry_after_s")) or 0.0
+    return max(backoff_s, min(asked, MAX_RETRY_AFTER_S))
+
+
+def error_from_http(status: int, body: bytes, retry_after: str | None = None) -> SpecSplitError:
+    """A REST error answer -> the project's exception; the body is `{"error": {...}}` when well formed.
+    `retry_after`: the Retry-After header, kept as details["retry_after_s"] when the body has none."""
     err: dict[str, Any] = {}
     try:
         parsed = json.loads(body)
@@ -70,11 +92,15 @@ def error_from_http(status: int, body: bytes) -> SpecSplitError:
     except ValueError:
         err = {"message": body[:200].decode("utf-8", "replace")}
     message = str(err.get("message") or f"HTTP {status}")
-    cls = ERRORS_BY_STATUS.get(status)
-    if cls is None:
-        cls = CloudUnavailable if status >= 500 else SpecSplitError
+    # every 5xx (the cloud's 503 `unavailable` included) is the edge's CloudUnavailable: back off, retry
+    cls = CloudUnavailable if status >= 500 else ERRORS_BY_STATUS.get(status, SpecSplitError)
+    if status == 500 and err.get("code") == Internal.code:  # the cloud's own fault: surfaced, not retried
+        cls = Internal
     if status == 422 or status == 400:
         cls = InvalidArgument
+    seconds = _retry_after(retry_after) if retry_after is not None else None
+    if seconds is not None and "retry_after_s" not in err:
+        err = {**err, "retry_after_s": seconds}
     return _build(cls, message, err)
 
 
@@ -102,6 +128,8 @@ def error_from_grpc(code: grpc.StatusCode, message: str,
                 pass
         elif key == "expected_ctx_len":
             details["expected_ctx_len"] = int(value)
+        elif key == "retry-after" and _retry_after(value) is not None:
+            details.setdefault("retry_after_s", _retry_after(value))
     cls = _BY_GRPC.get(code, CloudUnavailable)
     if cls is ResourceExhausted and (details.get("code") == PayloadTooLarge.code or "too large" in text):
         cls = PayloadTooLarge
@@ -118,6 +146,9 @@ def error_from_body(body: dict[str, Any]) -> SpecSplitError:
 
 
 def is_retryable(err: SpecSplitError) -> bool:
-    """Back off and send again: capacity, size limits (per PROTOCOL.md), 5xx and connection errors."""
+    """Back off and send again: capacity, size limits (per PROTOCOL.md), 5xx and connection errors; not
+    the cloud's own fault (500 internal, surfaced with its error_id)."""
+    if isinstance(err, Internal):
+        return False
     return isinstance(err, (ResourceExhausted, PayloadTooLarge, CloudUnavailable)) or (
         err.http_status >= 500 and not isinstance(err, CloudTimeout))

@@ -85,7 +85,7 @@ class RestTransport:
             raise CloudUnavailable(f"{method} {path}: {type(e).__name__}: {e}") from e
         self.traffic.bytes_down += len(r.content)
         if r.status_code >= 400:
-            raise error_from_http(r.status_code, r.content)
+            raise error_from_http(r.status_code, r.content, r.headers.get("retry-after"))
         try:
             out = r.json() if r.content else {}
         except ValueError as e:
@@ -116,7 +116,8 @@ class RestTransport:
         d = self._call("GET", "/v1/model", None, timeout)
         return ModelInfo(model_id=str(d.get("model_id", "")), vocab_size=int(d["vocab_size"]),
                          eos_ids=[int(i) for i in d.get("eos_ids") or []], max_context=int(d.get("max_context") or 0),
-                         dtype=str(d.get("dtype", "")), device=str(d.get("device", "")))
+                         dtype=str(d.get("dtype", "")), device=str(d.get("device", "")),
+                         tokenizer_fingerprint=str(d.get("tokenizer_fingerprint", "")), max_k=int(d.get("max_k") or 0))
 
     def generate(self, prompt_ids: list[int], cfg: SamplingConfig, seed: int, max_new_tokens: int,
                  timeout: float) -> GenerateResult:
@@ -138,7 +139,7 @@ class RestTransport:
             with self._http.stream("POST", "/v1/generate", content=content, timeout=timeout,
                                    headers=self._route_headers) as r:
                 if r.status_code >= 400:
-                    raise error_from_http(r.status_code, r.read())
+                    raise error_from_http(r.status_code, r.read(), r.headers.get("retry-after"))
                 event = "message"
                 for line in r.iter_lines():
                     self.traffic.bytes_down += len(line) + 1

@@ -11,10 +11,18 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from cloud.engine import RoundLimits, check_request, prefill, run_round
+from cloud.engine import (
+    Prefill,
+    RoundLimits,
+    RoundResult,
+    check_request,
+    fingerprint,
+    finish_round,
+    plan_round,
+)
 from cloud.model import TargetModel
 from cloud.rest import VerifyBody
-from cloud.session import Session
+from cloud.session import Context, Session
 from shared.config import SamplingConfig
 from shared.errors import ContextMismatch, InvalidArgument, SpecSplitError
 from tests.cloud.reference import CausalLM, Drafter, EdgeSim, assert_matches
@@ -36,10 +44,30 @@ def prompt(tiny_pair: tuple[Path, Path]) -> list[int]:
 
 def open_session(model: TargetModel, prompt: list[int], cfg: SamplingConfig, seed: int,
                  correction: str = "strict") -> Session:
-    ctx, cache = prefill(model, prompt)
+    """A session whose slot holds the KV of prompt[:-1], prefilled in chunks of 4 tokens."""
+    pre = Prefill(prompt[:-1], chunk=4)
+    while (row := pre.plan(model.pool)) is not None:
+        model.forward([row])
+        if pre.advance(model.pool):
+            break
     return Session(ctx_id=f"s{seed}-{correction}", owner="", sampling_cfg=cfg, seed=seed, correction=correction,
-                   max_new_tokens=0, prompt_len=len(prompt), context=ctx, cache=cache,
-                   kv_bytes_per_token=model.kv_bytes_per_token, last_used=0.0, created=0.0)
+                   max_new_tokens=0, prompt_len=len(prompt), context=Context.of(prompt), slot=pre.slot,
+                   kv_bytes_per_token=model.kv_bytes_per_token, last_used=0.0, created=0.0, kv_len=pre.done)
+
+
+def run_round(model: TargetModel, s: Session, req: Any, q: torch.Tensor | None) -> RoundResult:
+    """One round alone: plan, forward, finish (the scheduler does the same with other rows beside it);
+    a failure crops the KV back like the scheduler's abort."""
+    plan = plan_round(s, req, fingerprint(req))
+    if not hasattr(plan, "row"):
+        return RoundResult(plan, None, replayed=True)  # type: ignore[arg-type]
+    try:
+        t0 = time.monotonic()
+        (logits,) = model.forward([plan.row])  # type: ignore[union-attr]
+        return finish_round(model, s, req, q, plan, logits, (time.monotonic() - t0) * 1000, replay_keep=8)  # type: ignore[arg-type]
+    except BaseException:
+        s.set_kv_len(model.pool, min(s.kv_len, plan.past))  # type: ignore[union-attr]
+        raise
 
 
 def do_round(model: TargetModel, s: Session, body: dict[str, Any]) -> dict[str, Any]:
@@ -48,7 +76,10 @@ def do_round(model: TargetModel, s: Session, body: dict[str, Any]) -> dict[str, 
                       vocab_size=model.info.vocab_size)
     q = check_request(req, body["k"], lim, s.sampling_cfg, None)
     with torch.inference_mode():
-        return asdict(run_round(model, s, req, q, time.monotonic, replay_keep=8).response)
+        res = run_round(model, s, req, q)
+    if res.replayed:
+        s.counters.replayed += 1
+    return asdict(res.response)
 
 
 def state(s: Session) -> tuple:
@@ -216,8 +247,8 @@ def test_failed_forward_keeps_context_and_a_usable_cache(tiny_target: TargetMode
     ctx_before = s.context
     real = TargetModel.forward
 
-    def broken(self: TargetModel, ids: list[int], cache: Any, keep: int) -> torch.Tensor:
-        real(self, ids, cache, keep)  # the cache grows, then the "device" fails
+    def broken(self: TargetModel, rows: list[Any]) -> list[torch.Tensor]:
+        real(self, rows)  # the KV is written, then the "device" fails
         raise RuntimeError("device lost")
 
     monkeypatch.setattr(TargetModel, "forward", broken)

@@ -116,9 +116,9 @@ def test_queue_and_prefill_times_come_from_the_injected_clock(make_service: Call
     svc = make_service(clock=clock)
     real = TargetModel.forward
 
-    def slow_forward(self: TargetModel, ids: list[int], cache: Any, keep: int) -> torch.Tensor:
+    def slow_forward(self: TargetModel, rows: list[Any]) -> list[torch.Tensor]:
         clock.advance(0.042)
-        return real(self, ids, cache, keep)
+        return real(self, rows)
 
     async def main() -> None:
         ctx_id = await open_(svc, prompt)

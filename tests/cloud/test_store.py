@@ -11,18 +11,10 @@ from shared.errors import NotFound, PermissionDenied, ResourceExhausted
 from tests.cloud.conftest import FakeClock
 
 
-class FakeCache:
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def get_seq_length(self) -> int:
-        return self.n
-
-
 def session(ctx_id: str, kv_len: int, clock: FakeClock, owner: str = "") -> Session:
     return Session(ctx_id=ctx_id, owner=owner, sampling_cfg=SamplingConfig(), seed=0, correction="strict",
                    max_new_tokens=0, prompt_len=kv_len + 1, context=Context.of([1] * (kv_len + 1)),
-                   cache=FakeCache(kv_len), kv_bytes_per_token=10, last_used=clock(), created=clock())  # type: ignore[arg-type]
+                   slot=0, kv_len=kv_len, kv_bytes_per_token=10, last_used=clock(), created=clock())
 
 
 def store(clock: FakeClock, **kw: int | float) -> tuple[SessionStore, list[tuple[str, str]]]:
@@ -113,12 +105,12 @@ def test_session_is_visible_only_to_its_owner() -> None:
     assert st.get("a", "alice").ctx_id == "a"
 
 
-def test_removed_session_is_closed_and_frees_its_cache() -> None:
+def test_removed_session_is_closed_and_handed_to_on_remove() -> None:
     clock = FakeClock()
     st, removed = store(clock)
     s = session("a", 3, clock)
     st.add(s)
     st.close("a", "")
-    assert s.closed and s.cache is None and removed == [("a", "closed")]
+    assert s.closed and removed == [("a", "closed")]
     with pytest.raises(NotFound):
         st.get("a", "")

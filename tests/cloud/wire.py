@@ -120,7 +120,8 @@ class GrpcClient:
     def model(self) -> dict[str, Any]:
         m = self._call(self.stub.GetModel, pb.GetModelRequest())
         return {"model_id": m.model_id, "vocab_size": m.vocab_size, "eos_ids": list(m.eos_ids),
-                "max_context": m.max_context, "dtype": m.dtype, "device": m.device}
+                "max_context": m.max_context, "dtype": m.dtype, "device": m.device,
+                "tokenizer_fingerprint": m.tokenizer_fingerprint, "max_k": m.max_k}
 
     def shutdown(self) -> None:
         self.channel.close()

@@ -47,7 +47,7 @@ def test_all_accepted_round_fills_in_the_last_draft_token_kv(model_drafter: Mode
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     ctx = [5, 17, 300]
     block = model_drafter.propose(ctx, k=3, cfg=CFG, seed=1)
-    assert model_drafter._cache.get_seq_length() == len(ctx) + 2  # y_3 drawn, never fed
+    assert model_drafter.kv_len == len(ctx) + 2  # y_3 drawn, never fed
     fed = spy_feeds(model_drafter, monkeypatch)
     ctx2 = ctx + block.tokens + [77]  # all accepted + bonus
     block2 = model_drafter.propose(ctx2, k=2, cfg=CFG, seed=1)
@@ -65,7 +65,7 @@ def test_rejection_crops_the_cache_to_the_accepted_prefix(model_drafter: ModelDr
     block2 = model_drafter.propose(ctx2, k=3, cfg=CFG, seed=2)
     assert fed[0] == [123]
     assert model_drafter._ids == ctx2 + block2.tokens[:-1]
-    assert model_drafter._cache.get_seq_length() == len(ctx2) + 2
+    assert model_drafter.kv_len == len(ctx2) + 2
     ref = reference_q(model_drafter, ctx2, block2.tokens, CFG)
     assert torch.allclose(torch.stack(block2.q_full), ref.double(), atol=1e-5)
 

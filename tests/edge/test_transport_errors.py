@@ -16,6 +16,7 @@ from edge.transport.errors import (
 )
 from shared.errors import (
     ContextMismatch,
+    Internal,
     InvalidArgument,
     NotFound,
     PayloadTooLarge,
@@ -23,17 +24,25 @@ from shared.errors import (
     ResourceExhausted,
     SpecSplitError,
     Unauthenticated,
+    Unavailable,
 )
 
 
 @pytest.mark.parametrize("status, cls", [(422, InvalidArgument), (404, NotFound), (409, ContextMismatch),
                                          (401, Unauthenticated), (403, PermissionDenied),
                                          (429, ResourceExhausted), (413, PayloadTooLarge),
-                                         (500, CloudUnavailable), (503, CloudUnavailable)])
+                                         (500, CloudUnavailable), (503, CloudUnavailable), (502, CloudUnavailable)])
 def test_http_status_maps_to_error_type(status: int, cls: type[SpecSplitError]) -> None:
     body = json.dumps({"error": {"code": "x", "message": "boom"}}).encode()
     err = error_from_http(status, body)
     assert isinstance(err, cls) and err.message == "boom"
+
+
+def test_http_500_internal_is_the_clouds_fault_and_not_retried() -> None:
+    body = json.dumps({"error": {"code": "internal", "message": "internal error: RuntimeError",
+                                 "error_id": "ab12"}}).encode()
+    err = error_from_http(500, body)
+    assert isinstance(err, Internal) and err.details["error_id"] == "ab12" and not is_retryable(err)
 
 
 def test_http_409_keeps_expected_ctx_len() -> None:
@@ -76,7 +85,9 @@ def test_grpc_resource_exhausted_for_size_is_payload_too_large() -> None:
 def test_which_errors_are_retried() -> None:
     assert is_retryable(ResourceExhausted("x")) and is_retryable(CloudUnavailable("x"))
     assert is_retryable(PayloadTooLarge("x")) and is_retryable(SpecSplitError("internal"))
-    for err in (InvalidArgument("x"), NotFound("x"), ContextMismatch("x"), Unauthenticated("x"), CloudTimeout("x")):
+    assert is_retryable(Unavailable("draining"))
+    for err in (InvalidArgument("x"), NotFound("x"), ContextMismatch("x"), Unauthenticated("x"), CloudTimeout("x"),
+                Internal("internal error: RuntimeError", error_id="abc")):
         assert not is_retryable(err)
 
 

@@ -1,0 +1,129 @@
+"""What runs before a REST route sees a body: the key, the size, and a bounded JSON parse.
+
+Order for every request: `KeyFirst` (401 on /v1/ without a valid key, before a byte of the body
+is read) -> `BodyLimit` (413 past max_body_bytes, declared or streamed) -> `CheckedRoute`'s JSON
+parse, which refuses with 422 `invalid_argument` what is not strict UTF-8 JSON (invalid bytes,
+lone surrogates, nesting deeper than the parser's limit, syntax errors) and a body with more
+objects than a verify round can carry (counted as `{` bytes before parsing, so a body of a million
+tiny objects costs a byte scan, not a parse). Pydantic then checks types and list lengths.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import pydantic_core
+from fastapi import Request, Response
+from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from cloud.guards import bearer_key
+from shared.errors import InvalidArgument, PayloadTooLarge, SpecSplitError
+
+# JSON objects a body may hold beyond max_k (the root, sampling_cfg, and slack for braces in strings)
+OBJECT_SLACK = 64
+
+
+def error_response(err: SpecSplitError) -> JSONResponse:
+    """The one SpecSplitError -> REST answer: its status, its body, Retry-After when it has one."""
+    headers = {"Retry-After": str(err.retry_after_s)} if err.retry_after_s is not None else None
+    return JSONResponse(err.to_body(), status_code=err.http_status, headers=headers)
+
+
+class BodyRejected(HTTPException):
+    """A body that is not acceptable JSON: answered 422 invalid_argument (`as_error`). An HTTPException,
+    so that FastAPI passes it on as it is instead of turning it into a 400."""
+
+    def __init__(self, reason: str, kind: str) -> None:
+        super().__init__(status_code=422, detail=f"malformed body: {reason}")
+        self.reason, self.kind = reason, kind
+
+    def as_error(self) -> InvalidArgument:
+        return InvalidArgument(str(self.detail), problems=[{"loc": ["body"], "msg": self.reason, "type": self.kind}])
+
+
+def parse_json_body(body: bytes, max_objects: int) -> Any:
+    """Strict JSON (NaN / Infinity allowed: the checks downstream name them); BodyRejected otherwise."""
+    objects = body.count(b"{")
+    if objects > max_objects:
+        raise BodyRejected(f"{objects} JSON objects, more than a request carries ({max_objects})", "too_many_objects")
+    try:
+        return pydantic_core.from_json(body)
+    except ValueError as e:
+        raise BodyRejected(f"not valid UTF-8 JSON: {e}", "json_invalid") from None
+
+
+class CheckedRequest(Request):
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            self._json = parse_json_body(await self.body(), int(self.app.state.max_json_objects))
+        return self._json
+
+
+class CheckedRoute(APIRoute):
+    """A FastAPI route whose JSON body is parsed by `parse_json_body`."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def checked(request: Request) -> Response:
+            return await handler(CheckedRequest(request.scope, request.receive))
+
+        return checked
+
+
+class KeyFirst:
+    """ASGI middleware: /v1/ requests without a valid key get 401 before their body is read."""
+
+    def __init__(self, app: ASGIApp, authenticate: Callable[[str | None], str], on_error: Callable[[str], None]
+                 ) -> None:
+        self.app, self.authenticate, self.on_error = app, authenticate, on_error
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            try:
+                self.authenticate(bearer_key(header))
+            except SpecSplitError as err:
+                self.on_error(err.code)
+                return await error_response(err)(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+class BodyLimit:
+    """ASGI middleware: 413 for a body over `max_bytes` (declared or streamed)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, on_error: Callable[[str], None]) -> None:
+        self.app, self.max_bytes, self.on_error = app, max_bytes, on_error
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        err = PayloadTooLarge(f"request body exceeds max_body_bytes = {self.max_bytes}")
+        declared = dict(scope["headers"]).get(b"content-length")
+        too_big = declared is not None and declared.isdigit() and int(declared) > self.max_bytes
+        chunks: list[bytes] = []
+        seen, more = 0, not too_big
+        while more and not too_big:  # buffer the body (at most max_bytes) so a stream is limited too
+            msg = await receive()
+            if msg["type"] != "http.request":
+                return
+            chunks.append(msg.get("body", b""))
+            seen += len(chunks[-1])
+            more, too_big = msg.get("more_body", False), seen > self.max_bytes
+        if too_big:
+            self.on_error(err.code)
+            return await error_response(err)(scope, receive, send)
+        body, sent = b"".join(chunks), False
+
+        async def replay() -> Message:
+            nonlocal sent
+            if sent:
+                return await receive()
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)

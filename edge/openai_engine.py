@@ -1,0 +1,209 @@
+"""Runs the OpenAI server's generations: each in a thread of its own, each its own cloud session.
+
+A request becomes a `TextRequest` (prompt ids, budget, sampling, seed, stop sequences). `start()`
+runs it on a worker thread with a per-request EdgeClient: its own transport (so its traffic and
+cloud calls are its own), its own drafter state over the shared draft weights (shared_draft.py),
+the shared tokenizer and the cloud's model info fetched once. The thread hands `TextDelta`s and one
+final `Finished` (or the error) to the event loop. `GenerationStream.cancel()` (the client went
+away, or a stop sequence matched) ends the generation at the next committed token; closing the
+generation closes its cloud session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from shared.config import SamplingConfig
+from shared.errors import SpecSplitError
+
+from .client import EdgeClient
+from .metrics import EdgeMetrics
+from .prom import EdgePrometheus
+from .settings import EdgeSettings
+from .shared_draft import LockedDrafter, LockedTokenizer, SharedDraftModel
+from .stop_text import StopText
+from .transport import ModelInfo, make_transport
+
+log = logging.getLogger(__name__)
+
+FinishReason = Literal["stop", "length"]
+
+
+class GenerationCancelled(SpecSplitError):
+    """The client went away; the generation ended early and its cloud session is closed."""
+
+    code, http_status = "cancelled", 499
+
+
+@dataclass(frozen=True)
+class TextRequest:
+    # the prompt's token ids
+    prompt_ids: list[int]
+    # most tokens to generate
+    max_tokens: int
+    sampling: SamplingConfig
+    # None: a fresh random seed
+    seed: int | None
+    # the text ends before the first of these; not returned
+    stop: tuple[str, ...] = ()
+    # "completions" | "chat" (a metrics label)
+    endpoint: str = "completions"
+
+
+@dataclass
+class TextDelta:
+    # newly final text
+    text: str
+
+
+@dataclass
+class Finished:
+    # "stop" (end of text or a stop sequence) or "length" (max_tokens or the context is full)
+    finish_reason: FinishReason
+    # the generated text (stop sequence excluded)
+    text: str
+    prompt_tokens: int
+    # tokens generated up to the end (the one completing a stop sequence included)
+    completion_tokens: int
+    metrics: EdgeMetrics
+    # seconds this generation waited for the shared draft model
+    draft_wait_s: float = 0.0
+
+    def specsplit(self) -> dict[str, object]:
+        """The `specsplit` extension object of a response."""
+        m = self.metrics
+        return {"rounds": m.rounds, "acceptance_rate": round(m.acceptance_rate, 6),
+                "tokens_per_cloud_call": round(m.tokens_per_call, 6), "cloud_calls": m.cloud_calls,
+                "drafted": m.drafted, "accepted": m.accepted,
+                "tokens_by_origin": {k: v for k, v in m.by_origin.items() if v},
+                "local_commits": m.local_commits}
+
+
+Event = TextDelta | Finished | SpecSplitError
+
+
+@dataclass
+class GenerationStream:
+    """The events of one running generation, consumed on the event loop."""
+
+    queue: asyncio.Queue[Event]
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    async def events(self) -> AsyncIterator[Event]:
+        while True:
+            event = await self.queue.get()
+            yield event
+            if not isinstance(event, TextDelta):
+                return
+
+
+class OpenAIEngine:
+    """Shared parts (settings, draft weights, tokenizer, cloud model info, metrics) and the runner."""
+
+    def __init__(self, settings: EdgeSettings, draft: SharedDraftModel, tokenizer: LockedTokenizer,
+                 prometheus: EdgePrometheus | None = None) -> None:
+        self.settings = settings
+        self.draft = draft
+        self.tokenizer = tokenizer
+        self.prometheus = prometheus or EdgePrometheus.create()
+        self._info: ModelInfo | None = None
+        self._info_lock = threading.Lock()
+
+    def new_client(self) -> EdgeClient:
+        s = self.settings
+        key = s.api_key.get_secret_value() if s.api_key else None
+        return EdgeClient(s, transport=make_transport(s.cloud_url, s.grpc_target, key),
+                          drafter=self.draft.for_generation(), tokenizer=self.tokenizer, model_info=self._info)
+
+    def model_info(self) -> ModelInfo:
+        """The cloud's model, asked for once (with the client's retries)."""
+        with self._info_lock:
+            if self._info is None:
+                client = EdgeClient(self.settings, tokenizer=self.tokenizer)
+                try:
+                    self._info = client.model_info()
+                finally:
+                    client.close()
+            return self._info
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        if not ids:  # an empty prompt starts from the end-of-text token, as the edge client does
+            ids = [int(self.tokenizer.eos_token_id or 0)]
+        return ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def start(self, req: TextRequest) -> GenerationStream:
+        loop = asyncio.get_running_loop()
+        stream = GenerationStream(asyncio.Queue())
+
+        def emit(event: Event) -> None:
+            loop.call_soon_threadsafe(stream.queue.put_nowait, event)
+
+        threading.Thread(target=self._run, args=(req, stream.cancelled, emit), daemon=True,
+                         name="specsplit-generation").start()
+        return stream
+
+    def _run(self, req: TextRequest, cancelled: threading.Event, emit: Callable[[Event], None]) -> None:
+        self.prometheus.active.inc()
+        finish = "error"
+        try:
+            done = self._generate(req, cancelled, emit)
+            finish = "cancelled" if done is None else done.finish_reason
+            if done is None:  # ends the event stream of a response that may still be waiting
+                emit(GenerationCancelled("the generation was cancelled: its client went away"))
+        except SpecSplitError as e:
+            emit(e)
+        except Exception as e:  # a bug must still end the response, not hang it
+            log.exception("generation failed")
+            emit(SpecSplitError(f"internal error: {type(e).__name__}: {e}"))
+        finally:
+            self.prometheus.active.dec()
+            self.prometheus.generations.labels(req.endpoint, finish).inc()
+
+    def _generate(self, req: TextRequest, cancelled: threading.Event,
+                  emit: Callable[[Event], None]) -> Finished | None:
+        seed = secrets.randbelow(2**31) if req.seed is None else req.seed
+        if self._info is None:
+            self.model_info()
+        client = self.new_client()
+        eos = set(self._info.eos_ids if self._info and self._info.eos_ids else [self.tokenizer.eos_token_id])
+        text = StopText(req.stop, self.decode)
+        gen = client.stream(req.prompt_ids, max_new_tokens=req.max_tokens, seed=seed, sampling=req.sampling)
+        n, last = 0, None
+        try:
+            for tok in gen:
+                n, last = n + 1, tok.token_id
+                delta = text.add(tok.token_id)
+                if delta:
+                    emit(TextDelta(delta))
+                if text.stopped or cancelled.is_set():
+                    break
+        finally:
+            gen.close()  # ends the generation: its cloud session is closed
+            client.close()
+            result = gen.result()
+            drafter = client.drafter
+            wait_s = drafter.wait_s if isinstance(drafter, LockedDrafter) else 0.0
+            self.prometheus.record(result.metrics, wait_s)
+        if cancelled.is_set() and not text.stopped:
+            return None
+        rest = text.flush()
+        if rest:
+            emit(TextDelta(rest))
+        stopped = text.stopped or (last in eos and self.settings.stop_at_eos)
+        done = Finished("stop" if stopped else "length", text.final_text, len(req.prompt_ids), n, result.metrics,
+                        wait_s)
+        emit(done)
+        return done

@@ -1,0 +1,46 @@
+"""Errors of the OpenAI-compatible routes, in OpenAI's body: {"error": {"message", "type", "param", "code"}}.
+
+The project's own errors map to an HTTP status and an OpenAI error type here, in one place: a bad
+request (ours or one the cloud refused as invalid) is 400 `invalid_request_error`; a cloud that
+is over capacity is 429; a cloud that cannot be reached or answers too late is 503; the rest 500.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shared.errors import InvalidArgument, PayloadTooLarge, ResourceExhausted, SpecSplitError, Unavailable
+
+from .transport.errors import CloudTimeout, CloudUnavailable
+
+
+class OpenAIError(Exception):
+    """status: the HTTP status; type: "invalid_request_error", "not_found_error", "rate_limit_error",
+    "service_unavailable" or "server_error"; param: the request field at fault, or None; code: a
+    machine-readable detail ("unsupported_parameter", "model_not_found", ...), or None."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def to_body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def invalid(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
+    """A 400 invalid_request_error."""
+    return OpenAIError(400, message, "invalid_request_error", param, code)
+
+
+def from_specsplit(err: SpecSplitError) -> OpenAIError:
+    """The OpenAI answer for one of the project's errors."""
+    if isinstance(err, (InvalidArgument, PayloadTooLarge)):
+        return OpenAIError(400, err.message, "invalid_request_error", None, err.code)
+    if isinstance(err, ResourceExhausted):
+        return OpenAIError(429, f"the cloud verifier is over capacity: {err.message}", "rate_limit_error",
+                           None, err.code)
+    if isinstance(err, (CloudUnavailable, CloudTimeout, Unavailable)):
+        return OpenAIError(503, f"the cloud verifier is unavailable: {err.message}", "service_unavailable",
+                           None, err.code)
+    return OpenAIError(500, f"generation failed: {err.code}: {err.message}", "server_error", None, err.code)

@@ -1,0 +1,34 @@
+"""Which tokenizer a model speaks: a fingerprint both sides compare before a session.
+
+The fingerprint is the first 16 hex digits of SHA-256 over the vocabulary (every token string
+with its id, added tokens included) and the special tokens with their ids. Two tokenizers with
+the same fingerprint map every id to the same string, which is what the draft and the target
+must share for their ids to mean the same text.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    vocab = sorted((int(i), str(t)) for t, i in tokenizer.get_vocab().items())
+    special = sorted((str(t), int(tokenizer.convert_tokens_to_ids(t))) for t in tokenizer.all_special_tokens)
+    blob = json.dumps({"vocab": vocab, "special": special}, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """The tokenizer stored in `path`; UnsupportedModel (a ValueError) with one line when there is none."""
+    from transformers import AutoTokenizer
+
+    from shared.kvpool import UnsupportedModel
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UnsupportedModel(f"no usable tokenizer in {path}: {first}") from None

@@ -1,0 +1,39 @@
+"""`specsplit-edge serve` flags and `generate --chat`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from edge.chat import NoChatTemplate
+from edge.cli import build_parser, chat_prompt, settings_from_args
+
+
+def test_serve_takes_the_edge_options_and_its_own_but_not_per_request_sampling() -> None:
+    args = build_parser().parse_args(["serve", "--cloud", "http://c:1", "--draft", "ngram", "--k", "5",
+                                      "--no-timeout-fallback", "--chat-template", "t.jinja", "--port", "9000",
+                                      "--served-model-name", "mine"])
+    s = settings_from_args(args)
+    assert (s.cloud_url, s.draft, s.fixed_k, s.timeout_fallback) == ("http://c:1", "ngram", 5, False)
+    assert (args.host, args.port, args.chat_template, args.served_model_name) == ("127.0.0.1", 9000, "t.jinja",
+                                                                                   "mine")
+    with pytest.raises(SystemExit):  # temperature and the rest come with each request
+        build_parser().parse_args(["serve", "--temperature", "0"])
+
+
+class _Client:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+
+def test_generate_chat_sends_the_prompt_through_the_template(tiny_tokenizer: Any, tmp_path: Path) -> None:
+    path = tmp_path / "t.jinja"
+    path.write_text("<|{{ messages[0].role }}|>{{ messages[0].content }}<|assistant|>")
+    args = build_parser().parse_args(["generate", "hello there", "--chat", "--chat-template", str(path)])
+    ids = chat_prompt(_Client(tiny_tokenizer), args)  # type: ignore[arg-type]
+    assert ids == tiny_tokenizer.encode("<|user|>hello there<|assistant|>", add_special_tokens=False)
+    no_template = build_parser().parse_args(["generate", "hi", "--chat"])
+    with pytest.raises(NoChatTemplate, match="--chat-template"):
+        chat_prompt(_Client(tiny_tokenizer), no_template)  # type: ignore[arg-type]
