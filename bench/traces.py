@@ -191,6 +191,12 @@ class RecordingTransport:
             answer_ctx_hash=resp.ctx_hash))
         return resp
 
+    def routed(self, route_key: str) -> RecordingTransport:
+        """A view sending the generation's routing key that still records into `rounds`."""
+        view = RecordingTransport(self.inner.routed(route_key))
+        view.rounds = self.rounds
+        return view
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 

@@ -1,7 +1,10 @@
 """One process, one asyncio loop: uvicorn (REST) and grpc.aio (gRPC) over the same service.
 
-SIGTERM / SIGINT: readiness goes false (REST /readyz 503, gRPC health NOT_SERVING), gRPC drains
-for `shutdown_grace_s`, uvicorn finishes its in-flight requests, the model worker stops.
+SIGTERM / SIGINT start a graceful drain (`drain`): readiness goes false (REST /readyz 503, gRPC
+health NOT_SERVING), new sessions are refused with 503 / UNAVAILABLE and `Retry-After`, while
+verify, get and close are still served. The process waits up to `shutdown_grace_s` for its open
+sessions to close and its rounds to finish (a second signal cuts the wait short), then both servers
+stop, giving calls still in flight `ROUND_FINISH_S` to complete, and the model worker stops.
 """
 
 from __future__ import annotations
@@ -14,12 +17,17 @@ from collections.abc import Iterator
 
 import uvicorn
 from grpc_health.v1 import health_pb2
+from grpc_health.v1.health import aio as health_aio
 
 from cloud.grpc_server import SERVICE_NAME, start_grpc
 from cloud.rest import create_app
 from cloud.service import VerifierService
 
 log = logging.getLogger(__name__)
+# seconds the servers give calls still in flight once the drain is over (a verify round is far shorter)
+ROUND_FINISH_S = 1
+# how often the drain looks at the open sessions and the model queue
+DRAIN_POLL_S = 0.05
 
 
 class _Uvicorn(uvicorn.Server):
@@ -28,17 +36,43 @@ class _Uvicorn(uvicorn.Server):
         yield  # serve() owns the signals, so gRPC drains too before the process exits
 
 
+async def drain(service: VerifierService, health: health_aio.HealthServicer, grace_s: float,
+                hurry: asyncio.Event) -> None:
+    """Stop taking new work, then wait up to `grace_s` (or until `hurry`) for open sessions to close
+    and admitted rounds to finish; verify keeps being served meanwhile."""
+    service.ready = False
+    service.draining = True
+    for name in ("", SERVICE_NAME):
+        await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + grace_s
+    log.info("draining", extra={"fields": {"event": "drain", "open_sessions": len(service.store),
+                                           "grace_s": grace_s}})
+    while loop.time() < deadline and not hurry.is_set():
+        if len(service.store) == 0 and service.worker.depth == 0:
+            break
+        await asyncio.sleep(DRAIN_POLL_S)
+    log.info("drained", extra={"fields": {"event": "drained", "open_sessions": len(service.store),
+                                          "queue_depth": service.worker.depth}})
+
+
 async def serve(service: VerifierService) -> None:
     st = service.settings
     grpc_server, grpc_port, health = await start_grpc(service, st.host, st.grpc_port)
     cfg = uvicorn.Config(create_app(service), host=st.host, port=st.http_port, log_config=None,
-                         access_log=False, lifespan="off", timeout_graceful_shutdown=max(1, int(st.shutdown_grace_s)),
+                         access_log=False, lifespan="off", timeout_graceful_shutdown=ROUND_FINISH_S,
                          limit_concurrency=st.max_connections)
     http = _Uvicorn(cfg)
-    stop = asyncio.Event()
+    stop, hurry = asyncio.Event(), asyncio.Event()
+
+    def on_signal() -> None:
+        if stop.is_set():
+            hurry.set()  # a second signal: stop waiting for sessions
+        stop.set()
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     http_task = asyncio.create_task(http.serve())
     sweeper = asyncio.create_task(service.sweep_forever())
     stopper = asyncio.create_task(stop.wait())
@@ -51,11 +85,10 @@ async def serve(service: VerifierService) -> None:
                                               "auth": bool(st.api_keys)}})
     await asyncio.wait({http_task, stopper}, return_when=asyncio.FIRST_COMPLETED)
     log.info("shutting down", extra={"fields": {"event": "shutdown"}})
-    service.ready = False
-    for name in ("", SERVICE_NAME):
-        await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    if not http_task.done():
+        await drain(service, health, st.shutdown_grace_s, hurry)
     http.should_exit = True
-    await grpc_server.stop(st.shutdown_grace_s)
+    await grpc_server.stop(ROUND_FINISH_S)
     with contextlib.suppress(asyncio.CancelledError):
         await http_task
     for t in (sweeper, stopper):

@@ -37,7 +37,7 @@ from cloud.session import Context, Session
 from cloud.settings import CloudSettings
 from cloud.store import CLOSED, SessionStore
 from shared.config import SamplingConfig
-from shared.errors import InvalidArgument, Unauthenticated
+from shared.errors import InvalidArgument, NotFound, Unauthenticated, Unavailable
 from shared.kvpool import Row
 from shared.protocol import OpenSessionRequest, SessionInfo, VerifyRequest, VerifyResponse
 
@@ -92,6 +92,8 @@ class VerifierService:
                                 on_batch=self._batched)
         self._keys = settings.api_key_values()
         self.ready = True
+        # set at SIGTERM (cloud.app.drain): new sessions and generations are refused, verify is still served
+        self.draining = False
 
     @classmethod
     def load(cls, settings: CloudSettings, **kw) -> VerifierService:  # type: ignore[no-untyped-def]
@@ -119,6 +121,7 @@ class VerifierService:
         check_ids(ids, self.info.vocab_size, "prompt_ids")
 
     async def open_session(self, req: OpenSessionRequest, owner: str) -> SessionInfo:
+        self._refuse_when_draining("sessions")
         self._check_prompt(req.prompt_ids)
         if req.correction not in CORRECTIONS:
             raise InvalidArgument(f"correction must be 'strict' or 'shortcut', not {req.correction!r}")
@@ -157,6 +160,10 @@ class VerifierService:
                                                      "prompt_len": len(req.prompt_ids), "prefill_ms": round(ms, 3)}})
         return self._info(s)
 
+    def _refuse_when_draining(self, what: str) -> None:
+        if self.draining:
+            raise Unavailable(f"this replica is shutting down and takes no new {what}: retry (elsewhere)")
+
     def _prefill_job(self, pre: Prefill) -> Job[float]:
         """KV of a prompt's S[:-1], in chunks; the result is the forward time (ms) summed over chunks."""
         spent = [0.0]
@@ -188,10 +195,22 @@ class VerifierService:
                            counters=s.describe(self.clock()) if counters else {})
 
     def get_session(self, ctx_id: str, owner: str) -> SessionInfo:
-        return self._info(self.store.get(ctx_id, owner), counters=True)
+        return self._info(self._session(ctx_id, owner), counters=True)
 
     def close_session(self, ctx_id: str, owner: str) -> None:
+        self._session(ctx_id, owner)
         self.store.close(ctx_id, owner)
+
+    def _session(self, ctx_id: str, owner: str) -> Session:
+        """The session; while draining, one this replica does not hold is Unavailable (503), not NotFound:
+        it may live on another replica, where a load balancer sends the call next."""
+        try:
+            return self.store.get(ctx_id, owner)
+        except NotFound:
+            if self.draining:
+                raise Unavailable(f"this replica is shutting down and holds no session {ctx_id!r}: retry "
+                                  "(elsewhere)") from None
+            raise
 
     def _removed(self, s: Session, reason: str) -> None:
         slot, s.slot = s.slot, None
@@ -203,7 +222,7 @@ class VerifierService:
     # --- verify -------------------------------------------------------------------------------
     async def verify(self, req: VerifyRequest, owner: str, declared_k: int,
                      sampling_cfg: SamplingConfig | None = None) -> VerifyResponse:
-        s = self.store.get(req.ctx_id, owner)
+        s = self._session(req.ctx_id, owner)
         q_dense = check_request(req, declared_k, self.limits, s.sampling_cfg, sampling_cfg)
         k = len(req.draft.draft_tokens)
         with self.worker.admit():
@@ -276,6 +295,7 @@ class VerifierService:
     # --- target-only generation -----------------------------------------------------------------
     def start_generate(self, req: GenerateRequest, owner: str) -> AsyncIterator[GenerateEvent]:
         """Check the request now (errors before any output), then stream tokens as they come."""
+        self._refuse_when_draining("generations")
         self._check_prompt(req.prompt_ids)
         if not 0 <= req.max_new_tokens <= self.settings.max_generate_tokens:
             raise InvalidArgument(f"max_new_tokens must be in [0, {self.settings.max_generate_tokens}]")

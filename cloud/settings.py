@@ -70,7 +70,7 @@ class CloudSettings(BaseSettings):
     # REST connections and requests at once (uvicorn limit_concurrency); beyond it new requests get a
     # plain 503. Bounds what slow or idle connections can hold; put a proxy with header timeouts in front
     max_connections: int = Field(default=512, ge=1)
-    # seconds given to in-flight calls at shutdown
+    # at SIGTERM, the drain waits at most this long (seconds) for open sessions to close and rounds to finish
     shutdown_grace_s: float = Field(default=2.0, ge=0)
     # logging level of the process
     log_level: Literal["debug", "info", "warning", "error"] = "info"

@@ -2,14 +2,15 @@
 
     specsplit-edge generate PROMPT --cloud http://127.0.0.1:8000 [--grpc 127.0.0.1:50051]
         --draft DIR|ngram --mode speculative|edge_only|cloud_only --max-new-tokens N
-        --temperature T --top-p P --top-k K --repetition-penalty R --seed S [--json] [--log FILE.jsonl]
-        [--chat [--chat-template FILE]]
+        --temperature T --top-p P --top-k K --repetition-penalty R --seed S [--route-key KEY]
+        [--json] [--log FILE.jsonl] [--chat [--chat-template FILE]]
     specsplit-edge serve --cloud URL --draft DIR|ngram [--chat-template FILE] [--served-model-name NAME]
         --host 127.0.0.1 --port 8001      (an OpenAI-compatible server: see docs/OPENAI.md)
 
 Defaults (EdgeSettings, overridable by SPECSPLIT_EDGE_* variables): --draft models/demo-draft when
 present (else ngram), temperature 1.0, top-p 0.9, top-k 0 (off), repetition penalty 1.1, seed 0,
-128 new tokens, dynamic k (start 6, range [3, 12]), gating off, 400 ms verify timeout.
+128 new tokens, dynamic k (start 6, range [3, 12]), gating off, 400 ms verify timeout, a random
+routing key (X-Specsplit-Route) per run.
 
 Text streams to stdout as tokens are committed; on a terminal each token is coloured by origin
 (green accepted draft, yellow correction, cyan bonus, magenta residual, red local/unverified).
@@ -46,7 +47,7 @@ _FLAGS: dict[str, str] = {"cloud": "cloud_url", "grpc": "grpc_target", "api_key"
                           "k_max": "k_max", "gating": "gating", "timeout_ms": "timeout_ms",
                           "timeout_fallback": "timeout_fallback", "ngram_order": "ngram_order",
                           "filler_top_k": "filler_top_k", "device": "device", "r_hard": "r_hard",
-                          "hybrid": "hybrid"}
+                          "hybrid": "hybrid", "route_key": "route_key"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cloud", help="cloud REST base URL (default http://127.0.0.1:8000)")
     g.add_argument("--grpc", help="cloud gRPC HOST:PORT (verification over gRPC instead of REST)")
     g.add_argument("--api-key", help="Bearer key for the cloud")
+    g.add_argument("--route-key", help="routing key sent as X-Specsplit-Route (default: a random one per run); "
+                                       "a load balancer hashing on it keeps the session on one replica")
     g.add_argument("--draft", help="draft model directory or 'ngram'")
     g.add_argument("--tokenizer", help="tokenizer directory (default: the draft's, or models/demo-*)")
     g.add_argument("--mode", choices=["speculative", "edge_only", "cloud_only"])

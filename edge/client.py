@@ -23,7 +23,7 @@ from .pairing import check_pairing
 from .round_control import KController
 from .settings import EdgeSettings, Mode
 from .speculative import RecoveryPolicy, SessionParams, SpeculativeRun, check_vocab
-from .transport.base import ModelInfo, Transport
+from .transport.base import ModelInfo, Transport, check_route_key, new_route_key
 from .transport.errors import CloudTimeout, is_retryable, retry_delay
 
 T = TypeVar("T")
@@ -45,10 +45,13 @@ class GenerationResult:
     mode: str = "speculative"
     # why it ended: "length" (max_new_tokens), "eos", or "context" (the model's context is full)
     stop_reason: str = ""
+    # the routing key every cloud call of this generation carried (X-Specsplit-Route)
+    route_key: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return {"text": self.text, "token_ids": self.token_ids, "prompt_ids": self.prompt_ids,
                 "origins": [t.origin for t in self.tokens], "mode": self.mode, "stop_reason": self.stop_reason,
+                "route_key": self.route_key,
                 "rounds": [r.to_dict() for r in self.rounds], "metrics": self.metrics.to_dict()}
 
 
@@ -104,6 +107,8 @@ class _Job:
     mode: Mode
     max_new_tokens: int
     params: SessionParams
+    # routing key of the generation: the same on every call, across reopens and retries
+    route_key: str
     metrics: EdgeMetrics = field(default_factory=EdgeMetrics)
     rounds: list[RoundRecord] = field(default_factory=list)
     started: float = 0.0
@@ -204,14 +209,18 @@ class EdgeClient:
     # -- generation -----------------------------------------------------------------------------
 
     def stream(self, prompt: str | Sequence[int], *, max_new_tokens: int | None = None, seed: int | None = None,
-               sampling: SamplingConfig | None = None, mode: Mode | None = None) -> Generation:
+               sampling: SamplingConfig | None = None, mode: Mode | None = None,
+               route_key: str | None = None) -> Generation:
+        """Start a generation. `route_key` (default: the settings', else a fresh random key) goes with
+        every cloud call of it, so a load balancer hashing on it keeps the session on one replica."""
         s = self.settings
         prompt_ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if not prompt_ids:
             raise InvalidArgument("the prompt has no tokens")
         params = SessionParams(sampling=sampling or s.sampling(), seed=s.seed if seed is None else seed,
                                correction=s.correction, send_q_dists=s.send_q_dists)
-        job = _Job(prompt_ids, mode or s.mode, s.max_new_tokens if max_new_tokens is None else max_new_tokens, params)
+        n_new = s.max_new_tokens if max_new_tokens is None else max_new_tokens
+        job = _Job(prompt_ids, mode or s.mode, n_new, params, check_route_key(route_key or s.route_key or new_route_key()))
         if job.mode != "cloud_only":  # load the draft model before the clock starts
             _ = self.drafter
         return Generation(self._run(job), lambda toks: self._finish(job, toks))
@@ -243,7 +252,8 @@ class EdgeClient:
     def _finish(self, job: _Job, tokens: list[CommittedToken]) -> GenerationResult:
         ids = [t.token_id for t in tokens]
         return GenerationResult(text=self.decode(ids), token_ids=ids, prompt_ids=job.prompt_ids, tokens=tokens,
-                                rounds=job.rounds, metrics=job.metrics, mode=job.mode, stop_reason=job.stop_reason)
+                                rounds=job.rounds, metrics=job.metrics, mode=job.mode, stop_reason=job.stop_reason,
+                                route_key=job.route_key)
 
     def _eos_ids(self, mode: Mode) -> list[int]:
         """The target's end-of-sequence ids (the tokenizer's in edge_only mode)."""
@@ -278,7 +288,8 @@ class EdgeClient:
         if s.gating:
             gate = GateThresholds(t_nll=s.t_nll, t_entropy_bits=s.t_entropy_bits, t_margin=s.t_margin,
                                   t_mc_var=s.t_mc_var, r_hard=s.r_hard)
-        run = SpeculativeRun(self.transport, drafter, job.params, self._k_controller(), job.metrics, self._policy(),
+        transport = self.transport.routed(job.route_key)
+        run = SpeculativeRun(transport, drafter, job.params, self._k_controller(), job.metrics, self._policy(),
                              gate=gate, rule_triggers=s.rule_triggers, detokenize=self.decode if gate else None,
                              clock=self.clock, sleep=self.sleep)
         job.rounds = run.records
@@ -328,7 +339,7 @@ class EdgeClient:
                 yield CommittedToken(tok, "local", job.metrics.rounds - 1)
 
     def _cloud_only(self, job: _Job) -> Generator[CommittedToken, None, None]:
-        transport = self.transport
+        transport = self.transport.routed(job.route_key)
         if not transport.supports_generate:
             s0 = replace(job.params, send_q_dists=False)
             job.params = s0

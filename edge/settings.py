@@ -34,6 +34,9 @@ class EdgeSettings(BaseSettings):
     grpc_target: str | None = None
     # Bearer key sent to the cloud (REST Authorization header, gRPC metadata)
     api_key: SecretStr | None = None
+    # routing key sent with every call (X-Specsplit-Route); unset = a fresh random key per generation.
+    # Load balancers hash on it; a fixed key pins every generation of this client to one replica
+    route_key: str | None = Field(default=None, pattern=r"^[A-Za-z0-9._~-]{1,128}$")
     # a Hugging Face causal-LM directory, or "ngram" for the n-gram drafter
     draft: str = Field(default_factory=default_draft)
     # tokenizer directory; default: the draft directory, else models/demo-draft / demo-target

@@ -4,4 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh dev,bench
+bash scripts/install_nginx.sh   # the replica tests run a real nginx
 exec .venv/bin/python -m pytest -q "$@"

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from .base import GenerateResult, ModelInfo, Traffic, Transport
+from .base import ROUTE_HEADER, GenerateResult, ModelInfo, Traffic, Transport, check_route_key, new_route_key
 from .errors import CloudTimeout, CloudUnavailable, error_from_grpc, error_from_http, is_retryable
 from .grpc_transport import GrpcTransport
 from .rest import RestTransport
 
-__all__ = ["CloudTimeout", "CloudUnavailable", "GenerateResult", "GrpcTransport", "ModelInfo", "RestTransport",
-           "Traffic", "Transport", "error_from_grpc", "error_from_http", "is_retryable", "make_transport"]
+__all__ = ["ROUTE_HEADER", "CloudTimeout", "CloudUnavailable", "GenerateResult", "GrpcTransport", "ModelInfo",
+           "RestTransport", "Traffic", "Transport", "check_route_key", "error_from_grpc", "error_from_http",
+           "is_retryable", "make_transport", "new_route_key"]
 
 
 def make_transport(cloud_url: str | None, grpc_target: str | None, api_key: str | None) -> Transport:

@@ -6,12 +6,34 @@ raises only `shared.errors` types (plus the edge's CloudTimeout / CloudUnavailab
 
 from __future__ import annotations
 
+import re
+import secrets
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from shared.config import SamplingConfig
+from shared.errors import InvalidArgument
 from shared.protocol import ModelInfo, OpenSessionRequest, SessionInfo, VerifyRequest, VerifyResponse
+
+# the routing key of one generation: REST header X-Specsplit-Route, gRPC metadata x-specsplit-route
+# (lower case: gRPC metadata keys are). The cloud ignores it; a load balancer hashes on it to keep
+# every call of the generation on one replica.
+ROUTE_HEADER = "x-specsplit-route"
+# what a routing key may hold: URL-safe characters, valid as an HTTP header and gRPC metadata value
+ROUTE_KEY_PATTERN = re.compile(r"[A-Za-z0-9._~-]{1,128}")
+
+
+def new_route_key() -> str:
+    """A fresh random routing key (128 bits, URL-safe): one per generation."""
+    return secrets.token_urlsafe(16)
+
+
+def check_route_key(key: str) -> str:
+    """`key` if it is a valid routing key, else InvalidArgument."""
+    if not ROUTE_KEY_PATTERN.fullmatch(key):
+        raise InvalidArgument(f"route key must be 1-128 characters of A-Z a-z 0-9 . _ ~ -, not {key!r}")
+    return key
 
 
 @dataclass
@@ -54,6 +76,11 @@ class Transport(Protocol):
     def generate_stream(self, prompt_ids: list[int], cfg: SamplingConfig, seed: int, max_new_tokens: int,
                         timeout: float) -> Iterator[int | GenerateResult]:
         """Target-only generation as it happens: each token id, then the GenerateResult."""
+        ...
+
+    def routed(self, route_key: str) -> Transport:
+        """A view sending `route_key` on every call (header / metadata ROUTE_HEADER); it shares this
+        transport's connections and `traffic`, so closing either closes both."""
         ...
 
     def close(self) -> None: ...

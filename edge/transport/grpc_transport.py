@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -20,7 +21,7 @@ from shared.protocol import (
     VerifyResponse,
 )
 
-from .base import GenerateResult, ModelInfo, Traffic
+from .base import ROUTE_HEADER, GenerateResult, ModelInfo, Traffic, check_route_key
 from .errors import CloudUnavailable, error_from_grpc
 
 
@@ -62,8 +63,14 @@ class GrpcTransport:
     def __init__(self, target: str, api_key: str | None = None) -> None:
         self._channel = grpc.insecure_channel(target)
         self._stub = pb_grpc.VerifierStub(self._channel)
-        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+        self._metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         self.traffic = Traffic()
+
+    def routed(self, route_key: str) -> GrpcTransport:
+        view = copy.copy(self)  # same channel, same Traffic
+        kept = tuple(m for m in self._metadata if m[0] != ROUTE_HEADER)
+        view._metadata = (*kept, (ROUTE_HEADER, check_route_key(route_key)))
+        return view
 
     def _call(self, rpc: Callable[..., Any], request: Any, timeout: float) -> Any:
         self.traffic.calls += 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -18,7 +19,7 @@ from shared.protocol import (
     VerifyResponse,
 )
 
-from .base import GenerateResult, ModelInfo, Traffic
+from .base import ROUTE_HEADER, GenerateResult, ModelInfo, Traffic, check_route_key
 from .errors import CloudTimeout, CloudUnavailable, error_from_body, error_from_http
 
 
@@ -63,13 +64,21 @@ class RestTransport:
             headers["authorization"] = f"Bearer {api_key}"
         self._http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers)
         self.traffic = Traffic()
+        # per-call headers of this view: the routing key (see routed())
+        self._route_headers: dict[str, str] = {}
+
+    def routed(self, route_key: str) -> RestTransport:
+        view = copy.copy(self)  # same httpx pool, same Traffic
+        view._route_headers = {ROUTE_HEADER: check_route_key(route_key)}
+        return view
 
     def _call(self, method: str, path: str, body: dict[str, Any] | None, timeout: float) -> dict[str, Any]:
         content = b"" if body is None else json.dumps(body, separators=(",", ":")).encode()
         self.traffic.calls += 1
         self.traffic.bytes_up += len(content)
         try:
-            r = self._http.request(method, path, content=content or None, timeout=timeout)
+            r = self._http.request(method, path, content=content or None, timeout=timeout,
+                                   headers=self._route_headers)
         except httpx.TimeoutException as e:
             raise CloudTimeout(f"{method} {path}: no answer within {timeout:.3f} s") from e
         except httpx.TransportError as e:
@@ -127,7 +136,8 @@ class RestTransport:
         self.traffic.bytes_up += len(content)
         ids: list[int] = []
         try:
-            with self._http.stream("POST", "/v1/generate", content=content, timeout=timeout) as r:
+            with self._http.stream("POST", "/v1/generate", content=content, timeout=timeout,
+                                   headers=self._route_headers) as r:
                 if r.status_code >= 400:
                     raise error_from_http(r.status_code, r.read(), r.headers.get("retry-after"))
                 event = "message"

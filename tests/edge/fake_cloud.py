@@ -56,6 +56,8 @@ class FakeCloud:
     calls: list[str] = field(default_factory=list)
     requests: list[VerifyRequest] = field(default_factory=list)
     supports_generate: bool = True
+    # routing keys the client asked for, one per routed() view
+    route_keys: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir).eval()
@@ -100,6 +102,10 @@ class FakeCloud:
         return self.model(input_ids=x).logits[0, -n_last:]  # [n_last, vocab]
 
     # -- Transport ------------------------------------------------------------------------------
+
+    def routed(self, route_key: str) -> FakeCloud:
+        self.route_keys.append(route_key)
+        return self
 
     def open_session(self, req: OpenSessionRequest, timeout: float) -> SessionInfo:
         f = self._enter("open")
