@@ -155,6 +155,13 @@ class Scheduler:
             self._between.append(fn)
             self._cv.notify()
 
+    def forget(self, key: str) -> None:
+        """`key` sends no more work (its session closed, its stream ended): never wait for it."""
+        def drop() -> None:
+            self._answered.pop(key, None)
+
+        self.between_batches(drop)
+
     def call_sync(self, fn: Callable[[], T]) -> T:
         """Run fn() on the model thread and wait (start-up, before the loop serves)."""
         done = threading.Event()

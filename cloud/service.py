@@ -215,6 +215,7 @@ class VerifierService:
     def _removed(self, s: Session, reason: str) -> None:
         slot, s.slot = s.slot, None
         self._release(slot)  # on the model thread, after any batch that still uses it
+        self.worker.forget(s.ctx_id)
         if reason != CLOSED:
             self.metrics.evictions.labels(reason=reason).inc()
         log.info("session removed", extra={"fields": {"event": "remove", "ctx_id": s.ctx_id, "reason": reason}})
@@ -332,6 +333,7 @@ class VerifierService:
                         reason = "context"
         finally:
             self._release(st.slot)
+            self.worker.forget(f"generate-{id(st)}")
         self.metrics.prefill_ms.observe(prefill_ms)
         yield GenerateEvent(metrics={"tokens": len(st.ids) - len(req.prompt_ids), "prefill_ms": prefill_ms,
                                      "decode_ms": decode_ms, "queue_ms": queue_ms,

@@ -43,6 +43,9 @@ CONFIGS: dict[str, Any] = {
 }
 # what the verifier and the draft can serve (rollback by position); the rest must be refused at load
 ATTENTION = ["gpt2", "llama", "qwen3", "mistral", "gemma2", "gemma3", "phi3", "gpt_neox"]
+# the end-to-end matrix over the real server: GPT-2 is the demo pair's architecture (every other e2e
+# test) and Gemma3 covers Gemma2's sliding + global layers, so they run in the in-process tests only
+SERVED = ["llama", "qwen3", "mistral", "gemma3", "phi3", "gpt_neox"]
 RECURRENT = ["jamba", "lfm2", "mamba"]
 
 

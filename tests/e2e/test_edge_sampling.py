@@ -1,7 +1,7 @@
 """Sampling through the real cloud keeps the target's exact distribution (strict correction).
 
-Test: Pearson chi-square goodness of fit of the first two generated tokens (t1, t2) over N = 3,000
-generations with seeds 0..2999, against the target's own sampling distribution
+Test: Pearson chi-square goodness of fit of the first two generated tokens (t1, t2) over N = 2,000
+generations with seeds 0..1999, against the target's own sampling distribution
 p(t1 | P) * p(t2 | P, t1), computed exactly from the target model with the shared processing
 (temperature 1, top-k 5, repetition penalty 1.3, so t2's distribution depends on t1). Cells with an
 expected count below 5 are pooled into one cell. Threshold: the test fails when the p-value is
@@ -10,7 +10,7 @@ tokens go through acceptance at positions 1 and 2, rejections at both, the resid
 from the cloud's target_dist, or cloud-drawn from the sent q_dists) and the bonus.
 
 Power: the same statistic on the biased variant (correction "shortcut": corrections drawn from p)
-must fail the same threshold, shown with N = 500 generations (a sixth of the sample: the biased
+must fail the same threshold, shown with N = 500 generations (a quarter of the sample: the biased
 variant fails even with far less data). Split residual and q_dists draw their residual with the same
 position-keyed uniform from the same distribution, so with equal seeds they give the same tokens;
 the two tests are run separately all the same, each through its own path on the wire.
@@ -34,7 +34,7 @@ from shared.config import SamplingConfig
 from shared.sampling import processed_probs
 from tests.server import CloudProcess
 
-N = 3000
+N = 2000
 N_BIASED = 500
 P_THRESHOLD = 1e-3
 MIN_EXPECTED = 5.0

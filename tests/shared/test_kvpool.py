@@ -1,7 +1,7 @@
 """The KV pool: a row's logits in a batch equal the same row run alone, and the model's own forward.
 
 Tiny random models (tests/tiny_models.py): GPT-2 (absolute positions), Llama (GQA, RoPE), Mistral
-(sliding window 8) and Gemma3 (sliding and global layers). Tolerance: 1e-4 absolute on logits of
+(sliding window 8), Gemma2 and Gemma3 (sliding and global layers). Tolerance: 1e-4 absolute on logits of
 magnitude ~2 in float32 (observed differences ~1e-6: the batch only changes summation order).
 """
 
@@ -9,19 +9,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
+from shared.hf_model import load_causal_lm
 from shared.kvpool import KVPool, Row, attention_layout
 from tests.tiny_models import build
 
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module", params=["gpt2", "llama", "mistral", "gemma3"])
+@pytest.fixture(scope="module", params=["gpt2", "llama", "mistral", "gemma2", "gemma3"])
 def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> torch.nn.Module:
     d = build(request.param, tmp_path_factory.mktemp(request.param))
     torch.set_num_threads(1)
-    return AutoModelForCausalLM.from_pretrained(d, attn_implementation="sdpa").eval()
+    return load_causal_lm(d, "cpu", torch.float32)  # sdpa, or eager where the model has no sdpa (Gemma2)
 
 
 def seqs(n: int, length: int, seed: int = 0) -> list[list[int]]:
