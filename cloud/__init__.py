@@ -1,10 +1,11 @@
 """The cloud verifier (`specsplit-cloud`): REST and gRPC over one session store and one model.
 
-Layout: settings (CloudSettings) -> model (TargetModel) -> engine (the round on a session's KV
-cache) -> store (limits, eviction) -> worker (the one model thread) -> service (what both
-transports call) -> rest / grpc_server (the boundaries) -> app (one asyncio loop) -> cli.
+Layout: settings (CloudSettings) -> model (TargetModel, every session's KV in one pool) -> engine
+(the round on a session's KV) -> store (limits, eviction) -> scheduler (the model thread and its
+continuous batching) -> service (what both transports call) -> guards (checks before parsing) ->
+rest / grpc_server (the boundaries) -> app (one asyncio loop, drain) -> cli.
 
-Behaviour beyond PROTOCOL.md, which clients may rely on:
+Behaviour beyond docs/PROTOCOL.md, which clients may rely on:
 - Replay cache: each session keeps its last `replay_cache_size` answers by request_id. A request
   whose request_id and body match a kept answer, while the session's context still contains that
   answer's result, gets the same answer again without a forward and without rolling the session
