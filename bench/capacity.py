@@ -63,7 +63,7 @@ class CapacityPlan:
     # concurrent sessions of each case
     levels: tuple[int, ...] = (1, 4, 16, 64)
     # tokens per text (each text is cut after the round that reaches it)
-    max_tokens: int = 32
+    max_tokens: int = 128
     # arm name -> extra specsplit-cloud flags (shell words)
     arms: tuple[tuple[str, str], ...] = (("batched", BATCHED_FLAGS), ("max-batch-size 1", UNBATCHED_FLAGS))
     # session count the ratios are read at, and its baseline for the latency ratio

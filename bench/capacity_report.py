@@ -197,8 +197,9 @@ def section(res: CapacityResults) -> list[str]:
         f"k, on the bench prompts; {n['traces']}): each speculative session opens a session over gRPC, sends the "
         "trace's Verify requests in order, the next one as soon as the answer is in, and closes; each cloud_only "
         "session streams the same text from `POST /v1/generate` (server-sent events; gRPC has no generate call). "
-        f"A case with n sessions runs max(n, {len(n['trace_names'])}) texts round robin over the traces, each cut "
-        f"after the round reaching {p.max_tokens} tokens, so every case covers every trace. Every answer is "
+        "In a case with n sessions every session replays the same number of texts (at least 2), one from each "
+        f"drafter's traces in turn, each cut after the round reaching {p.max_tokens} tokens, so all n sessions stay "
+        "busy to the end and the case covers every trace. Every answer is "
         "compared with the recording (greedy answers do not depend on who shares a forward): *answers ≠ "
         "recording* counts rounds (speculative) or texts (cloud_only) that differ.", "",
         "Tokens per cloud CPU-s = tokens / CPU time of the cloud process (what one fully busy core turns out); "

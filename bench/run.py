@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the cloud's dtype in the capacity section")
     p.add_argument("--capacity-levels", default=None,
                    help="concurrent sessions of the capacity cases, comma-separated (default 1,4,16,64)")
-    p.add_argument("--capacity-tokens", type=int, default=None, help="tokens per capacity text (default 32)")
+    p.add_argument("--capacity-tokens", type=int, default=None, help="tokens per capacity text (default 128)")
     p.add_argument("--capacity-batched-flags", default=None,
                    help=f"specsplit-cloud flags of the batching arm (default '{BATCHED_FLAGS}'; '' = none)")
     p.add_argument("--capacity-unbatched-flags", default=None,
