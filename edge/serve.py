@@ -29,9 +29,9 @@ class ServeArgs:
 
 
 def build_app(settings: EdgeSettings, args: ServeArgs) -> FastAPI:
-    from transformers import AutoTokenizer
+    from shared.tokenizer_id import load_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer_dir())
+    tokenizer = load_tokenizer(settings.tokenizer_dir())  # one-line error when the directory has none
     template = load_chat_template(args.chat_template_file, tokenizer)
     engine = OpenAIEngine(settings, SharedDraftModel(settings), LockedTokenizer(tokenizer))
     options = ServeOptions(served_model_name=args.served_model_name, chat_template=template,
