@@ -50,8 +50,8 @@ UNBATCHED_FLAGS = "--max-batch-size 1"
 ADMISSION_FLAGS = ["--max-sessions", "256", "--max-queue-depth", "512"]
 # cloud /metrics series read before and after each case (counters and histogram sums / counts)
 COUNTERS = ("specsplit_cloud_rounds_total", "specsplit_cloud_emitted_tokens_total",
-            "specsplit_cloud_generated_tokens_total", "specsplit_cloud_prefill_ms_count",
-            "specsplit_cloud_prefill_ms_sum", "specsplit_cloud_batch_size_sum", "specsplit_cloud_batch_size_count",
+            "specsplit_cloud_generated_tokens_total", "specsplit_cloud_target_forward_seconds_count",
+            "specsplit_cloud_target_forward_seconds_sum", "specsplit_cloud_batch_size_sum", "specsplit_cloud_batch_size_count",
             "specsplit_cloud_batch_tokens_sum", "specsplit_cloud_batch_tokens_count")
 KV_GAUGE = "specsplit_cloud_kv_bytes"
 # seconds between two reads of the KV gauge (each read costs the cloud a /metrics render)

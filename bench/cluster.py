@@ -50,7 +50,8 @@ SESSION_URIS_REST = ("/v1/sessions", "/v1/verify")
 SESSION_URIS_GRPC = ("/specsplit.v1.Verifier/OpenSession", "/specsplit.v1.Verifier/Verify",
                      "/specsplit.v1.Verifier/GetSession", "/specsplit.v1.Verifier/CloseSession")
 
-_LOG_FORMAT = ('{"time":"$time_iso8601","route":"$http_x_specsplit_route","method":"$request_method",'
+_LOG_FORMAT = ('{"time":"$time_iso8601","route":"$http_x_specsplit_route","request_id":"$http_x_request_id",'
+               '"method":"$request_method",'
                '"uri":"$uri","status":"$status","upstream":"$upstream_addr",'
                '"upstream_status":"$upstream_status","request_time":"$request_time"}')
 
@@ -82,6 +83,11 @@ def nginx_conf(rest_servers: Sequence[str], grpc_servers: Sequence[str], rest_li
 {chr(10).join("    " + p for p in http_paths)}
     # the cloud answers 413 itself, in its own error format, past its max_body_bytes
     client_max_body_size 64m;
+    # a client that trickles its headers or body is cut off here, before it holds a replica's connection
+    client_header_timeout 10s;
+    client_body_timeout 30s;
+    send_timeout 60s;
+    keepalive_timeout 75s;
 
 {upstream("specsplit_rest", rest_servers)}
 {upstream("specsplit_grpc", grpc_servers)}

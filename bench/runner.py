@@ -42,7 +42,7 @@ PROMPTS = Path(__file__).resolve().parent / "prompts"
 # counters of the cloud's /metrics read before and after every case
 CLOUD_COUNTERS = ("specsplit_cloud_rounds_total", "specsplit_cloud_generated_tokens_total",
                   "specsplit_cloud_drafted_tokens_total", "specsplit_cloud_accepted_tokens_total",
-                  "specsplit_cloud_prefill_ms_count", "specsplit_cloud_prefill_ms_sum")
+                  "specsplit_cloud_target_forward_seconds_count", "specsplit_cloud_target_forward_seconds_sum")
 KV_GAUGE = "specsplit_cloud_kv_bytes"
 # seconds between two reads of KV_GAUGE during a case (each read costs the cloud a /metrics render)
 KV_POLL_S = 0.1

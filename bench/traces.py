@@ -191,9 +191,9 @@ class RecordingTransport:
             answer_ctx_hash=resp.ctx_hash))
         return resp
 
-    def routed(self, route_key: str) -> RecordingTransport:
-        """A view sending the generation's routing key that still records into `rounds`."""
-        view = RecordingTransport(self.inner.routed(route_key))
+    def routed(self, route_key: str, request_id: str | None = None) -> RecordingTransport:
+        """A view sending the generation's routing key (and request id) that still records into `rounds`."""
+        view = RecordingTransport(self.inner.routed(route_key, request_id))
         view.rounds = self.rounds
         return view
 

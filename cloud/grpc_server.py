@@ -7,7 +7,8 @@ conversion, so a message of a million entries is refused at the cost of a length
 A `SpecSplitError` aborts the call with the code of `GRPC_CODES` (the one mapping), its message as
 details, the REST error body as JSON in the trailing metadata `specsplit-error` (e.g.
 `expected_ctx_len` of a 409) and, for 429 / 503 kinds, `retry-after` (seconds).
-Proto3 has no presence for scalars: an empty draft_kind reads "sampled", an empty correction
+Metadata `x-request-id` (shared/request_id.py) is checked, echoed in the initial metadata and
+carried by the log lines of the call. Proto3 has no presence for scalars: an empty draft_kind reads "sampled", an empty correction
 "strict", an unset sampling_cfg the defaults, and top_p / repetition_penalty of 0 read 1.0.
 """
 
@@ -40,6 +41,7 @@ from shared.protocol import (
     VerifyRequest,
     VerifyResponse,
 )
+from shared.request_id import CURRENT, REQUEST_ID_HEADER, check_request_id
 
 GRPC_CODES: dict[str, grpc.StatusCode] = {
     "invalid_argument": grpc.StatusCode.INVALID_ARGUMENT,
@@ -155,9 +157,16 @@ def _parsed(message_class: Any, data: bytes) -> Any:
 async def _guarded(servicer: VerifierServicer, context: grpc.aio.ServicerContext,
                    run: Callable[[], Awaitable[R]]) -> R:
     method = getattr(run, "__name__", "call")
+    token = None
     try:
+        rid = dict(context.invocation_metadata() or ()).get(REQUEST_ID_HEADER)
+        if isinstance(rid, str):  # echoed in the initial metadata, set for the log lines of this call
+            await context.send_initial_metadata(((REQUEST_ID_HEADER, check_request_id(rid)),))
+            token = CURRENT.set(rid)
         servicer._owner(context)  # the key before anything else, even the parse
-        return await run()
+        reply = await run()
+        servicer.service.count_response("grpc", 200)
+        return reply
     except SpecSplitError as err:
         await _abort(servicer, context, err)
         raise  # unreachable: abort raises
@@ -168,10 +177,14 @@ async def _guarded(servicer: VerifierServicer, context: grpc.aio.ServicerContext
         log.error("unexpected error %s in %s", crash.details["error_id"], method, exc_info=exc)
         await _abort(servicer, context, crash)
         raise
+    finally:
+        if token is not None:
+            CURRENT.reset(token)
 
 
 async def _abort(servicer: VerifierServicer, context: grpc.aio.ServicerContext, err: SpecSplitError) -> None:
     servicer.service.count_error(err.code)
+    servicer.service.count_response("grpc", err.http_status)
     trailing = [("specsplit-error", json.dumps(err.to_body()))]
     if err.retry_after_s is not None:
         trailing.append(("retry-after", str(err.retry_after_s)))

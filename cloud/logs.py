@@ -1,26 +1,16 @@
-"""JSON log lines: one object per record; `extra={"fields": {...}}` adds keys (e.g. one per round)."""
+"""The verifier's log lines: JSON lines (shared/logs.py), one object per record;
+`extra={"fields": {...}}` adds keys (e.g. one per round), and a line written while a call with an
+X-Request-Id is served carries it as `x_request_id`."""
 
 from __future__ import annotations
 
-import json
-import logging
-import sys
-
-
-class JsonFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        out = {"ts": round(record.created, 3), "level": record.levelname.lower(), "logger": record.name,
-               "msg": record.getMessage()}
-        out.update(getattr(record, "fields", None) or {})
-        if record.exc_info:
-            out["exc"] = self.formatException(record.exc_info)
-        return json.dumps(out, default=str)
+from shared.logs import JsonFormatter
+from shared.logs import setup_logging as _setup
 
 
 def setup_logging(level: str = "info") -> None:
     """Root logger -> stderr as JSON lines (the CLI calls this once)."""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter())
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())
+    _setup(level, "json")
+
+
+__all__ = ["JsonFormatter", "setup_logging"]

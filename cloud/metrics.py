@@ -1,19 +1,35 @@
 """Prometheus metrics of the verifier (GET /metrics), one documented field per series.
 
+Names follow Prometheus' conventions: base units (`_seconds`, `_bytes`), `_total` on counters
+(prometheus_client appends it), help text saying what is measured. The process's own
+`process_*` series (CPU, resident memory, open file descriptors, start time) come with them.
 Each server builds its own registry, so several servers (or tests) in one process never share
 counts. Acceptance per position i = position_accepted{position=i} / position_checked{position=i}:
-the rate at which y_i is kept once the check reaches it.
+the rate at which y_i is kept once the check reaches it. docs/PROTOCOL.md ("Metrics") lists every
+series and the names they had before.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
 from shared.verify import VerifyOutcome
 
-_MS_BUCKETS = (0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, float("inf"))
+PREFIX = "specsplit_cloud_"
+# seconds: 0.5 ms .. 10 s
+SECONDS_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, float("inf"))
+
+
+class SecondsHistogram:
+    """A `_seconds` histogram that its callers feed in milliseconds (the unit of the wire metrics)."""
+
+    def __init__(self, histogram: Histogram) -> None:
+        self.histogram = histogram
+
+    def observe(self, ms: float) -> None:
+        self.histogram.observe(ms / 1000.0)
 
 
 @dataclass
@@ -35,20 +51,25 @@ class CloudMetrics:
     position_checked: Counter
     # per draft position i: rounds that kept y_i
     position_accepted: Counter
-    # wall time of each target forward (verify rounds, session prefills, generate steps), ms
-    prefill_ms: Histogram
-    # time a request waited for the model (its session and the queue), ms
-    queue_ms: Histogram
+    # fed in ms: the target forward time of one request (a verify round's forward, a session's
+    # prompt prefill over all its chunks, a generation's prompt prefill); exported in seconds
+    prefill_ms: SecondsHistogram
+    # fed in ms: time a request waited for the model (its session and the queue); exported in seconds
+    queue_ms: SecondsHistogram
+    # fed in ms by record_round: queue wait + forward of each verify round; exported in seconds
+    verify_round_ms: SecondsHistogram
     # rows (sessions, prefills, generate streams) in each batched forward
     batch_size: Histogram
     # padded tokens (rows x longest row) in each batched forward
     batch_tokens: Histogram
-    # wall time of each batched forward, ms
-    forward_ms: Histogram
+    # fed in ms: wall time of each batched forward; exported in seconds
+    forward_ms: SecondsHistogram
     # sessions open now
     open_sessions: Gauge
     # KV cache bytes held by open sessions (their lengths x bytes per position)
     kv_bytes: Gauge
+    # the KV budget (kv_budget_bytes): sessions are evicted beyond it
+    kv_budget_bytes: Gauge
     # bytes the KV pool has allocated (slots x capacity x bytes per position)
     kv_pool_bytes: Gauge
     # model-bound requests admitted and not finished
@@ -57,43 +78,66 @@ class CloudMetrics:
     evictions: Counter
     # error answers by code (invalid_argument, not_found, ...)
     errors: Counter
+    # answers of /v1/ routes and Verifier methods, by transport ("rest" | "grpc") and HTTP status
+    # (gRPC: the status of the REST twin of its code, 200 for OK)
+    responses: Counter
     # tokens produced by POST /v1/generate
     generated: Counter
 
     @classmethod
-    def create(cls, max_k: int) -> CloudMetrics:
+    def create(cls, max_k: int, kv_budget_bytes: int = 0) -> CloudMetrics:
         r = CollectorRegistry()
-        p = "specsplit_cloud_"
-        return cls(
+        ProcessCollector(registry=r)
+        p = PREFIX
+
+        def seconds(name: str, doc: str) -> SecondsHistogram:
+            return SecondsHistogram(Histogram(p + name, doc, buckets=SECONDS_BUCKETS, registry=r))
+
+        m = cls(
             registry=r,
-            rounds=Counter(p + "rounds", "verify rounds run on the model", registry=r),
-            drafted=Counter(p + "drafted_tokens", "draft tokens received", registry=r),
-            accepted=Counter(p + "accepted_tokens", "draft tokens accepted", registry=r),
-            emitted=Counter(p + "emitted_tokens", "tokens committed by the cloud", registry=r),
-            replayed=Counter(p + "replayed_rounds", "rounds answered from the replay cache", registry=r),
-            accepted_len=Histogram(p + "accepted_length", "accepted_len per round",
+            rounds=Counter(p + "rounds", "Verify rounds run on the target model (replays excluded).", registry=r),
+            drafted=Counter(p + "drafted_tokens", "Draft tokens received for verification (sum of k).", registry=r),
+            accepted=Counter(p + "accepted_tokens", "Draft tokens the verifier accepted (sum of accepted_len).",
+                             registry=r),
+            emitted=Counter(p + "emitted_tokens", "Tokens committed by the cloud: accepted plus correction or bonus.",
+                            registry=r),
+            replayed=Counter(p + "replayed_rounds", "Verify rounds answered from a session's replay cache.",
+                             registry=r),
+            accepted_len=Histogram(p + "accepted_length", "Draft tokens accepted per verify round (accepted_len).",
                                    buckets=[*range(0, max_k + 1), float("inf")], registry=r),
-            position_checked=Counter(p + "position_checked", "rounds whose check reached draft position i",
+            position_checked=Counter(p + "position_checked", "Verify rounds whose check reached draft position i.",
                                      ["position"], registry=r),
-            position_accepted=Counter(p + "position_accepted", "rounds that kept draft position i",
-                                      ["position"], registry=r),
-            prefill_ms=Histogram(p + "prefill_ms", "target forward wall time, ms", buckets=_MS_BUCKETS,
-                                 registry=r),
-            queue_ms=Histogram(p + "queue_ms", "wait for the model, ms", buckets=_MS_BUCKETS, registry=r),
-            batch_size=Histogram(p + "batch_size", "rows per batched forward",
+            position_accepted=Counter(p + "position_accepted", "Verify rounds that kept the draft token at "
+                                      "position i.", ["position"], registry=r),
+            prefill_ms=seconds("target_forward_seconds", "Target forward time of one request: a verify round's "
+                               "forward, a session's prompt prefill (all chunks), a generation's prompt prefill."),
+            queue_ms=seconds("queue_wait_seconds", "Time a request waited for the model (its session and the "
+                             "queue) before its forward started."),
+            verify_round_ms=seconds("verify_round_seconds", "Queue wait plus target forward of each verify round "
+                                    "(the verifier's share of a round trip)."),
+            batch_size=Histogram(p + "batch_size", "Rows (sessions, prefills, generate streams) per batched forward.",
                                  buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, float("inf")), registry=r),
-            batch_tokens=Histogram(p + "batch_tokens", "padded tokens per batched forward",
+            batch_tokens=Histogram(p + "batch_tokens", "Padded tokens (rows x longest row) per batched forward.",
                                    buckets=(1, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, float("inf")),
                                    registry=r),
-            forward_ms=Histogram(p + "forward_ms", "batched forward wall time, ms", buckets=_MS_BUCKETS, registry=r),
-            open_sessions=Gauge(p + "open_sessions", "sessions open", registry=r),
-            kv_bytes=Gauge(p + "kv_bytes", "KV cache bytes held by sessions", registry=r),
-            kv_pool_bytes=Gauge(p + "kv_pool_bytes", "KV pool bytes allocated", registry=r),
-            queue_depth=Gauge(p + "queue_depth", "model-bound requests admitted", registry=r),
-            evictions=Counter(p + "evictions", "sessions evicted or expired", ["reason"], registry=r),
-            errors=Counter(p + "errors", "error answers by code", ["code"], registry=r),
-            generated=Counter(p + "generated_tokens", "tokens of POST /v1/generate", registry=r),
+            forward_ms=seconds("batch_forward_seconds", "Wall time of each batched target forward."),
+            open_sessions=Gauge(p + "open_sessions", "Sessions open now.", registry=r),
+            kv_bytes=Gauge(p + "kv_bytes", "KV cache bytes held by open sessions (their lengths x bytes per "
+                           "position).", registry=r),
+            kv_budget_bytes=Gauge(p + "kv_budget_bytes", "The KV budget (kv_budget_bytes): idle sessions are "
+                                  "evicted beyond it.", registry=r),
+            kv_pool_bytes=Gauge(p + "kv_pool_bytes", "Bytes the KV pool has allocated.", registry=r),
+            queue_depth=Gauge(p + "queue_depth", "Model-bound requests admitted and not finished.", registry=r),
+            evictions=Counter(p + "evictions", "Sessions removed other than by close, by reason (ttl, kv_budget).",
+                              ["reason"], registry=r),
+            errors=Counter(p + "errors", "Error answers by error code (invalid_argument, not_found, ...).", ["code"],
+                           registry=r),
+            responses=Counter(p + "responses", "Answers of /v1/ routes and Verifier methods by transport and "
+                              "HTTP status (gRPC: its REST twin's).", ["transport", "status"], registry=r),
+            generated=Counter(p + "generated_tokens", "Tokens produced by POST /v1/generate.", registry=r),
         )
+        m.kv_budget_bytes.set(kv_budget_bytes)
+        return m
 
     def record_round(self, out: VerifyOutcome, k: int, prefill_ms: float, queue_ms: float) -> None:
         la = out.accepted_len
@@ -108,6 +152,7 @@ class CloudMetrics:
                 self.position_accepted.labels(position=str(i)).inc()
         self.prefill_ms.observe(prefill_ms)
         self.queue_ms.observe(queue_ms)
+        self.verify_round_ms.observe(prefill_ms + queue_ms)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

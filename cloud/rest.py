@@ -23,7 +23,15 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictFloat, 
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cloud.guards import bearer_key, check_dist_sizes, check_verify_counts
-from cloud.rest_guards import OBJECT_SLACK, BodyLimit, BodyRejected, CheckedRoute, KeyFirst, error_response
+from cloud.rest_guards import (
+    OBJECT_SLACK,
+    BodyLimit,
+    BodyRejected,
+    CheckedRoute,
+    KeyFirst,
+    RequestIds,
+    error_response,
+)
 from cloud.service import GenerateEvent, GenerateRequest, VerifierService
 from shared.config import SamplingConfig
 from shared.errors import ERRORS_BY_STATUS, Internal, InvalidArgument, SpecSplitError
@@ -120,7 +128,10 @@ def create_app(service: VerifierService) -> FastAPI:
     app.router.route_class = CheckedRoute
     app.state.max_json_objects = service.settings.max_k + OBJECT_SLACK
     app.add_middleware(BodyLimit, max_bytes=service.settings.max_body_bytes, on_error=service.count_error)
-    app.add_middleware(KeyFirst, authenticate=service.authenticate, on_error=service.count_error)  # outermost
+    app.add_middleware(KeyFirst, authenticate=service.authenticate, on_error=service.count_error,
+                       protect_metrics=service.settings.metrics_auth)
+    app.add_middleware(RequestIds, on_response=lambda status: service.count_response("rest", status),
+                       on_error=service.count_error)  # outermost
 
     def owner(request: Request) -> str:
         return service.authenticate(bearer_key(request.headers.get("authorization")))

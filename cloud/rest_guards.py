@@ -1,6 +1,7 @@
 """What runs before a REST route sees a body: the key, the size, and a bounded JSON parse.
 
-Order for every request: `KeyFirst` (401 on /v1/ without a valid key, before a byte of the body
+Order for every request: `RequestIds` (the X-Request-Id: checked, echoed, set for the log lines of
+the call; answers of /v1/ routes counted by status) -> `KeyFirst` (401 on /v1/ without a valid key, before a byte of the body
 is read) -> `BodyLimit` (413 past max_body_bytes, declared or streamed) -> `CheckedRoute`'s JSON
 parse, which refuses with 422 `invalid_argument` what is not strict UTF-8 JSON (invalid bytes,
 lone surrogates, nesting deeper than the parser's limit, syntax errors) and a body with more
@@ -22,6 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cloud.guards import bearer_key
 from shared.errors import InvalidArgument, PayloadTooLarge, SpecSplitError
+from shared.request_id import CURRENT, REQUEST_ID_HEADER, check_request_id
 
 # JSON objects a body may hold beyond max_k (the root, sampling_cfg, and slack for braces in strings)
 OBJECT_SLACK = 64
@@ -75,15 +77,55 @@ class CheckedRoute(APIRoute):
         return checked
 
 
-class KeyFirst:
-    """ASGI middleware: /v1/ requests without a valid key get 401 before their body is read."""
+class RequestIds:
+    """ASGI middleware: a request's X-Request-Id is checked (422 when malformed), set as the current
+    one for the log lines written while serving it, and sent back on the answer; the status of every
+    /v1/ answer goes to `on_response(status)`."""
 
-    def __init__(self, app: ASGIApp, authenticate: Callable[[str | None], str], on_error: Callable[[str], None]
-                 ) -> None:
-        self.app, self.authenticate, self.on_error = app, authenticate, on_error
+    def __init__(self, app: ASGIApp, on_response: Callable[[int], None], on_error: Callable[[str], None]) -> None:
+        self.app, self.on_response, self.on_error = app, on_response, on_error
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        counted = scope["path"].startswith("/v1/")
+        raw = dict(scope["headers"]).get(REQUEST_ID_HEADER.encode())
+        rid = raw.decode("latin-1") if raw is not None else ""
+
+        async def sending(msg: Message) -> None:
+            if msg["type"] == "http.response.start":
+                if rid:
+                    msg["headers"] = [*msg.get("headers", []), (REQUEST_ID_HEADER.encode(), rid.encode())]
+                if counted:
+                    self.on_response(int(msg["status"]))
+            await send(msg)
+
+        if raw is not None:
+            try:
+                check_request_id(rid)
+            except SpecSplitError as err:
+                rid = ""
+                self.on_error(err.code)
+                return await error_response(err)(scope, receive, sending)
+        token = CURRENT.set(rid)
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            CURRENT.reset(token)
+
+
+class KeyFirst:
+    """ASGI middleware: /v1/ requests (and /metrics when `protect_metrics`) without a valid key get 401
+    before their body is read."""
+
+    def __init__(self, app: ASGIApp, authenticate: Callable[[str | None], str], on_error: Callable[[str], None],
+                 protect_metrics: bool = False) -> None:
+        self.app, self.authenticate, self.on_error = app, authenticate, on_error
+        self.protect_metrics = protect_metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and (scope["path"].startswith("/v1/")
+                                        or (self.protect_metrics and scope["path"] == "/metrics")):
             header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
             try:
                 self.authenticate(bearer_key(header))

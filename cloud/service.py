@@ -81,7 +81,7 @@ class VerifierService:
         self.prompt_limit = settings.prompt_limit(model.info.max_context)
         self.limits = RoundLimits(max_k=settings.max_k, max_return_top_k=settings.max_return_top_k,
                                   max_context=model.info.max_context, vocab_size=model.info.vocab_size)
-        self.metrics = CloudMetrics.create(settings.max_k)
+        self.metrics = CloudMetrics.create(settings.max_k, settings.kv_budget_bytes)
         self.store = SessionStore(max_sessions=settings.max_sessions, ttl_s=settings.session_ttl_s,
                                   kv_budget_bytes=settings.kv_budget_bytes, clock=clock, on_remove=self._removed,
                                   max_sessions_per_owner=settings.sessions_per_key_limit())
@@ -370,6 +370,9 @@ class VerifierService:
 
     def count_error(self, code: str) -> None:
         self.metrics.errors.labels(code=code).inc()
+
+    def count_response(self, transport: str, status: int) -> None:
+        self.metrics.responses.labels(transport=transport, status=str(status)).inc()
 
     async def sweep_forever(self) -> None:
         """Expire idle sessions in the background (lookups also expire them lazily)."""

@@ -29,6 +29,9 @@ class CloudSettings(BaseSettings):
     grpc_port: int = Field(default=50051, ge=0, le=65535)
     # accepted Bearer keys; empty = auth off (every caller is the same anonymous owner)
     api_keys: list[SecretStr] = Field(default_factory=list)
+    # true: GET /metrics needs a key too (when keys are configured); false: /metrics is open, as
+    # /healthz and /readyz are (keep the port off the public network, or turn this on)
+    metrics_auth: bool = False
     # torch device of the target: "cpu" or "cuda" / "cuda:N"
     device: str = "cpu"
     # weights and KV dtype

@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 from typing import Any, TextIO
 
 from pydantic import ValidationError
 
 from shared.errors import SpecSplitError
+from shared.logs import setup_logging
 
 from .client import EdgeClient, GenerationResult
 from .settings import EdgeSettings
@@ -89,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.add_argument("--log", metavar="FILE.jsonl", help="one JSON line per round")
     g.add_argument("-v", "--verbose", action="store_true")
+    g.add_argument("--log-format", choices=["text", "json"], default="text",
+                   help="log lines on stderr: text, or JSON lines (one object per line)")
     g.add_argument("--chat", action="store_true", help="send PROMPT as a user message through the chat template")
     g.add_argument("--chat-template", metavar="FILE", help="Jinja chat template (default: the tokenizer's)")
     add_serve_parser(sub, g)
@@ -213,8 +215,8 @@ def serve(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # a server logs one line per request (INFO); a one-off generation only warnings unless -v
+    setup_logging("info" if args.verbose or args.command == "serve" else "warning", args.log_format)
     try:
         return serve(args) if args.command == "serve" else generate(args)
     except ValidationError as e:

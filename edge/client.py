@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 from shared.config import SamplingConfig
 from shared.errors import InvalidArgument, SpecSplitError
+from shared.request_id import check_request_id
 from shared.verify import DraftKind
 
 from .drafters.base import DraftBlock, Drafter
@@ -109,6 +110,8 @@ class _Job:
     params: SessionParams
     # routing key of the generation: the same on every call, across reopens and retries
     route_key: str
+    # X-Request-Id sent on every cloud call of the generation (None: not sent)
+    request_id: str | None = None
     metrics: EdgeMetrics = field(default_factory=EdgeMetrics)
     rounds: list[RoundRecord] = field(default_factory=list)
     started: float = 0.0
@@ -210,9 +213,10 @@ class EdgeClient:
 
     def stream(self, prompt: str | Sequence[int], *, max_new_tokens: int | None = None, seed: int | None = None,
                sampling: SamplingConfig | None = None, mode: Mode | None = None,
-               route_key: str | None = None) -> Generation:
+               route_key: str | None = None, request_id: str | None = None) -> Generation:
         """Start a generation. `route_key` (default: the settings', else a fresh random key) goes with
-        every cloud call of it, so a load balancer hashing on it keeps the session on one replica."""
+        every cloud call of it, so a load balancer hashing on it keeps the session on one replica;
+        `request_id`, when given, goes with every call as X-Request-Id (the cloud logs and echoes it)."""
         s = self.settings
         prompt_ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if not prompt_ids:
@@ -220,7 +224,8 @@ class EdgeClient:
         params = SessionParams(sampling=sampling or s.sampling(), seed=s.seed if seed is None else seed,
                                correction=s.correction, send_q_dists=s.send_q_dists)
         n_new = s.max_new_tokens if max_new_tokens is None else max_new_tokens
-        job = _Job(prompt_ids, mode or s.mode, n_new, params, check_route_key(route_key or s.route_key or new_route_key()))
+        job = _Job(prompt_ids, mode or s.mode, n_new, params, check_route_key(route_key or s.route_key or new_route_key()),
+                   None if request_id is None else check_request_id(request_id))
         if job.mode != "cloud_only":  # load the draft model before the clock starts
             _ = self.drafter
         return Generation(self._run(job), lambda toks: self._finish(job, toks))
@@ -288,7 +293,7 @@ class EdgeClient:
         if s.gating:
             gate = GateThresholds(t_nll=s.t_nll, t_entropy_bits=s.t_entropy_bits, t_margin=s.t_margin,
                                   t_mc_var=s.t_mc_var, r_hard=s.r_hard)
-        transport = self.transport.routed(job.route_key)
+        transport = self.transport.routed(job.route_key, job.request_id)
         run = SpeculativeRun(transport, drafter, job.params, self._k_controller(), job.metrics, self._policy(),
                              gate=gate, rule_triggers=s.rule_triggers, detokenize=self.decode if gate else None,
                              clock=self.clock, sleep=self.sleep)
@@ -339,7 +344,7 @@ class EdgeClient:
                 yield CommittedToken(tok, "local", job.metrics.rounds - 1)
 
     def _cloud_only(self, job: _Job) -> Generator[CommittedToken, None, None]:
-        transport = self.transport.routed(job.route_key)
+        transport = self.transport.routed(job.route_key, job.request_id)
         if not transport.supports_generate:
             s0 = replace(job.params, send_q_dists=False)
             job.params = s0

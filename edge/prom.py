@@ -1,19 +1,31 @@
-"""The OpenAI server's Prometheus metrics (GET /metrics), summed over finished generations.
+"""The OpenAI server's Prometheus metrics (GET /metrics).
 
-Every counter is fed from one generation's EdgeMetrics when it ends (finished, stopped, cancelled
-or failed), so the words are those of edge/metrics.py. The acceptance rate over all traffic is
-specsplit_edge_accepted_tokens_total / specsplit_edge_drafted_tokens_total.
+Counters are fed from one generation's EdgeMetrics when it ends (finished, stopped, cancelled or
+failed), so the words are those of edge/metrics.py. The acceptance rate over all traffic is
+specsplit_edge_accepted_tokens_total / specsplit_edge_drafted_tokens_total. Histograms, in base
+units: time to first token and between tokens (`TokenClock`, as tokens are committed), the verify
+round trip and the tokens committed per round (one observation per round, at the end), a
+generation's acceptance rate and its duration. With them the process's own `process_*` series.
+Names follow Prometheus' conventions (`_seconds`, `_total` appended to counters by
+prometheus_client); docs/OPENAI.md lists them.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
-from .metrics import ORIGINS, EdgeMetrics
+from .metrics import ORIGINS, EdgeMetrics, RoundRecord
 
 PREFIX = "specsplit_edge_"
+# seconds: 1 ms .. 60 s
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                   float("inf"))
+RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, float("inf"))
+TOKENS_PER_ROUND_BUCKETS = (*range(0, 17), 20, 24, 32, float("inf"))
 
 
 @dataclass
@@ -46,33 +58,68 @@ class EdgePrometheus:
     cloud_wait_seconds: Counter
     # error answers of the OpenAI routes by OpenAI error type
     errors: Counter
+    # answers of the /v1/ routes by HTTP status
+    responses: Counter
+    # from a request's arrival to its first generated token
+    ttft: Histogram
+    # between consecutive generated tokens of one generation (a round's tokens come together)
+    inter_token: Histogram
+    # one verify exchange of a round (retries included), for rounds the cloud verified
+    verify_round_trip: Histogram
+    # tokens committed per round (accepted + the next token; local rounds count too)
+    tokens_per_round: Histogram
+    # a generation's accepted / drafted (generations that sent drafts)
+    acceptance: Histogram
+    # from a request's arrival to its generation's end (finished generations)
+    duration: Histogram
 
     @classmethod
     def create(cls) -> EdgePrometheus:
         r = CollectorRegistry()
+        ProcessCollector(registry=r)
         p = PREFIX
         return cls(
             registry=r,
-            generations=Counter(p + "generations", "generations ended", ["endpoint", "finish"], registry=r),
-            active=Gauge(p + "active_generations", "generations running", registry=r),
-            tokens=Counter(p + "tokens", "emitted tokens by origin", ["origin"], registry=r),
-            rounds=Counter(p + "rounds", "rounds run (verified + local)", registry=r),
-            drafted=Counter(p + "drafted_tokens", "draft tokens sent for verification", registry=r),
-            accepted=Counter(p + "accepted_tokens", "draft tokens the cloud accepted", registry=r),
-            cloud_calls=Counter(p + "cloud_calls", "requests to the cloud, every attempt", registry=r),
-            local_commits=Counter(p + "local_commits", "tokens committed unverified", registry=r),
-            retries=Counter(p + "retries", "resends after retryable errors", registry=r),
-            reopens=Counter(p + "reopens", "sessions reopened after 404", registry=r),
-            resyncs=Counter(p + "resyncs", "resends from the cloud's length after 409", registry=r),
-            timeouts=Counter(p + "verify_timeouts", "verify answers later than the timeout", registry=r),
-            drafting_seconds=Counter(p + "drafting_seconds", "time spent drafting", registry=r),
-            draft_wait_seconds=Counter(p + "draft_wait_seconds", "time waiting for the shared draft model",
+            generations=Counter(p + "generations", "Generations ended, by endpoint and finish reason.",
+                                ["endpoint", "finish"], registry=r),
+            active=Gauge(p + "active_generations", "Generations running now.", registry=r),
+            tokens=Counter(p + "tokens", "Generated tokens by origin (accepted, correction, bonus, residual, "
+                           "local, target).", ["origin"], registry=r),
+            rounds=Counter(p + "rounds", "Rounds run (verified by the cloud and committed locally).", registry=r),
+            drafted=Counter(p + "drafted_tokens", "Draft tokens sent to the cloud for verification.", registry=r),
+            accepted=Counter(p + "accepted_tokens", "Draft tokens the cloud accepted.", registry=r),
+            cloud_calls=Counter(p + "cloud_calls", "Requests to the cloud, every attempt counted.", registry=r),
+            local_commits=Counter(p + "local_commits", "Tokens committed without the cloud's check (lossy).",
+                                  registry=r),
+            retries=Counter(p + "retries", "Cloud requests resent after retryable errors.", registry=r),
+            reopens=Counter(p + "reopens", "Cloud sessions reopened after 404.", registry=r),
+            resyncs=Counter(p + "resyncs", "Rounds resent from the cloud's length after 409.", registry=r),
+            timeouts=Counter(p + "verify_timeouts", "Verify answers later than the timeout.", registry=r),
+            drafting_seconds=Counter(p + "drafting_seconds", "Time spent drafting.", registry=r),
+            draft_wait_seconds=Counter(p + "draft_wait_seconds", "Time waiting for the shared draft model.",
                                        registry=r),
-            cloud_wait_seconds=Counter(p + "cloud_wait_seconds", "time waiting for verify answers", registry=r),
-            errors=Counter(p + "errors", "error answers by type", ["type"], registry=r),
+            cloud_wait_seconds=Counter(p + "cloud_wait_seconds", "Time waiting for verify answers (retries "
+                                       "included).", registry=r),
+            errors=Counter(p + "errors", "Error answers of the OpenAI routes by OpenAI error type.", ["type"],
+                           registry=r),
+            responses=Counter(p + "responses", "Answers of the /v1/ routes by HTTP status.", ["status"],
+                              registry=r),
+            ttft=Histogram(p + "time_to_first_token_seconds", "Time from a request's arrival to its first "
+                           "generated token.", buckets=LATENCY_BUCKETS, registry=r),
+            inter_token=Histogram(p + "inter_token_latency_seconds", "Time between consecutive generated tokens "
+                                  "of one generation.", buckets=LATENCY_BUCKETS, registry=r),
+            verify_round_trip=Histogram(p + "verify_round_trip_seconds", "Wall time of one round's verify "
+                                        "exchange with the cloud, retries included.", buckets=LATENCY_BUCKETS,
+                                        registry=r),
+            tokens_per_round=Histogram(p + "tokens_per_round", "Tokens committed per round (accepted plus the "
+                                       "next token).", buckets=TOKENS_PER_ROUND_BUCKETS, registry=r),
+            acceptance=Histogram(p + "acceptance_ratio", "A generation's accepted / drafted tokens.",
+                                 buckets=RATIO_BUCKETS, registry=r),
+            duration=Histogram(p + "request_duration_seconds", "Time from a request's arrival to the end of its "
+                               "generation (finished generations).", buckets=LATENCY_BUCKETS, registry=r),
         )
 
-    def record(self, m: EdgeMetrics, draft_wait_s: float = 0.0) -> None:
+    def record(self, m: EdgeMetrics, draft_wait_s: float = 0.0, rounds: Iterable[RoundRecord] = ()) -> None:
         """Add one ended generation's work; `draft_wait_s` of its drafting time was spent queueing."""
         for origin in ORIGINS:
             if m.by_origin.get(origin):
@@ -89,6 +136,36 @@ class EdgePrometheus:
         self.drafting_seconds.inc(max(0.0, m.edge_time_ms / 1000 - draft_wait_s))
         self.draft_wait_seconds.inc(draft_wait_s)
         self.cloud_wait_seconds.inc(m.rtt_ms / 1000)
+        if m.drafted:
+            self.acceptance.observe(m.acceptance_rate)
+        for rec in rounds:
+            self.tokens_per_round.observe(rec.committed)
+            if rec.decided_by == "cloud":
+                self.verify_round_trip.observe(rec.rtt_ms / 1000)
+
+    def token_clock(self, start: float, clock: Callable[[], float] = time.monotonic) -> TokenClock:
+        """Times one generation's tokens from `start` (a `clock()` reading at the request's arrival)."""
+        return TokenClock(self, start, clock)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class TokenClock:
+    """`tick()` at each generated token: the first observes time to first token, the rest inter-token latency."""
+
+    def __init__(self, prom: EdgePrometheus, start: float, clock: Callable[[], float]) -> None:
+        self.prom, self.start, self.clock = prom, start, clock
+        self.last: float | None = None
+
+    def tick(self) -> None:
+        now = self.clock()
+        if self.last is None:
+            self.prom.ttft.observe(now - self.start)
+        else:
+            self.prom.inter_token.observe(now - self.last)
+        self.last = now
+
+    def finished(self) -> None:
+        """The generation ended normally: observe its duration."""
+        self.prom.duration.observe(self.clock() - self.start)

@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# Create .venv (if missing) and install specsplit into it: the CPU torch wheel pinned to 2.13.0
-# first (a looser requirement would pull a multi-GB CUDA build), then the project with its extras.
-# Idempotent: a second run only checks. Usage: bash scripts/setup.sh [extras, default "dev,bench"]
+# Create .venv (if missing) and install specsplit into it: torch pinned to 2.13.0 first, then the
+# project with its extras. Idempotent: a second run only checks.
+# Usage: bash scripts/setup.sh [extras, default "dev,bench"]
+# Which torch build: whatever the package index serves for torch==2.13.0. On Linux, PyPI's wheel is
+# the CUDA build (with its nvidia-* wheels, several GB); macOS and Windows get CPU wheels. Extra pip
+# arguments for that one install come from SPECSPLIT_TORCH_PIP_ARGS, e.g. the CPU build on Linux:
+#   SPECSPLIT_TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu" bash scripts/setup.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras=${1:-dev,bench}
@@ -10,6 +14,7 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-.venv/bin/python -m pip install -q "torch==2.13.0" 2>&1 | grep -v -E "^WARNING: Location" || true
+read -r -a torch_args <<< "${SPECSPLIT_TORCH_PIP_ARGS:-}"
+.venv/bin/python -m pip install -q ${torch_args[@]+"${torch_args[@]}"} "torch==2.13.0" 2>&1 | grep -v -E "^WARNING: Location" || true
 .venv/bin/python -m pip install -q -e ".[${extras}]" 2>&1 | grep -v -E "^WARNING: Location" || true
 .venv/bin/python -c "import torch, transformers, shared, cloud, edge; print('specsplit ready: torch', torch.__version__, '| transformers', transformers.__version__)"

@@ -6,6 +6,8 @@ in OpenAI's body (openai_errors.py) from one set of handlers. A streamed respons
 the generation's first event, so a request that fails before any text (a prompt too long, a cloud
 that cannot be reached) still gets its proper status instead of a 200 stream carrying an error.
 A client that goes away cancels its generation; the generation then closes its cloud session.
+Every answer carries an X-Request-Id: the caller's, or a fresh one; a completion's `id` is
+`cmpl-<it>` (chat: `chatcmpl-<it>`), and the generation sends it on each of its cloud calls.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,8 +26,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from shared.errors import SpecSplitError
+from shared.request_id import CURRENT, REQUEST_ID_HEADER, check_request_id
 
 from .chat import ChatTemplate, require
 from .openai_bodies import ChatCompletionBody, CompletionBody
@@ -177,10 +181,50 @@ async def _sse_events(first: Event, events: AsyncIterator[Event], shape: Shape, 
         stream.cancel()
 
 
+class RequestIds:
+    """ASGI middleware: the request's X-Request-Id (400 when malformed) or a fresh one becomes the
+    current id (routes read it from `CURRENT`) and goes back on the answer; /v1/ answers are counted
+    by status."""
+
+    def __init__(self, app: ASGIApp, on_response: Callable[[int], None], on_error: Callable[[OpenAIError], None]
+                 ) -> None:
+        self.app, self.on_response, self.on_error = app, on_response, on_error
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        counted = scope["path"].startswith("/v1/")
+        raw = dict(scope["headers"]).get(REQUEST_ID_HEADER.encode())
+        rid = uuid.uuid4().hex if raw is None else raw.decode("latin-1")
+
+        async def sending(msg: Message) -> None:
+            if msg["type"] == "http.response.start":
+                msg["headers"] = [*msg.get("headers", []), (REQUEST_ID_HEADER.encode(), rid.encode())]
+                if counted:
+                    self.on_response(int(msg["status"]))
+            await send(msg)
+
+        try:
+            check_request_id(rid)
+        except SpecSplitError as e:
+            rid = uuid.uuid4().hex
+            err = invalid(e.message, "X-Request-Id")
+            self.on_error(err)
+            return await JSONResponse(err.to_body(), status_code=err.status)(scope, receive, sending)
+        token = CURRENT.set(rid)
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            CURRENT.reset(token)
+
+
 def create_app(engine: OpenAIEngine, options: ServeOptions) -> FastAPI:
     app = FastAPI(title="specsplit edge (OpenAI-compatible)", version="1",
                   description="OpenAI completions and chat completions, drafted here and verified by the cloud.")
     prom = engine.prometheus
+
+    app.add_middleware(RequestIds, on_response=lambda status: prom.responses.labels(str(status)).inc(),
+                       on_error=lambda err: prom.errors.labels(err.type).inc())
 
     def answer(err: OpenAIError) -> JSONResponse:
         prom.errors.labels(err.type).inc()
@@ -245,9 +289,10 @@ def create_app(engine: OpenAIEngine, options: ServeOptions) -> FastAPI:
         name = await check_model(body.model)
         prompt = body.prompt_value()
         ids = engine.encode(prompt) if isinstance(prompt, str) else await checked_ids(prompt)
+        rid = CURRENT.get()
         req = TextRequest(ids, body.max_new_tokens(), body.sampling(), body.seed, body.stop_sequences(),
-                          "completions")
-        shape = Shape("completions", f"cmpl-{uuid.uuid4().hex}", name, int(time.time()))
+                          "completions", rid)
+        shape = Shape("completions", f"cmpl-{rid}", name, int(time.time()))
         return await respond(engine, req, shape, body.stream, body.include_usage(), request)
 
     @app.post("/v1/chat/completions", tags=["v1"], response_model=None)
@@ -256,9 +301,10 @@ def create_app(engine: OpenAIEngine, options: ServeOptions) -> FastAPI:
         name = await check_model(body.model)
         prompt = require(options.chat_template).render(body.chat_messages())
         ids = engine.encode(prompt, add_special_tokens=False)  # the template placed its own
+        rid = CURRENT.get()
         req = TextRequest(ids, body.max_new_tokens(options.chat_default_max_tokens), body.sampling(), body.seed,
-                          body.stop_sequences(), "chat")
-        shape = Shape("chat", f"chatcmpl-{uuid.uuid4().hex}", name, int(time.time()))
+                          body.stop_sequences(), "chat", rid)
+        shape = Shape("chat", f"chatcmpl-{rid}", name, int(time.time()))
         return await respond(engine, req, shape, body.stream, body.include_usage(), request)
 
     async def checked_ids(ids: list[int]) -> list[int]:

@@ -15,6 +15,7 @@ import asyncio
 import logging
 import secrets
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -54,6 +55,10 @@ class TextRequest:
     stop: tuple[str, ...] = ()
     # "completions" | "chat" (a metrics label)
     endpoint: str = "completions"
+    # the X-Request-Id sent on every cloud call of the generation and logged ("" = none)
+    request_id: str = ""
+    # time.monotonic() at the request's arrival (time to first token counts from here)
+    arrived: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -158,32 +163,42 @@ class OpenAIEngine:
     def _run(self, req: TextRequest, cancelled: threading.Event, emit: Callable[[Event], None]) -> None:
         self.prometheus.active.inc()
         finish = "error"
+        summary: dict[str, object] = {}
         try:
-            done = self._generate(req, cancelled, emit)
+            done = self._generate(req, cancelled, emit, summary)
             finish = "cancelled" if done is None else done.finish_reason
             if done is None:  # ends the event stream of a response that may still be waiting
                 emit(GenerationCancelled("the generation was cancelled: its client went away"))
         except SpecSplitError as e:
+            summary["error"] = f"{e.code}: {e.message}"
             emit(e)
         except Exception as e:  # a bug must still end the response, not hang it
-            log.exception("generation failed")
+            log.exception("generation failed", extra={"fields": {"x_request_id": req.request_id}})
+            summary["error"] = f"internal: {type(e).__name__}"
             emit(SpecSplitError(f"internal error: {type(e).__name__}: {e}"))
         finally:
             self.prometheus.active.dec()
             self.prometheus.generations.labels(req.endpoint, finish).inc()
+            log.info("generation ended", extra={"fields": {
+                "event": "generation", "x_request_id": req.request_id, "endpoint": req.endpoint, "finish": finish,
+                "prompt_tokens": len(req.prompt_ids), "duration_s": round(time.monotonic() - req.arrived, 4),
+                **summary}})
 
-    def _generate(self, req: TextRequest, cancelled: threading.Event,
-                  emit: Callable[[Event], None]) -> Finished | None:
+    def _generate(self, req: TextRequest, cancelled: threading.Event, emit: Callable[[Event], None],
+                  summary: dict[str, object]) -> Finished | None:
         seed = secrets.randbelow(2**31) if req.seed is None else req.seed
         if self._info is None:
             self.model_info()
         client = self.new_client()
         eos = set(self._info.eos_ids if self._info and self._info.eos_ids else [self.tokenizer.eos_token_id])
         text = StopText(req.stop, self.decode)
-        gen = client.stream(req.prompt_ids, max_new_tokens=req.max_tokens, seed=seed, sampling=req.sampling)
+        gen = client.stream(req.prompt_ids, max_new_tokens=req.max_tokens, seed=seed, sampling=req.sampling,
+                            request_id=req.request_id or None)
+        clock = self.prometheus.token_clock(req.arrived)
         n, last = 0, None
         try:
             for tok in gen:
+                clock.tick()
                 n, last = n + 1, tok.token_id
                 delta = text.add(tok.token_id)
                 if delta:
@@ -196,7 +211,12 @@ class OpenAIEngine:
             result = gen.result()
             drafter = client.drafter
             wait_s = drafter.wait_s if isinstance(drafter, LockedDrafter) else 0.0
-            self.prometheus.record(result.metrics, wait_s)
+            self.prometheus.record(result.metrics, wait_s, result.rounds)
+            m = result.metrics
+            summary.update(completion_tokens=n, rounds=m.rounds, drafted=m.drafted, accepted=m.accepted,
+                           acceptance_rate=round(m.acceptance_rate, 4), cloud_calls=m.cloud_calls,
+                           local_commits=m.local_commits, ttft_s=round(m.ttft_ms / 1000, 4),
+                           route_key=result.route_key)
         if cancelled.is_set() and not text.stopped:
             return None
         rest = text.flush()
@@ -205,5 +225,6 @@ class OpenAIEngine:
         stopped = text.stopped or (last in eos and self.settings.stop_at_eos)
         done = Finished("stop" if stopped else "length", text.final_text, len(req.prompt_ids), n, result.metrics,
                         wait_s)
+        clock.finished()
         emit(done)
         return done

@@ -42,4 +42,5 @@ def build_app(settings: EdgeSettings, args: ServeArgs) -> FastAPI:
 def run(settings: EdgeSettings, args: ServeArgs, log_level: str = "warning") -> None:
     import uvicorn
 
-    uvicorn.run(build_app(settings, args), host=args.host, port=args.port, log_level=log_level)
+    # log_config=None: uvicorn's own lines go through the root logger, in the --log-format chosen
+    uvicorn.run(build_app(settings, args), host=args.host, port=args.port, log_level=log_level, log_config=None)

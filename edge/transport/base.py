@@ -78,9 +78,10 @@ class Transport(Protocol):
         """Target-only generation as it happens: each token id, then the GenerateResult."""
         ...
 
-    def routed(self, route_key: str) -> Transport:
-        """A view sending `route_key` on every call (header / metadata ROUTE_HEADER); it shares this
-        transport's connections and `traffic`, so closing either closes both."""
+    def routed(self, route_key: str, request_id: str | None = None) -> Transport:
+        """A view sending `route_key` on every call (header / metadata ROUTE_HEADER), and `request_id`
+        when given (REQUEST_ID_HEADER, shared/request_id.py); it shares this transport's connections
+        and `traffic`, so closing either closes both."""
         ...
 
     def close(self) -> None: ...

@@ -20,6 +20,7 @@ from shared.protocol import (
     VerifyRequest,
     VerifyResponse,
 )
+from shared.request_id import REQUEST_ID_HEADER, check_request_id
 
 from .base import ROUTE_HEADER, GenerateResult, ModelInfo, Traffic, check_route_key
 from .errors import CloudUnavailable, error_from_grpc
@@ -66,10 +67,12 @@ class GrpcTransport:
         self._metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         self.traffic = Traffic()
 
-    def routed(self, route_key: str) -> GrpcTransport:
+    def routed(self, route_key: str, request_id: str | None = None) -> GrpcTransport:
         view = copy.copy(self)  # same channel, same Traffic
-        kept = tuple(m for m in self._metadata if m[0] != ROUTE_HEADER)
+        kept = tuple(m for m in self._metadata if m[0] not in (ROUTE_HEADER, REQUEST_ID_HEADER))
         view._metadata = (*kept, (ROUTE_HEADER, check_route_key(route_key)))
+        if request_id is not None:
+            view._metadata = (*view._metadata, (REQUEST_ID_HEADER, check_request_id(request_id)))
         return view
 
     def _call(self, rpc: Callable[..., Any], request: Any, timeout: float) -> Any:

@@ -18,6 +18,7 @@ from shared.protocol import (
     VerifyRequest,
     VerifyResponse,
 )
+from shared.request_id import REQUEST_ID_HEADER, check_request_id
 
 from .base import ROUTE_HEADER, GenerateResult, ModelInfo, Traffic, check_route_key
 from .errors import CloudTimeout, CloudUnavailable, error_from_body, error_from_http
@@ -67,9 +68,11 @@ class RestTransport:
         # per-call headers of this view: the routing key (see routed())
         self._route_headers: dict[str, str] = {}
 
-    def routed(self, route_key: str) -> RestTransport:
+    def routed(self, route_key: str, request_id: str | None = None) -> RestTransport:
         view = copy.copy(self)  # same httpx pool, same Traffic
         view._route_headers = {ROUTE_HEADER: check_route_key(route_key)}
+        if request_id is not None:
+            view._route_headers[REQUEST_ID_HEADER] = check_request_id(request_id)
         return view
 
     def _call(self, method: str, path: str, body: dict[str, Any] | None, timeout: float) -> dict[str, Any]:

@@ -93,15 +93,45 @@ def test_dockerfile_is_slim_non_root_with_a_healthcheck(dockerfile: str) -> None
 
 
 def test_dockerfile_installs_like_the_readme(dockerfile: str) -> None:
-    """Same steps as scripts/setup.sh (the README's install), the same torch pin as pyproject."""
+    """Same steps as scripts/setup.sh (the README's install), the same torch pin as pyproject; the
+    image installs the dependencies before it copies the source, and the project not editable."""
     setup = (REPO / "scripts" / "setup.sh").read_text()
     pin = re.search(r'"torch==([0-9.]+)"', (REPO / "pyproject.toml").read_text())
     assert pin is not None
-    torch_step = f'pip install -q "torch=={pin.group(1)}"'
-    for text in (setup, dockerfile):
-        assert "-m venv .venv" in text
-        assert torch_step in text
-        assert re.search(r"pip install -q -e \"?\.", text)
-    assert dockerfile.index("-m venv .venv") < dockerfile.index(torch_step) < dockerfile.index("pip install -q -e .")
+    torch_pin = f'"torch=={pin.group(1)}"'
+    assert re.search(r"pip install -q \S*torch_args\S* " + re.escape(torch_pin), setup)
+    assert re.search(r'pip install -q -e "?\.', setup)
+    assert "-m venv .venv" in dockerfile and f"pip install -q {torch_pin}" in dockerfile
+    deps = dockerfile.index("pip install -q -r /tmp/requirements.txt")
+    assert dockerfile.index("-m venv .venv") < dockerfile.index(torch_pin) < deps
+    for source in ("COPY shared", "COPY cloud", "COPY edge", "COPY bench"):
+        assert deps < dockerfile.index(source), f"{source} comes before the dependencies: every change reinstalls them"
+    assert "pip install -q --no-deps ." in dockerfile and " -e ." not in dockerfile
     default_index = re.search(r"^ARG TORCH_INDEX_URL=(\S+)$", dockerfile, re.M)
     assert default_index and default_index.group(1).endswith("/whl/cpu")
+
+
+def test_setup_passes_extra_pip_arguments_to_the_torch_install_only(tmp_path: Path) -> None:
+    """SPECSPLIT_TORCH_PIP_ARGS reaches the torch install (and no other), split into arguments; unset, nothing."""
+    import subprocess
+
+    setup = (REPO / "scripts" / "setup.sh").read_text()
+    line = next(ln for ln in setup.splitlines() if "torch_args" in ln and "pip install" in ln)
+    prelude = next(ln for ln in setup.splitlines() if ln.startswith("read -r -a torch_args"))
+    fake = tmp_path / "pip"
+    fake.write_text('#!/usr/bin/env bash\nprintf "%s\\n" "$@" > "$OUT"\n')
+    fake.chmod(0o755)
+    cmd = line.replace(".venv/bin/python -m pip", str(fake))
+    for value, expected in (("--index-url https://example.invalid/whl/cpu", ["install", "-q", "--index-url",
+                                                                              "https://example.invalid/whl/cpu"]),
+                            ("", ["install", "-q"])):
+        out = tmp_path / "args"
+        env = {"PATH": "/usr/bin:/bin", "OUT": str(out), "SPECSPLIT_TORCH_PIP_ARGS": value}
+        subprocess.run(["bash", "-c", f"set -euo pipefail\n{prelude}\n{cmd}"], env=env, check=True, timeout=30)
+        assert out.read_text().split() == [*expected, torch_pin_of_pyproject()]
+
+
+def torch_pin_of_pyproject() -> str:
+    pin = re.search(r'"(torch==[0-9.]+)"', (REPO / "pyproject.toml").read_text())
+    assert pin is not None
+    return pin.group(1)

@@ -34,6 +34,13 @@ def test_both_upstreams_hash_the_header_the_edge_sends() -> None:
     assert "grpc_pass grpc://specsplit_grpc;" in conf and f"listen {COMPOSE_PORTS['balancer_grpc']} http2;" in conf
 
 
+def test_the_balancer_bounds_slow_clients_and_logs_the_request_id() -> None:
+    conf = compose_nginx_conf()
+    for directive in ("client_header_timeout", "client_body_timeout", "send_timeout"):
+        assert f"    {directive} " in conf, directive
+    assert '"request_id":"$http_x_request_id"' in conf
+
+
 def test_compose_profile_runs_the_replicas_behind_the_balancer(compose: dict[str, Any]) -> None:
     services = compose["services"]
     balancer = services["balancer"]

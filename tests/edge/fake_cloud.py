@@ -56,8 +56,9 @@ class FakeCloud:
     calls: list[str] = field(default_factory=list)
     requests: list[VerifyRequest] = field(default_factory=list)
     supports_generate: bool = True
-    # routing keys the client asked for, one per routed() view
+    # routing keys and request ids the client asked for, one per routed() view
     route_keys: list[str] = field(default_factory=list)
+    request_ids: list[str | None] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir).eval()
@@ -103,8 +104,9 @@ class FakeCloud:
 
     # -- Transport ------------------------------------------------------------------------------
 
-    def routed(self, route_key: str) -> FakeCloud:
+    def routed(self, route_key: str, request_id: str | None = None) -> FakeCloud:
         self.route_keys.append(route_key)
+        self.request_ids.append(request_id)
         return self
 
     def open_session(self, req: OpenSessionRequest, timeout: float) -> SessionInfo:
