@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from typing import Any, TextIO
 
@@ -89,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.add_argument("--log", metavar="FILE.jsonl", help="one JSON line per round")
     g.add_argument("-v", "--verbose", action="store_true")
+    g.add_argument("--request-id", help="sent as X-Request-Id on every cloud call (the cloud logs it with the "
+                   "session's ctx_id)")
     g.add_argument("--log-format", choices=["text", "json"], default="text",
                    help="log lines on stderr: text, or JSON lines (one object per line)")
     g.add_argument("--chat", action="store_true", help="send PROMPT as a user message through the chat template")
@@ -99,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 # generate's options that a server takes per request instead (OpenAI fields, OpenAI defaults)
 _PER_REQUEST = {"prompt", "temperature", "top_p", "top_k", "repetition_penalty", "seed", "json", "log", "chat",
-                "help"}
+                "help", "request_id"}
 
 
 def add_serve_parser(sub: Any, generate: argparse.ArgumentParser) -> None:
@@ -173,7 +176,7 @@ def generate(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     client = EdgeClient(settings)
     try:
-        gen = client.stream(chat_prompt(client, args) if args.chat else args.prompt)
+        gen = client.stream(chat_prompt(client, args) if args.chat else args.prompt, request_id=args.request_id)
         if not args.json:
             live = LiveText(client, sys.stdout, colour=sys.stdout.isatty())
             for tok in gen:
@@ -217,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # a server logs one line per request (INFO); a one-off generation only warnings unless -v
     setup_logging("info" if args.verbose or args.command == "serve" else "warning", args.log_format)
+    if not args.verbose:  # httpx writes a line per cloud call at INFO
+        logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         return serve(args) if args.command == "serve" else generate(args)
     except ValidationError as e:
