@@ -135,9 +135,11 @@ def test_deployment_probes_and_ingress_routing() -> None:
     env = {e["name"]: e.get("value") for e in c["env"]}
     grace = float(env["SPECSPLIT_CLOUD_SHUTDOWN_GRACE_S"])
     assert dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > grace  # the drain fits
-    ing = next(d for d in docs if d["kind"] == "Ingress")
-    assert ing["metadata"]["annotations"]["nginx.ingress.kubernetes.io/upstream-hash-by"] == \
-        "$http_" + ROUTE_HEADER.replace("-", "_")
+    ingresses = [d for d in docs if d["kind"] == "Ingress"]
+    assert len(ingresses) == 2  # REST and gRPC
+    for ing in ingresses:
+        assert ing["metadata"]["annotations"]["nginx.ingress.kubernetes.io/upstream-hash-by"] == \
+            "$http_" + ROUTE_HEADER.replace("-", "_")
     svc_ports = {p["name"] for d in docs if d["kind"] == "Service" for p in d["spec"]["ports"]}
     assert {"http", "grpc"} <= svc_ports
 
