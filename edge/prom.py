@@ -157,11 +157,14 @@ class TokenClock:
     def __init__(self, prom: EdgePrometheus, start: float, clock: Callable[[], float]) -> None:
         self.prom, self.start, self.clock = prom, start, clock
         self.last: float | None = None
+        # seconds from the start to the first token (None before it)
+        self.ttft_s: float | None = None
 
     def tick(self) -> None:
         now = self.clock()
         if self.last is None:
-            self.prom.ttft.observe(now - self.start)
+            self.ttft_s = now - self.start
+            self.prom.ttft.observe(self.ttft_s)
         else:
             self.prom.inter_token.observe(now - self.last)
         self.last = now

@@ -215,7 +215,8 @@ class OpenAIEngine:
             m = result.metrics
             summary.update(completion_tokens=n, rounds=m.rounds, drafted=m.drafted, accepted=m.accepted,
                            acceptance_rate=round(m.acceptance_rate, 4), cloud_calls=m.cloud_calls,
-                           local_commits=m.local_commits, ttft_s=round(m.ttft_ms / 1000, 4),
+                           local_commits=m.local_commits,
+                           ttft_s=None if clock.ttft_s is None else round(clock.ttft_s, 4),
                            route_key=result.route_key)
         if cancelled.is_set() and not text.stopped:
             return None

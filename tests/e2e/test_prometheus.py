@@ -159,4 +159,5 @@ def test_prometheus_scrapes_both_services_and_the_dashboard_has_data(
     edge_lines = [ln for ln in json_lines(Path(edge._log.name)) if ln.get("event") == "generation"]
     mine = [ln for ln in edge_lines if ln.get("x_request_id") == rid]
     assert len(mine) == 1 and mine[0]["finish"] in ("stop", "length") and mine[0]["rounds"] >= 1
+    assert 0 < mine[0]["ttft_s"] <= mine[0]["duration_s"]
     assert len(edge_lines) == len(PROMPTS)

@@ -31,6 +31,7 @@ def test_token_clock_observes_first_token_from_arrival_then_gaps_between_tokens(
         tc.tick()
     clock.t = 102.0
     tc.finished()
+    assert tc.ttft_s is not None and abs(tc.ttft_s - 0.3) < 1e-9
     v = values(prom)
     p = "specsplit_edge_"
     assert v[(p + "time_to_first_token_seconds_count", ())] == 1
