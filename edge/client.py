@@ -16,6 +16,7 @@ from shared.config import SamplingConfig
 from shared.errors import InvalidArgument, SpecSplitError
 from shared.verify import DraftKind
 
+from .deadline import DeadlineConfig
 from .drafters.base import DraftBlock, Drafter
 from .gating import GateThresholds
 from .metrics import CommittedToken, EdgeMetrics, Origin, RoundRecord
@@ -266,7 +267,11 @@ class EdgeClient:
 
     def _policy(self) -> RecoveryPolicy:
         s = self.settings
-        return RecoveryPolicy(timeout_s=s.timeout_ms / 1000, timeout_fallback=s.timeout_fallback,
+        deadline = DeadlineConfig(
+            fixed_s=None if s.timeout_ms is None else s.timeout_ms / 1000, first_s=s.deadline_first_ms / 1000,
+            floor_s=s.deadline_floor_ms / 1000, ceiling_s=s.deadline_ceiling_ms / 1000,
+            multiplier=s.deadline_multiplier)
+        return RecoveryPolicy(deadline=deadline, timeout_fallback=s.timeout_fallback,
                               open_timeout_s=s.open_timeout_s, max_retries=s.max_retries,
                               backoff_s=s.backoff_ms / 1000, backoff_max_s=s.backoff_max_ms / 1000)
 

@@ -1,8 +1,8 @@
 """The edge's one settings class (env prefix SPECSPLIT_EDGE_), validated when built.
 
 Defaults follow the engineering guide: temperature 1.0, top-p 0.9, repetition penalty 1.1, k
-starting at 6 in [3, 12] (+1 when la/k >= 0.8, -1 when la/k <= 0.4), gating off, a 400 ms verify
-timeout with the "commit the first draft token" fallback.
+starting at 6 in [3, 12] (+1 when la/k >= 0.8, -1 when la/k <= 0.4), gating off, an adaptive verify
+deadline (edge/deadline.py) and every token verified: the lossy timeout fallback is opt-in.
 """
 
 from __future__ import annotations
@@ -87,10 +87,15 @@ class EdgeSettings(BaseSettings):
     # digits, dates and amounts in the detokenized draft always go to the cloud
     rule_triggers: bool = True
 
-    # verify answers later than this are discarded
-    timeout_ms: float = Field(default=400.0, gt=0)
-    # on such a timeout: commit the first draft token locally (lossy) instead of retrying
-    timeout_fallback: bool = True
+    # a fixed verify deadline (ms) for every first attempt; unset = adaptive (edge/deadline.py)
+    timeout_ms: float | None = Field(default=None, gt=0)
+    # the adaptive deadline: the first round's, its bounds, and the multiple of the observed high percentile
+    deadline_first_ms: float = Field(default=10_000.0, gt=0)
+    deadline_floor_ms: float = Field(default=500.0, gt=0)
+    deadline_ceiling_ms: float = Field(default=30_000.0, gt=0)
+    deadline_multiplier: float = Field(default=4.0, ge=1)
+    # on a missed deadline: commit the first draft token unverified (lossy, counted) instead of resending
+    timeout_fallback: bool = False
     # timeout of session open / close / model info / cloud_only generation
     open_timeout_s: float = Field(default=30.0, gt=0)
     # attempts after 429 / 413 / 5xx / connection errors, exponential backoff between them
@@ -110,6 +115,8 @@ class EdgeSettings(BaseSettings):
     def _check(self) -> EdgeSettings:
         if not self.k_min <= self.k_start <= self.k_max:
             raise ValueError(f"need k_min <= k_start <= k_max, got {self.k_min}, {self.k_start}, {self.k_max}")
+        if self.deadline_floor_ms > self.deadline_ceiling_ms:
+            raise ValueError("deadline_floor_ms must not exceed deadline_ceiling_ms")
         if self.k_down_at >= self.k_up_at:
             raise ValueError("k_down_at must be below k_up_at")
         self.sampling()  # raises on a bad combination
