@@ -20,10 +20,10 @@ from .deadline import DeadlineConfig
 from .drafters.base import DraftBlock, Drafter
 from .gating import GateThresholds
 from .metrics import CommittedToken, EdgeMetrics, Origin, RoundRecord
-from .pairing import check_pairing
+from .pairing import check_pairing, fit_drafter
 from .round_control import KController
 from .settings import EdgeSettings, Mode
-from .speculative import RecoveryPolicy, SessionParams, SpeculativeRun, check_vocab
+from .speculative import RecoveryPolicy, SessionParams, SpeculativeRun
 from .transport.base import ModelInfo, Transport, check_route_key, new_route_key
 from .transport.errors import CloudTimeout, is_retryable, retry_delay
 
@@ -116,13 +116,20 @@ class _Job:
     stop_reason: str = ""
 
 
+def _draft_part(drafter: Any, name: str) -> Any:
+    """Attribute `name` of a model drafter, also inside a hybrid (.model) or a server's wrapper (.inner)."""
+    inner = getattr(drafter, "inner", None)
+    for part in (drafter, getattr(drafter, "model", None), inner, getattr(inner, "model", None)):
+        value = getattr(part, name, None)
+        if value is not None:
+            return value
+    return None
+
+
 def _draft_fingerprint(drafter: Any) -> str | None:
     """The tokenizer fingerprint a model drafter (or a hybrid's model half) was stored with."""
-    for part in (drafter, getattr(drafter, "model", None)):
-        fp = getattr(part, "tokenizer_fingerprint", None)
-        if isinstance(fp, str):
-            return fp
-    return None
+    fp = _draft_part(drafter, "tokenizer_fingerprint")
+    return fp if isinstance(fp, str) else None
 
 
 class EdgeClient:
@@ -286,9 +293,10 @@ class EdgeClient:
         s = self.settings
         drafter = drafter or self.drafter
         info = self.model_info()
-        check_vocab(getattr(drafter, "vocab_size", None), info.vocab_size)
-        check_pairing(info, self.tokenizer, self.settings.tokenizer_dir(),
-                      _draft_fingerprint(drafter), None)
+        rows = _draft_part(drafter, "logit_rows")
+        support = check_pairing(info, self.tokenizer, self.settings.tokenizer_dir(), _draft_fingerprint(drafter),
+                                int(rows) if rows is not None else None)
+        fit_drafter(drafter, support)  # q over the tokenizer's ids, as p
         gate = None
         if s.gating:
             gate = GateThresholds(t_nll=s.t_nll, t_entropy_bits=s.t_entropy_bits, t_margin=s.t_margin,
@@ -305,8 +313,6 @@ class EdgeClient:
                                   f"{drafter.max_context} positions")
         traffic0 = (self.transport.traffic.bytes_up, self.transport.traffic.bytes_down)
         run.open(job.prompt_ids, job.max_new_tokens)
-        if getattr(drafter, "vocab_size", 1) is None:  # n-gram: point masses need the vocabulary size
-            drafter.vocab_size = run.vocab_size  # type: ignore[attr-defined]
         try:
             emitted = 0
             while emitted < job.max_new_tokens and (max_context is None or len(run.S) < max_context):

@@ -332,8 +332,3 @@ class SpeculativeRun:
             bytes_down=traffic[1], hard_ratio=None if decision is None else decision.hard_ratio,
             triggered=False if decision is None else decision.triggered, extra_calls=max(0, extra_calls)))
 
-
-def check_vocab(drafter_vocab: int | None, target_vocab: int) -> None:
-    """The draft and target must share the tokenizer: at least the same vocabulary size."""
-    if drafter_vocab is not None and target_vocab and drafter_vocab != target_vocab:
-        raise InvalidArgument(f"draft vocabulary ({drafter_vocab}) differs from the target's ({target_vocab})")

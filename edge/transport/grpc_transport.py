@@ -104,7 +104,8 @@ class GrpcTransport:
         m = self._call(self._stub.GetModel, pb.GetModelRequest(), timeout)
         return ModelInfo(model_id=m.model_id, vocab_size=m.vocab_size, eos_ids=list(m.eos_ids),
                          max_context=m.max_context, dtype=m.dtype, device=m.device,
-                         tokenizer_fingerprint=m.tokenizer_fingerprint, max_k=m.max_k)
+                         tokenizer_fingerprint=m.tokenizer_fingerprint, max_k=m.max_k,
+                         tokenizer_size=m.tokenizer_size)
 
     def generate(self, prompt_ids: list[int], cfg: SamplingConfig, seed: int, max_new_tokens: int,
                  timeout: float) -> GenerateResult:

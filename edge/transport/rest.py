@@ -117,7 +117,8 @@ class RestTransport:
         return ModelInfo(model_id=str(d.get("model_id", "")), vocab_size=int(d["vocab_size"]),
                          eos_ids=[int(i) for i in d.get("eos_ids") or []], max_context=int(d.get("max_context") or 0),
                          dtype=str(d.get("dtype", "")), device=str(d.get("device", "")),
-                         tokenizer_fingerprint=str(d.get("tokenizer_fingerprint", "")), max_k=int(d.get("max_k") or 0))
+                         tokenizer_fingerprint=str(d.get("tokenizer_fingerprint", "")), max_k=int(d.get("max_k") or 0),
+                         tokenizer_size=int(d.get("tokenizer_size") or 0))
 
     def generate(self, prompt_ids: list[int], cfg: SamplingConfig, seed: int, max_new_tokens: int,
                  timeout: float) -> GenerateResult:
