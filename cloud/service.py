@@ -152,7 +152,7 @@ class VerifierService:
                         correction=req.correction, max_new_tokens=req.max_new_tokens,
                         prompt_len=len(req.prompt_ids), context=Context.of(req.prompt_ids), slot=pre.slot,
                         kv_bytes_per_token=self.model.kv_bytes_per_token, last_used=now, created=now,
-                        kv_len=len(pre.ids))
+                        kv_len=len(pre.ids), replay_bytes_limit=self.settings.replay_cache_bytes)
             self.store.add(s)
         self.metrics.prefill_ms.observe(ms)
         self.metrics.queue_ms.observe(queue_ms)
