@@ -42,8 +42,14 @@ def main(argv: list[str] | None = None) -> int:
 
     from cloud.app import serve
     from cloud.logs import setup_logging
+    from cloud.ports import PortInUse, check_ports_free
     from cloud.service import VerifierService
 
+    try:
+        check_ports_free(settings.host, settings.http_port, settings.grpc_port)  # before the model load
+    except OSError as e:
+        print(f"specsplit-cloud: cannot start: {e}", file=sys.stderr)
+        return 2
     setup_logging(settings.log_level)
     try:
         service = VerifierService.load(settings)
@@ -54,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(serve(service))
     except OSError as e:
         print(f"specsplit-cloud: cannot serve: {e}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(e, PortInUse) else 1
     return 0
 
 
