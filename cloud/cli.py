@@ -35,6 +35,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = settings_from_args(argv)
     except ValidationError as e:
+        if any(err["type"] == "missing" and tuple(err["loc"]) == ("model",) for err in e.errors()):
+            print("specsplit-cloud: no target model: pass --model DIR (a Hugging Face model directory) or set "
+                  "SPECSPLIT_CLOUD_MODEL", file=sys.stderr)
+            return 2
         problems = "; ".join(f"{'.'.join(str(x) for x in err['loc']) or 'settings'}: {err['msg']}"
                              for err in e.errors())
         print(f"specsplit-cloud: bad settings: {problems}", file=sys.stderr)

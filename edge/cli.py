@@ -226,7 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return serve(args) if args.command == "serve" else generate(args)
     except ValidationError as e:
-        print(f"specsplit-edge: bad settings: {e}", file=sys.stderr)
+        problems = "; ".join(f"{'.'.join(str(x) for x in err['loc']) or 'settings'}: {err['msg']}"
+                             for err in e.errors())
+        print(f"specsplit-edge: bad settings: {problems}", file=sys.stderr)
         return 2
     except SpecSplitError as e:
         extra = f" [error_id {e.details['error_id']}]" if "error_id" in e.details else ""

@@ -116,6 +116,20 @@ class _Job:
     stop_reason: str = ""
 
 
+def check_tokenizer_dir(settings: EdgeSettings) -> str:
+    """The tokenizer directory; UnsupportedModel naming the flag when it does not exist (no hub download)."""
+    from pathlib import Path
+
+    from shared.kvpool import UnsupportedModel
+
+    path = settings.tokenizer_dir()
+    if not Path(path).is_dir():
+        flag = "--tokenizer" if settings.tokenizer else "--draft"
+        raise UnsupportedModel(f"{path} does not exist: pass {flag} DIR (a local Hugging Face model directory; "
+                               "nothing is downloaded)" + ("" if settings.tokenizer else " or --draft ngram"))
+    return path
+
+
 def _draft_part(drafter: Any, name: str) -> Any:
     """Attribute `name` of a model drafter, also inside a hybrid (.model) or a server's wrapper (.inner)."""
     inner = getattr(drafter, "inner", None)
@@ -180,7 +194,7 @@ class EdgeClient:
         if self._tokenizer is None:
             from shared.tokenizer_id import load_tokenizer
 
-            self._tokenizer = load_tokenizer(self.settings.tokenizer_dir())
+            self._tokenizer = load_tokenizer(check_tokenizer_dir(self.settings))
         return self._tokenizer
 
     def model_info(self) -> ModelInfo:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.config import SamplingConfig
@@ -117,6 +117,22 @@ class EdgeSettings(BaseSettings):
     # hybrid_min_level tokens, the model's for the rest of the block
     hybrid: bool = False
     hybrid_min_level: int = Field(default=2, ge=1)
+
+    @field_validator("cloud_url")
+    @classmethod
+    def _url_has_a_scheme(cls, v: str) -> str:
+        if not v.startswith(("http://", "https://")):
+            raise ValueError(f"the cloud URL must start with http:// or https:// (e.g. http://{v or 'HOST:8000'}), "
+                             f"got {v!r}")
+        return v
+
+    @field_validator("grpc_target")
+    @classmethod
+    def _grpc_target_is_host_port(cls, v: str | None) -> str | None:
+        if v is not None and "://" in v:
+            raise ValueError(f"the gRPC target is HOST:PORT without a scheme (e.g. {v.split('://', 1)[1]}), "
+                             f"got {v!r}")
+        return v
 
     @model_validator(mode="after")
     def _check(self) -> EdgeSettings:

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from shared.config import SamplingConfig
-from shared.errors import ContextMismatch, InvalidArgument, NotFound, SpecSplitError
+from shared.errors import ContextMismatch, NotFound, SpecSplitError
 from shared.hashing import FNV_OFFSET, hash_hex, prefix_hashes
 from shared.protocol import DraftProposal, OpenSessionRequest, SparseDist, VerifyRequest, VerifyResponse
 from shared.verify import sample_residual

@@ -27,6 +27,8 @@ def load_tokenizer(path: str | Path) -> Any:
 
     from shared.kvpool import UnsupportedModel
 
+    if not Path(path).is_dir():  # never a hub download: every model here is a local directory
+        raise UnsupportedModel(f"no tokenizer directory {path}: it does not exist")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, TypeError, KeyError) as e:

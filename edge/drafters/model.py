@@ -18,7 +18,7 @@ import torch
 
 from shared.config import SamplingConfig
 from shared.hf_model import check_rollback, load_causal_lm
-from shared.kvpool import KVPool, Row, attention_layout
+from shared.kvpool import KVPool, Row, UnsupportedModel, attention_layout
 from shared.rng import position_uniform, sample_index
 from shared.sampling import process_logits
 from shared.tokenizer_id import load_tokenizer, tokenizer_fingerprint
@@ -61,6 +61,9 @@ class ModelDrafter:
     wants_top_k = 0
 
     def __init__(self, model_dir: str | Path, device: str = "cpu", mc_dropout_samples: int = 0) -> None:
+        if not Path(model_dir).is_dir():
+            raise UnsupportedModel(f"the draft model directory {model_dir} does not exist: pass --draft DIR (a local "
+                                   "Hugging Face model directory; nothing is downloaded) or --draft ngram")
         self.model = load_causal_lm(Path(model_dir), device, torch.float32)
         self.device = device
         # rows of the draft's logits, and the ids q is taken over (the target's tokenizer_size once paired:
