@@ -50,7 +50,8 @@ _FLAGS: dict[str, str] = {"cloud": "cloud_url", "grpc": "grpc_target", "api_key"
                           "deadline_ceiling_ms": "deadline_ceiling_ms", "deadline_first_ms": "deadline_first_ms",
                           "ngram_order": "ngram_order",
                           "filler_top_k": "filler_top_k", "device": "device", "r_hard": "r_hard",
-                          "hybrid": "hybrid", "route_key": "route_key"}
+                          "hybrid": "hybrid", "route_key": "route_key",
+                          "max_body_bytes": "max_body_bytes"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -117,6 +118,7 @@ def add_serve_parser(sub: Any, generate: argparse.ArgumentParser) -> None:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8001)
     s.add_argument("--served-model-name", help="the model id clients send (default: the cloud's model id)")
+    s.add_argument("--max-body-bytes", type=int, help="largest request body; larger answer 413 (default 4 MiB)")
 
 
 def settings_from_args(args: argparse.Namespace) -> EdgeSettings:

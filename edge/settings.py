@@ -110,6 +110,9 @@ class EdgeSettings(BaseSettings):
     backoff_ms: float = Field(default=50.0, ge=0)
     backoff_max_ms: float = Field(default=2000.0, ge=0)
 
+    # serve: the largest request body (bytes) the OpenAI server reads; larger answer 413
+    max_body_bytes: int = Field(default=4 * 1024**2, ge=1024)
+
     # n-gram drafter: longest context (tokens) and target top-k ids added per checked position
     ngram_order: int = Field(default=4, ge=1)
     filler_top_k: int = Field(default=0, ge=0)
