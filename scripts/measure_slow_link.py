@@ -33,7 +33,7 @@ def run(url: str, cloud: str, drafter: Any, new: int, **kw: Any) -> dict[str, An
     exact = unverified = emitted = timeouts = 0
     t0 = time.perf_counter()
     for prompt in PROMPTS:
-        base = dict(temperature=0, repetition_penalty=1.0, max_new_tokens=new, stop_at_eos=False,
+        base: dict[str, Any] = dict(temperature=0, repetition_penalty=1.0, max_new_tokens=new, stop_at_eos=False,
                     draft=str(REPO / "models" / "demo-draft"))
         target = EdgeClient(EdgeSettings(cloud_url=cloud, mode="cloud_only", **base)).generate(prompt).token_ids
         try:
