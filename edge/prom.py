@@ -46,6 +46,8 @@ class EdgePrometheus:
     cloud_calls: Counter
     # tokens committed without the cloud's check (gate, timeout fallback)
     local_commits: Counter
+    # of those, tokens committed unverified after a missed verify deadline (--timeout-fallback only)
+    timeout_fallbacks: Counter
     # recovery: resends after retryable errors, reopened sessions, resyncs after 409, late answers
     retries: Counter
     reopens: Counter
@@ -91,6 +93,8 @@ class EdgePrometheus:
             cloud_calls=Counter(p + "cloud_calls", "Requests to the cloud, every attempt counted.", registry=r),
             local_commits=Counter(p + "local_commits", "Tokens committed without the cloud's check (lossy).",
                                   registry=r),
+            timeout_fallbacks=Counter(p + "timeout_fallbacks", "Of those, tokens committed unverified after a "
+                                      "missed verify deadline (--timeout-fallback only).", registry=r),
             retries=Counter(p + "retries", "Cloud requests resent after retryable errors.", registry=r),
             reopens=Counter(p + "reopens", "Cloud sessions reopened after 404.", registry=r),
             resyncs=Counter(p + "resyncs", "Rounds resent from the cloud's length after 409.", registry=r),
@@ -129,6 +133,7 @@ class EdgePrometheus:
         self.accepted.inc(m.accepted)
         self.cloud_calls.inc(m.cloud_calls)
         self.local_commits.inc(m.local_commits)
+        self.timeout_fallbacks.inc(m.timeout_fallbacks)
         self.retries.inc(m.retries)
         self.reopens.inc(m.reopens)
         self.resyncs.inc(m.resyncs)
