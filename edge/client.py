@@ -282,6 +282,13 @@ class EdgeClient:
                                 rounds=job.rounds, metrics=job.metrics, mode=job.mode, stop_reason=job.stop_reason,
                                 route_key=job.route_key)
 
+    def _routed(self, job: _Job) -> Transport:
+        """The generation's view of the transport; a request id is passed only when there is one, so a
+        transport whose routed() takes the routing key alone still serves generations without one."""
+        if job.request_id is None:
+            return self.transport.routed(job.route_key)
+        return self.transport.routed(job.route_key, job.request_id)
+
     def _eos_ids(self, mode: Mode) -> list[int]:
         """The target's end-of-sequence ids (the tokenizer's in edge_only mode)."""
         if mode != "edge_only":
@@ -320,7 +327,7 @@ class EdgeClient:
         if s.gating:
             gate = GateThresholds(t_nll=s.t_nll, t_entropy_bits=s.t_entropy_bits, t_margin=s.t_margin,
                                   t_mc_var=s.t_mc_var, r_hard=s.r_hard)
-        transport = self.transport.routed(job.route_key, job.request_id)
+        transport = self._routed(job)
         run = SpeculativeRun(transport, drafter, job.params, self._k_controller(), job.metrics, self._policy(),
                              gate=gate, rule_triggers=s.rule_triggers, detokenize=self.decode if gate else None,
                              clock=self.clock, sleep=self.sleep)
@@ -369,7 +376,7 @@ class EdgeClient:
                 yield CommittedToken(tok, "local", job.metrics.rounds - 1)
 
     def _cloud_only(self, job: _Job) -> Generator[CommittedToken, None, None]:
-        transport = self.transport.routed(job.route_key, job.request_id)
+        transport = self._routed(job)
         if not transport.supports_generate:
             s0 = replace(job.params, send_q_dists=False)
             job.params = s0
