@@ -119,7 +119,7 @@ class Session:
     def set_kv_len(self, pool: KVPool, n: int) -> None:
         """The slot holds the KV of S[:n] (model thread only)."""
         if self.slot is not None:
-            pool.lengths[self.slot] = n
+            pool.set_length(self.slot, n)
         self.kv_len = n
 
     def remember(self, request_id: str, fingerprint: str, response: VerifyResponse, keep: int) -> None:
