@@ -138,6 +138,14 @@ class KVPool:
         self._shapes = [(int(la.keys.shape[1]), int(la.keys.shape[3]), int(la.values.shape[3])) for la in layers]
         size = torch.tensor([], dtype=self.dtype).element_size()
         self.bytes_per_position = sum(h * (dk + dv) for h, dk, dv in self._shapes) * size
+        self._sized()
+
+    def prepare_like(self, other: KVPool) -> None:
+        """`prepare` without a forward: the same model as `other`'s (already prepared)."""
+        self._shapes, self.bytes_per_position = list(other._shapes), other.bytes_per_position
+        self._sized()
+
+    def _sized(self) -> None:
         if self.blocks is None:
             block_bytes = self.bytes_per_position * self.block_size
             assert self.budget_bytes is not None
@@ -145,15 +153,6 @@ class KVPool:
                 raise ValueError(f"kv_budget_bytes = {self.budget_bytes} holds not one KV block of "
                                  f"{block_bytes} bytes; raise it")
             self.blocks = BlockManager(self.block_size, self.budget_bytes // block_bytes, self.prefix_cache)
-        self._fit()
-
-    def prepare_like(self, other: KVPool) -> None:
-        """`prepare` without a forward: the same model as `other`'s (already prepared)."""
-        self._shapes, self.bytes_per_position = list(other._shapes), other.bytes_per_position
-        if self.blocks is None:
-            assert self.budget_bytes is not None
-            self.blocks = BlockManager(self.block_size, self.budget_bytes // (self.bytes_per_position * self.block_size),
-                                       self.prefix_cache)
         self._fit()
 
     def _fit(self) -> None:
