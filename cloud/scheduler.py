@@ -9,9 +9,8 @@ decode steps. Whenever the model is free, the thread builds one forward under a 
    (`append_ids`) is longer than the budget runs its context in prefill chunks first (each chunk
    one forward's worth), then its verify row.
 2. Prefills fill the rest of the budget: session opens and /v1/generate prompts, chunked to what is
-   left. They are taken round-robin over API keys (the first prefill of every key in order of
-   arrival, then the second of every key, ...), so one key's burst of opens cannot starve another
-   key's.
+   left. They are taken round-robin over API keys (the key whose prefill ran least recently first,
+   each key's prefills in arrival order), so one key's burst of opens cannot starve another key's.
 So a round that arrives during a burst of prefills runs in the next forward: it waits at most for
 the forward in progress (one forward of at most `max_batch_tokens` tokens), never for the burst.
 3. KV blocks: each row needs the blocks its new positions take (`blocks_needed`). When they are not
@@ -131,6 +130,9 @@ class Scheduler:
     # model thread only: when each key was last answered (monotonic s), and the last forward's time (s)
     _answered: dict[str, float] = field(default_factory=dict)
     _last_forward_s: float = 0.0
+    # model thread only: the number of the last forward that ran a prefill of each owner, and forwards run
+    _served: dict[str, int] = field(default_factory=dict)
+    _forwards: int = 0
 
     def __post_init__(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="model", daemon=True)
@@ -256,15 +258,16 @@ class Scheduler:
                 self._queue.remove(job)
 
     def _order(self, jobs: list[Job[Any]]) -> list[Job[Any]]:
-        """Running work in arrival order, then prefills round-robin over owners (see the module docstring)."""
+        """Running work in arrival order, then prefills round-robin over owners: the owner served least
+        recently first, and each owner's prefills in arrival order (see the module docstring)."""
         running = [j for j in jobs if j.kind != PREFILL]
         rank: dict[str, int] = {}
         prefills = []
         for i, j in enumerate(jobs):
             if j.kind == PREFILL:
                 rank[j.owner] = rank.get(j.owner, -1) + 1
-                prefills.append((rank[j.owner], i, j))
-        return running + [j for _, _, j in sorted(prefills, key=lambda t: (t[0], t[1]))]
+                prefills.append((self._served.get(j.owner, -1), rank[j.owner], i, j))
+        return running + [t[3] for t in sorted(prefills, key=lambda t: t[:3])]
 
     def _fail(self, job: Job[Any], e: BaseException) -> None:
         self._drop(job)
@@ -316,6 +319,10 @@ class Scheduler:
             batch.append((job, row))
         if not batch:
             return
+        self._forwards += 1
+        for job, _ in batch:
+            if job.kind == PREFILL:
+                self._served[job.owner] = self._forwards
         now, wall = self.clock(), time.monotonic()
         waits = []
         for job, _ in batch:
