@@ -284,7 +284,7 @@ class Scheduler:
             return
         cut = next((i for i, j in enumerate(jobs) if j.call is not None), len(jobs))  # a call keeps its place
         batch: list[tuple[Job[Any], Row]] = []
-        budget, blocks = self.max_batch_tokens, self.blocks_available()
+        budget, reserved = self.max_batch_tokens, 0
         for job in self._order(jobs[:cut]):
             if len(batch) >= self.max_batch_size or budget <= 0:
                 break
@@ -304,17 +304,18 @@ class Scheduler:
                 continue
             if batch and len(row.ids) > budget:
                 continue  # waits for a later forward
-            need = self.blocks_needed(row)
-            if need > blocks:
-                self.make_room(need - blocks)
-                blocks = self.blocks_available() - sum(self.blocks_needed(r) for _, r in batch)
-            if need > blocks:
+            # a plan may have taken cached prefix blocks: count what is left now
+            need, left = self.blocks_needed(row), self.blocks_available() - reserved
+            if need > left:
+                self.make_room(need - left)
+                left = self.blocks_available() - reserved
+            if need > left:
                 if not batch:
                     self._fail(job, ResourceExhausted(
                         f"the KV cache is full ({need} more blocks needed; no idle session or cached "
                         "block is left to evict); retry later", limit="kv_budget_bytes"))
                 continue  # waits for a later forward
-            blocks -= need
+            reserved += need
             budget -= len(row.ids)
             batch.append((job, row))
         if not batch:

@@ -6,8 +6,8 @@ sessions as one forward; the edge's draft model is a pool of one sequence.
 
 Layout. Positions live in fixed-size blocks (shared/blocks.py keeps the accounting: block tables,
 free list, reference counts, the prefix cache). For every attention layer l, `K[l]` and `V[l]` are
-tensors [blocks x block_size, kv_heads, head_dim]: pool row b * block_size + o holds offset o of
-block b. A sequence (an id from `allocate`) is a block table and a length n; crop = set n and free
+tensors [kv_heads, blocks x block_size, head_dim]: pool row b * block_size + o holds offset o of
+block b (head-major, so a row's gathered keys are contiguous per head). A sequence (an id from `allocate`) is a block table and a length n; crop = set n and free
 the whole blocks past it (no copy). Memory = blocks that exist, never more than the budget.
 
 A forward. Rows are (seq, c, ids): the sequence's first c positions are cached and `ids` follow at
@@ -117,7 +117,7 @@ class KVPool:
         self.max_positions = max_positions
         self.device, self.dtype = torch.device(device), dtype
         self.budget_bytes, self.block_size, self.prefix_cache = budget_bytes, block_size, prefix_cache
-        self.keys: list[torch.Tensor] = []  # per layer [capacity x block_size, H, D]
+        self.keys: list[torch.Tensor] = []  # per layer [H, capacity x block_size, D]
         self.values: list[torch.Tensor] = []
         # bytes one position of one sequence takes over all layers (known once `prepare` ran)
         self.bytes_per_position = 0
@@ -159,14 +159,14 @@ class KVPool:
         """Make the tensors hold every block the manager has (growth copies what exists)."""
         assert self.blocks is not None
         rows = self.blocks.capacity * self.block_size
-        if self.keys and self.keys[0].shape[0] >= rows:
+        if self.keys and self.keys[0].shape[1] >= rows:
             return
         with torch.inference_mode(False):  # normal tensors: writable in and outside inference mode
             for store, which in ((self.keys, 1), (self.values, 2)):
                 for i, shape in enumerate(self._shapes):
-                    grown = torch.zeros(rows, shape[0], shape[which], dtype=self.dtype, device=self.device)
+                    grown = torch.zeros(shape[0], rows, shape[which], dtype=self.dtype, device=self.device)
                     if i < len(store):
-                        grown[: store[i].shape[0]] = store[i]
+                        grown[:, : store[i].shape[1]] = store[i]
                         store[i] = grown
                     else:
                         store.append(grown)
@@ -232,9 +232,12 @@ class KVPool:
                 src = torch.arange(copy[0] * self.block_size, (copy[0] + 1) * self.block_size, device=self.device)
                 dst = src + (copy[1] - copy[0]) * self.block_size
                 for t in (*self.keys, *self.values):
-                    t[dst] = t[src]
+                    t[:, dst] = t[:, src]
         batch = _Batch.build(self, rows)
-        want = [batch.starts[b] + t for b, r in enumerate(rows) for t in range(len(r.ids) - r.keep, len(r.ids))]
+        starts = [0]
+        for r in rows:
+            starts.append(starts[-1] + len(r.ids))
+        want = [starts[b] + t for b, r in enumerate(rows) for t in range(len(r.ids) - r.keep, len(r.ids))]
         keep_idx = torch.tensor(want or [0], dtype=torch.long, device=self.device)  # [P]
         view = _PagedView(self, batch)
         dummy = torch.zeros(1, 1, 1, 1, dtype=torch.bool, device=self.device)  # masks are built per row
@@ -252,20 +255,59 @@ class KVPool:
         return result
 
 
+# rows with at most this many new tokens (verify rows, decode steps) share one attention call per layer
+SHORT_ROW = 16
+# ... while the group's padded attention (rows x longest row x widest keys) stays within this factor of its
+# real attention (sum of new tokens x keys over its rows)
+GROUP_SLACK = 2.0
+
+
+@dataclass
+class _Group:
+    """Short rows whose attention runs as one padded call: each row's queries and keys are padded to the
+    group's longest, padding is masked out (never attended, never returned)."""
+    # [G x W] pool rows of each row's keys (padding repeats a valid pool row; it is masked)
+    keys: torch.Tensor
+    # [G x N] flat index of each row's queries (padding repeats a valid query; its output is dropped)
+    queries: torch.Tensor
+    # [G, 1, N, W] True where query t of row g may attend key j
+    mask: torch.Tensor
+    # positions in the padded [G x N] output that are real, and their flat indices
+    src: torch.Tensor
+    dst: torch.Tensor
+    shape: tuple[int, int, int]  # G, N, W
+
+
+@dataclass
+class _Single:
+    """A long row (a prefill chunk): its own attention call."""
+    keys: torch.Tensor  # [W] pool rows
+    start: int
+    n: int
+    mask: torch.Tensor | None  # [n, W]
+
+
+def _row_mask(past: int, n: int, lo: int, w: int, window: int | None) -> torch.Tensor:
+    """[n, w] True where query t (position past + t) may see key j (position lo + j)."""
+    qp = torch.arange(past, past + n)[:, None]  # [n, 1]
+    kp = torch.arange(lo, lo + w)[None, :]  # [1, W]
+    seen = kp <= qp
+    if window is not None:
+        seen &= (qp - kp) < window
+    return seen
+
+
 @dataclass
 class _Batch:
-    """The flattened batch of one forward: inputs, the write slot mapping, per-row read indices."""
+    """The flattened batch of one forward: inputs, the write slot mapping, per-kind read plans."""
     pool: KVPool
-    rows: list[Row]
     # [1, T] token ids and positions of every row's tokens, row after row
     ids: torch.Tensor
     positions: torch.Tensor
     # [T] pool rows where the new K/V go
     write: torch.Tensor
-    # first flat index of each row
-    starts: list[int]
-    # per window kind (None = full): [sum W_b] pool rows to gather, each row's (offset, first position, W)
-    read: dict[int | None, tuple[torch.Tensor, list[tuple[int, int, int]]]]
+    # per window kind (None = full): the attention calls of one layer
+    read: dict[int | None, list[_Group | _Single]]
 
     @classmethod
     def build(cls, pool: KVPool, rows: list[Row]) -> _Batch:
@@ -279,19 +321,53 @@ class _Batch:
             ids.extend(r.ids)
             pos.extend(range(r.past, r.past + len(r.ids)))
             write.extend(m.slots(r.slot, r.past, r.past + len(r.ids)))
-        read = {}
+        read: dict[int | None, list[_Group | _Single]] = {}
         for w in pool.layout.kinds:
-            idx: list[int] = []
-            spans = []
-            for r in rows:
-                end = r.past + len(r.ids)
+            calls: list[_Group | _Single] = []
+            short = []
+            for r, start in zip(rows, starts, strict=True):
+                end, n = r.past + len(r.ids), len(r.ids)
                 lo = 0 if w is None else max(0, r.past - w + 1)
-                spans.append((len(idx), lo, end - lo))
-                idx.extend(m.slots(r.slot, lo, end))
-            read[w] = (torch.tensor(idx, dtype=torch.long, device=dev), spans)
+                if n > SHORT_ROW:
+                    keys = torch.tensor(m.slots(r.slot, lo, end), dtype=torch.long, device=dev)
+                    calls.append(_Single(keys, start, n, _row_mask(r.past, n, lo, end - lo, w).to(dev)))
+                else:
+                    short.append((end - lo, n, lo, r, start))
+            short.sort(key=lambda t: t[0])
+            group: list[tuple[int, int, int, Row, int]] = []
+            for item in short:
+                trial = group + [item]
+                padded = len(trial) * item[0] * max(t[1] for t in trial)
+                if group and padded > GROUP_SLACK * sum(t[0] * t[1] for t in trial):
+                    calls.append(_group(m, group, w, dev))
+                    trial = [item]
+                group = trial
+            if group:
+                calls.append(_group(m, group, w, dev))
+            read[w] = calls
         p = torch.tensor(pos, dtype=torch.long).clamp(max=pool.max_positions - 1)
-        return cls(pool, rows, torch.tensor([ids], dtype=torch.long, device=dev), p[None].to(dev),
-                   torch.tensor(write, dtype=torch.long, device=dev), starts, read)
+        return cls(pool, torch.tensor([ids], dtype=torch.long, device=dev), p[None].to(dev),
+                   torch.tensor(write, dtype=torch.long, device=dev), read)
+
+
+def _group(m: BlockManager, rows: list[tuple[int, int, int, Row, int]], window: int | None,
+           dev: torch.device) -> _Group:
+    G, N, W = len(rows), max(t[1] for t in rows), max(t[0] for t in rows)
+    keys, queries, src, dst = [], [], [], []
+    mask = torch.zeros(G, 1, N, W, dtype=torch.bool)
+    for g, (w, n, lo, r, start) in enumerate(rows):
+        slots = m.slots(r.slot, lo, lo + w)
+        keys.extend(slots + [slots[0]] * (W - w))
+        queries.extend(list(range(start, start + n)) + [start] * (N - n))
+        mask[g, 0, :n, :w] = _row_mask(r.past, n, lo, w, window)
+        mask[g, 0, n:, 0] = True  # padded queries see one key (no empty softmax); their output is dropped
+        src.extend(range(g * N, g * N + n))
+        dst.extend(range(start, start + n))
+
+    def t(x: list[int]) -> torch.Tensor:
+        return torch.tensor(x, dtype=torch.long, device=dev)
+
+    return _Group(t(keys), t(queries), mask.to(dev), t(src), t(dst), (G, N, W))
 
 
 class _PagedView(Cache):
@@ -314,9 +390,9 @@ class _PagedView(Cache):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the new K/V ([1, H, T, D]) at the batch's slot mapping; attention reads the pool."""
-        k, v = self.pool.keys[layer_idx], self.pool.values[layer_idx]
-        k.index_copy_(0, self.batch.write, key_states[0].transpose(0, 1).to(k.dtype))  # [T, H, D]
-        v.index_copy_(0, self.batch.write, value_states[0].transpose(0, 1).to(v.dtype))
+        k, v = self.pool.keys[layer_idx], self.pool.values[layer_idx]  # [H, rows, D]
+        k.index_copy_(1, self.batch.write, key_states[0].to(k.dtype))
+        v.index_copy_(1, self.batch.write, value_states[0].to(v.dtype))
         return key_states, value_states
 
 
@@ -351,46 +427,47 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     batch: _Batch = _active.batch
     pool = batch.pool
     layer = int(module.layer_idx)  # type: ignore[arg-type]
-    window = pool.layout.windows[layer]
-    idx, spans = batch.read[window]
-    keys = pool.keys[layer].index_select(0, idx)  # [sum W, H, D]
-    values = pool.values[layer].index_select(0, idx)
-    hq, hk = query.shape[1], keys.shape[1]
+    k_pool, v_pool = pool.keys[layer], pool.values[layer]  # [H, rows, D]
     q_all = query[0]  # [Hq, T, D]
-    out = query.new_empty(query.shape[2], hq, value.shape[-1])  # [T, Hq, Dv]
-    for r, start, (off, lo, w) in zip(batch.rows, batch.starts, spans, strict=True):
-        n = len(r.ids)
-        q = q_all[:, start: start + n]  # [Hq, n, D]
-        k = keys[off: off + w].transpose(0, 1)  # [H, W, D]
-        v = values[off: off + w].transpose(0, 1)
-        mask = None
-        if n > 1:  # query t (position past + t) sees key j (position lo + j) iff lo + j <= past + t, within the window
-            qp = torch.arange(r.past, r.past + n, device=q.device)[:, None]  # [n, 1]
-            kp = torch.arange(lo, lo + w, device=q.device)[None, :]  # [1, W]
-            mask = kp <= qp
-            if window is not None:
-                mask &= (qp - kp) < window  # [n, W]
-        if softcap is None:
-            o = torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, scale=scaling, enable_gqa=hq != hk)  # [Hq, n, Dv]
-        else:
-            o = _softcapped(q, k, v, mask, scaling, softcap)
-        out[start: start + n] = o.transpose(0, 1)
+    hq, hk = q_all.shape[0], k_pool.shape[0]
+    out = query.new_empty(q_all.shape[1], hq, v_pool.shape[-1])  # [T, Hq, Dv]
+    for call in batch.read[pool.layout.windows[layer]]:
+        if isinstance(call, _Single):
+            q = q_all[:, call.start: call.start + call.n]  # [Hq, n, D]
+            k = k_pool.index_select(1, call.keys)  # [H, W, D]
+            v = v_pool.index_select(1, call.keys)
+            o = _attend(q, k, v, call.mask, scaling, softcap, hq != hk)  # [Hq, n, Dv]
+            out[call.start: call.start + call.n] = o.transpose(0, 1)
+            continue
+        G, N, W = call.shape
+        q = q_all.index_select(1, call.queries).view(hq, G, N, -1).transpose(0, 1)  # [G, Hq, N, D]
+        k = k_pool.index_select(1, call.keys).view(hk, G, W, -1).transpose(0, 1)  # [G, H, W, D]
+        v = v_pool.index_select(1, call.keys).view(hk, G, W, -1).transpose(0, 1)
+        o = _attend(q, k, v, call.mask, scaling, softcap, hq != hk)  # [G, Hq, N, Dv]
+        o = o.transpose(1, 2).reshape(G * N, hq, -1)  # [G x N, Hq, Dv]
+        out.index_copy_(0, call.dst, o.index_select(0, call.src))
     return out[None], None
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scaling: float | None,
+            softcap: float | None, gqa: bool) -> torch.Tensor:
+    if softcap is None:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)
+    return _softcapped(q, k, v, mask, scaling, softcap)
 
 
 def _softcapped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                 scaling: float | None, softcap: float) -> torch.Tensor:
     """Attention with tanh-capped scores (Gemma2), as transformers' eager path computes it."""
-    if q.shape[0] != k.shape[0]:
-        k = k.repeat_interleave(q.shape[0] // k.shape[0], dim=0)
-        v = v.repeat_interleave(q.shape[0] // v.shape[0], dim=0)
-    s = (q @ k.transpose(-1, -2)) * (scaling if scaling is not None else q.shape[-1] ** -0.5)  # [Hq, n, W]
+    if q.shape[-3] != k.shape[-3]:
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+        v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
+    s = (q @ k.transpose(-1, -2)) * (scaling if scaling is not None else q.shape[-1] ** -0.5)  # [.., Hq, n, W]
     s = torch.tanh(s / softcap) * softcap
     if mask is not None:
         s = s.masked_fill(~mask, torch.finfo(s.dtype).min)
     p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
-    return p @ v  # [Hq, n, Dv]
+    return p @ v  # [.., Hq, n, Dv]
 
 
 AttentionInterface.register(ATTENTION_NAME, paged_attention)
