@@ -133,7 +133,7 @@ class KVPool:
             return
         dev = next(model.parameters()).device  # type: ignore[attr-defined]
         out = model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=dev), use_cache=True,
-                    past_key_values=DynamicCache(config=model.config))  # type: ignore[operator]
+                    past_key_values=DynamicCache(config=model.config))  # type: ignore[operator, arg-type]
         layers = out.past_key_values.layers
         self._shapes = [(int(la.keys.shape[1]), int(la.keys.shape[3]), int(la.values.shape[3])) for la in layers]
         size = torch.tensor([], dtype=self.dtype).element_size()
@@ -353,7 +353,10 @@ class _Batch:
 def _group(m: BlockManager, rows: list[tuple[int, int, int, Row, int]], window: int | None,
            dev: torch.device) -> _Group:
     G, N, W = len(rows), max(t[1] for t in rows), max(t[0] for t in rows)
-    keys, queries, src, dst = [], [], [], []
+    keys: list[int] = []
+    queries: list[int] = []
+    src: list[int] = []
+    dst: list[int] = []
     mask = torch.zeros(G, 1, N, W, dtype=torch.bool)
     for g, (w, n, lo, r, start) in enumerate(rows):
         slots = m.slots(r.slot, lo, lo + w)

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.hf_model import load_causal_lm
 from shared.blocks import OutOfBlocks
+from shared.hf_model import load_causal_lm
 from shared.kvpool import KVPool, Row, attention_layout
 from tests.tiny_models import build
 
