@@ -8,7 +8,13 @@ finished with its own k + 1 distributions, so its answer does not depend on its 
 
 Positions (PROTOCOL.md): S' = S[:m] + append_ids with |S'| = ctx_len = L; draft y_i sits at
 position L + i; one forward over S'[c:] + y_1..y_k gives the k + 1 distributions
-p_1..p_{k+1} at positions L + 1 .. L + k + 1.
+p_1..p_{k+1} at positions L + 1 .. L + k + 1. A resync longer than the forward's token budget
+runs S'[c:] in prefill chunks first (`RoundPlan.next_row`), then the verify row.
+
+Memory traffic per round (paged pool, shared/kvpool.py): the K/V of the round's new positions
+(S'[c:] + y_1..y_k, usually 1 + k or 2 + k of them) are written once per layer; each layer reads
+the session's keys and values once (c + k + 1 positions, the window on sliding layers); the
+rejected drafts' KV is dropped by a crop (whole blocks past L + La go back to the pool, no copy).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """One verify session: committed context S, its prefix hashes, the KV cache, counters.
 
-State is by position. The session's slot of the target's KV pool holds the KV of S[:kv_len]
-with kv_len <= |S|; a round crops it (rollback = crop), never rebuilds it. The model thread is
+State is by position. The session's sequence in the target's paged KV pool (`slot`: its id) holds
+the KV of S[:kv_len] with kv_len <= |S|; a round crops it (rollback = crop: whole blocks past
+kv_len go back to the pool), never rebuilds it. The model thread is
 the only writer of `context`, `kv_len` and the slot; other threads read `context`, which is
 replaced as a whole (never mutated), so a reader always sees ids and hashes that belong together.
 """
