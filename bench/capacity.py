@@ -57,6 +57,8 @@ COUNTERS = ("specsplit_cloud_rounds_total", "specsplit_cloud_emitted_tokens_tota
 KV_GAUGE = "specsplit_cloud_kv_bytes"
 # seconds between two reads of the KV gauge (each read costs the cloud a /metrics render)
 KV_POLL_S = 0.2
+# seconds a cloud may take to start (a loaded shared machine can take minutes)
+STARTUP_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -234,7 +236,7 @@ class CapacityRunner:
         the other idle meanwhile. Traces missing for this target are recorded on the last arm's cloud."""
         t_start = time.perf_counter()
         started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
-        clouds = [CloudServer(self.target, self.plan.device, torch_threads=1,
+        clouds = [CloudServer(self.target, self.plan.device, torch_threads=1, startup_timeout_s=STARTUP_S,
                               extra_args=[*self.cloud_base_args(), *shlex.split(flags)]) for _, flags in self.plan.arms]
         runs: list[CapacityRun] = []
         try:

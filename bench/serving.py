@@ -84,7 +84,7 @@ def memory_case(progress: Any, budget: int = 16 * MIB) -> dict[str, Any]:
     model = long_context_llama(tmp / "llama")
     bpp = 1024
     out: dict[str, Any] = {"budget_bytes": budget, "bytes_per_position": bpp}
-    with CloudServer(model, extra_args=["--kv-budget-bytes", str(budget), "--max-sessions", "1024",
+    with CloudServer(model, startup_timeout_s=600.0, extra_args=["--kv-budget-bytes", str(budget), "--max-sessions", "1024",
                                         "--max-queue-depth", "1024"]) as cloud, \
             httpx.Client(base_url=cloud.url, timeout=120.0) as http:
         pool_peak = held_peak = 0.0
@@ -118,7 +118,7 @@ def prefix_case(target: Path, progress: Any, sessions: int = 16, length: int = 4
             "distinct": [ids(length, 200 + i) for i in range(sessions)]}
     out: dict[str, Any] = {"sessions": sessions, "prompt_tokens": length, "shared_tokens": shared}
     for name, prompts in arms.items():
-        with CloudServer(target, extra_args=["--max-sessions", "64"]) as cloud, \
+        with CloudServer(target, startup_timeout_s=600.0, extra_args=["--max-sessions", "64"]) as cloud, \
                 httpx.Client(base_url=cloud.url, timeout=120.0) as http:
             open_session(http, ids(8, 999))  # warm-up
             cpu0, t0 = cpu_seconds(cloud.pid), time.perf_counter()
@@ -157,7 +157,7 @@ def head_of_line_case(target: Path, progress: Any, budgets: tuple[int, ...] = (1
                       prompt: int = 511) -> list[dict[str, Any]]:
     results = []
     for budget in budgets:
-        with CloudServer(target, extra_args=["--max-sessions", "128", "--max-queue-depth", "256",
+        with CloudServer(target, startup_timeout_s=600.0, extra_args=["--max-sessions", "128", "--max-queue-depth", "256",
                                              "--max-batch-tokens", str(budget)]) as cloud:
             async def main(url: str = cloud.url, budget: int = budget) -> dict[str, Any]:
                 async with httpx.AsyncClient(base_url=url, timeout=600.0) as http:

@@ -6,8 +6,8 @@ decode steps. Whenever the model is free, the thread builds one forward under a 
 (`max_batch_tokens`, real tokens: a forward is one flattened row with no padding) and a row cap
 (`max_batch_size`):
 1. Running work first: verify rounds and decode steps, in arrival order. A round whose resync
-   (`append_ids`) is longer than the budget runs its context in prefill chunks first (each chunk
-   one forward's worth), then its verify row.
+   (`append_ids`) is longer than the budget runs its context in prefill chunks first, in the
+   prefills' share of the budget (before the prefills), then its verify row.
 2. Prefills fill the rest of the budget: session opens and /v1/generate prompts, chunked to what is
    left. They are taken round-robin over API keys (the key whose prefill ran least recently first,
    each key's prefills in arrival order), so one key's burst of opens cannot starve another key's.
@@ -285,11 +285,19 @@ class Scheduler:
         cut = next((i for i, j in enumerate(jobs) if j.call is not None), len(jobs))  # a call keeps its place
         batch: list[tuple[Job[Any], Row]] = []
         budget, reserved = self.max_batch_tokens, 0
-        for job in self._order(jobs[:cut]):
+        ordered = self._order(jobs[:cut])
+        chunked: list[Job[Any]] = []  # rounds whose next forward is a resync chunk: they fill like prefills
+
+        def candidates() -> Iterator[tuple[Job[Any], bool]]:
+            yield from ((j, False) for j in ordered if j.kind != PREFILL)
+            yield from ((j, True) for j in chunked)
+            yield from ((j, True) for j in ordered if j.kind == PREFILL)
+
+        for job, filling in candidates():
             if len(batch) >= self.max_batch_size or budget <= 0:
                 break
             try:
-                row = job.plan(budget if job.kind == PREFILL or batch else self.max_batch_tokens)
+                row = job.plan(budget if filling or batch else self.max_batch_tokens)
             except BaseException as e:  # noqa: BLE001 - that request's error alone
                 self._drop(job)
                 self._resolve(job, error=e)
@@ -301,6 +309,9 @@ class Scheduler:
                     self._resolve(job, value=job.answer())
                 except BaseException as e:  # noqa: BLE001
                     self._resolve(job, error=e)
+                continue
+            if not filling and row.keep == 0:
+                chunked.append(job)  # a long resync: after the running work, in the prefills' share
                 continue
             if batch and len(row.ids) > budget:
                 continue  # waits for a later forward

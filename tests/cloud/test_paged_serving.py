@@ -211,3 +211,25 @@ def test_generate_decode_steps_go_before_prefills(make_service: Callable[..., Ve
         assert len(out) == 12 and len(forwards) > 12
 
     asyncio.run(main())
+
+
+def test_a_long_resync_runs_in_chunks_and_answers_exactly(
+        make_service: Callable[..., VerifierService], text_ids: Callable[[int, int], list[int]],
+        tiny_reference: CausalLM) -> None:
+    """A round whose append_ids carry 60 tokens under a 16-token budget: its context runs in prefill
+    chunks (several forwards, none above the budget), then the verify row; the answer is the target's."""
+    svc = make_service(max_batch_tokens=16, batch_wait_ms=0)
+    prompt = text_ids(6, 2)
+    resync = prompt + text_ids(60, 4)
+    truth = greedy_continuation(tiny_reference, resync, 4)
+
+    async def main() -> VerifyResponse:
+        a = (await svc.open_session(OpenSessionRequest(prompt, GREEDY), "")).ctx_id
+        req = draft_request(a, resync, truth[:3], q=1.0)
+        req.append_ids = resync[len(prompt):]
+        return await svc.verify(req, "", 3)
+
+    forwards = record_forwards(svc)
+    resp = asyncio.run(main())
+    assert (resp.accepted_len, resp.correction, resp.ctx_len) == (3, truth[3], len(resync) + 4)
+    assert len(forwards) >= 5 and max(b.tokens for b in forwards) <= 16
