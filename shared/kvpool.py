@@ -35,6 +35,7 @@ Falcon-H1, Qwen3-Next) cannot be rolled back by position and are refused by `att
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -400,15 +401,19 @@ class _PagedView(Cache):
 
 
 _active = threading.local()
+_CONFIGS: weakref.WeakKeyDictionary[torch.nn.Module, list[Any]] = weakref.WeakKeyDictionary()
 
 
 class _paged_attention:  # noqa: N801 - a context manager used as a function
     """Select `paged_attention` for `model` during one forward, with `batch` as its input."""
 
     def __init__(self, model: torch.nn.Module, batch: _Batch) -> None:
-        self.configs = list({id(c): c for c in (getattr(mod, "config", None) for mod in model.modules())
-                             if c is not None and hasattr(c, "_attn_implementation")}.values())
-        self.batch = batch
+        configs = _CONFIGS.get(model)
+        if configs is None:  # every distinct config object its modules read the implementation from
+            configs = list({id(c): c for c in (getattr(mod, "config", None) for mod in model.modules())
+                            if c is not None and hasattr(c, "_attn_implementation")}.values())
+            _CONFIGS[model] = configs
+        self.configs, self.batch = configs, batch
 
     def __enter__(self) -> None:
         self.saved = [c._attn_implementation for c in self.configs]
