@@ -144,7 +144,7 @@ def _replay(session: Session, req: VerifyRequest, fp: str) -> VerifyResponse | N
         return None
     ctx, n = session.context, entry.response.ctx_len
     if len(ctx) >= n and ctx.hash_at(n) == entry.response.ctx_hash:
-        return entry.response
+        return entry.answer()
     return None
 
 

@@ -6,6 +6,10 @@ thread calls `forward`; everything here is synchronous. Every session's KV lives
 prefix cache): a round is a `Row` of that pool, and the rows of several sessions run as one
 flattened forward of their real tokens.
 
+The target samples over the tokenizer's ids: when its embedding table has more rows than the
+tokenizer has ids (padding, as Qwen2.5's), the extra columns are cut from every forward's logits,
+so p, the id checks and every emitted token stay inside the tokenizer.
+
 Start-up refuses, with one line, what cannot be served exactly: a model whose layers keep
 recurrent or convolution state (no rollback by position), a directory without a tokenizer, and
 any architecture whose batched, cropped forward does not reproduce its own plain forward
@@ -39,10 +43,12 @@ class TargetModel:
         cfg = self.model.config.get_text_config()
         n_ctx = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or 2048
         vocab = int(self.model.get_output_embeddings().weight.shape[0])
+        # the ids p is taken over: the tokenizer's; rows past len(tokenizer) pad the embedding table
+        self.support = min(len(tokenizer), vocab)
         self.info = ModelInfo(
             model_id=model_dir.resolve().name, vocab_size=vocab, eos_ids=eos_ids(self.model),
             max_context=int(n_ctx), dtype=dtype, device=str(self.device),
-            tokenizer_fingerprint=tokenizer_fingerprint(tokenizer))
+            tokenizer_fingerprint=tokenizer_fingerprint(tokenizer), tokenizer_size=self.support)
         self.pool = KVPool(attention_layout(self.model.config), int(n_ctx), self.device, torch_dtype,
                            budget_bytes=kv_budget_bytes, block_size=block_size, prefix_cache=prefix_cache)
         try:
@@ -66,6 +72,10 @@ class TargetModel:
 
     @torch.inference_mode()
     def forward(self, rows: list[Row]) -> list[torch.Tensor]:
-        """One forward over every row; each row's logits for its last `keep` ids ([keep, vocab], float32).
-        Pool lengths are the caller's to set once the answer is used."""
-        return self.pool.forward(self.model, rows)
+        """One forward over every row; each row's logits for its last `keep` ids ([keep, support], float32):
+        the columns of the tokenizer's ids only. Each row's sequence then holds its ids' KV; the caller crops
+        back what it does not keep."""
+        out = self.pool.forward(self.model, rows)
+        if self.support < self.info.vocab_size:
+            out = [x[:, : self.support] for x in out]  # [keep, support]
+        return out

@@ -81,7 +81,7 @@ class VerifierService:
         self.info: ModelInfo = replace(model.info, max_k=settings.max_k)
         self.prompt_limit = settings.prompt_limit(model.info.max_context)
         self.limits = RoundLimits(max_k=settings.max_k, max_return_top_k=settings.max_return_top_k,
-                                  max_context=model.info.max_context, vocab_size=model.info.vocab_size)
+                                  max_context=model.info.max_context, vocab_size=model.support)
         self.metrics = CloudMetrics.create(settings.max_k)
         self.store = SessionStore(max_sessions=settings.max_sessions, ttl_s=settings.session_ttl_s,
                                   kv_budget_bytes=settings.kv_budget_bytes, clock=clock, on_remove=self._removed,
@@ -124,7 +124,7 @@ class VerifierService:
         if len(ids) > self.prompt_limit:
             raise InvalidArgument(f"the prompt has {len(ids)} tokens, more than the limit of {self.prompt_limit} "
                                   f"(model context {self.info.max_context})", limit=self.prompt_limit)
-        check_ids(ids, self.info.vocab_size, "prompt_ids")
+        check_ids(ids, self.model.support, "prompt_ids")
 
     async def open_session(self, req: OpenSessionRequest, owner: str) -> SessionInfo:
         self._refuse_when_draining("sessions")
@@ -159,7 +159,7 @@ class VerifierService:
                         correction=req.correction, max_new_tokens=req.max_new_tokens,
                         prompt_len=len(req.prompt_ids), context=Context.of(req.prompt_ids), slot=pre.slot,
                         kv_bytes_per_token=self.model.kv_bytes_per_token, last_used=now, created=now,
-                        kv_len=len(pre.ids))
+                        kv_len=len(pre.ids), replay_bytes_limit=self.settings.replay_cache_bytes)
             self.store.add(s)
         self.metrics.prefill_ms.observe(ms)
         self.metrics.queue_ms.observe(queue_ms)
@@ -230,7 +230,7 @@ class VerifierService:
     def _info(self, s: Session, counters: bool = False) -> SessionInfo:
         ctx = s.context
         return SessionInfo(ctx_id=s.ctx_id, ctx_len=len(ctx), ctx_hash=ctx.hash_at(len(ctx)),
-                           vocab_size=self.info.vocab_size,
+                           vocab_size=self.model.support,
                            counters=s.describe(self.clock()) if counters else {})
 
     def get_session(self, ctx_id: str, owner: str) -> SessionInfo:

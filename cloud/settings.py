@@ -74,6 +74,9 @@ class CloudSettings(BaseSettings):
     max_return_top_k: int = Field(default=64, ge=0)
     # answers kept per session by request_id, so a late duplicate is answered without rollback
     replay_cache_size: int = Field(default=8, ge=0)
+    # bytes of residual distributions (12 per id) those answers keep per session; beyond it the oldest
+    # answers lose theirs (a late duplicate of one answers 409, nothing changed); the newest always keeps its own
+    replay_cache_bytes: int = Field(default=1024**2, ge=0)
     # largest max_new_tokens of POST /v1/generate
     max_generate_tokens: int = Field(default=1024, ge=1)
     # REST connections and requests at once (uvicorn limit_concurrency); beyond it new requests get a

@@ -34,6 +34,8 @@ def eos_ids(model: torch.nn.Module) -> list[int]:
 
 def load_causal_lm(model_dir: Path, device: str, dtype: torch.dtype) -> Any:
     """A causal LM in eval mode whose attention takes explicit masks (sdpa, else eager)."""
+    if not Path(model_dir).is_dir():  # never a hub download: every model here is a local directory
+        raise UnsupportedModel(f"no model directory {model_dir}: it does not exist")
     try:
         config = AutoConfig.from_pretrained(model_dir)
     except (OSError, ValueError, KeyError) as e:

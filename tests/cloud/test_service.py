@@ -300,3 +300,40 @@ def test_context_mismatch_reports_the_clouds_length(make_service: Callable[..., 
         assert e.value.details["expected_ctx_hash"] == ctx_hash(prompt)
 
     run(main())
+
+
+def test_replay_cache_keeps_residual_distributions_within_its_byte_limit(make_service: Callable[..., VerifierService],
+                                                                  prompt: list[int]) -> None:
+    """Residual answers carry p_j over the vocabulary; the cache keeps them packed, within
+    --replay-cache-bytes (here less than one distribution: the newest round's alone, what a resend needs)."""
+    svc = make_service(replay_cache_size=8, replay_cache_bytes=1024)
+    vocab = svc.info.vocab_size
+    with torch.no_grad():  # the target's least likely next token: rejected, strict -> a residual answer
+        unlikely = int(svc.model.model(input_ids=torch.tensor([prompt])).logits[0, -1].argmin())
+
+    async def main() -> None:
+        cid = await open_(svc, prompt)
+        ids, append, sent = list(prompt), [], []
+        for i in range(5):
+            req = VerifyBody(ctx_id=cid, ctx_len=len(ids) + len(append), append_ids=append,
+                             ctx_hash=ctx_hash(ids + append), draft_tokens=[unlikely], q_token_probs=[0.99], k=1,
+                             request_id=f"round-{i}").to_request()
+            resp = await svc.verify(req, "", 1)
+            assert resp.next_kind == "residual" and resp.target_dist is not None
+            sent.append((req, resp))
+            ids = ids + append
+            d = resp.target_dist
+            append = [d.ids[max(range(len(d.ids)), key=lambda j: d.probs[j])]]  # the edge's draw, any will do
+        s = svc.store.get(cid, "")
+        assert sum(e.dist_ids is not None for e in s.replies.values()) == 1
+        assert 0 < s.replay_bytes <= vocab * 12  # int32 ids + float64 probs of one distribution
+        last_req, last_resp = sent[-1]
+        again = await svc.verify(last_req, "", 1)  # the newest round's resend: the same answer, dist included
+        assert again.target_dist == last_resp.target_dist and again.accepted_len == last_resp.accepted_len
+        before = svc.get_session(cid, "")
+        with pytest.raises(ContextMismatch):  # an older round's late duplicate: refused, nothing rolled back
+            await svc.verify(sent[0][0], "", 1)
+        after = svc.get_session(cid, "")
+        assert (after.ctx_len, after.ctx_hash) == (before.ctx_len, before.ctx_hash)
+
+    run(main())
