@@ -60,8 +60,18 @@ class CloudMetrics:
     verify_round_ms: SecondsHistogram
     # rows (sessions, prefills, generate streams) in each batched forward
     batch_size: Histogram
-    # padded tokens (rows x longest row) in each batched forward
+    # real tokens in each forward (one flattened row, no padding)
     batch_tokens: Histogram
+    # tokens a right-padded batch of the same rows would have run (rows x longest row), summed
+    padded_tokens: Counter
+    # time from admission to a job's first forward, seconds, by kind (round, decode, prefill)
+    queue_wait: Histogram
+    # KV blocks by state: used (in a session's block table), cached (prefix cache, unreferenced), free
+    kv_blocks: Gauge
+    # prompt/context positions served from the prefix cache instead of a forward
+    prefix_hit_tokens: Counter
+    # unreferenced cached prefix blocks taken back for reuse (least recently used first)
+    cached_block_evictions: Counter
     # fed in ms: wall time of each batched forward; exported in seconds
     forward_ms: SecondsHistogram
     # sessions open now
@@ -70,11 +80,11 @@ class CloudMetrics:
     kv_bytes: Gauge
     # the KV budget (kv_budget_bytes): sessions are evicted beyond it
     kv_budget_bytes: Gauge
-    # bytes the KV pool has allocated (slots x capacity x bytes per position)
+    # bytes the KV pool has allocated (blocks that exist x block bytes; never above kv_budget_bytes)
     kv_pool_bytes: Gauge
     # model-bound requests admitted and not finished
     queue_depth: Gauge
-    # sessions removed other than by DELETE, by reason ("ttl", "kv_budget")
+    # sessions removed other than by DELETE, by reason ("ttl", "kv_budget": evicted for KV blocks)
     evictions: Counter
     # error answers by code (invalid_argument, not_found, ...)
     errors: Counter
@@ -111,22 +121,33 @@ class CloudMetrics:
                                       "position i.", ["position"], registry=r),
             prefill_ms=seconds("target_forward_seconds", "Target forward time of one request: a verify round's "
                                "forward, a session's prompt prefill (all chunks), a generation's prompt prefill."),
-            queue_ms=seconds("queue_wait_seconds", "Time a request waited for the model (its session and the "
-                             "queue) before its forward started."),
+            queue_ms=seconds("request_wait_seconds", "Time a request waited for the model (its session's earlier "
+                             "rounds and the queue) before its forward started."),
             verify_round_ms=seconds("verify_round_seconds", "Queue wait plus target forward of each verify round "
                                     "(the verifier's share of a round trip)."),
             batch_size=Histogram(p + "batch_size", "Rows (sessions, prefills, generate streams) per batched forward.",
                                  buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, float("inf")), registry=r),
-            batch_tokens=Histogram(p + "batch_tokens", "Padded tokens (rows x longest row) per batched forward.",
+            batch_tokens=Histogram(p + "batch_tokens", "Real tokens per forward (one flattened row, no padding).",
                                    buckets=(1, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, float("inf")),
                                    registry=r),
+            padded_tokens=Counter(p + "padded_equivalent_tokens", "Tokens a right-padded batch of the same rows "
+                                  "would have run (rows x longest row).", registry=r),
+            queue_wait=Histogram(p + "queue_wait_seconds", "Time from admission to a job's first forward, by job "
+                                 "kind (round, decode, prefill).", ["kind"], buckets=SECONDS_BUCKETS, registry=r),
+            kv_blocks=Gauge(p + "kv_blocks", "KV blocks by state: used (in block tables), cached (prefix cache, "
+                            "unreferenced), free.", ["state"], registry=r),
+            prefix_hit_tokens=Counter(p + "prefix_cache_hit_tokens", "Positions served from the prefix cache "
+                                      "instead of a forward.", registry=r),
+            cached_block_evictions=Counter(p + "kv_cached_block_evictions", "Cached prefix blocks taken back for "
+                                           "reuse.", registry=r),
             forward_ms=seconds("batch_forward_seconds", "Wall time of each batched target forward."),
             open_sessions=Gauge(p + "open_sessions", "Sessions open now.", registry=r),
             kv_bytes=Gauge(p + "kv_bytes", "KV cache bytes held by open sessions (their lengths x bytes per "
                            "position).", registry=r),
             kv_budget_bytes=Gauge(p + "kv_budget_bytes", "The KV budget (kv_budget_bytes): idle sessions are "
                                   "evicted beyond it.", registry=r),
-            kv_pool_bytes=Gauge(p + "kv_pool_bytes", "Bytes the KV pool has allocated.", registry=r),
+            kv_pool_bytes=Gauge(p + "kv_pool_bytes", "Bytes the KV pool has allocated (never above the budget).",
+                                registry=r),
             queue_depth=Gauge(p + "queue_depth", "Model-bound requests admitted and not finished.", registry=r),
             evictions=Counter(p + "evictions", "Sessions removed other than by close, by reason (ttl, kv_budget).",
                               ["reason"], registry=r),

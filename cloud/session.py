@@ -1,7 +1,8 @@
 """One verify session: committed context S, its prefix hashes, the KV cache, counters.
 
-State is by position. The session's slot of the target's KV pool holds the KV of S[:kv_len]
-with kv_len <= |S|; a round crops it (rollback = crop), never rebuilds it. The model thread is
+State is by position. The session's sequence in the target's paged KV pool (`slot`: its id) holds
+the KV of S[:kv_len] with kv_len <= |S|; a round crops it (rollback = crop: whole blocks past
+kv_len go back to the pool), never rebuilds it. The model thread is
 the only writer of `context`, `kv_len` and the slot; other threads read `context`, which is
 replaced as a whole (never mutated), so a reader always sees ids and hashes that belong together.
 """
@@ -159,7 +160,7 @@ class Session:
     def set_kv_len(self, pool: KVPool, n: int) -> None:
         """The slot holds the KV of S[:n] (model thread only)."""
         if self.slot is not None:
-            pool.lengths[self.slot] = n
+            pool.set_length(self.slot, n)
         self.kv_len = n
 
     def remember(self, request_id: str, fingerprint: str, response: VerifyResponse, keep: int) -> None:

@@ -87,7 +87,14 @@ class ModelDrafter:
         return self._pool.length(self._slot)
 
     def _new_pool(self) -> KVPool:
-        return KVPool(self._layout, self.max_context or 1 << 20, self.device, torch.float32)
+        pool = KVPool(self._layout, self.max_context or 1 << 20, self.device, torch.float32)
+        template = self.__dict__.get("_template")
+        if template is None:
+            pool.prepare(self.model)
+            self._template = pool
+        else:
+            pool.prepare_like(template)
+        return pool
 
     def reset(self) -> None:
         self._pool = self._new_pool()
@@ -107,7 +114,6 @@ class ModelDrafter:
         row = Row(self._slot, len(self._ids), [int(t) for t in tokens], keep=1)
         (logits,) = self._pool.forward(self.model, [row])  # [1, vocab]
         self._ids.extend(row.ids)
-        self._pool.lengths[self._slot] = len(self._ids)
         return logits[-1, : self.vocab_size]  # [vocab]: the tokenizer's ids only
 
     def _sync(self, context: Sequence[int]) -> torch.Tensor:

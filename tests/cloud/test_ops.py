@@ -71,6 +71,9 @@ def test_cloud_metrics_pass_promtool_check_metrics(client: Callable[..., TestCli
     c.get("/v1/sessions/nope")
     text = c.get("/metrics").content
     assert b"specsplit_cloud_verify_round_seconds_bucket" in text and b"process_resident_memory_bytes" in text
+    for paged in (b"specsplit_cloud_kv_blocks{", b"specsplit_cloud_queue_wait_seconds_bucket{",
+                  b"specsplit_cloud_padded_equivalent_tokens_total", b"specsplit_cloud_prefix_cache_hit_tokens_total"):
+        assert paged in text, paged
     out = promtool("check", "metrics", stdin=text)
     assert out.returncode == 0, out.stdout + out.stderr
     old = b"# HELP specsplit_cloud_queue_ms wait for the model, ms\n# TYPE specsplit_cloud_queue_ms histogram\n" \

@@ -152,8 +152,9 @@ def test_idle_session_expires_by_the_injected_clock(make_service: Callable[..., 
 
 def test_kv_budget_evicts_the_least_recently_used_session(make_service: Callable[..., VerifierService],
                                                           prompt: list[int], tiny_target: TargetModel) -> None:
-    per_session = (len(prompt) + 1) * tiny_target.kv_bytes_per_token
-    svc = make_service(kv_budget_bytes=int(2.5 * per_session))
+    per_session = (len(prompt) - 1) * tiny_target.kv_bytes_per_token  # an open caches S[:-1]
+    # blocks of one position and no prefix sharing (the three prompts are equal): memory by session
+    svc = make_service(kv_budget_bytes=int(2.5 * per_session), kv_block_size=1, prefix_cache=False)
 
     async def main() -> None:
         a = await open_(svc, prompt, 1)

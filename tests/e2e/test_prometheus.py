@@ -28,7 +28,8 @@ SCRAPE_S = 1
 # panels that must have data after a few generations (the error panel stays empty on a healthy run)
 MAIN_PANELS = ("Acceptance rate", "Tokens per round", "Verify latency p50 / p95",
                "Time to first token / inter-token latency", "Batch size", "KV cache use", "Sessions and queue",
-               "Throughput", "Replicas up", "Process memory")
+               "Throughput", "Replicas up", "Process memory", "KV blocks and prefix cache",
+               "Scheduler queue wait p95 by kind", "Padding avoided")
 PROMPTS = ["def fib(n):\n", "The lighthouse keeper had not spoken to another person in eleven days.",
            "import os\nimport sys\n\n\ndef main():\n"]
 

@@ -25,7 +25,8 @@ from tests.ops.tools import DEPLOY, REPO, exported_series, promtool
 PROM = DEPLOY / "prometheus"
 K8S_VERSION = "1.30.0"
 # the dashboard's panels, by what an operator looks for first
-DASHBOARD_TOPICS = ("acceptance", "tokens per round", "verify latency", "batch size", "kv", "sessions", "errors")
+DASHBOARD_TOPICS = ("acceptance", "tokens per round", "verify latency", "batch size", "kv", "sessions", "errors",
+                    "prefix cache", "queue wait")
 
 
 def exported() -> set[str]:
