@@ -70,8 +70,9 @@ def edge_defaults() -> str:
                 else "")
     return (f"correction {d['correction']}, q_dists {'sent' if d['send_q_dists'] else 'not sent'}"
             + (f" ({residual})" if residual else "")
-            + f"; dynamic k from {d['k_start']} in [{d['k_min']}, {d['k_max']}] (+1 at la/k >= {d['k_up_at']}, "
-            f"-1 at <= {d['k_down_at']}); n-gram order {d['ngram_order']}; gating {'on' if d['gating'] else 'off'}")
+            + f"; k by the {d['k_policy']} policy from {d['k_start']} within [{d['k_min'] or 0}, {d['k_max']}] "
+            f"(dynamic: +1 at la/k >= {d['k_up_at']}, -1 at <= {d['k_down_at']}, k_min 3); drafting ahead "
+            f"{'on' if d['draft_ahead'] else 'off'}; n-gram order {d['ngram_order']}; gating {'on' if d['gating'] else 'off'}")
 
 
 def setup_section(an: Analysis) -> list[str]:

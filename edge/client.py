@@ -20,6 +20,7 @@ from .drafters.base import DraftBlock, Drafter
 from .gating import GateThresholds
 from .metrics import CommittedToken, EdgeMetrics, Origin, RoundRecord
 from .pairing import check_pairing
+from .kcontrol import CostModelK
 from .round_control import KController
 from .settings import EdgeSettings, Mode
 from .speculative import RecoveryPolicy, SessionParams, SpeculativeRun, check_vocab
@@ -270,11 +271,14 @@ class EdgeClient:
                               open_timeout_s=s.open_timeout_s, max_retries=s.max_retries,
                               backoff_s=s.backoff_ms / 1000, backoff_max_s=s.backoff_max_ms / 1000)
 
-    def _k_controller(self) -> KController:
+    def _k_controller(self) -> KController | CostModelK:
         s = self.settings
+        k_min = s.k_min if s.k_min is not None else 0
         if s.fixed_k is not None:
             return KController(k=s.fixed_k, k_min=s.fixed_k, k_max=max(s.fixed_k, 1), dynamic=False)
-        return KController(k=s.k_start, k_min=s.k_min, k_max=s.k_max, up_at=s.k_up_at, down_at=s.k_down_at)
+        if s.k_policy == "cost":
+            return CostModelK(k=s.k_start, k_min=k_min, k_max=s.k_max)
+        return KController(k=s.k_start, k_min=k_min, k_max=s.k_max, up_at=s.k_up_at, down_at=s.k_down_at)
 
     def _speculative(self, job: _Job, drafter: Drafter | None = None, origin_map: dict[str, Origin] | None = None,
                      ) -> Generator[CommittedToken, None, None]:
@@ -291,7 +295,7 @@ class EdgeClient:
         transport = self.transport.routed(job.route_key)
         run = SpeculativeRun(transport, drafter, job.params, self._k_controller(), job.metrics, self._policy(),
                              gate=gate, rule_triggers=s.rule_triggers, detokenize=self.decode if gate else None,
-                             clock=self.clock, sleep=self.sleep)
+                             clock=self.clock, sleep=self.sleep, draft_ahead=s.draft_ahead)
         job.rounds = run.records
         limits = [m for m in (info.max_context, drafter.max_context) if m]
         max_context = min(limits) if limits else None

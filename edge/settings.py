@@ -1,8 +1,10 @@
 """The edge's one settings class (env prefix SPECSPLIT_EDGE_), validated when built.
 
-Defaults follow the engineering guide: temperature 1.0, top-p 0.9, repetition penalty 1.1, k
-starting at 6 in [3, 12] (+1 when la/k >= 0.8, -1 when la/k <= 0.4), gating off, a 400 ms verify
-timeout with the "commit the first draft token" fallback.
+Defaults follow the engineering guide: temperature 1.0, top-p 0.9, repetition penalty 1.1, gating
+off, a 400 ms verify timeout with the "commit the first draft token" fallback. k is chosen per
+round by the cost model (edge/kcontrol.py) within [0, 12], starting at 6, and the model drafter
+drafts the next block while the cloud verifies (edge/prefetch.py); k_policy "dynamic" is the older
+controller (+1 when la/k >= 0.8, -1 when la/k <= 0.4, within [3, 12]).
 """
 
 from __future__ import annotations
@@ -62,14 +64,19 @@ class EdgeSettings(BaseSettings):
     # stop after an end-of-sequence token
     stop_at_eos: bool = True
 
-    # round control: fixed_k set -> k never changes; else dynamic within [k_min, k_max]
+    # round control: fixed_k set -> k never changes; else k_policy moves it within [k_min, k_max]:
+    # "cost" (expected tokens per second from measured costs, kcontrol.py) or "dynamic" (la/k steps)
     fixed_k: int | None = Field(default=None, ge=0)
+    k_policy: Literal["cost", "dynamic"] = "cost"
     k_start: int = Field(default=6, ge=0)
-    k_min: int = Field(default=3, ge=0)
+    # unset: 0 for the cost policy (k = 0 is plain target decoding), 3 for the dynamic one
+    k_min: int | None = Field(default=None, ge=0)
     k_max: int = Field(default=12, ge=1)
     # la/k at or above k_up_at grows k by one; at or below k_down_at shrinks it by one
     k_up_at: float = 0.8
     k_down_at: float = 0.4
+    # the model drafter drafts the next block while the cloud verifies (guessing all accepted)
+    draft_ahead: bool = True
 
     # uncertainty gating (off by default): signals of the draft model's raw distribution
     gating: bool = False
@@ -108,6 +115,10 @@ class EdgeSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _check(self) -> EdgeSettings:
+        if self.k_min is None:
+            self.k_min = 0 if self.k_policy == "cost" else min(3, self.k_start)
+        if self.k_policy == "dynamic" and self.k_min == 0 and self.fixed_k is None:
+            raise ValueError("k_policy dynamic needs k_min >= 1 (it learns nothing from k = 0 rounds)")
         if not self.k_min <= self.k_start <= self.k_max:
             raise ValueError(f"need k_min <= k_start <= k_max, got {self.k_min}, {self.k_start}, {self.k_max}")
         if self.k_down_at >= self.k_up_at:
