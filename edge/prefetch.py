@@ -16,8 +16,10 @@ back to what it held when the worker started (S + y_1..y_{k-1}); on a hit with m
 the next k it is cropped to S' + a_1..a_{k-1}. Only one thread touches the drafter at a time: the
 caller joins the worker before it uses the drafter again.
 
-Only the model drafter drafts ahead: the n-gram drafter's block costs microseconds, and drafting
-after guessed tokens would count them in its storage.
+Only the model drafter drafts ahead (alone, or behind the OpenAI server's lock, which the worker
+then takes per token like any proposal): the n-gram drafter's block costs microseconds (0.08 ms
+per token in BENCHMARKS.md), so there is nothing to hide, and drafting after guessed tokens would
+count them in its storage.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from dataclasses import dataclass, field
 
 from shared.config import SamplingConfig
 
-from .drafters.base import DraftBlock
+from .drafters.base import DraftBlock, Drafter
 from .drafters.model import ModelDrafter
 
 log = logging.getLogger(__name__)
@@ -79,9 +81,14 @@ class _Ahead:
 class DraftAhead:
     """One speculative run's drafting ahead: `start` before a verify, `stop` after, `take` next round."""
 
-    def __init__(self, drafter: ModelDrafter, cfg: SamplingConfig, seed: int,
+    def __init__(self, drafter: Drafter, cfg: SamplingConfig, seed: int,
                  clock: Callable[[], float] = time.perf_counter) -> None:
+        model = self.model_of(drafter)
+        if model is None:
+            raise ValueError("drafting ahead needs the model drafter (without MC dropout)")
+        # proposals go through `drafter` (it may hold a lock); the KV is `model`'s
         self.drafter = drafter
+        self.model = model
         self.cfg = cfg
         self.seed = seed
         self.clock = clock
@@ -92,21 +99,27 @@ class DraftAhead:
         self.wait_ms = 0.0
 
     @staticmethod
-    def supports(drafter: object) -> bool:
-        return isinstance(drafter, ModelDrafter) and not drafter.mc_dropout_samples
+    def model_of(drafter: object) -> ModelDrafter | None:
+        """The model drafter that proposes for `drafter` (itself, or a LockedDrafter's inner one)."""
+        inner = getattr(drafter, "inner", drafter)
+        return inner if isinstance(inner, ModelDrafter) and not inner.mc_dropout_samples else None
+
+    @classmethod
+    def supports(cls, drafter: object) -> bool:
+        return cls.model_of(drafter) is not None
 
     def start(self, context: Sequence[int], block: DraftBlock, k_next: int) -> None:
         """Draft after context + block + the guess, in a worker, until `stop`."""
         if block.k == 0 or k_next <= 0:
             return
         sent = [int(t) for t in context] + list(block.tokens)
-        limit = self.drafter.max_context
+        limit = self.model.max_context
         if limit is not None:
             k_next = min(k_next, limit - len(sent) - 2)
             if k_next <= 0:
                 return
         self._stop.clear()
-        self._ahead = _Ahead(context=sent, kv_before=self.drafter.kv_len, block=DraftBlock([], [], "sampled"))
+        self._ahead = _Ahead(context=sent, kv_before=self.model.kv_len, block=DraftBlock([], [], "sampled"))
         self._thread = threading.Thread(target=self._work, args=(self._ahead, k_next), name="draft-ahead",
                                         daemon=True)
         self._thread.start()
@@ -146,10 +159,10 @@ class DraftAhead:
             log.warning("drafting ahead failed, drafting on the critical path: %s", ahead.error)
         held = ahead.error is None and len(ahead.context) == len(committed) and list(committed) == ahead.context
         if not held or k <= 0:
-            self.drafter.rewind(ahead.kv_before)
+            self.model.rewind(ahead.kv_before)
             return None, AheadOutcome("miss" if ahead.error is None else "")
         m = min(k, ahead.block.k)
         if ahead.block.k > m:  # more than this round takes: keep the KV the plain path would hold
-            self.drafter.rewind(len(committed) + m - 1)
+            self.model.rewind(len(committed) + m - 1)
         # the worker's clock runs from before the guess: elapsed_ms[m - 1] covers the guess and a_1..a_m
         return truncate_block(ahead.block, m), AheadOutcome("hit", m, ahead.elapsed_ms[m - 1] if m else 0.0)

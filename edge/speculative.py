@@ -104,7 +104,7 @@ class SpeculativeRun:
         self._outcome = AheadOutcome()
         # drafting while the cloud verifies (model drafter only; see prefetch.py)
         self.ahead = DraftAhead(drafter, params.sampling, params.seed, clock) \
-            if draft_ahead and DraftAhead.supports(drafter) else None  # type: ignore[arg-type]
+            if draft_ahead and DraftAhead.supports(drafter) else None
 
     # -- session --------------------------------------------------------------------------------
 

@@ -97,3 +97,21 @@ def test_the_worker_failing_falls_back_to_plain_drafting(model_drafter: ModelDra
     ready, outcome = ahead.take(S0 + block.tokens + [1], 3)
     assert ready is None and outcome.result == ""
     assert d.held_ids == before
+
+
+def test_behind_the_servers_lock_the_worker_drafts_only_while_it_holds_the_lock(model_drafter: ModelDrafter) -> None:
+    import threading
+
+    from edge.shared_draft import LockedDrafter
+
+    lock = threading.Lock()
+    locked = LockedDrafter(model_drafter, lock)
+    block = locked.propose(S0, 2, GREEDY, seed=0)
+    before = model_drafter.held_ids
+    ahead = DraftAhead(locked, GREEDY, seed=0)
+    with lock:  # another generation is drafting: the worker waits for its turn
+        ahead.start(S0, block, 3)
+        assert model_drafter.held_ids == before
+    ahead.stop()
+    ready, outcome = ahead.take(S0 + block.tokens + [(block.tokens[-1] + 1) % model_drafter.vocab_size], 3)
+    assert ready is None and outcome.result == "miss" and model_drafter.held_ids == before
