@@ -55,7 +55,9 @@ class EdgeSettings(BaseSettings):
     top_p: float = Field(default=0.9, gt=0, le=1)
     top_k: int = Field(default=0, ge=0)
     repetition_penalty: float = Field(default=1.1, gt=0)
-    # keys every coin and sample: same seed, same settings -> same text
+    # keys every coin and sample: same seed, same settings -> same text. Sampled text also depends on
+    # where rounds end, so it repeats exactly with a k that does not depend on timing (fixed_k, or
+    # k_policy "dynamic"); the "cost" policy keeps the target's distribution but not the exact text
     seed: int = Field(default=0, ge=0)
     # "strict" (exact) or "shortcut" (corrections drawn from p; biased)
     correction: Literal["strict", "shortcut"] = "strict"
@@ -115,16 +117,21 @@ class EdgeSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _check(self) -> EdgeSettings:
-        if self.k_min is None:
-            self.k_min = 0 if self.k_policy == "cost" else min(3, self.k_start)
-        if self.k_policy == "dynamic" and self.k_min == 0 and self.fixed_k is None:
+        k_min = self.k_min_for(self.k_policy)
+        if self.k_policy == "dynamic" and k_min == 0 and self.fixed_k is None:
             raise ValueError("k_policy dynamic needs k_min >= 1 (it learns nothing from k = 0 rounds)")
-        if not self.k_min <= self.k_start <= self.k_max:
-            raise ValueError(f"need k_min <= k_start <= k_max, got {self.k_min}, {self.k_start}, {self.k_max}")
+        if not k_min <= self.k_start <= self.k_max:
+            raise ValueError(f"need k_min <= k_start <= k_max, got {k_min}, {self.k_start}, {self.k_max}")
         if self.k_down_at >= self.k_up_at:
             raise ValueError("k_down_at must be below k_up_at")
         self.sampling()  # raises on a bad combination
         return self
+
+    def k_min_for(self, policy: str) -> int:
+        """k_min, or the policy's default when unset: 0 for "cost", 3 (at most k_start) for "dynamic"."""
+        if self.k_min is not None:
+            return self.k_min
+        return 0 if policy == "cost" else max(1, min(3, self.k_start))
 
     def sampling(self) -> SamplingConfig:
         return SamplingConfig(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
