@@ -60,8 +60,11 @@ def rows(an: Analysis) -> list[dict[str, Any]]:
             continue
         seen.add(key)
         same = [x for x in cases if (x.sampling, str(x.drafter), x.rtt_ms) == key]
-        fixed = [(x.fixed_k, _speed(an.get(x))) for x in same if x.fixed_k is not None]
-        fixed = [(k, v) for k, v in fixed if v is not None]
+        fixed: list[tuple[int, float]] = []
+        for x in same:
+            v = _speed(an.get(x))
+            if x.fixed_k is not None and v is not None:
+                fixed.append((x.fixed_k, v))
         best_k, best = max(fixed, key=lambda kv: kv[1]) if fixed else (None, None)
         dyn = next((x for x in same if x.fixed_k is None and x.k_policy == "dynamic"), None)
         cost = next((x for x in same if x.fixed_k is None and x.k_policy == "cost" and not x.draft_ahead), None)

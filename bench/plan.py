@@ -131,7 +131,7 @@ def network_plan(quick: bool = False) -> Plan:
     if quick:
         return Plan(prompts_per_set=1, max_new_tokens=8, main_k=2, warmup=False,
                     cases=net_cases([0.0, 20.0], [1, 2], samplings=("greedy",)))
-    return Plan(prompts_per_set=1, max_new_tokens=48, main_k=4, cases=net_cases([0.0, 10.0, 50.0, 100.0],
+    return Plan(prompts_per_set=1, max_new_tokens=64, main_k=4, cases=net_cases([0.0, 10.0, 50.0, 100.0],
                                                                               [1, 2, 4, 8]))
 
 

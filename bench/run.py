@@ -102,9 +102,15 @@ def run_network(args: argparse.Namespace, command: str, out: Path, plots_dir: Pa
     """The network section: measured, spliced into OUT, raw data in plots_dir/results_network.json."""
     from bench import net_report
     from bench.plan import network_plan
-    from bench.runner import Runner
+    from bench.runner import Runner, RunResults
     from bench.stats import analyse
 
+    if args.from_json:  # re-render the section from a stored run
+        results = RunResults.from_json(json.loads(args.from_json.read_text()))
+        an = analyse(results)
+        path = net_report.write_into(an, out, results.notes.get("command", command), results.total_s)
+        say(f"wrote the network section into {path}")
+        return 0
     t0 = time.perf_counter()
     plan = network_plan(args.quick)
     if args.repeats:
@@ -122,6 +128,24 @@ def run_network(args: argparse.Namespace, command: str, out: Path, plots_dir: Pa
     say("\n".join(net_report.section(an, command, results.total_s)))
     say(f"\nwrote the network section into {path} and its raw data into {raw} ({results.total_s:.1f} s)")
     return 0
+
+
+def keep_network(out: Path, plots_dir: Path) -> None:
+    """Splice the stored network section (plots_dir/results_network.json, if any) back into a rewritten report."""
+    from bench import net_report
+    from bench.runner import RunResults
+    from bench.stats import analyse
+
+    raw = plots_dir / "results_network.json"
+    if not raw.is_file():
+        return
+    try:
+        results = RunResults.from_json(json.loads(raw.read_text()))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        say(f"kept no network section: {raw} unreadable ({e})")
+        return
+    net_report.write_into(analyse(results), out, results.notes.get("command", "specsplit-bench --only network"),
+                          results.total_s)
 
 
 def default_plots(out: Path) -> Path:
@@ -206,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     report.write_raw(an, plots_dir)
     total_s = results.total_s if args.from_json else time.perf_counter() - t0
     path = report.write(an, args.out, plots_dir, command, total_s)
+    keep_network(path, plots_dir)
     if args.from_json:
         rerender_capacity(raw, path, plots_dir)
     else:

@@ -18,9 +18,9 @@ from shared.verify import DraftKind
 
 from .drafters.base import DraftBlock, Drafter
 from .gating import GateThresholds
+from .kcontrol import CostModelK
 from .metrics import CommittedToken, EdgeMetrics, Origin, RoundRecord
 from .pairing import check_pairing
-from .kcontrol import CostModelK
 from .round_control import KController
 from .settings import EdgeSettings, Mode
 from .speculative import RecoveryPolicy, SessionParams, SpeculativeRun, check_vocab

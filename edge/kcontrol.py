@@ -20,8 +20,9 @@ argmax_k rate(k) over [k_min, k_max] after every verified round, from running es
   reached positions to it.
 - t_draft: the edge's drafting time per drafted token, ms (the round's drafting time on the critical
   path over the tokens drafted on it; tokens drafted ahead while the cloud verified are not counted),
-  exponentially weighted (weight `cost_weight`). The first round is left out: its time includes the
-  draft model's pass over the whole prompt. Until measured, drafting counts as free.
+  exponentially weighted (weight `cost_weight`). Rounds whose drafter first caught up on tokens it
+  never drafted (the prompt, k = 0 rounds, local commits) are left out: the caller passes
+  drafted_now = 0 for them. Until t_draft is measured, k stays where it is.
 - t_verify(k) = v0 + v1 (k + 1): the cloud's forward plus queue time as it reports them in every
   answer, fitted by exponentially weighted least squares on the round's k + 1 verified positions,
   with a light ridge pull of v1 towards 0 so that rounds of one k alone (no slope to see) read as
@@ -91,9 +92,8 @@ class CostModelK:
     rtt_ms: float | None = None
     # exponentially weighted sums of the verify fit: weight, x, y, x^2, x y (x = k + 1, y = ms)
     _fit: list[float] = field(default_factory=lambda: [0.0] * 5)
-    # rounds run at k = 0 since the last probe, and rounds observed
+    # rounds run at k = 0 since the last probe
     _zero_rounds: int = 0
-    _rounds: int = 0
     # the caller says: False -> k never changes (kept for KController's interface)
     dynamic: bool = True
 
@@ -141,7 +141,7 @@ class CostModelK:
 
     def best_k(self) -> int:
         lo, hi = max(0, self.k_min), max(self.k_min, self.k_max)
-        if self.round_ms(hi) <= 0:  # nothing measured: no reason to move
+        if self.t_draft_ms is None or self.round_ms(hi) <= 0:  # costs not measured yet: no reason to move
             return min(max(self.k, lo), hi)
         best = -max((self.rate(k), -k) for k in range(max(lo, 1), hi + 1))[1]  # ties go to the smaller k
         if lo == 0 and (hi == 0 or self.rate(0) > (1 + self.zero_margin) * self.rate(best)):
@@ -176,8 +176,7 @@ class CostModelK:
         """Feed one verified round; returns the next k."""
         if c.k > 0:
             self._observe_acceptance(c.k, c.accepted_len)
-        self._rounds += 1
-        if c.drafted_now > 0 and self._rounds > 1:
+        if c.drafted_now > 0:
             self.t_draft_ms = _ewma(self.t_draft_ms, max(0.0, c.draft_ms) / c.drafted_now, self.cost_weight)
         self._observe_verify(c.k, max(0.0, c.cloud_ms))
         self.rtt_ms = _ewma(self.rtt_ms, max(0.0, c.exchange_ms - c.cloud_ms), self.cost_weight)

@@ -16,6 +16,12 @@ back to what it held when the worker started (S + y_1..y_{k-1}); on a hit with m
 the next k it is cropped to S' + a_1..a_{k-1}. Only one thread touches the drafter at a time: the
 caller joins the worker before it uses the drafter again.
 
+Whether it pays is measured as it goes: a miss costs the wait for the worker's token in progress
+when the answer comes (nothing when the worker was already done), a hit saves the drafting of the
+tokens it made ready. From running means (weight `weight`) of the hit rate, the time a hit saved
+and the wait per attempt, a round drafts ahead while hit rate x saved > wait and the hit rate is at
+least `min_hit`; otherwise it stops, and tries again once every `probe_every` rounds.
+
 Only the model drafter drafts ahead (alone, or behind the OpenAI server's lock, which the worker
 then takes per token like any proposal): the n-gram drafter's block costs microseconds (0.08 ms
 per token in BENCHMARKS.md), so there is nothing to hide, and drafting after guessed tokens would
@@ -97,6 +103,12 @@ class DraftAhead:
         self._ahead: _Ahead | None = None
         # time the caller waited for the worker to finish its token after the answer, ms (not yet booked)
         self.wait_ms = 0.0
+        # running means: hit rate, ms a hit saved, ms waited per attempt; rounds since the last attempt
+        self.weight, self.min_hit, self.probe_every = 0.2, 0.05, 8
+        self.hit_rate, self.saved_per_hit, self.wait_per_try = 0.5, 0.0, 0.0
+        self._tries = 0
+        self._idle_rounds = 0
+        self._last_wait = 0.0
 
     @staticmethod
     def model_of(drafter: object) -> ModelDrafter | None:
@@ -108,21 +120,43 @@ class DraftAhead:
     def supports(cls, drafter: object) -> bool:
         return cls.model_of(drafter) is not None
 
-    def start(self, context: Sequence[int], block: DraftBlock, k_next: int) -> None:
-        """Draft after context + block + the guess, in a worker, until `stop`."""
-        if block.k == 0 or k_next <= 0:
-            return
+    def worth_it(self) -> bool:
+        """Whether this round should draft ahead (see the module docstring); counts skipped rounds."""
+        if self._tries < 3 or (self.hit_rate >= self.min_hit
+                               and self.hit_rate * self.saved_per_hit > self.wait_per_try):
+            return True
+        self._idle_rounds += 1
+        if self._idle_rounds >= self.probe_every:
+            self._idle_rounds = 0
+            return True
+        return False
+
+    def _learn(self, outcome: AheadOutcome, waited: float) -> None:
+        w = self.weight
+        self._tries += 1
+        hit = outcome.result == "hit"
+        self.hit_rate = (1 - w) * self.hit_rate + w * float(hit)
+        self.wait_per_try = (1 - w) * self.wait_per_try + w * waited
+        if hit:
+            self.saved_per_hit = outcome.saved_ms if self._tries == 1 or self.saved_per_hit == 0 else (
+                (1 - w) * self.saved_per_hit + w * outcome.saved_ms)
+
+    def start(self, context: Sequence[int], block: DraftBlock, k_next: int) -> bool:
+        """Draft after context + block + the guess, in a worker, until `stop`; False when not started."""
+        if block.k == 0 or k_next <= 0 or not self.worth_it():
+            return False
         sent = [int(t) for t in context] + list(block.tokens)
         limit = self.model.max_context
         if limit is not None:
             k_next = min(k_next, limit - len(sent) - 2)
             if k_next <= 0:
-                return
+                return False
         self._stop.clear()
         self._ahead = _Ahead(context=sent, kv_before=self.model.kv_len, block=DraftBlock([], [], "sampled"))
         self._thread = threading.Thread(target=self._work, args=(self._ahead, k_next), name="draft-ahead",
                                         daemon=True)
         self._thread.start()
+        return True
 
     def _work(self, ahead: _Ahead, k_next: int) -> None:
         t0 = self.clock()
@@ -146,7 +180,8 @@ class DraftAhead:
         self._stop.set()
         self._thread.join()
         self._thread = None
-        self.wait_ms += (self.clock() - t0) * 1000
+        self._last_wait = (self.clock() - t0) * 1000
+        self.wait_ms += self._last_wait
 
     def take(self, committed: Sequence[int], k: int) -> tuple[DraftBlock | None, AheadOutcome]:
         """The ready part of the next block when `committed` is the guessed context, else None
@@ -160,9 +195,13 @@ class DraftAhead:
         held = ahead.error is None and len(ahead.context) == len(committed) and list(committed) == ahead.context
         if not held or k <= 0:
             self.model.rewind(ahead.kv_before)
-            return None, AheadOutcome("miss" if ahead.error is None else "")
+            outcome = AheadOutcome("miss" if ahead.error is None else "")
+            self._learn(outcome, self._last_wait)
+            return None, outcome
         m = min(k, ahead.block.k)
         if ahead.block.k > m:  # more than this round takes: keep the KV the plain path would hold
             self.model.rewind(len(committed) + m - 1)
         # the worker's clock runs from before the guess: elapsed_ms[m - 1] covers the guess and a_1..a_m
-        return truncate_block(ahead.block, m), AheadOutcome("hit", m, ahead.elapsed_ms[m - 1] if m else 0.0)
+        outcome = AheadOutcome("hit", m, ahead.elapsed_ms[m - 1] if m else 0.0)
+        self._learn(outcome, self._last_wait)
+        return truncate_block(ahead.block, m), outcome

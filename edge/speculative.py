@@ -102,6 +102,8 @@ class SpeculativeRun:
         # lowest crop point of a request whose answer was dropped: the cloud's S below it is ours
         self._stale_floor = NO_STALE
         self._outcome = AheadOutcome()
+        # the previous round was verified with k > 0 (the drafter's state is one round behind at most)
+        self._prev_drafted = False
         # drafting while the cloud verifies (model drafter only; see prefetch.py)
         self.ahead = DraftAhead(drafter, params.sampling, params.seed, clock) \
             if draft_ahead and DraftAhead.supports(drafter) else None
@@ -186,9 +188,8 @@ class SpeculativeRun:
         up, down = self.transport.traffic.bytes_up, self.transport.traffic.bytes_down
         t1 = self.clock()
         calls_before = self.metrics.cloud_calls
-        if self.ahead is not None and block.k > 0:
+        if self.ahead is not None and block.k > 0 and self.ahead.start(self.S, block, max(self.k_ctl.k, 1)):
             self.metrics.ahead_rounds += 1
-            self.ahead.start(self.S, block, max(self.k_ctl.k, 1))
         try:
             resp = self._verify(block, decision)
             rtt_ms = (self.clock() - t1) * 1000
@@ -335,9 +336,12 @@ class SpeculativeRun:
         m.cloud_prefill_ms += resp.metrics.prefill_ms
         m.record_positions(block.k, la)
         cloud_ms = resp.metrics.prefill_ms + resp.metrics.queue_ms
-        self.k_ctl.observe(RoundCosts(k=block.k, accepted_len=la, draft_ms=edge_ms,
-                                      drafted_now=block.k - self._outcome.used, exchange_ms=rtt_ms,
-                                      cloud_ms=cloud_ms))
+        # drafting time per token is seen only after a verified round with drafts: otherwise the
+        # drafter first caught up on tokens it never drafted (k = 0 rounds, local commits, the prompt)
+        drafted_now = block.k - self._outcome.used if self._prev_drafted else 0
+        self.k_ctl.observe(RoundCosts(k=block.k, accepted_len=la, draft_ms=edge_ms, drafted_now=drafted_now,
+                                      exchange_ms=rtt_ms, cloud_ms=cloud_ms))
+        self._prev_drafted = block.k > 0
         self._record(block.k, la, resp.next_kind, "cloud", len(out), edge_ms, rtt_ms, traffic, decision,
                      alpha=resp.metrics.alpha_mean, prefill=resp.metrics.prefill_ms, extra_calls=extra_calls,
                      queue=resp.metrics.queue_ms)
@@ -346,6 +350,7 @@ class SpeculativeRun:
     def _commit_local(self, block: DraftBlock, tokens: list[int], why: str, edge_ms: float,
                       decision: GateDecision | None, rtt_ms: float = 0.0, traffic: tuple[int, int] = (0, 0),
                       extra_calls: int = 0) -> list[tuple[int, Origin]]:
+        self._prev_drafted = False
         self._extend(tokens)
         self.metrics.local_commits += len(tokens)
         self.metrics.gated_rounds += int(why == "gate")

@@ -81,8 +81,7 @@ def test_useless_drafts_fall_to_k_zero_and_probe_again() -> None:
 
 def test_expected_tokens_use_per_position_acceptance() -> None:
     ctl = CostModelK(prior_strength=0.0, prior_weight=0.0)
-    for _ in range(2):  # the first round's drafting time is not used (the prompt's pass is in it)
-        ctl.observe(RoundCosts(k=3, accepted_len=1, draft_ms=3, drafted_now=3, exchange_ms=10, cloud_ms=5))
+    ctl.observe(RoundCosts(k=3, accepted_len=1, draft_ms=3, drafted_now=3, exchange_ms=10, cloud_ms=5))
     # position 0 accepted (a_0 = 1), position 1 rejected (a_1 = 0), position 2 not reached (pooled 1/2)
     assert ctl.accept_at(0) == 1.0 and ctl.accept_at(1) == 0.0 and ctl.accept_at(2) == 0.5
     assert ctl.expected_tokens(3) == pytest.approx(2.0)
@@ -93,3 +92,29 @@ def test_fixed_controller_ignores_costs() -> None:
     ctl = CostModelK(k=5, dynamic=False)
     ks = run(ctl, 10, alpha=0.0, t_draft=50.0, v0=1.0, v1=1.0, rtt=0.0)
     assert set(ks) == {5}
+
+
+def test_k_stays_until_drafting_is_measured() -> None:
+    ctl = CostModelK(k=6)
+    ctl.observe(RoundCosts(k=6, accepted_len=6, draft_ms=900, drafted_now=0, exchange_ms=50, cloud_ms=10))
+    assert ctl.k == 6 and ctl.t_draft_ms is None
+
+
+def test_the_run_hides_catch_up_drafting_from_the_controller(make_client, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The first round (the prompt's pass) and rounds after a k = 0 round feed no drafting time."""
+    seen: list[tuple[int, int]] = []
+    real = CostModelK.observe
+
+    def spy(self: CostModelK, c: RoundCosts) -> int:
+        seen.append((c.k, c.drafted_now))
+        return real(self, c)
+
+    monkeypatch.setattr(CostModelK, "observe", spy)
+    client, _ = make_client(temperature=0, max_new_tokens=40)
+    client.generate("The cat sat on the mat. The cat")
+    assert seen[0][1] == 0
+    for (k_prev, _), (_, drafted_now) in zip(seen, seen[1:], strict=False):
+        if k_prev == 0:
+            assert drafted_now == 0
+    assert any(d > 0 for _, d in seen)
+    assert any(k == 0 for k, _ in seen[:-1]), "no k = 0 round to check: pick another prompt"

@@ -115,3 +115,16 @@ def test_behind_the_servers_lock_the_worker_drafts_only_while_it_holds_the_lock(
     ahead.stop()
     ready, outcome = ahead.take(S0 + block.tokens + [(block.tokens[-1] + 1) % model_drafter.vocab_size], 3)
     assert ready is None and outcome.result == "miss" and model_drafter.held_ids == before
+
+
+def test_drafting_ahead_stops_when_its_guess_never_holds_and_probes_again(model_drafter: ModelDrafter) -> None:
+    from edge.prefetch import AheadOutcome
+
+    ahead = DraftAhead(model_drafter, GREEDY, seed=0)
+    for _ in range(12):
+        ahead._learn(AheadOutcome("miss"), waited=2.0)
+    decisions = [ahead.worth_it() for _ in range(ahead.probe_every)]
+    assert decisions[:-1] == [False] * (ahead.probe_every - 1) and decisions[-1]  # one probe per stretch
+    for _ in range(12):
+        ahead._learn(AheadOutcome("hit", 4, 12.0), waited=0.5)
+    assert ahead.worth_it()
