@@ -16,7 +16,7 @@ from bench.stats import Analysis, CaseSummary
 
 HEADING = "## Speculation over real links"
 # round-row columns (bench.edge_worker.round_rows)
-EDGE_MS, BY, AHEAD = 4, 3, 7
+EDGE_MS, BY, AHEAD, SAVED = 4, 3, 7, 9
 
 
 def _rounds(an: Analysis, case: Case) -> list[list[Any]]:
@@ -38,10 +38,13 @@ def ahead_stats(an: Analysis, case: Case) -> dict[str, float | None]:
     rows = _rounds(an, case)
     tried = [r for r in rows if len(r) > AHEAD and r[AHEAD] in ("hit", "miss")]
     hit = [float(r[EDGE_MS]) for r in tried if r[AHEAD] == "hit"]
+    saved = [float(r[SAVED]) for r in tried if r[AHEAD] == "hit"]
     other = [float(r[EDGE_MS]) for r in rows if len(r) <= AHEAD or r[AHEAD] != "hit"]
-    return {"hit_rate": len(hit) / len(tried) if tried else None,
+    # a held guess's round: drafting left on the critical path vs that plus what drafting ahead took off it
+    cut = sum(saved) / (sum(hit) + sum(saved)) if hit and sum(hit) + sum(saved) > 0 else None
+    return {"hit_rate": len(hit) / len(tried) if tried else None, "hits": float(len(hit)),
             "edge_ms_hit": sum(hit) / len(hit) if hit else None,
-            "edge_ms_other": sum(other) / len(other) if other else None}
+            "edge_ms_other": sum(other) / len(other) if other else None, "cut": cut}
 
 
 def mean_edge_ms(an: Analysis, case: Case) -> float | None:
@@ -88,9 +91,7 @@ def section(an: Analysis, command: str, total_s: float) -> list[str]:
     for x in rows(an):
         best_ctl = max((v for v in (x["cost"], x["ahead"]) if v is not None), default=None)
         vs_best = (f"{100 * best_ctl / x['best_fixed']:.0f} %" if best_ctl and x["best_fixed"] else "–")
-        saved = "–"
-        if x.get("edge_ms_hit") is not None and x.get("edge_ms_no_ahead"):
-            saved = f"{100 * (1 - x['edge_ms_hit'] / x['edge_ms_no_ahead']):.0f} %"
+        saved = "–" if x.get("cut") is None else f"{100 * x['cut']:.0f} % ({x['hits']:.0f} rounds)"
         body.append([x["sampling"], str(x["drafter"]), f"{x['rtt']:g}", _x(x["dynamic"]),
                      f"{_x(x['best_fixed'])} (k={x['best_k']})" if x["best_k"] is not None else "–",
                      _x(x["cost"]), fmt(x["cost_k"], 1) if x["cost_k"] is not None else "–", _x(x["ahead"]),
@@ -114,9 +115,10 @@ def section(an: Analysis, command: str, total_s: float) -> list[str]:
         "fixed-k sweep; *cost k* is the cost-model controller (mean k it chose), *+ ahead* the same with the "
         "model drafter drafting while the cloud verifies; *vs best* = the better controller over the best "
         "fixed k. *hit* = rounds whose guess (all drafts accepted, the draft's own next token) held, among "
-        "rounds that drafted ahead; *draft ms* = critical-path drafting per round, rounds that took a ready "
-        "block / the cost-model k without drafting ahead; *cut* = how much drafting time a held guess "
-        "took off the critical path.", "",
+        "rounds that drafted ahead; *draft ms* = critical-path drafting per round (the wait for the worker "
+        "included), rounds that took a ready block / all rounds of the cost-model k without drafting ahead; "
+        "*cut* = in rounds whose guess held, the share of their drafting that was done while the cloud "
+        "verified: saved / (saved + drafting left on the critical path).", "",
         *table(["sampling", "drafter", "RTT ms", "dynamic k", "best fixed", "cost k", "mean k", "cost k + ahead",
                 "vs best", "hit", "draft ms hit / without", "cut"], body), "",
         "cloud_only tokens per second at each round trip:", "",

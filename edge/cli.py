@@ -158,6 +158,8 @@ def summary_table(result: GenerationResult) -> str:
             ("retries / reopens / resyncs / timeouts", f"{m.retries} / {m.reopens} / {m.resyncs} / {m.timeouts}"),
             ("bytes up / down", f"{m.bytes_up} / {m.bytes_down}"),
             ("edge / rtt / cloud prefill ms", f"{m.edge_time_ms:.0f} / {m.rtt_ms:.0f} / {m.cloud_prefill_ms:.0f}"),
+            ("drafted ahead: guess held / tried, tokens, ms saved / waited",
+             f"{m.ahead_hits} / {m.ahead_rounds}, {m.ahead_tokens}, {m.ahead_saved_ms:.0f} / {m.ahead_wait_ms:.0f}"),
             ("ttft / wall ms", f"{m.ttft_ms:.0f} / {m.wall_ms:.0f}")]
     width = max(len(str(k)) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
