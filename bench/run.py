@@ -6,6 +6,7 @@ write BENCHMARKS.md plus its PNG figures.
     specsplit-bench --from-json bench/plots/results.json          # re-render from raw results
     specsplit-bench --only capacity      # the cloud capacity section alone (a few minutes)
     specsplit-bench --only network       # speculation over 0-100 ms round trips alone (about 15 minutes)
+    specsplit-bench --only real-pair     # SmolLM2-135M-Instruct + its distilled draft (about 10 minutes)
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip later repeats that would end the run after this many seconds "
                         "(default 570 for the full run, none with --quick; 0 = no budget)")
     p.add_argument("--from-json", type=Path, default=None, help="re-render the report from a results.json")
-    p.add_argument("--only", choices=["capacity", "network"], default=None,
+    p.add_argument("--only", choices=["capacity", "network", "real-pair"], default=None,
                    help="run only this section and splice it into OUT and the results JSON")
     p.add_argument("--skip-capacity", action="store_true", help="full run without the cloud capacity section")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
@@ -188,6 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     from bench.runner import Runner, RunResults
     from bench.stats import analyse
 
+    if args.only == "real-pair":  # SmolLM2-135M-Instruct and its distilled draft (bench/real_pair.py)
+        from bench.real_pair import run as run_real_pair
+
+        return run_real_pair(args.out, command)
     if not args.from_json:
         for name in ("target", "draft"):
             if not (getattr(args, name) / "config.json").is_file():

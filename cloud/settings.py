@@ -19,7 +19,8 @@ Dtype = Literal["float32", "bfloat16", "float16"]
 class CloudSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SPECSPLIT_CLOUD_", extra="forbid")
 
-    # Hugging Face causal-LM directory of the target model (config, weights, tokenizer)
+    # Hugging Face causal-LM directory of the target model (config, weights, tokenizer); the standard
+    # target is models/smollm2-135m-instruct (SmolLM2-135M-Instruct, made by scripts/setup.sh)
     model: Path
     # interface both servers bind to
     host: str = "127.0.0.1"

@@ -12,8 +12,7 @@ gate), kcontrol.py (the cost-model k), round_control.py (fixed and dynamic k), p
 mapping), speculative.py (one session's rounds and recovery), client.py (modes, streaming),
 pairing.py (tokenizer and draft against the target's fingerprint), metrics.py, settings.py
 (EdgeSettings, env prefix SPECSPLIT_EDGE_), cli.py (specsplit-edge); the OpenAI-compatible server
-of `specsplit-edge serve`: serve.py, openai_api.py, openai_bodies.py, openai_engine.py,
-openai_errors.py, chat.py, stop_text.py, shared_draft.py, prom.py.
+of `specsplit-edge serve`: the server/ package, with prom.py.
 """
 
 from .client import EdgeClient, Generation, GenerationResult

@@ -200,7 +200,7 @@ def generate(args: argparse.Namespace) -> int:
 
 def chat_prompt(client: EdgeClient, args: argparse.Namespace) -> list[int]:
     """PROMPT as one user message through the chat template, tokenized without added special tokens."""
-    from .chat import ChatMessage, load_chat_template, require
+    from .server.chat import ChatMessage, load_chat_template, require
 
     template = require(load_chat_template(args.chat_template, client.tokenizer))
     text = template.render([ChatMessage("user", args.prompt)])
@@ -208,7 +208,7 @@ def chat_prompt(client: EdgeClient, args: argparse.Namespace) -> list[int]:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from .serve import ServeArgs, run
+    from .server.serve import ServeArgs, run
 
     settings = settings_from_args(args)
     if args.threads:

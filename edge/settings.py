@@ -21,10 +21,17 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 Mode = Literal["speculative", "edge_only", "cloud_only"]
 
 
+# Default drafts in order of preference: the real pair's distilled draft (SmolLM2-135M-Instruct's
+# tokenizer), then the toy demo pair's; with neither, the n-gram drafter.
+DEFAULT_DRAFTS = ("smollm2-135m-draft", "demo-draft")
+
+
 def default_draft() -> str:
-    """models/demo-draft of the repository when it is there, else the n-gram drafter."""
-    demo = REPO_ROOT / "models" / "demo-draft"
-    return str(demo) if demo.is_dir() else "ngram"
+    """The first of DEFAULT_DRAFTS the repository holds, else the n-gram drafter."""
+    for name in DEFAULT_DRAFTS:
+        if (REPO_ROOT / "models" / name).is_dir():
+            return str(REPO_ROOT / "models" / name)
+    return "ngram"
 
 
 class EdgeSettings(BaseSettings):
@@ -41,7 +48,7 @@ class EdgeSettings(BaseSettings):
     route_key: str | None = Field(default=None, pattern=r"^[A-Za-z0-9._~-]{1,128}$")
     # a Hugging Face causal-LM directory, or "ngram" for the n-gram drafter
     draft: str = Field(default_factory=default_draft)
-    # tokenizer directory; default: the draft directory, else models/demo-draft / demo-target
+    # tokenizer directory; default: the draft directory, else the first default draft present
     tokenizer: str | None = None
     # torch device of the draft model
     device: str = "cpu"
@@ -142,7 +149,7 @@ class EdgeSettings(BaseSettings):
             return self.tokenizer
         if self.draft != "ngram":
             return self.draft
-        for name in ("demo-draft", "demo-target"):
+        for name in DEFAULT_DRAFTS:
             if (REPO_ROOT / "models" / name).is_dir():
                 return str(REPO_ROOT / "models" / name)
-        raise ValueError("the n-gram drafter needs --tokenizer DIR (no models/demo-* found)")
+        raise ValueError("the n-gram drafter needs --tokenizer DIR (no default draft under models/)")

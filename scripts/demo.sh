@@ -1,19 +1,29 @@
 #!/usr/bin/env bash
-# The README's demo command: install, start the cloud verifier on loopback with the bundled
-# target, run the edge client against it with the bundled draft (text streams as it is
-# committed), then stop the cloud. Usage: bash scripts/demo.sh ["PROMPT"] [extra specsplit-edge flags]
+# The README's demo command: install (setup converts the standard target once), start the cloud
+# verifier on loopback with SmolLM2-135M-Instruct (models/smollm2-135m-instruct), run the edge
+# client against it with the distilled draft (models/smollm2-135m-draft), the prompt sent as a
+# user message through the tokenizer's chat template, greedy (the target's own greedy answer;
+# pass --temperature 0.7 for a sampled one), text streaming as it is committed, then stop the cloud.
+# Usage: bash scripts/demo.sh ["PROMPT"] [extra specsplit-edge flags]
+# SPECSPLIT_DEMO_PAIR=tiny runs the old bundled toy pair (models/demo-target, models/demo-draft) instead.
 # One torch thread per process: cloud and edge share this machine's cores, and two
 # multi-threaded torch processes on two cores slow each other down many times over.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh dev,bench >/dev/null
-prompt=${1:-"def fibonacci(n):"}
+prompt=${1:-"Write a Python function that returns the n-th Fibonacci number."}
 shift || true
 http_port=${SPECSPLIT_DEMO_HTTP_PORT:-8000}
 grpc_port=${SPECSPLIT_DEMO_GRPC_PORT:-50051}
 log=$(mktemp -t specsplit-cloud.XXXXXX.log)
+if [ "${SPECSPLIT_DEMO_PAIR:-real}" = tiny ]; then
+  target=models/demo-target; draft=models/demo-draft; edge_flags=()
+else
+  target=models/smollm2-135m-instruct; draft=models/smollm2-135m-draft; edge_flags=(--chat --temperature 0)
+fi
+echo "demo pair: target $target, draft $draft${edge_flags:+ (prompt sent as a chat user message, greedy)}"
 
-.venv/bin/specsplit-cloud --model models/demo-target --host 127.0.0.1 \
+.venv/bin/specsplit-cloud --model "$target" --host 127.0.0.1 \
   --http-port "$http_port" --grpc-port "$grpc_port" --torch-threads 1 >"$log" 2>&1 &
 cloud=$!
 trap 'kill $cloud 2>/dev/null; wait $cloud 2>/dev/null || true' EXIT
@@ -26,4 +36,4 @@ for _ in $(seq 1 120); do
 done
 echo "cloud verifier ready on http://127.0.0.1:$http_port (gRPC :$grpc_port); log: $log"
 .venv/bin/specsplit-edge generate "$prompt" --cloud "http://127.0.0.1:$http_port" \
-  --draft models/demo-draft --mode speculative --max-new-tokens 120 --threads 1 "$@"
+  --draft "$draft" --mode speculative --max-new-tokens 160 --threads 1 "${edge_flags[@]}" "$@"

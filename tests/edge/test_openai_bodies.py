@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from edge.openai_bodies import ChatCompletionBody, CompletionBody
-from edge.openai_errors import OpenAIError, from_specsplit
+from edge.server.openai_bodies import ChatCompletionBody, CompletionBody
+from edge.server.openai_errors import OpenAIError, from_specsplit
 from edge.transport.errors import CloudUnavailable
 from shared.config import SamplingConfig
 from shared.errors import InvalidArgument, ResourceExhausted, SpecSplitError

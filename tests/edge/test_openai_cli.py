@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from edge.chat import NoChatTemplate
 from edge.cli import build_parser, chat_prompt, settings_from_args
+from edge.server.chat import NoChatTemplate
 
 
 def test_serve_takes_the_edge_options_and_its_own_but_not_per_request_sampling() -> None:

@@ -6,8 +6,8 @@ import threading
 from pathlib import Path
 
 from edge.drafters import ModelDrafter, NGramDrafter
+from edge.server.shared_draft import LockedDrafter, SharedDraftModel
 from edge.settings import EdgeSettings
-from edge.shared_draft import LockedDrafter, SharedDraftModel
 from shared.config import SamplingConfig
 
 GREEDY = SamplingConfig(temperature=0)

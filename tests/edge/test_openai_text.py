@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from edge.chat import ChatMessage, ChatTemplate, NoChatTemplate, load_chat_template, require
-from edge.stop_text import StopText
+from edge.server.chat import ChatMessage, ChatTemplate, NoChatTemplate, load_chat_template, require
+from edge.server.stop_text import StopText
 from shared.errors import InvalidArgument
 
 # token i decodes to PIECES[i]; 6 and 7 are the two halves of "é" as raw bytes

@@ -102,7 +102,7 @@ def test_the_worker_failing_falls_back_to_plain_drafting(model_drafter: ModelDra
 def test_behind_the_servers_lock_the_worker_drafts_only_while_it_holds_the_lock(model_drafter: ModelDrafter) -> None:
     import threading
 
-    from edge.shared_draft import LockedDrafter
+    from edge.server.shared_draft import LockedDrafter
 
     lock = threading.Lock()
     locked = LockedDrafter(model_drafter, lock)

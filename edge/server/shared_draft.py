@@ -20,8 +20,8 @@ from shared.config import SamplingConfig
 from shared.tokenizer_id import tokenizer_fingerprint
 from shared.verify import DraftKind
 
-from .drafters.base import DraftBlock, Drafter
-from .settings import EdgeSettings
+from ..drafters.base import DraftBlock, Drafter
+from ..settings import EdgeSettings
 
 
 class LockedDrafter:
@@ -62,7 +62,7 @@ class SharedDraftModel:
     """Builds a drafter per generation from EdgeSettings, over weights loaded once."""
 
     def __init__(self, settings: EdgeSettings) -> None:
-        from .drafters import ModelDrafter
+        from ..drafters import ModelDrafter
 
         self.settings = settings
         self.lock = threading.Lock()
@@ -73,7 +73,7 @@ class SharedDraftModel:
 
     def for_generation(self) -> Drafter:
         """A fresh drafter for one generation (the n-gram drafter needs no lock: it holds no model)."""
-        from .drafters import HybridDrafter, NGramDrafter
+        from ..drafters import HybridDrafter, NGramDrafter
 
         s = self.settings
         ngram = NGramDrafter(order=s.ngram_order, filler_top_k=s.filler_top_k)

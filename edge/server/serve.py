@@ -10,10 +10,10 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI
 
+from ..settings import EdgeSettings
 from .chat import load_chat_template
 from .openai_api import ServeOptions, create_app
 from .openai_engine import OpenAIEngine
-from .settings import EdgeSettings
 from .shared_draft import LockedTokenizer, SharedDraftModel
 
 

@@ -22,13 +22,13 @@ from typing import Literal
 from shared.config import SamplingConfig
 from shared.errors import SpecSplitError
 
-from .client import EdgeClient
-from .metrics import EdgeMetrics
-from .prom import EdgePrometheus
-from .settings import EdgeSettings
+from ..client import EdgeClient
+from ..metrics import EdgeMetrics
+from ..prom import EdgePrometheus
+from ..settings import EdgeSettings
+from ..transport import ModelInfo, make_transport
 from .shared_draft import LockedDrafter, LockedTokenizer, SharedDraftModel
 from .stop_text import StopText
-from .transport import ModelInfo, make_transport
 
 log = logging.getLogger(__name__)
 

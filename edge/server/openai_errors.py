@@ -11,7 +11,7 @@ from typing import Any
 
 from shared.errors import InvalidArgument, PayloadTooLarge, ResourceExhausted, SpecSplitError, Unavailable
 
-from .transport.errors import CloudTimeout, CloudUnavailable
+from ..transport.errors import CloudTimeout, CloudUnavailable
 
 
 class OpenAIError(Exception):
