@@ -130,7 +130,7 @@ def network_plan(quick: bool = False) -> Plan:
     """The network section alone: about 15 minutes on 2 loaded cores (quick: seconds)."""
     if quick:
         return Plan(prompts_per_set=1, max_new_tokens=8, main_k=2, warmup=False,
-                    cases=net_cases([0.0, 20.0], [1, 2], samplings=("greedy",)))
+                    cases=net_cases([20.0], [1, 2], samplings=("greedy",)))
     return Plan(prompts_per_set=1, max_new_tokens=64, main_k=4, cases=net_cases([0.0, 10.0, 50.0, 100.0],
                                                                               [1, 2, 4, 8]))
 
