@@ -52,10 +52,13 @@ ADMISSION_FLAGS = ["--max-sessions", "256", "--max-queue-depth", "512"]
 COUNTERS = ("specsplit_cloud_rounds_total", "specsplit_cloud_emitted_tokens_total",
             "specsplit_cloud_generated_tokens_total", "specsplit_cloud_prefill_ms_count",
             "specsplit_cloud_prefill_ms_sum", "specsplit_cloud_batch_size_sum", "specsplit_cloud_batch_size_count",
-            "specsplit_cloud_batch_tokens_sum", "specsplit_cloud_batch_tokens_count")
+            "specsplit_cloud_batch_tokens_sum", "specsplit_cloud_batch_tokens_count",
+            "specsplit_cloud_padded_equivalent_tokens_total")
 KV_GAUGE = "specsplit_cloud_kv_bytes"
 # seconds between two reads of the KV gauge (each read costs the cloud a /metrics render)
 KV_POLL_S = 0.2
+# seconds a cloud may take to start (a loaded shared machine can take minutes)
+STARTUP_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,8 @@ class CapacityPlan:
     prompts_per_set: int = 2
     # tokens per recorded trace (only used when traces must be recorded)
     trace_tokens: int = 64
+    # run the serving-core cases too (memory under a budget, prefix sharing, head-of-line; bench/serving.py)
+    serving: bool = True
 
     @property
     def section_id(self) -> str:
@@ -84,7 +89,7 @@ class CapacityPlan:
 
 def quick_capacity_plan(device: str = "cpu", dtype: str = "float32") -> CapacityPlan:
     return CapacityPlan(levels=(1, 2), max_tokens=6, ref_level=2, device=device, dtype=dtype, prompts_per_set=1,
-                        trace_tokens=12)
+                        trace_tokens=12, serving=False)
 
 
 @dataclass
@@ -123,6 +128,8 @@ class CapacityResults:
     notes: dict[str, Any]
     runs: list[CapacityRun]
     total_s: float = 0.0
+    # the serving-core cases (bench.serving.ServingResults as a dict; empty when not run)
+    serving: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -130,8 +137,10 @@ class CapacityResults:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> CapacityResults:
         p = d["plan"]
+        p = {**p, "serving": p.get("serving", False)}
         plan = CapacityPlan(**{**p, "levels": tuple(p["levels"]), "arms": tuple(tuple(a) for a in p["arms"])})
-        return cls(plan, d["notes"], [CapacityRun(**r) for r in d["runs"]], d.get("total_s", 0.0))
+        return cls(plan, d["notes"], [CapacityRun(**r) for r in d["runs"]], d.get("total_s", 0.0),
+                   d.get("serving", {}))
 
 
 def _round_floats(texts: list[TextRun]) -> list[dict[str, Any]]:
@@ -227,7 +236,7 @@ class CapacityRunner:
         the other idle meanwhile. Traces missing for this target are recorded on the last arm's cloud."""
         t_start = time.perf_counter()
         started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
-        clouds = [CloudServer(self.target, self.plan.device, torch_threads=1,
+        clouds = [CloudServer(self.target, self.plan.device, torch_threads=1, startup_timeout_s=STARTUP_S,
                               extra_args=[*self.cloud_base_args(), *shlex.split(flags)]) for _, flags in self.plan.arms]
         runs: list[CapacityRun] = []
         try:
@@ -241,13 +250,18 @@ class CapacityRunner:
         finally:
             for cloud in clouds:
                 cloud.stop()
+        serving: dict[str, Any] = {}
+        if self.plan.serving and self.plan.device == "cpu":
+            from bench.serving import run_serving
+
+            serving = run_serving(self.target, self.progress).to_json()
         notes: dict[str, Any] = {
             "command": command, "started": started, "traces": source,
             "trace_names": [f"{t.drafter}:{t.prompt}" for t in traces],
             "machine": asdict(machine_info(0, 1)), "gpu": gpu_name(self.plan.device), "target": _rel(self.target),
             "cloud_args": " ".join(self.cloud_base_args()), "kv_per_position": self.kv_per_position,
         }
-        return CapacityResults(self.plan, notes, runs, total_s=time.perf_counter() - t_start)
+        return CapacityResults(self.plan, notes, runs, total_s=time.perf_counter() - t_start, serving=serving)
 
 
 def _rel(p: Path) -> str:

@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2
 from grpc_health.v1.health import aio as health_aio
 
 from cloud.grpc_server import SERVICE_NAME, start_grpc
+from cloud.ports import bind_tcp
 from cloud.rest import create_app
 from cloud.service import VerifierService
 
@@ -58,6 +59,7 @@ async def drain(service: VerifierService, health: health_aio.HealthServicer, gra
 
 async def serve(service: VerifierService) -> None:
     st = service.settings
+    sock = bind_tcp(st.host, st.http_port, "REST", "--http-port")  # exclusive; a port in use stops here
     grpc_server, grpc_port, health = await start_grpc(service, st.host, st.grpc_port)
     cfg = uvicorn.Config(create_app(service), host=st.host, port=st.http_port, log_config=None,
                          access_log=False, lifespan="off", timeout_graceful_shutdown=ROUND_FINISH_S,
@@ -73,7 +75,7 @@ async def serve(service: VerifierService) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
-    http_task = asyncio.create_task(http.serve())
+    http_task = asyncio.create_task(http.serve(sockets=[sock]))
     sweeper = asyncio.create_task(service.sweep_forever())
     stopper = asyncio.create_task(stop.wait())
     while not http.started and not http_task.done():

@@ -35,6 +35,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = settings_from_args(argv)
     except ValidationError as e:
+        if any(err["type"] == "missing" and tuple(err["loc"]) == ("model",) for err in e.errors()):
+            print("specsplit-cloud: no target model: pass --model DIR (a Hugging Face model directory) or set "
+                  "SPECSPLIT_CLOUD_MODEL", file=sys.stderr)
+            return 2
         problems = "; ".join(f"{'.'.join(str(x) for x in err['loc']) or 'settings'}: {err['msg']}"
                              for err in e.errors())
         print(f"specsplit-cloud: bad settings: {problems}", file=sys.stderr)
@@ -42,8 +46,14 @@ def main(argv: list[str] | None = None) -> int:
 
     from cloud.app import serve
     from cloud.logs import setup_logging
+    from cloud.ports import PortInUse, check_ports_free
     from cloud.service import VerifierService
 
+    try:
+        check_ports_free(settings.host, settings.http_port, settings.grpc_port)  # before the model load
+    except OSError as e:
+        print(f"specsplit-cloud: cannot start: {e}", file=sys.stderr)
+        return 2
     setup_logging(settings.log_level)
     try:
         service = VerifierService.load(settings)
@@ -54,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(serve(service))
     except OSError as e:
         print(f"specsplit-cloud: cannot serve: {e}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(e, PortInUse) else 1
     return 0
 
 

@@ -8,7 +8,13 @@ finished with its own k + 1 distributions, so its answer does not depend on its 
 
 Positions (PROTOCOL.md): S' = S[:m] + append_ids with |S'| = ctx_len = L; draft y_i sits at
 position L + i; one forward over S'[c:] + y_1..y_k gives the k + 1 distributions
-p_1..p_{k+1} at positions L + 1 .. L + k + 1.
+p_1..p_{k+1} at positions L + 1 .. L + k + 1. A resync longer than the forward's token budget
+runs S'[c:] in prefill chunks first (`RoundPlan.next_row`), then the verify row.
+
+Memory traffic per round (paged pool, shared/kvpool.py): the K/V of the round's new positions
+(S'[c:] + y_1..y_k, usually 1 + k or 2 + k of them) are written once per layer; each layer reads
+the session's keys and values once (c + k + 1 positions, the window on sliding layers); the
+rejected drafts' KV is dropped by a crop (whole blocks past L + La go back to the pool, no copy).
 """
 
 from __future__ import annotations
@@ -138,7 +144,7 @@ def _replay(session: Session, req: VerifyRequest, fp: str) -> VerifyResponse | N
         return None
     ctx, n = session.context, entry.response.ctx_len
     if len(ctx) >= n and ctx.hash_at(n) == entry.response.ctx_hash:
-        return entry.response
+        return entry.answer()
     return None
 
 
@@ -152,6 +158,19 @@ class RoundPlan:
     row: Row
     # what a duplicate must share with this request (replay cache)
     fp: str
+    # positions of S' fed so far (a long append runs in prefill chunks before the verify row)
+    fed: int = 0
+
+    def next_row(self, budget: int) -> Row:
+        """The next forward of this round: a chunk of S' (keep = 0) while the rest does not fit in
+        `budget` tokens, then the verify row S'[fed:] + y_1..y_k."""
+        r = self.row
+        fed = max(self.fed, self.past)
+        drafts = r.ids[len(self.new) - self.past:]
+        rest = list(self.new.ids[fed:])
+        if len(rest) + len(drafts) > budget and len(rest) > 1:
+            return Row(r.slot, fed, rest[: max(1, min(budget, len(rest) - 1))], keep=0)
+        return Row(r.slot, fed, rest + drafts, keep=r.keep)
 
 
 def plan_round(session: Session, req: VerifyRequest, fp: str) -> RoundPlan | VerifyResponse:
@@ -212,26 +231,36 @@ def finish_round(model: TargetModel, session: Session, req: VerifyRequest, q_den
 
 @dataclass
 class Prefill:
-    """A new sequence's KV, fed in chunks of at most `chunk` tokens; `slot` is allocated on first use."""
+    """A new sequence's KV, fed in chunks; its sequence is allocated on first use, and every full
+    block of its prefix that the prefix cache holds (under the same salt) is reused, not recomputed."""
     # the tokens whose KV is wanted (a session's S[:-1]: its last token is fed by the first round)
     ids: list[int]
-    chunk: int
+    # the longest chunk when the caller gives no budget
+    chunk: int = 1024
+    # prefix-cache salt: sequences share blocks only under equal salts
+    salt: bytes = b""
     slot: int | None = None
     # positions done
     done: int = 0
+    # positions taken from the prefix cache
+    reused: int = 0
 
-    def plan(self, pool: KVPool) -> Row | None:
+    def plan(self, pool: KVPool, budget: int | None = None) -> Row | None:
+        """The next chunk (at most `budget` tokens, default `chunk`), or None when the whole prefill is cached."""
+        budget = self.chunk if budget is None else budget
         if self.slot is None:
-            self.slot = pool.allocate()
+            self.slot = pool.allocate(self.salt)
+            self.done = self.reused = pool.match_prefix(self.slot, self.ids, len(self.ids))
         if self.done >= len(self.ids):
             return None
-        return Row(self.slot, self.done, self.ids[self.done: self.done + self.chunk], keep=0)
+        return Row(self.slot, self.done, self.ids[self.done: self.done + max(budget, 1)], keep=0)
 
-    def advance(self, pool: KVPool) -> bool:
-        """After a forward: the chunk is cached; True when the whole prefill is."""
+    def advance(self, pool: KVPool, row: Row | None = None) -> bool:
+        """After a forward of `row` (default: a chunk of `chunk` tokens): the chunk is cached; True when
+        the whole prefill is."""
         assert self.slot is not None
-        self.done = min(len(self.ids), self.done + self.chunk)
-        pool.lengths[self.slot] = self.done
+        self.done = min(len(self.ids), self.done + self.chunk) if row is None else row.past + len(row.ids)
+        pool.set_length(self.slot, self.done)
         return self.done >= len(self.ids)
 
 
@@ -250,22 +279,25 @@ class DecodeState:
     slot: int | None = None
     # KV of ids[:kv_len]
     kv_len: int = 0
+    # prefix-cache salt
+    salt: bytes = b""
 
     def plan(self, pool: KVPool, chunk: int) -> Row:
         """Feed ids[kv_len:] (the last token at least); a long prompt in chunks, logits only at the end."""
         if self.slot is None:
-            self.slot = pool.allocate()
+            self.slot = pool.allocate(self.salt)
+            self.kv_len = pool.match_prefix(self.slot, self.ids, len(self.ids) - 1)
         c = min(self.kv_len, len(self.ids) - 1)
         todo = self.ids[c:]
         if len(todo) > chunk:
-            return Row(self.slot, c, todo[:chunk], keep=0)
+            return Row(self.slot, c, todo[:max(chunk, 1)], keep=0)
         return Row(self.slot, c, todo, keep=1)
 
     def step(self, pool: KVPool, row: Row, logits: torch.Tensor, cfg: SamplingConfig, seed: int) -> int | None:
         """After a forward: the token at position len(ids) + 1 (appended), or None after a prompt chunk."""
         assert self.slot is not None
         self.kv_len = row.past + len(row.ids)
-        pool.lengths[self.slot] = self.kv_len
+        pool.set_length(self.slot, self.kv_len)
         if row.keep == 0:
             return None
         p = processed_probs(logits, cfg, self.ids)  # [1, vocab]

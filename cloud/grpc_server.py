@@ -27,6 +27,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from cloud.guards import bearer_key, check_dist_sizes, check_verify_counts
+from cloud.ports import GRPC_OPTIONS, PortInUse, in_use_message
 from cloud.service import VerifierService
 from shared.config import SamplingConfig
 from shared.errors import Internal, InvalidArgument, SpecSplitError
@@ -221,15 +222,18 @@ async def start_grpc(service: VerifierService, host: str, port: int
     """Build, bind and start the gRPC server; returns (server, bound port, health servicer)."""
     limit = service.settings.max_body_bytes
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit),
-                                      ("grpc.max_send_message_length", 64 * 1024**2)])
+                                      ("grpc.max_send_message_length", 64 * 1024**2), *GRPC_OPTIONS])
     add_verifier(VerifierServicer(service), server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if not bound and port:
-        raise OSError(f"cannot bind gRPC to {host}:{port}")
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:  # grpcio raises where older versions returned 0
+        bound = 0
+    if not bound:
+        raise PortInUse(in_use_message("gRPC", host, port, "--grpc-port"))
     await server.start()
     status = health_pb2.HealthCheckResponse.SERVING if service.ready else health_pb2.HealthCheckResponse.NOT_SERVING
     for name in ("", SERVICE_NAME):

@@ -41,19 +41,29 @@ class CloudMetrics:
     queue_ms: Histogram
     # rows (sessions, prefills, generate streams) in each batched forward
     batch_size: Histogram
-    # padded tokens (rows x longest row) in each batched forward
+    # real tokens in each forward (one flattened row, no padding)
     batch_tokens: Histogram
+    # tokens a right-padded batch of the same rows would have run (rows x longest row), summed
+    padded_tokens: Counter
+    # time from admission to a job's first forward, seconds, by kind (round, decode, prefill)
+    queue_wait: Histogram
+    # KV blocks by state: used (in a session's block table), cached (prefix cache, unreferenced), free
+    kv_blocks: Gauge
+    # prompt/context positions served from the prefix cache instead of a forward
+    prefix_hit_tokens: Counter
+    # unreferenced cached prefix blocks taken back for reuse (least recently used first)
+    cached_block_evictions: Counter
     # wall time of each batched forward, ms
     forward_ms: Histogram
     # sessions open now
     open_sessions: Gauge
     # KV cache bytes held by open sessions (their lengths x bytes per position)
     kv_bytes: Gauge
-    # bytes the KV pool has allocated (slots x capacity x bytes per position)
+    # bytes the KV pool has allocated (blocks that exist x block bytes; never above kv_budget_bytes)
     kv_pool_bytes: Gauge
     # model-bound requests admitted and not finished
     queue_depth: Gauge
-    # sessions removed other than by DELETE, by reason ("ttl", "kv_budget")
+    # sessions removed other than by DELETE, by reason ("ttl", "kv_budget": evicted for KV blocks)
     evictions: Counter
     # error answers by code (invalid_argument, not_found, ...)
     errors: Counter
@@ -82,9 +92,19 @@ class CloudMetrics:
             queue_ms=Histogram(p + "queue_ms", "wait for the model, ms", buckets=_MS_BUCKETS, registry=r),
             batch_size=Histogram(p + "batch_size", "rows per batched forward",
                                  buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, float("inf")), registry=r),
-            batch_tokens=Histogram(p + "batch_tokens", "padded tokens per batched forward",
+            batch_tokens=Histogram(p + "batch_tokens", "real tokens per forward (no padding)",
                                    buckets=(1, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, float("inf")),
                                    registry=r),
+            padded_tokens=Counter(p + "padded_equivalent_tokens", "tokens a right-padded batch of the same rows "
+                                  "would have run (rows x longest row)", registry=r),
+            queue_wait=Histogram(p + "queue_wait_seconds", "admission to first forward, seconds, by job kind",
+                                 ["kind"], buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5,
+                                                    10, float("inf")), registry=r),
+            kv_blocks=Gauge(p + "kv_blocks", "KV blocks by state (used, cached, free)", ["state"], registry=r),
+            prefix_hit_tokens=Counter(p + "prefix_cache_hit_tokens", "positions served from the prefix cache",
+                                      registry=r),
+            cached_block_evictions=Counter(p + "kv_cached_block_evictions", "cached prefix blocks taken back",
+                                           registry=r),
             forward_ms=Histogram(p + "forward_ms", "batched forward wall time, ms", buckets=_MS_BUCKETS, registry=r),
             open_sessions=Gauge(p + "open_sessions", "sessions open", registry=r),
             kv_bytes=Gauge(p + "kv_bytes", "KV cache bytes held by sessions", registry=r),

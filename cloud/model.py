@@ -1,8 +1,14 @@
 """The target model: loading and start-up checks, its public facts (GET /v1/model), batched forwards.
 
-Only the model thread calls `forward`; everything here is synchronous. Every session's KV lives
-in one `KVPool` (shared/kvpool.py): a round is a `Row` of that pool, and rows of several sessions
-run as one forward.
+The model runner: it only runs what the scheduler (cloud/scheduler.py) decided. Only the model
+thread calls `forward`; everything here is synchronous. Every session's KV lives in one paged
+`KVPool` (shared/kvpool.py; blocks of `block_size` positions, sized from kv_budget_bytes, with a
+prefix cache): a round is a `Row` of that pool, and the rows of several sessions run as one
+flattened forward of their real tokens.
+
+The target samples over the tokenizer's ids: when its embedding table has more rows than the
+tokenizer has ids (padding, as Qwen2.5's), the extra columns are cut from every forward's logits,
+so p, the id checks and every emitted token stay inside the tokenizer.
 
 Start-up refuses, with one line, what cannot be served exactly: a model whose layers keep
 recurrent or convolution state (no rollback by position), a directory without a tokenizer, and
@@ -18,7 +24,7 @@ from pathlib import Path
 import torch
 
 from shared.hf_model import DTYPES, check_rollback, eos_ids, load_causal_lm
-from shared.kvpool import KVPool, Row, attention_layout
+from shared.kvpool import BLOCK_SIZE, KVPool, Row, UnsupportedModel, attention_layout
 from shared.protocol import ModelInfo
 from shared.tokenizer_id import load_tokenizer, tokenizer_fingerprint
 
@@ -28,7 +34,8 @@ log = logging.getLogger(__name__)
 class TargetModel:
     """A Hugging Face causal LM in eval mode, its facts, and the KV pool of every session."""
 
-    def __init__(self, model_dir: Path, device: str = "cpu", dtype: str = "float32") -> None:
+    def __init__(self, model_dir: Path, device: str = "cpu", dtype: str = "float32", *,
+                 kv_budget_bytes: int | None = None, block_size: int = BLOCK_SIZE, prefix_cache: bool = True) -> None:
         self.device = torch.device(device)
         torch_dtype = DTYPES[dtype]
         tokenizer = load_tokenizer(model_dir)
@@ -36,18 +43,39 @@ class TargetModel:
         cfg = self.model.config.get_text_config()
         n_ctx = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or 2048
         vocab = int(self.model.get_output_embeddings().weight.shape[0])
+        # the ids p is taken over: the tokenizer's; rows past len(tokenizer) pad the embedding table
+        self.support = min(len(tokenizer), vocab)
         self.info = ModelInfo(
             model_id=model_dir.resolve().name, vocab_size=vocab, eos_ids=eos_ids(self.model),
             max_context=int(n_ctx), dtype=dtype, device=str(self.device),
-            tokenizer_fingerprint=tokenizer_fingerprint(tokenizer))
-        self.pool = KVPool(attention_layout(self.model.config), int(n_ctx), self.device, torch_dtype)
+            tokenizer_fingerprint=tokenizer_fingerprint(tokenizer), tokenizer_size=self.support)
+        self.pool = KVPool(attention_layout(self.model.config), int(n_ctx), self.device, torch_dtype,
+                           budget_bytes=kv_budget_bytes, block_size=block_size, prefix_cache=prefix_cache)
+        try:
+            self.pool.prepare(self.model)
+        except ValueError as e:
+            raise UnsupportedModel(str(e)) from None
         check_rollback(self.model, self.pool, vocab, torch_dtype)
         # K and V of every layer: bytes one position of one session's cache takes
         self.kv_bytes_per_token = self.pool.bytes_per_position
         log.info("target loaded: %s", self.info)
 
+    def use_pool(self, kv_budget_bytes: int | None, block_size: int = BLOCK_SIZE, prefix_cache: bool = True) -> None:
+        """A fresh, empty pool with these limits (each service starts with its own)."""
+        pool = KVPool(self.pool.layout, self.pool.max_positions, self.device, self.pool.dtype,
+                      budget_bytes=kv_budget_bytes, block_size=block_size, prefix_cache=prefix_cache)
+        try:
+            pool.prepare_like(self.pool)
+        except ValueError as e:
+            raise UnsupportedModel(str(e)) from None
+        self.pool = pool
+
     @torch.inference_mode()
     def forward(self, rows: list[Row]) -> list[torch.Tensor]:
-        """One forward over every row; each row's logits for its last `keep` ids ([keep, vocab], float32).
-        Pool lengths are the caller's to set once the answer is used."""
-        return self.pool.forward(self.model, rows)
+        """One forward over every row; each row's logits for its last `keep` ids ([keep, support], float32):
+        the columns of the tokenizer's ids only. Each row's sequence then holds its ids' KV; the caller crops
+        back what it does not keep."""
+        out = self.pool.forward(self.model, rows)
+        if self.support < self.info.vocab_size:
+            out = [x[:, : self.support] for x in out]  # [keep, support]
+        return out

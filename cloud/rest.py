@@ -172,11 +172,16 @@ def create_app(service: VerifierService) -> FastAPI:
     async def model(_: str = Depends(owner)) -> dict[str, Any]:
         return asdict(service.info)
 
-    @app.post("/v1/sessions", tags=["v1"])
-    async def open_session(body: OpenSessionBody, who: str = Depends(owner)) -> dict[str, Any]:
+    @app.post("/v1/sessions", tags=["v1"], response_model=None)
+    async def open_session(body: OpenSessionBody, request: Request, who: str = Depends(owner)
+                           ) -> dict[str, Any] | Response:
         req = OpenSessionRequest(body.prompt_ids, body.sampling_cfg.to_cfg(), body.seed, body.correction,
                                  body.max_new_tokens)
         info = await service.open_session(req, who)
+        if await request.is_disconnected():  # nobody learns its ctx_id: close it now, not at the TTL
+            service.close_session(info.ctx_id, who)
+            log.info("session %s closed: the client went away while it was opened", info.ctx_id)
+            return Response(status_code=499)
         return {k: v for k, v in asdict(info).items() if k != "counters"}
 
     @app.post("/v1/verify", tags=["v1"])

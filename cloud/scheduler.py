@@ -1,28 +1,32 @@
-"""The model thread and its continuous batching: queued model work of many sessions, one forward.
+"""The model thread's scheduler: it decides which queued work runs in each forward; the model
+runner (cloud/model.py, shared/kvpool.py) runs it. Nothing here touches tensors.
 
 Work arrives as `Job`s from the event loop: verify rounds, session-open prefills, /v1/generate
-decode steps. Whenever the model is free, the thread takes the queue in arrival order and builds
-one batch:
-- each job's `plan()` (on the model thread, reading its session) gives the `Row` it needs, or
-  answers at once (a replay, a closed session: no forward);
-- the oldest job always runs; a later one joins while the batch stays within `max_batch_size`
-  rows and `max_batch_tokens` padded tokens (rows x longest row), and the padded tokens stay within
-  PADDING_FACTOR times the real ones (verify rows of different k share a forward, which costs less
-  than a second forward; a short verify row does not ride along with a long prefill chunk);
-  what does not fit waits for the next forward, which starts right after this one;
-- one `KVPool.forward` runs every row; then each job's `finish()` applies its own result (the verify
-  rule, a commit). An exception in one job's plan or finish fails that job alone; a failed
-  forward fails every job of the batch and each `abort()` leaves its session as it was.
-A job that arrives while a batch runs joins the next one. Sessions that were just answered come
-back within a few milliseconds (the client's turnaround); left alone they would form waves that
-never merge (half the sessions in one forward, half in the next, each costing nearly a full
-forward on a CPU). So before a forward the thread waits, at most `batch_wait_ms` and at most half
-the last forward's time, for the sessions answered within the last three forwards that have not
-queued their next round yet; it starts at once when they all have (always with one session).
-`batch_wait_ms = 0` never waits. A session never has two jobs queued (its lock is held while its round is queued), so its rounds
-stay in order. Prefills longer than `max_batch_tokens` run in chunks of that size, one per
-forward, so the activations of one forward stay bounded by `max_batch_tokens` (one verify row
-longer than that, after a long resync, runs alone).
+decode steps. Whenever the model is free, the thread builds one forward under a token budget
+(`max_batch_tokens`, real tokens: a forward is one flattened row with no padding) and a row cap
+(`max_batch_size`):
+1. Running work first: verify rounds and decode steps, in arrival order. A round whose resync
+   (`append_ids`) is longer than the budget runs its context in prefill chunks first, in the
+   prefills' share of the budget (before the prefills), then its verify row.
+2. Prefills fill the rest of the budget: session opens and /v1/generate prompts, chunked to what is
+   left. They are taken round-robin over API keys (the key whose prefill ran least recently first,
+   each key's prefills in arrival order), so one key's burst of opens cannot starve another key's.
+So a round that arrives during a burst of prefills runs in the next forward: it waits at most for
+the forward in progress (one forward of at most `max_batch_tokens` tokens), never for the burst.
+3. KV blocks: each row needs the blocks its new positions take (`blocks_needed`). When they are not
+   free the thread asks for room (`make_room`: unreferenced cached prefix blocks go first, then the
+   least recently used idle sessions, which answer 404 and are reopened by their edge). A job that
+   still does not fit waits for a later forward while other work runs, and is refused with
+   ResourceExhausted (429 + Retry-After) when it cannot fit even alone. A forward is never started
+   without its blocks, so it never fails for memory and the pool never passes the budget.
+4. The forward runs every row; then each job's `finish()` applies its own result (the verify rule, a
+   commit). An exception in one job's plan or finish fails that job alone; a failed forward fails
+   every job of the batch and each `abort()` leaves its session as it was.
+Sessions that were just answered come back within a few milliseconds (the client's turnaround);
+left alone they would form waves that never merge. So before a forward the thread waits, at most
+`batch_wait_ms` and at most half the last forward's time, for the sessions answered within the last
+three forwards that have not queued their next round yet. `batch_wait_ms = 0` never waits. A session
+never has two jobs queued (its lock is held while its round is queued), so its rounds stay in order.
 
 `run(fn)` runs a plain callable on the model thread between batches (start-up, tests).
 Admission (`admit`) is unchanged: past `max_depth` requests in flight -> ResourceExhausted.
@@ -47,8 +51,8 @@ from shared.kvpool import Row
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-# a row joins a batch only while rows x longest row <= PADDING_FACTOR x the real tokens
-PADDING_FACTOR = 4
+# job kinds: running work goes before prefills
+ROUND, DECODE, PREFILL = "round", "decode", "prefill"
 
 
 class Pending:
@@ -60,8 +64,8 @@ PENDING = Pending()
 
 @dataclass
 class Job(Generic[T]):
-    # the Row to run, or None with `answer` set when it needs no forward
-    plan: Callable[[], Row | None]
+    # the Row to run within a token budget (int), or None with `answer` set when it needs no forward
+    plan: Callable[[int], Row | None]
     # applies the job's logits ([keep, vocab]) given the forward's wall time (ms); returns its result,
     # or PENDING for another forward
     finish: Callable[[torch.Tensor, float], T | Pending]
@@ -79,16 +83,24 @@ class Job(Generic[T]):
     call: Callable[[], T] | None = None
     # whose work it is (a session, a generate stream): its next job is expected soon after an answer
     key: str | None = None
+    # ROUND, DECODE (running work, first) or PREFILL (fills the rest of the token budget)
+    kind: str = ROUND
+    # the API key's owner id (prefills are taken round-robin over owners)
+    owner: str = ""
 
 
 @dataclass
 class BatchStats:
     # sessions (rows) in the forward
     rows: int
-    # padded tokens: rows x the longest row
+    # real tokens in the forward (one flattened row: no padding)
     tokens: int
     # forward wall time, ms
     ms: float
+    # tokens a right-padded batch of the same rows would have run: rows x the longest row
+    padded_tokens: int = 0
+    # jobs whose first forward this was: (kind, seconds queued)
+    waits: list[tuple[str, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -102,6 +114,10 @@ class Scheduler:
     torch_threads: int = 0
     # runs `forward(rows) -> logits per row` (the model's); set before the first job
     forward: Callable[[list[Row]], list[torch.Tensor]] | None = None
+    # KV blocks a row needs / blocks a forward can still get / make room for n more blocks (evictions)
+    blocks_needed: Callable[[Row], int] = lambda _: 0
+    blocks_available: Callable[[], int] = lambda: 1 << 62
+    make_room: Callable[[int], None] = lambda _: None
     # called on the model thread after every forward
     on_batch: Callable[[BatchStats], None] = lambda _: None
     # called on the model thread between batches (slot releases, from any thread)
@@ -114,6 +130,9 @@ class Scheduler:
     # model thread only: when each key was last answered (monotonic s), and the last forward's time (s)
     _answered: dict[str, float] = field(default_factory=dict)
     _last_forward_s: float = 0.0
+    # model thread only: the number of the last forward that ran a prefill of each owner, and forwards run
+    _served: dict[str, int] = field(default_factory=dict)
+    _forwards: int = 0
 
     def __post_init__(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="model", daemon=True)
@@ -147,7 +166,7 @@ class Scheduler:
 
     async def run(self, fn: Callable[[], T], since: float | None = None) -> tuple[T, float]:
         """Run fn() alone on the model thread, in queue order."""
-        return await self.submit(Job(plan=lambda: None, finish=lambda _, __: PENDING, call=fn), since)
+        return await self.submit(Job(plan=lambda _: None, finish=lambda _, __: PENDING, call=fn), since)
 
     def between_batches(self, fn: Callable[[], None]) -> None:
         """Run fn() on the model thread before the next batch (any thread may call this)."""
@@ -238,19 +257,47 @@ class Scheduler:
             with contextlib.suppress(ValueError):
                 self._queue.remove(job)
 
+    def _order(self, jobs: list[Job[Any]]) -> list[Job[Any]]:
+        """Running work in arrival order, then prefills round-robin over owners: the owner served least
+        recently first, and each owner's prefills in arrival order (see the module docstring)."""
+        running = [j for j in jobs if j.kind != PREFILL]
+        rank: dict[str, int] = {}
+        prefills = []
+        for i, j in enumerate(jobs):
+            if j.kind == PREFILL:
+                rank[j.owner] = rank.get(j.owner, -1) + 1
+                prefills.append((self._served.get(j.owner, -1), rank[j.owner], i, j))
+        return running + [t[3] for t in sorted(prefills, key=lambda t: t[:3])]
+
+    def _fail(self, job: Job[Any], e: BaseException) -> None:
+        self._drop(job)
+        with contextlib.suppress(BaseException):
+            job.abort()
+        self._resolve(job, error=e)
+
     def _step(self) -> None:
-        """Build one batch from the queue (see the module docstring), run it, hand out the results."""
+        """Build one forward from the queue (see the module docstring), run it, hand out the results."""
+        jobs = self._take()
+        if jobs and jobs[0].call is not None:
+            self._drop(jobs[0])
+            self._run_call(jobs[0])
+            return
+        cut = next((i for i, j in enumerate(jobs) if j.call is not None), len(jobs))  # a call keeps its place
         batch: list[tuple[Job[Any], Row]] = []
-        longest = real = 0
-        for job in self._take():
-            if job.call is not None:
-                if batch:
-                    break  # a plain call keeps its place in the order
-                self._drop(job)
-                self._run_call(job)
-                return
+        budget, reserved = self.max_batch_tokens, 0
+        ordered = self._order(jobs[:cut])
+        chunked: list[Job[Any]] = []  # rounds whose next forward is a resync chunk: they fill like prefills
+
+        def candidates() -> Iterator[tuple[Job[Any], bool]]:
+            yield from ((j, False) for j in ordered if j.kind != PREFILL)
+            yield from ((j, True) for j in chunked)
+            yield from ((j, True) for j in ordered if j.kind == PREFILL)
+
+        for job, filling in candidates():
+            if len(batch) >= self.max_batch_size or budget <= 0:
+                break
             try:
-                row = job.plan()
+                row = job.plan(budget if filling or batch else self.max_batch_tokens)
             except BaseException as e:  # noqa: BLE001 - that request's error alone
                 self._drop(job)
                 self._resolve(job, error=e)
@@ -263,45 +310,55 @@ class Scheduler:
                 except BaseException as e:  # noqa: BLE001
                     self._resolve(job, error=e)
                 continue
-            n = len(row.ids)
-            if batch:
-                wide = max(longest, n)
-                rows = len(batch) + 1
-                if (rows > self.max_batch_size or wide * rows > self.max_batch_tokens
-                        or PADDING_FACTOR * (real + n) < wide * rows):
-                    continue  # waits for a later forward
+            if not filling and row.keep == 0:
+                chunked.append(job)  # a long resync: after the running work, in the prefills' share
+                continue
+            if batch and len(row.ids) > budget:
+                continue  # waits for a later forward
+            # a plan may have taken cached prefix blocks: count what is left now
+            need, left = self.blocks_needed(row), self.blocks_available() - reserved
+            if need > left:
+                self.make_room(need - left)
+                left = self.blocks_available() - reserved
+            if need > left:
+                if not batch:
+                    self._fail(job, ResourceExhausted(
+                        f"the KV cache is full ({need} more blocks needed; no idle session or cached "
+                        "block is left to evict); retry later", limit="kv_budget_bytes"))
+                continue  # waits for a later forward
+            reserved += need
+            budget -= len(row.ids)
             batch.append((job, row))
-            longest, real = max(longest, n), real + n
-            if len(batch) >= self.max_batch_size:
-                break
         if not batch:
             return
+        self._forwards += 1
+        for job, _ in batch:
+            if job.kind == PREFILL:
+                self._served[job.owner] = self._forwards
         now, wall = self.clock(), time.monotonic()
+        waits = []
         for job, _ in batch:
             if job.started is None:
                 job.started = now
+                waits.append((job.kind, max(now - job.since, 0.0)))
         assert self.forward is not None
         try:
             logits = self.forward([row for _, row in batch])
         except BaseException as e:  # noqa: BLE001 - every job of the batch fails, sessions unchanged
             log.exception("batched forward failed (%d rows)", len(batch))
             for job, _ in batch:
-                self._drop(job)
-                with contextlib.suppress(BaseException):
-                    job.abort()
-                self._resolve(job, error=e)
+                self._fail(job, e)
             return
         ms = (self.clock() - now) * 1000.0
         self._last_forward_s = time.monotonic() - wall
-        self.on_batch(BatchStats(rows=len(batch), tokens=len(batch) * longest, ms=ms))
+        real = sum(len(r.ids) for _, r in batch)
+        padded = len(batch) * max(len(r.ids) for _, r in batch)
+        self.on_batch(BatchStats(rows=len(batch), tokens=real, ms=ms, padded_tokens=padded, waits=waits))
         for (job, _), out in zip(batch, logits, strict=True):
             try:
                 result = job.finish(out, ms)
             except BaseException as e:  # noqa: BLE001 - that request's error alone
-                self._drop(job)
-                with contextlib.suppress(BaseException):
-                    job.abort()
-                self._resolve(job, error=e)
+                self._fail(job, e)
                 continue
             if result is PENDING:
                 continue  # stays queued in its place: its next chunk joins a later forward

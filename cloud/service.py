@@ -32,10 +32,10 @@ from cloud.engine import (
 )
 from cloud.metrics import CloudMetrics
 from cloud.model import ModelInfo, TargetModel
-from cloud.scheduler import PENDING, BatchStats, Job, Pending, Scheduler
+from cloud.scheduler import DECODE, PENDING, PREFILL, ROUND, BatchStats, Job, Pending, Scheduler
 from cloud.session import Context, Session
 from cloud.settings import CloudSettings
-from cloud.store import CLOSED, SessionStore
+from cloud.store import CLOSED, KV_BUDGET, SessionStore
 from shared.config import SamplingConfig
 from shared.errors import InvalidArgument, NotFound, Unauthenticated, Unavailable
 from shared.kvpool import Row
@@ -77,10 +77,11 @@ class VerifierService:
     def __init__(self, settings: CloudSettings, model: TargetModel, *, clock: Callable[[], float] = time.monotonic,
                  new_id: Callable[[], str] = lambda: secrets.token_urlsafe(24)) -> None:
         self.settings, self.model, self.clock, self.new_id = settings, model, clock, new_id
+        model.use_pool(settings.kv_budget_bytes, settings.kv_block_size, settings.prefix_cache)
         self.info: ModelInfo = replace(model.info, max_k=settings.max_k)
         self.prompt_limit = settings.prompt_limit(model.info.max_context)
         self.limits = RoundLimits(max_k=settings.max_k, max_return_top_k=settings.max_return_top_k,
-                                  max_context=model.info.max_context, vocab_size=model.info.vocab_size)
+                                  max_context=model.info.max_context, vocab_size=model.support)
         self.metrics = CloudMetrics.create(settings.max_k)
         self.store = SessionStore(max_sessions=settings.max_sessions, ttl_s=settings.session_ttl_s,
                                   kv_budget_bytes=settings.kv_budget_bytes, clock=clock, on_remove=self._removed,
@@ -89,7 +90,12 @@ class VerifierService:
                                 max_batch_tokens=settings.max_batch_tokens, batch_wait_ms=settings.batch_wait_ms,
                                 torch_threads=settings.torch_threads,
                                 forward=lambda rows: self.model.forward(rows),
-                                on_batch=self._batched)
+                                on_batch=self._batched,
+                                blocks_needed=lambda row: self.model.pool.blocks_needed(row),
+                                blocks_available=lambda: self.model.pool.manager.available(),
+                                make_room=self._make_room)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._hits_seen = self._evicted_seen = 0
         self._keys = settings.api_key_values()
         self.ready = True
         # set at SIGTERM (cloud.app.drain): new sessions and generations are refused, verify is still served
@@ -97,7 +103,7 @@ class VerifierService:
 
     @classmethod
     def load(cls, settings: CloudSettings, **kw) -> VerifierService:  # type: ignore[no-untyped-def]
-        model = TargetModel(settings.model, settings.device, settings.dtype)
+        model = TargetModel(settings.model, settings.device, settings.dtype)  # the service sizes its pool
         return cls(settings, model, **kw)
 
     # --- auth ---------------------------------------------------------------------------------
@@ -118,7 +124,7 @@ class VerifierService:
         if len(ids) > self.prompt_limit:
             raise InvalidArgument(f"the prompt has {len(ids)} tokens, more than the limit of {self.prompt_limit} "
                                   f"(model context {self.info.max_context})", limit=self.prompt_limit)
-        check_ids(ids, self.info.vocab_size, "prompt_ids")
+        check_ids(ids, self.model.support, "prompt_ids")
 
     async def open_session(self, req: OpenSessionRequest, owner: str) -> SessionInfo:
         self._refuse_when_draining("sessions")
@@ -130,11 +136,12 @@ class VerifierService:
         if req.max_new_tokens < 0:
             raise InvalidArgument("max_new_tokens must be >= 0")
         need = len(req.prompt_ids) * self.model.kv_bytes_per_token
+        self._loop = asyncio.get_running_loop()
         with self.worker.admit():
             admitted = self.clock()
             self.store.check_room(need, owner)
-            pre = Prefill(req.prompt_ids[:-1], chunk=self.settings.max_batch_tokens)
-            job = asyncio.ensure_future(self.worker.submit(self._prefill_job(pre), since=admitted))
+            pre = Prefill(req.prompt_ids[:-1], chunk=self.settings.max_batch_tokens, salt=self._salt(owner))
+            job = asyncio.ensure_future(self.worker.submit(self._prefill_job(pre, owner), since=admitted))
             try:
                 (ms, queue_ms) = await asyncio.shield(job)
             except BaseException:
@@ -152,7 +159,7 @@ class VerifierService:
                         correction=req.correction, max_new_tokens=req.max_new_tokens,
                         prompt_len=len(req.prompt_ids), context=Context.of(req.prompt_ids), slot=pre.slot,
                         kv_bytes_per_token=self.model.kv_bytes_per_token, last_used=now, created=now,
-                        kv_len=len(pre.ids))
+                        kv_len=len(pre.ids), replay_bytes_limit=self.settings.replay_cache_bytes)
             self.store.add(s)
         self.metrics.prefill_ms.observe(ms)
         self.metrics.queue_ms.observe(queue_ms)
@@ -164,20 +171,49 @@ class VerifierService:
         if self.draining:
             raise Unavailable(f"this replica is shutting down and takes no new {what}: retry (elsewhere)")
 
-    def _prefill_job(self, pre: Prefill) -> Job[float]:
+    def _salt(self, owner: str) -> bytes:
+        """The prefix-cache salt of an owner's sequences: blocks are shared within one API key only,
+        unless the operator shares them across keys."""
+        return b"" if self.settings.share_prefix_across_keys else owner.encode()
+
+    def _prefill_job(self, pre: Prefill, owner: str) -> Job[float]:
         """KV of a prompt's S[:-1], in chunks; the result is the forward time (ms) summed over chunks."""
         spent = [0.0]
+        rows: list[Row] = []
+
+        def plan(budget: int) -> Row | None:
+            row = pre.plan(self.model.pool, budget)
+            rows[:] = [row] if row is not None else []
+            return row
 
         def finish(_: object, ms: float) -> float | Pending:
             spent[0] += ms
-            return spent[0] if pre.advance(self.model.pool) else PENDING
+            return spent[0] if pre.advance(self.model.pool, rows[0]) else PENDING
 
         def abort() -> None:
             if pre.slot is not None:
-                self.model.pool.lengths[pre.slot] = 0
-                pre.done = 0
+                self.model.pool.crop(pre.slot, pre.done)
 
-        return Job(plan=lambda: pre.plan(self.model.pool), finish=finish, abort=abort, answer=lambda: spent[0])
+        return Job(plan=plan, finish=finish, abort=abort, answer=lambda: spent[0], kind=PREFILL, owner=owner)
+
+    def _make_room(self, blocks: int) -> None:
+        """On the model thread, when a forward needs `blocks` more KV blocks than are left (cached prefix
+        blocks already count as available): evict least recently used idle sessions until they fit.
+        Each answers 404 afterwards; its edge reopens it with the full context."""
+        pool = self.model.pool
+        goal = pool.manager.available() + blocks
+        for s in self.store.lru():
+            if pool.manager.available() >= goal:
+                return
+            if s.inflight > 0 or s.closed or s.slot is None:
+                continue
+            slot, s.slot = s.slot, None
+            s.closed = True
+            pool.release(slot)
+            if self._loop is not None:
+                self._loop.call_soon_threadsafe(self.store.drop, s, KV_BUDGET)
+            else:
+                self.store.drop(s, KV_BUDGET)
 
     def _release(self, slot: int | None) -> None:
         if slot is not None:
@@ -186,12 +222,15 @@ class VerifierService:
     def _batched(self, b: BatchStats) -> None:
         self.metrics.batch_size.observe(b.rows)
         self.metrics.batch_tokens.observe(b.tokens)
+        self.metrics.padded_tokens.inc(b.padded_tokens)
         self.metrics.forward_ms.observe(b.ms)
+        for kind, waited in b.waits:
+            self.metrics.queue_wait.labels(kind=kind).observe(waited)
 
     def _info(self, s: Session, counters: bool = False) -> SessionInfo:
         ctx = s.context
         return SessionInfo(ctx_id=s.ctx_id, ctx_len=len(ctx), ctx_hash=ctx.hash_at(len(ctx)),
-                           vocab_size=self.info.vocab_size,
+                           vocab_size=self.model.support,
                            counters=s.describe(self.clock()) if counters else {})
 
     def get_session(self, ctx_id: str, owner: str) -> SessionInfo:
@@ -226,6 +265,7 @@ class VerifierService:
         s = self._session(req.ctx_id, owner)
         q_dense = check_request(req, declared_k, self.limits, s.sampling_cfg, sampling_cfg)
         k = len(req.draft.draft_tokens)
+        self._loop = asyncio.get_running_loop()
         with self.worker.admit():
             admitted = self.clock()
             s.inflight += 1
@@ -258,14 +298,18 @@ class VerifierService:
         """One verify round as a scheduler job: plan on the model thread, run in a batch, finish alone."""
         fp = fingerprint(req)
         planned: list[RoundPlan] = []
+        rows: list[Row] = []
 
-        def plan() -> Row | None:
-            p = plan_round(s, req, fp)
-            planned.clear()
-            if isinstance(p, VerifyResponse):
-                return None
-            planned.append(p)
-            return p.row
+        def plan(budget: int) -> Row | None:
+            if not planned:  # the first forward: check and plan (later ones continue a chunked resync)
+                p = plan_round(s, req, fp)
+                if isinstance(p, VerifyResponse):
+                    return None
+                planned.append(p)
+            elif s.closed or s.slot is None:
+                plan_round(s, req, fp)  # raises NotFound
+            rows[:] = [planned[0].next_row(budget)]
+            return rows[0]
 
         def answer() -> RoundResult:
             s.counters.replayed += 1
@@ -273,14 +317,21 @@ class VerifierService:
             assert isinstance(cached, VerifyResponse)
             return RoundResult(cached, None, replayed=True)
 
-        def finish(logits: Any, ms: float) -> RoundResult:
-            return finish_round(self.model, s, req, q_dense, planned[0], logits, ms, self.settings.replay_cache_size)
+        def finish(logits: Any, ms: float) -> RoundResult | Pending:
+            row = rows[0]
+            if row.keep == 0:  # a chunk of a long resync: its KV is written, the verify row comes next
+                planned[0].fed = row.past + len(row.ids)
+                spent[0] += ms
+                return PENDING
+            return finish_round(self.model, s, req, q_dense, planned[0], logits, ms + spent[0],
+                                self.settings.replay_cache_size)
 
         def abort() -> None:
             if planned:
                 s.set_kv_len(self.model.pool, min(s.kv_len, planned[0].past))
 
-        return Job(plan=plan, finish=finish, abort=abort, answer=answer, key=s.ctx_id)
+        spent = [0.0]
+        return Job(plan=plan, finish=finish, abort=abort, answer=answer, key=s.ctx_id, kind=ROUND, owner=s.owner)
 
     def _log_round(self, req: VerifyRequest, resp: VerifyResponse, k: int, replayed: bool) -> None:
         m = resp.metrics
@@ -304,17 +355,17 @@ class VerifierService:
             raise InvalidArgument("seed must be in [0, 2**64)")
         with self.worker.admit():
             pass  # fail fast when full; the generation itself is admitted when it starts
-        return self._generate(req)
+        return self._generate(req, owner)
 
-    async def _generate(self, req: GenerateRequest) -> AsyncIterator[GenerateEvent]:
+    async def _generate(self, req: GenerateRequest, owner: str = "") -> AsyncIterator[GenerateEvent]:
         t_start = self.clock()
-        st = DecodeState(list(req.prompt_ids))
+        st = DecodeState(list(req.prompt_ids), salt=self._salt(owner))
         limit = min(req.max_new_tokens, self.info.max_context - len(st.ids))
         reason, prefill_ms, decode_ms, queue_ms = "length", 0.0, 0.0, 0.0
         try:
             with self.worker.admit():
                 for i in range(max(limit, 0)):
-                    job = asyncio.ensure_future(self.worker.submit(self._decode_job(st, req),
+                    job = asyncio.ensure_future(self.worker.submit(self._decode_job(st, req, owner, i == 0),
                                                                    since=t_start if i == 0 else None))
                     try:
                         (tok, ms), waited = await asyncio.shield(job)
@@ -339,13 +390,13 @@ class VerifierService:
                                      "decode_ms": decode_ms, "queue_ms": queue_ms,
                                      "total_ms": (self.clock() - t_start) * 1000.0, "stop_reason": reason})
 
-    def _decode_job(self, st: DecodeState, req: GenerateRequest) -> Job[tuple[int, float]]:
+    def _decode_job(self, st: DecodeState, req: GenerateRequest, owner: str, first: bool) -> Job[tuple[int, float]]:
         """One target-only token (a long prompt first runs in chunks); result (token, forward ms)."""
         rows: list[Row] = []
         spent = [0.0]
 
-        def plan() -> Row:
-            rows[:] = [st.plan(self.model.pool, self.settings.max_batch_tokens)]
+        def plan(budget: int) -> Row:
+            rows[:] = [st.plan(self.model.pool, budget)]
             return rows[0]
 
         def finish(logits: Any, ms: float) -> tuple[int, float] | Pending:
@@ -356,15 +407,24 @@ class VerifierService:
         def abort() -> None:
             if rows and st.slot is not None:
                 st.kv_len = min(st.kv_len, rows[0].past)
-                self.model.pool.lengths[st.slot] = st.kv_len
+                self.model.pool.crop(st.slot, st.kv_len)
 
-        return Job(plan=plan, finish=finish, abort=abort, key=f"generate-{id(st)}")
+        return Job(plan=plan, finish=finish, abort=abort, key=f"generate-{id(st)}",
+                   kind=PREFILL if first else DECODE, owner=owner)
 
     # --- housekeeping -------------------------------------------------------------------------
     def render_metrics(self) -> bytes:
         self.metrics.open_sessions.set(len(self.store))
         self.metrics.kv_bytes.set(self.store.kv_bytes)
         self.metrics.kv_pool_bytes.set(self.model.pool.allocated_bytes)
+        m = self.model.pool.manager
+        self.metrics.kv_blocks.labels(state="used").set(m.used)
+        self.metrics.kv_blocks.labels(state="cached").set(len(m.cached))
+        self.metrics.kv_blocks.labels(state="free").set(m.available() - len(m.cached)
+                                                        if m.max_blocks is not None else len(m.free))
+        self.metrics.prefix_hit_tokens.inc(m.hit_tokens - self._hits_seen)
+        self.metrics.cached_block_evictions.inc(m.evicted_blocks - self._evicted_seen)
+        self._hits_seen, self._evicted_seen = m.hit_tokens, m.evicted_blocks
         self.metrics.queue_depth.set(self.worker.depth)
         return self.metrics.render()
 

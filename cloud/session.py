@@ -1,7 +1,8 @@
 """One verify session: committed context S, its prefix hashes, the KV cache, counters.
 
-State is by position. The session's slot of the target's KV pool holds the KV of S[:kv_len]
-with kv_len <= |S|; a round crops it (rollback = crop), never rebuilds it. The model thread is
+State is by position. The session's sequence in the target's paged KV pool (`slot`: its id) holds
+the KV of S[:kv_len] with kv_len <= |S|; a round crops it (rollback = crop: whole blocks past
+kv_len go back to the pool), never rebuilds it. The model thread is
 the only writer of `context`, `kv_len` and the slot; other threads read `context`, which is
 replaced as a whole (never mutated), so a reader always sees ids and hashes that belong together.
 """
@@ -10,13 +11,16 @@ from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+import torch
+
 from shared.config import SamplingConfig
+from shared.errors import ContextMismatch
 from shared.hashing import FNV_OFFSET, fnv1a64, hash_hex
 from shared.kvpool import KVPool
-from shared.protocol import VerifyResponse
+from shared.protocol import SparseDist, VerifyResponse
 
 
 @dataclass(frozen=True)
@@ -70,8 +74,43 @@ class Counters:
 class ReplayEntry:
     # fingerprint of the request body the answer belongs to
     fingerprint: str
-    # the answer sent
+    # the answer sent, without its residual distribution (kept packed below)
     response: VerifyResponse
+    # a residual answer's p_j: ids [m] int32 and probs [m] float64 (dropped, oldest first, beyond the
+    # session's replay byte limit; the newest entry's is always kept)
+    dist_ids: torch.Tensor | None = None
+    dist_probs: torch.Tensor | None = None
+    # the answer had a residual distribution that a newer entry's has since replaced
+    dist_dropped: bool = False
+
+    @classmethod
+    def of(cls, fingerprint: str, response: VerifyResponse) -> ReplayEntry:
+        d = response.target_dist
+        if d is None:
+            return cls(fingerprint, response)
+        return cls(fingerprint, replace(response, target_dist=None),
+                   torch.tensor(d.ids, dtype=torch.int32), torch.tensor(d.probs, dtype=torch.float64))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the packed distribution (the part that grows with the vocabulary)."""
+        return sum(t.numel() * t.element_size() for t in (self.dist_ids, self.dist_probs) if t is not None)
+
+    def drop_dist(self) -> None:
+        if self.dist_ids is not None:
+            self.dist_ids = self.dist_probs = None
+            self.dist_dropped = True
+
+    def answer(self) -> VerifyResponse:
+        """The answer as first sent; ContextMismatch (409, nothing changed) for an older residual round
+        whose distribution is no longer kept: only the newest round can still be awaited by its edge."""
+        if self.dist_dropped:
+            raise ContextMismatch("a duplicate of an older round whose residual distribution is no longer "
+                                  "kept; resend from the session's length", expected_ctx_len=self.response.ctx_len,
+                                  expected_ctx_hash=self.response.ctx_hash)
+        if self.dist_ids is None or self.dist_probs is None:
+            return self.response
+        return replace(self.response, target_dist=SparseDist(self.dist_ids.tolist(), self.dist_probs.tolist()))
 
 
 @dataclass
@@ -111,6 +150,8 @@ class Session:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     # positions of S whose KV the slot holds
     kv_len: int = 0
+    # bytes of residual distributions the replay cache keeps beyond the newest answer's (--replay-cache-bytes)
+    replay_bytes_limit: int = 1 << 20
 
     @property
     def kv_bytes(self) -> int:
@@ -119,16 +160,29 @@ class Session:
     def set_kv_len(self, pool: KVPool, n: int) -> None:
         """The slot holds the KV of S[:n] (model thread only)."""
         if self.slot is not None:
-            pool.lengths[self.slot] = n
+            pool.set_length(self.slot, n)
         self.kv_len = n
 
     def remember(self, request_id: str, fingerprint: str, response: VerifyResponse, keep: int) -> None:
+        """Keep the answer for duplicates: at most `keep` entries. Residual distributions (O(vocab) each) are
+        kept packed; beyond `replay_bytes_limit` the oldest lose theirs (the newest always keeps its own), so
+        the cache holds at most max(limit, one distribution) bytes of them."""
         if not request_id or keep <= 0:
             return
-        self.replies[request_id] = ReplayEntry(fingerprint, response)
+        self.replies[request_id] = ReplayEntry.of(fingerprint, response)
         self.replies.move_to_end(request_id)
         while len(self.replies) > keep:
             self.replies.popitem(last=False)
+        total = self.replay_bytes
+        for entry in list(self.replies.values())[:-1]:
+            if total <= self.replay_bytes_limit:
+                break
+            total -= entry.nbytes
+            entry.drop_dist()
+
+    @property
+    def replay_bytes(self) -> int:
+        return sum(e.nbytes for e in self.replies.values())
 
     def describe(self, now: float) -> dict[str, Any]:
         """Counters and settings for GET /v1/sessions/{ctx_id}."""

@@ -45,13 +45,21 @@ class CloudSettings(BaseSettings):
     max_sessions_per_key: int = Field(default=0, ge=0)
     # a session idle this long expires (404 afterwards)
     session_ttl_s: float = Field(default=600.0, gt=0)
-    # total KV cache bytes over all sessions; least recently used idle sessions are evicted beyond it
+    # KV cache bytes at most: the paged pool grows up to it and never past it; when its blocks run out,
+    # unreferenced cached prefix blocks, then least recently used idle sessions are evicted, else 429
     kv_budget_bytes: int = Field(default=2 * 1024**3, gt=0)
+    # positions per KV block
+    kv_block_size: int = Field(default=16, ge=1, le=1024)
+    # reuse cached full KV blocks of a common prefix (system prompt, template) instead of recomputing them
+    prefix_cache: bool = True
+    # share cached prefix blocks across API keys (off: a key never reuses, nor learns from its latency
+    # whether another key sent, a prompt)
+    share_prefix_across_keys: bool = False
     # largest k (draft tokens per round) accepted
     max_k: int = Field(default=16, ge=0, le=256)
     # sessions (rows) in one batched forward at most; 1 = one session per forward (no batching)
     max_batch_size: int = Field(default=32, ge=1)
-    # padded tokens (rows x longest row) in one forward at most; longer prefills run in chunks of this size
+    # real tokens in one forward at most (rounds and decode steps first, prefill chunks fill the rest)
     max_batch_tokens: int = Field(default=1024, ge=16)
     # before a forward, wait at most this long (ms; and at most half the last forward's time) for the
     # next rounds of sessions answered within the last three forwards, so they share one forward; 0 = never
@@ -66,6 +74,9 @@ class CloudSettings(BaseSettings):
     max_return_top_k: int = Field(default=64, ge=0)
     # answers kept per session by request_id, so a late duplicate is answered without rollback
     replay_cache_size: int = Field(default=8, ge=0)
+    # bytes of residual distributions (12 per id) those answers keep per session; beyond it the oldest
+    # answers lose theirs (a late duplicate of one answers 409, nothing changed); the newest always keeps its own
+    replay_cache_bytes: int = Field(default=1024**2, ge=0)
     # largest max_new_tokens of POST /v1/generate
     max_generate_tokens: int = Field(default=1024, ge=1)
     # REST connections and requests at once (uvicorn limit_concurrency); beyond it new requests get a

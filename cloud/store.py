@@ -7,10 +7,10 @@ Policy:
 - `max_sessions_per_owner`: the same, counted over one owner's (API key's) sessions, so one key
   cannot take every session (ResourceExhausted naming `max_sessions_per_key`).
 - `session_ttl_s`: a session idle that long is gone (NotFound on its next call).
-- `kv_budget_bytes`: before a forward grows a cache, the least recently used sessions with no
-  request in flight are evicted until the growth fits. A session whose own cache would exceed the
-  whole budget is refused (ResourceExhausted). Sessions with requests in flight are never evicted,
-  so the budget can be overshot by at most their growth until they finish.
+- `kv_budget_bytes`: the paged KV pool (shared/kvpool.py) is sized from it and never grows past
+  it. A session whose own cache would exceed the whole budget is refused here (ResourceExhausted).
+  When a forward needs blocks that are not left, the model thread evicts the least recently used
+  sessions with no request in flight (cloud/service.py `_make_room`) and hands them to `drop`.
 Every removal frees the cache and marks the session closed. Runs on the event loop only.
 """
 
@@ -86,18 +86,20 @@ class SessionStore:
         self._remove(self.get(ctx_id, owner), CLOSED)
 
     def make_room(self, need_bytes: int, session: Session | None = None) -> None:
-        """Evict LRU idle sessions until `session` (or a new one) can hold `need_bytes` of KV."""
+        """Refuse a context that could not fit even alone (ResourceExhausted); eviction for blocks is the
+        model thread's (`drop`)."""
         if need_bytes > self.kv_budget_bytes:
             raise ResourceExhausted(f"this context needs {need_bytes} bytes of KV cache, more than the "
                                     f"whole budget ({self.kv_budget_bytes} bytes)", limit="kv_budget_bytes")
-        total = self.kv_bytes - (session.kv_bytes if session is not None else 0) + need_bytes
-        for s in list(self._sessions.values()):
-            if total <= self.kv_budget_bytes:
-                break
-            if s is session or s.inflight > 0:
-                continue
-            total -= s.kv_bytes
-            self._remove(s, KV_BUDGET)
+
+    def lru(self) -> list[Session]:
+        """Sessions, least recently used first."""
+        return list(self._sessions.values())
+
+    def drop(self, s: Session, reason: str) -> None:
+        """Remove `s` if it is still held (evicted by the model thread for KV blocks)."""
+        if self._sessions.get(s.ctx_id) is s:
+            self._remove(s, reason)
 
     def expire(self) -> int:
         """Drop every session idle past the TTL; returns how many."""

@@ -9,8 +9,9 @@
 
 Defaults (EdgeSettings, overridable by SPECSPLIT_EDGE_* variables): --draft models/demo-draft when
 present (else ngram), temperature 1.0, top-p 0.9, top-k 0 (off), repetition penalty 1.1, seed 0,
-128 new tokens, dynamic k (start 6, range [3, 12]), gating off, 400 ms verify timeout, a random
-routing key (X-Specsplit-Route) per run.
+128 new tokens, dynamic k (start 6, range [3, 12]), gating off, an adaptive verify deadline with every
+token verified (--timeout-fallback opts into committing a late round's first draft token unverified),
+a random routing key (X-Specsplit-Route) per run.
 
 Text streams to stdout as tokens are committed; on a terminal each token is coloured by origin
 (green accepted draft, yellow correction, cyan bonus, magenta residual, red local/unverified).
@@ -46,10 +47,12 @@ _FLAGS: dict[str, str] = {"cloud": "cloud_url", "grpc": "grpc_target", "api_key"
                           "repetition_penalty": "repetition_penalty", "seed": "seed", "correction": "correction",
                           "send_q_dists": "send_q_dists", "k": "fixed_k", "k_start": "k_start", "k_min": "k_min",
                           "k_max": "k_max", "gating": "gating", "timeout_ms": "timeout_ms",
-                          "timeout_fallback": "timeout_fallback", "ngram_order": "ngram_order",
+                          "timeout_fallback": "timeout_fallback", "deadline_floor_ms": "deadline_floor_ms",
+                          "deadline_ceiling_ms": "deadline_ceiling_ms", "deadline_first_ms": "deadline_first_ms",
+                          "ngram_order": "ngram_order",
                           "filler_top_k": "filler_top_k", "device": "device", "r_hard": "r_hard",
                           "hybrid": "hybrid", "route_key": "route_key", "k_policy": "k_policy",
-                          "draft_ahead": "draft_ahead"}
+                          "draft_ahead": "draft_ahead", "max_body_bytes": "max_body_bytes"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,8 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--k-max", type=int)
     g.add_argument("--gating", action=argparse.BooleanOptionalAction, default=None, help="uncertainty gating")
     g.add_argument("--r-hard", type=float)
-    g.add_argument("--timeout-ms", type=float)
-    g.add_argument("--timeout-fallback", action=argparse.BooleanOptionalAction, default=None)
+    g.add_argument("--timeout-ms", type=float, help="a fixed verify deadline (default: adaptive, see "
+                                                     "--deadline-*)")
+    g.add_argument("--deadline-first-ms", type=float, help="the adaptive deadline before any round (default 10000)")
+    g.add_argument("--deadline-floor-ms", type=float, help="lowest adaptive deadline (default 500)")
+    g.add_argument("--deadline-ceiling-ms", type=float, help="highest adaptive deadline (default 30000)")
+    g.add_argument("--timeout-fallback", action=argparse.BooleanOptionalAction, default=None,
+                   help="lossy: on a missed deadline commit the first draft token unverified (default off)")
     g.add_argument("--ngram-order", type=int)
     g.add_argument("--filler-top-k", type=int)
     g.add_argument("--hybrid", action=argparse.BooleanOptionalAction, default=None,
@@ -116,6 +124,7 @@ def add_serve_parser(sub: Any, generate: argparse.ArgumentParser) -> None:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8001)
     s.add_argument("--served-model-name", help="the model id clients send (default: the cloud's model id)")
+    s.add_argument("--max-body-bytes", type=int, help="largest request body; larger answer 413 (default 4 MiB)")
 
 
 def settings_from_args(args: argparse.Namespace) -> EdgeSettings:
@@ -155,6 +164,7 @@ def summary_table(result: GenerationResult) -> str:
             ("tokens per cloud call", f"{m.tokens_per_call:.2f}"),
             ("by origin", ", ".join(f"{k}={v}" for k, v in m.by_origin.items() if v)),
             ("local commits (unverified)", m.local_commits),
+            ("of those after a missed deadline", m.timeout_fallbacks),
             ("retries / reopens / resyncs / timeouts", f"{m.retries} / {m.reopens} / {m.resyncs} / {m.timeouts}"),
             ("bytes up / down", f"{m.bytes_up} / {m.bytes_down}"),
             ("edge / rtt / cloud prefill ms", f"{m.edge_time_ms:.0f} / {m.rtt_ms:.0f} / {m.cloud_prefill_ms:.0f}"),
@@ -227,7 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return serve(args) if args.command == "serve" else generate(args)
     except ValidationError as e:
-        print(f"specsplit-edge: bad settings: {e}", file=sys.stderr)
+        problems = "; ".join(f"{'.'.join(str(x) for x in err['loc']) or 'settings'}: {err['msg']}"
+                             for err in e.errors())
+        print(f"specsplit-edge: bad settings: {problems}", file=sys.stderr)
         return 2
     except SpecSplitError as e:
         extra = f" [error_id {e.details['error_id']}]" if "error_id" in e.details else ""

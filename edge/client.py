@@ -16,14 +16,15 @@ from shared.config import SamplingConfig
 from shared.errors import InvalidArgument, SpecSplitError
 from shared.verify import DraftKind
 
+from .deadline import DeadlineConfig
 from .drafters.base import DraftBlock, Drafter
 from .gating import GateThresholds
 from .kcontrol import CostModelK
 from .metrics import CommittedToken, EdgeMetrics, Origin, RoundRecord
-from .pairing import check_pairing
+from .pairing import check_pairing, fit_drafter
 from .round_control import KController
 from .settings import EdgeSettings, Mode
-from .speculative import RecoveryPolicy, SessionParams, SpeculativeRun, check_vocab
+from .speculative import RecoveryPolicy, SessionParams, SpeculativeRun
 from .transport.base import ModelInfo, Transport, check_route_key, new_route_key
 from .transport.errors import CloudTimeout, is_retryable, retry_delay
 
@@ -118,13 +119,34 @@ class _Job:
     stop_reason: str = ""
 
 
+def check_tokenizer_dir(settings: EdgeSettings) -> str:
+    """The tokenizer directory; UnsupportedModel naming the flag when it does not exist (no hub download)."""
+    from pathlib import Path
+
+    from shared.kvpool import UnsupportedModel
+
+    path = settings.tokenizer_dir()
+    if not Path(path).is_dir():
+        flag = "--tokenizer" if settings.tokenizer else "--draft"
+        raise UnsupportedModel(f"{path} does not exist: pass {flag} DIR (a local Hugging Face model directory; "
+                               "nothing is downloaded)" + ("" if settings.tokenizer else " or --draft ngram"))
+    return path
+
+
+def _draft_part(drafter: Any, name: str) -> Any:
+    """Attribute `name` of a model drafter, also inside a hybrid (.model) or a server's wrapper (.inner)."""
+    inner = getattr(drafter, "inner", None)
+    for part in (drafter, getattr(drafter, "model", None), inner, getattr(inner, "model", None)):
+        value = getattr(part, name, None)
+        if value is not None:
+            return value
+    return None
+
+
 def _draft_fingerprint(drafter: Any) -> str | None:
     """The tokenizer fingerprint a model drafter (or a hybrid's model half) was stored with."""
-    for part in (drafter, getattr(drafter, "model", None)):
-        fp = getattr(part, "tokenizer_fingerprint", None)
-        if isinstance(fp, str):
-            return fp
-    return None
+    fp = _draft_part(drafter, "tokenizer_fingerprint")
+    return fp if isinstance(fp, str) else None
 
 
 class EdgeClient:
@@ -175,7 +197,7 @@ class EdgeClient:
         if self._tokenizer is None:
             from shared.tokenizer_id import load_tokenizer
 
-            self._tokenizer = load_tokenizer(self.settings.tokenizer_dir())
+            self._tokenizer = load_tokenizer(check_tokenizer_dir(self.settings))
         return self._tokenizer
 
     def model_info(self) -> ModelInfo:
@@ -273,7 +295,11 @@ class EdgeClient:
 
     def _policy(self) -> RecoveryPolicy:
         s = self.settings
-        return RecoveryPolicy(timeout_s=s.timeout_ms / 1000, timeout_fallback=s.timeout_fallback,
+        deadline = DeadlineConfig(
+            fixed_s=None if s.timeout_ms is None else s.timeout_ms / 1000, first_s=s.deadline_first_ms / 1000,
+            floor_s=s.deadline_floor_ms / 1000, ceiling_s=s.deadline_ceiling_ms / 1000,
+            multiplier=s.deadline_multiplier)
+        return RecoveryPolicy(deadline=deadline, timeout_fallback=s.timeout_fallback,
                               open_timeout_s=s.open_timeout_s, max_retries=s.max_retries,
                               backoff_s=s.backoff_ms / 1000, backoff_max_s=s.backoff_max_ms / 1000)
 
@@ -291,9 +317,10 @@ class EdgeClient:
         s = self.settings
         drafter = drafter or self.drafter
         info = self.model_info()
-        check_vocab(getattr(drafter, "vocab_size", None), info.vocab_size)
-        check_pairing(info, self.tokenizer, self.settings.tokenizer_dir(),
-                      _draft_fingerprint(drafter), None)
+        rows = _draft_part(drafter, "logit_rows")
+        support = check_pairing(info, self.tokenizer, self.settings.tokenizer_dir(), _draft_fingerprint(drafter),
+                                int(rows) if rows is not None else None)
+        fit_drafter(drafter, support)  # q over the tokenizer's ids, as p
         gate = None
         if s.gating:
             gate = GateThresholds(t_nll=s.t_nll, t_entropy_bits=s.t_entropy_bits, t_margin=s.t_margin,
@@ -310,8 +337,6 @@ class EdgeClient:
                                   f"{drafter.max_context} positions")
         traffic0 = (self.transport.traffic.bytes_up, self.transport.traffic.bytes_down)
         run.open(job.prompt_ids, job.max_new_tokens)
-        if getattr(drafter, "vocab_size", 1) is None:  # n-gram: point masses need the vocabulary size
-            drafter.vocab_size = run.vocab_size  # type: ignore[attr-defined]
         try:
             emitted = 0
             while emitted < job.max_new_tokens and (max_context is None or len(run.S) < max_context):

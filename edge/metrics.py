@@ -99,6 +99,10 @@ class EdgeMetrics:
     timeouts: int = 0
     # tokens committed without the cloud's check (gate, timeout fallback, edge_only)
     local_commits: int = 0
+    # of those, tokens committed unverified after a missed verify deadline (only with --timeout-fallback)
+    timeout_fallbacks: int = 0
+    # the verify deadline of the last attempt (ms; edge/deadline.py)
+    deadline_ms: float = 0.0
     # rounds the uncertainty gate kept local
     gated_rounds: int = 0
     # emitted tokens per origin

@@ -34,6 +34,8 @@ class EdgePrometheus:
     cloud_calls: Counter
     # tokens committed without the cloud's check (gate, timeout fallback)
     local_commits: Counter
+    # of those, tokens committed unverified after a missed verify deadline (--timeout-fallback only)
+    timeout_fallbacks: Counter
     # recovery: resends after retryable errors, reopened sessions, resyncs after 409, late answers
     retries: Counter
     reopens: Counter
@@ -61,6 +63,8 @@ class EdgePrometheus:
             accepted=Counter(p + "accepted_tokens", "draft tokens the cloud accepted", registry=r),
             cloud_calls=Counter(p + "cloud_calls", "requests to the cloud, every attempt", registry=r),
             local_commits=Counter(p + "local_commits", "tokens committed unverified", registry=r),
+            timeout_fallbacks=Counter(p + "timeout_fallbacks", "tokens committed unverified after a missed "
+                                      "verify deadline (--timeout-fallback)", registry=r),
             retries=Counter(p + "retries", "resends after retryable errors", registry=r),
             reopens=Counter(p + "reopens", "sessions reopened after 404", registry=r),
             resyncs=Counter(p + "resyncs", "resends from the cloud's length after 409", registry=r),
@@ -82,6 +86,7 @@ class EdgePrometheus:
         self.accepted.inc(m.accepted)
         self.cloud_calls.inc(m.cloud_calls)
         self.local_commits.inc(m.local_commits)
+        self.timeout_fallbacks.inc(m.timeout_fallbacks)
         self.retries.inc(m.retries)
         self.reopens.inc(m.reopens)
         self.resyncs.inc(m.resyncs)

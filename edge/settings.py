@@ -1,10 +1,11 @@
 """The edge's one settings class (env prefix SPECSPLIT_EDGE_), validated when built.
 
 Defaults follow the engineering guide: temperature 1.0, top-p 0.9, repetition penalty 1.1, gating
-off, a 400 ms verify timeout with the "commit the first draft token" fallback. k is chosen per
-round by the cost model (edge/kcontrol.py) within [0, 12], starting at 6, and the model drafter
-drafts the next block while the cloud verifies (edge/prefetch.py); k_policy "dynamic" is the older
-controller (+1 when la/k >= 0.8, -1 when la/k <= 0.4, within [3, 12]).
+off, an adaptive verify deadline (edge/deadline.py) and every token verified: the lossy timeout
+fallback is opt-in. k is chosen per round by the cost model (edge/kcontrol.py) within [0, 12],
+starting at 6, and the model drafter drafts the next block while the cloud verifies
+(edge/prefetch.py); k_policy "dynamic" is the older controller (+1 when la/k >= 0.8, -1 when
+la/k <= 0.4, within [3, 12]).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.config import SamplingConfig
@@ -103,16 +104,24 @@ class EdgeSettings(BaseSettings):
     # digits, dates and amounts in the detokenized draft always go to the cloud
     rule_triggers: bool = True
 
-    # verify answers later than this are discarded
-    timeout_ms: float = Field(default=400.0, gt=0)
-    # on such a timeout: commit the first draft token locally (lossy) instead of retrying
-    timeout_fallback: bool = True
+    # a fixed verify deadline (ms) for every first attempt; unset = adaptive (edge/deadline.py)
+    timeout_ms: float | None = Field(default=None, gt=0)
+    # the adaptive deadline: the first round's, its bounds, and the multiple of the observed high percentile
+    deadline_first_ms: float = Field(default=10_000.0, gt=0)
+    deadline_floor_ms: float = Field(default=500.0, gt=0)
+    deadline_ceiling_ms: float = Field(default=30_000.0, gt=0)
+    deadline_multiplier: float = Field(default=4.0, ge=1)
+    # on a missed deadline: commit the first draft token unverified (lossy, counted) instead of resending
+    timeout_fallback: bool = False
     # timeout of session open / close / model info / cloud_only generation
     open_timeout_s: float = Field(default=30.0, gt=0)
     # attempts after 429 / 413 / 5xx / connection errors, exponential backoff between them
     max_retries: int = Field(default=6, ge=0)
     backoff_ms: float = Field(default=50.0, ge=0)
     backoff_max_ms: float = Field(default=2000.0, ge=0)
+
+    # serve: the largest request body (bytes) the OpenAI server reads; larger answer 413
+    max_body_bytes: int = Field(default=4 * 1024**2, ge=1024)
 
     # n-gram drafter: longest context (tokens) and target top-k ids added per checked position
     ngram_order: int = Field(default=4, ge=1)
@@ -122,6 +131,22 @@ class EdgeSettings(BaseSettings):
     hybrid: bool = False
     hybrid_min_level: int = Field(default=2, ge=1)
 
+    @field_validator("cloud_url")
+    @classmethod
+    def _url_has_a_scheme(cls, v: str) -> str:
+        if not v.startswith(("http://", "https://")):
+            raise ValueError(f"the cloud URL must start with http:// or https:// (e.g. http://{v or 'HOST:8000'}), "
+                             f"got {v!r}")
+        return v
+
+    @field_validator("grpc_target")
+    @classmethod
+    def _grpc_target_is_host_port(cls, v: str | None) -> str | None:
+        if v is not None and "://" in v:
+            raise ValueError(f"the gRPC target is HOST:PORT without a scheme (e.g. {v.split('://', 1)[1]}), "
+                             f"got {v!r}")
+        return v
+
     @model_validator(mode="after")
     def _check(self) -> EdgeSettings:
         k_min = self.k_min_for(self.k_policy)
@@ -129,6 +154,8 @@ class EdgeSettings(BaseSettings):
             raise ValueError("k_policy dynamic needs k_min >= 1 (it learns nothing from k = 0 rounds)")
         if not k_min <= self.k_start <= self.k_max:
             raise ValueError(f"need k_min <= k_start <= k_max, got {k_min}, {self.k_start}, {self.k_max}")
+        if self.deadline_floor_ms > self.deadline_ceiling_ms:
+            raise ValueError("deadline_floor_ms must not exceed deadline_ceiling_ms")
         if self.k_down_at >= self.k_up_at:
             raise ValueError("k_down_at must be below k_up_at")
         self.sampling()  # raises on a bad combination

@@ -20,11 +20,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from shared.config import SamplingConfig
-from shared.errors import ContextMismatch, InvalidArgument, NotFound, SpecSplitError
+from shared.errors import ContextMismatch, NotFound, SpecSplitError
 from shared.hashing import FNV_OFFSET, hash_hex, prefix_hashes
 from shared.protocol import DraftProposal, OpenSessionRequest, SparseDist, VerifyRequest, VerifyResponse
 from shared.verify import sample_residual
 
+from .deadline import DeadlineConfig, VerifyDeadline
 from .drafters.base import DraftBlock, Drafter
 from .gating import GateDecision, GateThresholds, decide
 from .kcontrol import CostModelK, RoundCosts
@@ -41,10 +42,10 @@ NO_STALE = 1 << 62
 
 @dataclass(frozen=True)
 class RecoveryPolicy:
-    # verify answers later than this (seconds) are discarded
-    timeout_s: float = 0.4
-    # on a verify timeout: commit the first draft token locally (True) or resend (False)
-    timeout_fallback: bool = True
+    # how long a verify attempt may take (edge/deadline.py): adaptive unless fixed
+    deadline: DeadlineConfig = DeadlineConfig()
+    # on a missed verify deadline: resend (False, exact) or commit the first draft token unverified (lossy)
+    timeout_fallback: bool = False
     # deadline of open / close calls (seconds)
     open_timeout_s: float = 30.0
     # resends after retryable errors, per call
@@ -98,6 +99,7 @@ class SpeculativeRun:
         self.ctx_id: str | None = None
         self.vocab_size = 0
         self.records: list[RoundRecord] = []
+        self.deadline = VerifyDeadline(policy.deadline)
         self._budget = 0
         # lowest crop point of a request whose answer was dropped: the cloud's S below it is ours
         self._stale_floor = NO_STALE
@@ -237,17 +239,21 @@ class SpeculativeRun:
 
     def _verify(self, block: DraftBlock, decision: GateDecision | None) -> VerifyResponse | None:
         """Send the round until an answer can be used; None after a timeout with fallback."""
-        attempt = recoveries = 0
+        attempt = recoveries = late = 0
         request_id = uuid.uuid4().hex[:16]  # kept across resends: the cloud answers a duplicate from its replay cache
         while True:
             if self.ctx_id is None:
                 self._recover(recoveries := recoveries + 1, "reopen")
             req = self._request(block, decision, request_id)
             self.metrics.cloud_calls += 1
+            deadline_s = self.deadline.for_attempt(late)  # longer on each resend after a missed deadline
+            self.metrics.deadline_ms = deadline_s * 1000
+            t0 = self.clock()
             try:
-                resp = self.transport.verify(req, self.policy.timeout_s, self.params.sampling)
+                resp = self.transport.verify(req, deadline_s, self.params.sampling)
             except CloudTimeout:
                 self.metrics.timeouts += 1
+                late += 1
                 # the cloud may still apply it: it crops to this point, so below it nothing changes
                 self._stale_floor = min(self._stale_floor, self.cloud_len)
                 if self.policy.timeout_fallback and block.k > 0:
@@ -272,6 +278,7 @@ class SpeculativeRun:
                 attempt = self._backoff_or_raise(attempt, e)
                 continue
             self._check_answer(block, resp)
+            self.deadline.observe(self.clock() - t0, (resp.metrics.queue_ms + resp.metrics.prefill_ms) / 1000)
             return resp
 
     def _recover(self, n: int, what: str) -> None:
@@ -353,6 +360,7 @@ class SpeculativeRun:
         self._prev_drafted = False
         self._extend(tokens)
         self.metrics.local_commits += len(tokens)
+        self.metrics.timeout_fallbacks += len(tokens) if why == "timeout" else 0
         self.metrics.gated_rounds += int(why == "gate")
         self._record(block.k, len(tokens), "local", why, len(tokens), edge_ms, rtt_ms, traffic, decision,
                      extra_calls=extra_calls)
@@ -371,8 +379,3 @@ class SpeculativeRun:
             triggered=False if decision is None else decision.triggered, extra_calls=max(0, extra_calls),
             ahead=o.result, ahead_used=o.used, ahead_saved_ms=o.saved_ms, cloud_queue_ms=queue))
 
-
-def check_vocab(drafter_vocab: int | None, target_vocab: int) -> None:
-    """The draft and target must share the tokenizer: at least the same vocabulary size."""
-    if drafter_vocab is not None and target_vocab and drafter_vocab != target_vocab:
-        raise InvalidArgument(f"draft vocabulary ({drafter_vocab}) differs from the target's ({target_vocab})")

@@ -22,6 +22,11 @@ else
   target=models/smollm2-135m-instruct; draft=models/smollm2-135m-draft; edge_flags=(--chat --temperature 0)
 fi
 echo "demo pair: target $target, draft $draft${edge_flags:+ (prompt sent as a chat user message, greedy)}"
+port_free() {
+  .venv/bin/python -c "import socket,sys; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(('127.0.0.1', int(sys.argv[1])))" "$1" 2>/dev/null
+}
+port_free "$http_port" || { echo "demo: port $http_port on 127.0.0.1 is in use (another specsplit-cloud?): stop that process or set SPECSPLIT_DEMO_HTTP_PORT=PORT" >&2; exit 1; }
+port_free "$grpc_port" || { echo "demo: port $grpc_port on 127.0.0.1 is in use (another specsplit-cloud?): stop that process or set SPECSPLIT_DEMO_GRPC_PORT=PORT" >&2; exit 1; }
 
 .venv/bin/specsplit-cloud --model "$target" --host 127.0.0.1 \
   --http-port "$http_port" --grpc-port "$grpc_port" --torch-threads 1 >"$log" 2>&1 &
@@ -31,7 +36,7 @@ for _ in $(seq 1 120); do
   if .venv/bin/python -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:$http_port/readyz').status_code != 200)" 2>/dev/null; then
     break
   fi
-  kill -0 $cloud 2>/dev/null || { echo "cloud failed to start:"; cat "$log"; exit 1; }
+  kill -0 $cloud 2>/dev/null || { echo "cloud failed to start: $(grep -v '^{' "$log" | tail -n 1) (log: $log)" >&2; exit 1; }
   sleep 0.5
 done
 echo "cloud verifier ready on http://127.0.0.1:$http_port (gRPC :$grpc_port); log: $log"

@@ -9,8 +9,11 @@ Phases (each skipped when its output exists, so a stopped run resumes where it w
 2. answers   the target's own answers (greedy for two thirds, T = 0.8 samples for the rest), generated
              in batches; the target's log-probabilities at every answer position are kept as soft labels
              (top `--topk`, float16), i.e. sequence-level knowledge distillation.
-3. stdlib    extra text that ships with Python (the standard library's source), scored by the target.
-4. train     the draft: a Llama of `--layers` x `--width` with tied embeddings, its embedding table
+3. stdlib    extra text that ships with Python (the standard library's source), scored by the target;
+   docs      and chat-shaped extra text: "What does `module.name` do in Python?" answered by that
+             function's or class's docstring, scored by the target at the answer positions.
+4. train     (may run alongside phases 2-3 in a second process: it picks up new shards at each checkpoint)
+             the draft: a Llama of `--layers` x `--width` with tied embeddings, its embedding table
              initialised from the target's projected onto its top principal directions (so the output
              layer starts as a good unigram/bigram model); loss = cross-entropy of the draft against the
              target's top-k distribution renormalised (forward KL up to a constant). Time-budgeted,
@@ -199,6 +202,59 @@ def stdlib_text(work: Path, args) -> None:
         print(f"[stdlib] shard {b0}", flush=True)
 
 
+def stdlib_docstrings(limit: int) -> list[tuple[str, str]]:
+    """(qualified name, docstring) of the standard library's documented classes and functions."""
+    import ast
+    out: list[tuple[str, str]] = []
+    for path in sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py"))):
+        try:
+            tree = ast.parse(Path(path).read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, OSError):
+            continue
+        mod = Path(path).stem
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and not node.name.startswith("_"):
+                doc = ast.get_docstring(node)
+                if doc and len(doc) >= 200:
+                    out.append((f"{mod}.{node.name}", doc))
+    random.Random(2).shuffle(out)
+    return out[:limit]
+
+
+def docstring_answers(work: Path, args) -> None:
+    """Chat-shaped extra text: "What does `mod.name` do?" answered by its standard-library docstring,
+    scored by the target at the answer positions (a prefill, far cheaper per token than generating)."""
+    tok, model = load_target(args.threads)
+    eos = tok.eos_token_id
+    docs = stdlib_docstrings(args.doc_answers)
+    bs = 8
+    for b0 in range(0, len(docs), bs):
+        shard = work / f"docs-{b0:05d}.pt"
+        if shard.exists():
+            continue
+        seqs = []
+        for name, doc in docs[b0:b0 + bs]:
+            prompt = chat_ids(tok, f"What does `{name}` do in Python?")
+            answer = tok(doc, add_special_tokens=False).input_ids[:args.chunk] + [eos]
+            seqs.append((prompt, answer))
+        width = max(len(p) + len(a) for p, a in seqs)
+        x = torch.full((len(seqs), width), eos, dtype=torch.long)  # [B, W] right-padded
+        att = torch.zeros_like(x)
+        for r, (p, a) in enumerate(seqs):
+            x[r, :len(p) + len(a)] = torch.tensor(p + a)
+            att[r, :len(p) + len(a)] = 1
+        with torch.no_grad():
+            logits = model(input_ids=x, attention_mask=att).logits  # [B, W, vocab]
+        records = []
+        for r, (p, a) in enumerate(seqs):
+            lp = torch.log_softmax(logits[r, len(p) - 1:len(p) + len(a) - 1].float(), dim=-1)  # [len(a), vocab]
+            val, ind = lp.topk(args.topk, dim=-1)
+            records.append({"prompt": None, "ids": p + a, "start": len(p), "top_lp": val.half(),
+                            "top_ix": ind.int(), "sampled": False})
+        torch.save(records, shard)
+        print(f"[docs] shard {b0}", flush=True)
+
+
 def make_draft(args):
     from transformers import AutoModelForCausalLM, LlamaConfig
     target = AutoModelForCausalLM.from_pretrained(TARGET, dtype=torch.float32)
@@ -257,6 +313,9 @@ def batch_loss(draft, recs: list[dict]) -> tuple[torch.Tensor, int]:
 def train(work: Path, args) -> None:
     torch.set_num_threads(args.threads)
     records, _ = load_records(work)
+    while not records:  # the data phase may still be running in another process: wait for its first shard
+        time.sleep(30)
+        records, _ = load_records(work)
     ckpt = work / "ckpt.pt"
     draft = make_draft(args)
     opt = torch.optim.AdamW(draft.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
@@ -297,6 +356,8 @@ def train(work: Path, args) -> None:
         if now - last_save > args.save_every_s:
             torch.save({"model": draft.state_dict(), "opt": opt.state_dict(), "state": state}, ckpt)
             last_save = now
+            records, _ = load_records(work)  # shards written since (a data phase running alongside)
+            print(f"checkpoint at step {state['step']}; {len(records)} training sequences", flush=True)
     torch.save({"model": draft.state_dict(), "opt": opt.state_dict(), "state": state}, ckpt)
 
 
@@ -345,13 +406,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--train-prompts", type=int, default=480)
     ap.add_argument("--stdlib-chunks", type=int, default=256)
     ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--doc-answers", type=int, default=480, help="docstring answers (phase docs)")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--train-minutes", type=float, default=90.0)
     ap.add_argument("--save-every-s", type=float, default=180.0)
-    ap.add_argument("--phase", choices=["all", "data", "train", "export"], default="all")
+    ap.add_argument("--phase", choices=["all", "data", "stdlib", "docs", "train", "export"], default="all")
     args = ap.parse_args(argv)
     if not Path(TARGET, "config.json").exists():
         print(f"{TARGET} is missing: run `specsplit-models prepare smollm2` first", file=sys.stderr)
@@ -362,7 +424,10 @@ def main(argv: list[str] | None = None) -> int:
         (args.work / "prompts.json").write_text(json.dumps({"train": train_prompts, "eval": eval_prompts}, indent=0))
         generate_answers(args.work, eval_prompts, "eval", args, sample_every=0)
         generate_answers(args.work, train_prompts[:args.train_prompts], "chat", args, sample_every=3)
+    if args.phase in ("all", "data", "stdlib"):
         stdlib_text(args.work, args)
+    if args.phase in ("all", "data", "docs"):
+        docstring_answers(args.work, args)
     if args.phase in ("all", "train"):
         train(args.work, args)
     if args.phase in ("all", "export"):

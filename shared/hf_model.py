@@ -3,7 +3,7 @@
 Both roles load their model here: the cloud its target, the edge its draft. `load_causal_lm`
 refuses recurrent models before their weights are read and picks an attention implementation
 that takes explicit masks; `check_rollback` proves once, on a short random sequence, that the
-model's forward through a `KVPool` (prefill, crop, two rows in one batch) gives its own plain
+model's forward through a paged `KVPool` (prefill, crop, two rows in one flattened batch) gives its own plain
 forward's logits.
 """
 
@@ -34,6 +34,8 @@ def eos_ids(model: torch.nn.Module) -> list[int]:
 
 def load_causal_lm(model_dir: Path, device: str, dtype: torch.dtype) -> Any:
     """A causal LM in eval mode whose attention takes explicit masks (sdpa, else eager)."""
+    if not Path(model_dir).is_dir():  # never a hub download: every model here is a local directory
+        raise UnsupportedModel(f"no model directory {model_dir}: it does not exist")
     try:
         config = AutoConfig.from_pretrained(model_dir)
     except (OSError, ValueError, KeyError) as e:
@@ -62,6 +64,7 @@ def check_rollback(model: Any, pool: KVPool, vocab: int, dtype: torch.dtype) -> 
     b_ids = torch.randint(0, vocab, (n,), generator=g).tolist()
     dev = next(model.parameters()).device
     refs = [model(input_ids=torch.tensor([x], device=dev)).logits[0].float() for x in (a_ids, b_ids)]
+    pool.prepare(model)
     a, b = pool.allocate(), pool.allocate()
     h = n // 2
     pool.forward(model, [Row(a, 0, a_ids[:h], 0), Row(b, 0, b_ids[: h + 2], 0)])
@@ -69,7 +72,6 @@ def check_rollback(model: Any, pool: KVPool, vocab: int, dtype: torch.dtype) -> 
     out = pool.forward(model, [Row(a, h, a_ids[h:], n - h), Row(b, h - 1, b_ids[h - 1:], n - h + 1)])
     pool.release(a)
     pool.release(b)
-    pool.lengths.clear()
     worst = max(float((out[0] - refs[0][h:]).abs().max()), float((out[1] - refs[1][h - 1:]).abs().max()))
     scale = 1.0 + float(max(r.abs().max() for r in refs))
     if not worst <= ROLLBACK_TOLERANCE[dtype] * scale:

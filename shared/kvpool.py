@@ -1,39 +1,48 @@
-"""KV storage for Hugging Face attention models: many sequences, crop by length, batched forwards.
+"""Paged KV storage for Hugging Face attention models: many sequences, crop by length, one
+flattened (unpadded) forward for all of them.
 
 Both roles use it: the cloud keeps every session in one pool and runs the rounds of several
 sessions as one forward; the edge's draft model is a pool of one sequence.
 
-Layout. For every attention layer l, `K[l]` and `V[l]` are tensors [slots, kv_heads, capacity,
-head_dim]. A sequence owns a slot and a length n: its KV are K[l][slot, :, :n]. Crop is setting n
-(no copy); nothing past n is ever read as valid. Rows of one forward are (slot, c, ids): the
-sequence's first c positions are cached and `ids` follow at positions c, c + 1, ... Inputs are
-right-padded to [B, N] (N = the longest row); row b's token t has position c_b + t (RoPE and
-absolute embeddings get per-row `position_ids`), and its K/V are written in place at
-K[l][slot_b, :, c_b + t]. Attention reads K[l][slots, :, :W] with W = max(c_b) + N under a mask
-built here: key j is visible to the query at position i iff j <= i, and i - j < window on sliding
-layers. Padded queries write past their row's length: garbage that the row's real queries never
-see (it lies after them) and that the next forward overwrites.
+Layout. Positions live in fixed-size blocks (shared/blocks.py keeps the accounting: block tables,
+free list, reference counts, the prefix cache). For every attention layer l, `K[l]` and `V[l]` are
+tensors [kv_heads, blocks x block_size, head_dim]: pool row b * block_size + o holds offset o of
+block b (head-major, so a row's gathered keys are contiguous per head). A sequence (an id from `allocate`) is a block table and a length n; crop = set n and free
+the whole blocks past it (no copy). Memory = blocks that exist, never more than the budget.
 
-Memory traffic per forward: the new K/V are written once (B x N positions per layer). When the
-batch's slots are one contiguous range attention reads the pool in place (a view); otherwise the
-batch's K/V are gathered once per layer (a copy of B x W positions), so a scheduler that keeps
-busy sessions in low, adjacent slots avoids the copy. Growing the capacity or the slot count
-copies the pool once (doubling).
+A forward. Rows are (seq, c, ids): the sequence's first c positions are cached and `ids` follow at
+positions c, c + 1, ... All rows' tokens run as ONE row of sum(len(ids)) tokens (no padding); every
+token carries its own position (RoPE and absolute embeddings get per-token `position_ids`). The
+model's attention layers write their new K/V through a slot mapping into the pool (`_PagedView
+.update`), then call `paged_attention` (registered with transformers' AttentionInterface and
+selected only for the duration of the forward): for each row it gathers the row's own keys from
+its blocks (all of them on full-attention layers, the last `window` before its first query on
+sliding layers) and runs scaled dot-product attention of the row's queries over them, causal
+(a query sees keys at positions <= its own, and within the window on sliding layers) by a mask,
+never by zeroed keys. A row never sees another row's keys.
 
-Memory: slots x capacity x bytes per position, capacity = the longest sequence (rounded up).
-Sliding-window layers keep the whole history and mask it to the window, so rollback is a crop on
-every layer, at the memory cost of full attention on those layers. Models whose layers keep
-recurrent or convolution state (Mamba, Jamba, LFM2, Falcon-H1, Qwen3-Next) cannot be rolled back
-by position and are refused by `attention_layout`.
+Memory traffic per forward and layer: the new K/V are written once (T = sum of the rows' tokens);
+the keys and values each row attends to are read once (one gather over all rows: sum over rows of
+c + len(ids) positions, or of the window on sliding layers). A copy happens only when a sequence
+writes into a block shared through the prefix cache (copy-on-write of one block) and when the pool
+grows (doubling, up to the budget).
+
+Sliding-window layers keep the whole history in blocks and read only the window, so rollback is a
+crop on every layer. Models whose layers keep recurrent or convolution state (Mamba, Jamba, LFM2,
+Falcon-H1, Qwen3-Next) cannot be rolled back by position and are refused by `attention_layout`.
 """
 
 from __future__ import annotations
 
+import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import Cache
+from transformers import AttentionInterface, Cache, DynamicCache
+
+from shared.blocks import BlockManager, OutOfBlocks
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 
@@ -83,7 +92,7 @@ def attention_layout(config: Any) -> AttentionLayout:
 
 @dataclass(frozen=True)
 class Row:
-    # the sequence's slot in the pool
+    # the sequence (an id from KVPool.allocate)
     slot: int
     # positions already cached (the row's first token sits at position `past`)
     past: int
@@ -93,129 +102,284 @@ class Row:
     keep: int
 
 
+# KV block size in positions (see BENCHMARKS.md, "Block size")
+BLOCK_SIZE = 16
+ATTENTION_NAME = "specsplit_paged"
+
+
 class KVPool:
-    """The KV of many sequences of one model (see the module docstring)."""
+    """The paged KV of many sequences of one model (see the module docstring)."""
 
     def __init__(self, layout: AttentionLayout, max_positions: int, device: torch.device | str,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, *, budget_bytes: int | None = None, block_size: int = BLOCK_SIZE,
+                 prefix_cache: bool = False) -> None:
         self.layout = layout
-        # position ids past this are clamped (padded queries only; real rows are checked by callers)
+        # position ids past this are clamped (callers check real rows against the model's context)
         self.max_positions = max_positions
         self.device, self.dtype = torch.device(device), dtype
-        self.keys: list[torch.Tensor | None] = [None] * len(layout.windows)  # per layer [slots, H, cap, D]
-        self.values: list[torch.Tensor | None] = [None] * len(layout.windows)
-        self.lengths: list[int] = []  # per slot; -1 = free
-        # slots and positions the tensors hold (they grow by doubling)
-        self.n_slots, self.capacity = 0, 0
-        # bytes one position of one sequence takes over all layers (known after the first forward)
+        self.budget_bytes, self.block_size, self.prefix_cache = budget_bytes, block_size, prefix_cache
+        self.keys: list[torch.Tensor] = []  # per layer [H, capacity x block_size, D]
+        self.values: list[torch.Tensor] = []
+        # bytes one position of one sequence takes over all layers (known once `prepare` ran)
         self.bytes_per_position = 0
+        self.blocks: BlockManager | None = None if budget_bytes is not None else BlockManager(
+            block_size, None, prefix_cache)
+        self._shapes: list[tuple[int, int, int]] = []  # per layer (kv_heads, key dim, value dim)
 
-    # --- slots ------------------------------------------------------------------------------------
-    def allocate(self) -> int:
-        """A free slot (the lowest, which keeps busy sequences adjacent), length 0."""
-        for i, n in enumerate(self.lengths):
-            if n < 0:
-                self.lengths[i] = 0
-                return i
-        self.lengths.append(0)
-        return len(self.lengths) - 1
+    # --- set-up -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def prepare(self, model: torch.nn.Module) -> None:
+        """Learn the per-layer K/V shapes (one token through the model) and size the pool from the budget."""
+        if self._shapes:
+            return
+        dev = next(model.parameters()).device  # type: ignore[attr-defined]
+        out = model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=dev), use_cache=True,
+                    past_key_values=DynamicCache(config=model.config))  # type: ignore[operator, arg-type]
+        layers = out.past_key_values.layers
+        self._shapes = [(int(la.keys.shape[1]), int(la.keys.shape[3]), int(la.values.shape[3])) for la in layers]
+        size = torch.tensor([], dtype=self.dtype).element_size()
+        self.bytes_per_position = sum(h * (dk + dv) for h, dk, dv in self._shapes) * size
+        self._sized()
+
+    def prepare_like(self, other: KVPool) -> None:
+        """`prepare` without a forward: the same model as `other`'s (already prepared)."""
+        self._shapes, self.bytes_per_position = list(other._shapes), other.bytes_per_position
+        self._sized()
+
+    def _sized(self) -> None:
+        if self.blocks is None:
+            block_bytes = self.bytes_per_position * self.block_size
+            assert self.budget_bytes is not None
+            if self.budget_bytes < block_bytes:
+                raise ValueError(f"kv_budget_bytes = {self.budget_bytes} holds not one KV block of "
+                                 f"{block_bytes} bytes; raise it")
+            self.blocks = BlockManager(self.block_size, self.budget_bytes // block_bytes, self.prefix_cache)
+        self._fit()
+
+    def _fit(self) -> None:
+        """Make the tensors hold every block the manager has (growth copies what exists)."""
+        assert self.blocks is not None
+        rows = self.blocks.capacity * self.block_size
+        if self.keys and self.keys[0].shape[1] >= rows:
+            return
+        with torch.inference_mode(False):  # normal tensors: writable in and outside inference mode
+            for store, which in ((self.keys, 1), (self.values, 2)):
+                for i, shape in enumerate(self._shapes):
+                    grown = torch.zeros(shape[0], rows, shape[which], dtype=self.dtype, device=self.device)
+                    if i < len(store):
+                        grown[:, : store[i].shape[1]] = store[i]
+                        store[i] = grown
+                    else:
+                        store.append(grown)
+
+    @property
+    def manager(self) -> BlockManager:
+        if self.blocks is None:
+            raise RuntimeError("KVPool.prepare(model) must run before the pool is used")
+        return self.blocks
+
+    # --- sequences ----------------------------------------------------------------------------
+    def allocate(self, salt: bytes = b"") -> int:
+        """A new empty sequence; `salt` separates prefix-cache tenants."""
+        return self.manager.new_seq(salt)
 
     def release(self, slot: int) -> None:
-        self.lengths[slot] = -1
+        self.manager.free_seq(slot)
 
     def length(self, slot: int) -> int:
-        return self.lengths[slot]
+        return self.manager.seqs[slot].length
 
     def crop(self, slot: int, n: int) -> None:
         """Keep the KV of the first n positions of `slot` (no-op when it holds fewer)."""
-        if n < self.lengths[slot]:
-            self.lengths[slot] = n
+        self.manager.crop(slot, n)
+
+    def set_length(self, slot: int, n: int) -> None:
+        """The caller keeps the first n positions written (full blocks among them enter the prefix cache)."""
+        if slot in self.manager.seqs:
+            self.manager.set_length(slot, n)
+
+    def match_prefix(self, slot: int, ids: list[int], limit: int) -> int:
+        """Reuse cached blocks for the start of `ids` (at most `limit` positions); returns how many."""
+        return self.manager.match_prefix(slot, ids, limit)
+
+    def blocks_needed(self, row: Row) -> int:
+        m = self.manager
+        if row.slot not in m.seqs:
+            return 0
+        return m.blocks_needed(row.slot, row.past, len(row.ids))
 
     @property
     def allocated_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values) if t is not None)
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
-    def _grow(self, slots: int, capacity: int) -> None:
-        """Make every layer's tensors hold at least `slots` x `capacity` (doubling; copies what exists)."""
-        if slots <= self.n_slots and capacity <= self.capacity:
-            return
-        new_slots = max(slots, 2 * self.n_slots) if slots > self.n_slots else self.n_slots
-        new_cap = max(capacity, 2 * self.capacity, 16) if capacity > self.capacity else self.capacity
-        for store in (self.keys, self.values):
-            for i, t in enumerate(store):
-                if t is None:
-                    continue
-                grown = t.new_zeros(new_slots, t.shape[1], new_cap, t.shape[3])  # [slots, H, cap, D]
-                grown[: t.shape[0], :, : t.shape[2]] = t
-                store[i] = grown
-        self.n_slots, self.capacity = new_slots, new_cap
-
-    # --- the forward ------------------------------------------------------------------------------
+    # --- the forward ------------------------------------------------------------------------
     def forward(self, model: torch.nn.Module, rows: list[Row]) -> list[torch.Tensor]:
-        """Run every row in one forward; returns each row's logits for its last `keep` ids ([keep, vocab],
-        float32). Lengths are NOT changed: the caller sets them (crop/extend) once the answer is used."""
+        """Run every row in one flattened forward; returns each row's logits for its last `keep` ids
+        ([keep, vocab], float32). Afterwards each sequence holds the KV of its row's ids (length
+        past + len(ids)); the caller crops back what it does not keep (`set_length`)."""
         if not rows:
             return []
-        n = max(len(r.ids) for r in rows)
-        width = max(r.past for r in rows) + n
-        self._grow(len(self.lengths), width)
-        B = len(rows)
-        ids = torch.zeros(B, n, dtype=torch.long)  # [B, N] right-padded
-        past = torch.tensor([r.past for r in rows], dtype=torch.long)  # [B]
-        for b, r in enumerate(rows):
-            ids[b, : len(r.ids)] = torch.tensor(r.ids, dtype=torch.long)
-        pos = past[:, None] + torch.arange(n)[None, :]  # [B, N] positions of every input
-        slots = torch.tensor([r.slot for r in rows], dtype=torch.long)  # [B]
-        lo = int(slots.min())
-        contiguous = bool((slots == torch.arange(lo, lo + B)).all())
-        view = _PoolView(self, slots.to(self.device), pos.to(self.device), width,
-                         slice(lo, lo + B) if contiguous else None)
-        # logits are computed only at the positions some row needs (a prefill row needs none)
-        want = sorted({t for r in rows for t in range(len(r.ids) - r.keep, len(r.ids))})
-        keep_idx = torch.tensor(want or [n - 1], dtype=torch.long, device=self.device)  # [P]
-        out = model(input_ids=ids.to(self.device), position_ids=pos.clamp(max=self.max_positions - 1).to(self.device),
-                    attention_mask=self._masks(pos, width), past_key_values=view, use_cache=True,
-                    logits_to_keep=keep_idx)
-        logits = out.logits  # [B, P, vocab]
-        where = {t: i for i, t in enumerate(want)}
-        result = []
-        for b, r in enumerate(rows):
-            cols = [where[t] for t in range(len(r.ids) - r.keep, len(r.ids))]
-            result.append(logits[b, cols].float())  # [keep, vocab]
+        self.prepare(model)
+        m = self.manager
+        if len({r.slot for r in rows}) != len(rows):
+            raise ValueError("a sequence appears twice in one forward")
+        need = sum(self.blocks_needed(r) for r in rows)
+        if need > m.available():
+            raise OutOfBlocks(f"this forward needs {need} KV blocks, {m.available()} are left")
+        for r in rows:
+            copy = m.prepare_write(r.slot, r.past, len(r.ids))
+            self._fit()
+            if copy is not None:  # copy-on-write of a shared partial block
+                src = torch.arange(copy[0] * self.block_size, (copy[0] + 1) * self.block_size, device=self.device)
+                dst = src + (copy[1] - copy[0]) * self.block_size
+                for t in (*self.keys, *self.values):
+                    t[:, dst] = t[:, src]
+        batch = _Batch.build(self, rows)
+        starts = [0]
+        for r in rows:
+            starts.append(starts[-1] + len(r.ids))
+        want = [starts[b] + t for b, r in enumerate(rows) for t in range(len(r.ids) - r.keep, len(r.ids))]
+        keep_idx = torch.tensor(want or [0], dtype=torch.long, device=self.device)  # [P]
+        view = _PagedView(self, batch)
+        dummy = torch.zeros(1, 1, 1, 1, dtype=torch.bool, device=self.device)  # masks are built per row
+        masks: Any = {FULL: dummy, SLIDING: dummy} if self.layout.by_type else dummy
+        with _paged_attention(model, batch):
+            out = model(input_ids=batch.ids, position_ids=batch.positions, attention_mask=masks,
+                        past_key_values=view, use_cache=True, logits_to_keep=keep_idx)
+        for r in rows:
+            m.extend(r.slot, list(r.ids))
+        logits = out.logits[0]  # [P, vocab]
+        result, i = [], 0
+        for r in rows:
+            result.append(logits[i: i + r.keep].float())  # [keep, vocab]
+            i += r.keep
         return result
 
-    def _masks(self, pos: torch.Tensor, width: int) -> torch.Tensor | dict[str, torch.Tensor]:
-        """Additive masks [B, 1, N, W] (0 = visible, dtype min = hidden), one per kind of layer."""
-        j = torch.arange(width)[None, None, :]  # [1, 1, W]
-        i = pos[:, :, None]  # [B, N, 1]
-        lowest = torch.finfo(self.dtype).min
 
-        def mask(window: int | None) -> torch.Tensor:
-            seen = j <= i  # [B, N, W]
-            if window is not None:
-                seen &= (i - j) < window
-            m = torch.zeros(seen.shape, dtype=self.dtype).masked_fill_(~seen, lowest)
-            return m[:, None].to(self.device)  # [B, 1, N, W]
-
-        if not self.layout.by_type:
-            return mask(self.layout.windows[0])
-        full = [w for w in self.layout.windows if w is None]
-        sliding = [w for w in self.layout.windows if w is not None]
-        out = {}
-        if full:
-            out[FULL] = mask(None)
-        if sliding:
-            out[SLIDING] = mask(sliding[0])
-        return out
+# rows with at most this many new tokens (verify rows, decode steps) share one attention call per layer
+SHORT_ROW = 16
+# ... while the group's padded attention (rows x longest row x widest keys) stays within this factor of its
+# real attention (sum of new tokens x keys over its rows)
+GROUP_SLACK = 2.0
 
 
-class _PoolView(Cache):
-    """What the model sees as `past_key_values` during one `KVPool.forward`."""
+@dataclass
+class _Group:
+    """Short rows whose attention runs as one padded call: each row's queries and keys are padded to the
+    group's longest, padding is masked out (never attended, never returned)."""
+    # [G x W] pool rows of each row's keys (padding repeats a valid pool row; it is masked)
+    keys: torch.Tensor
+    # [G x N] flat index of each row's queries (padding repeats a valid query; its output is dropped)
+    queries: torch.Tensor
+    # [G, 1, N, W] True where query t of row g may attend key j
+    mask: torch.Tensor
+    # positions in the padded [G x N] output that are real, and their flat indices
+    src: torch.Tensor
+    dst: torch.Tensor
+    shape: tuple[int, int, int]  # G, N, W
 
-    def __init__(self, pool: KVPool, slots: torch.Tensor, pos: torch.Tensor, width: int,
-                 span: slice | None) -> None:
+
+@dataclass
+class _Single:
+    """A long row (a prefill chunk): its own attention call."""
+    keys: torch.Tensor  # [W] pool rows
+    start: int
+    n: int
+    mask: torch.Tensor | None  # [n, W]
+
+
+def _row_mask(past: int, n: int, lo: int, w: int, window: int | None) -> torch.Tensor:
+    """[n, w] True where query t (position past + t) may see key j (position lo + j)."""
+    qp = torch.arange(past, past + n)[:, None]  # [n, 1]
+    kp = torch.arange(lo, lo + w)[None, :]  # [1, W]
+    seen = kp <= qp
+    if window is not None:
+        seen &= (qp - kp) < window
+    return seen
+
+
+@dataclass
+class _Batch:
+    """The flattened batch of one forward: inputs, the write slot mapping, per-kind read plans."""
+    pool: KVPool
+    # [1, T] token ids and positions of every row's tokens, row after row
+    ids: torch.Tensor
+    positions: torch.Tensor
+    # [T] pool rows where the new K/V go
+    write: torch.Tensor
+    # per window kind (None = full): the attention calls of one layer
+    read: dict[int | None, list[_Group | _Single]]
+
+    @classmethod
+    def build(cls, pool: KVPool, rows: list[Row]) -> _Batch:
+        m, dev = pool.manager, pool.device
+        ids: list[int] = []
+        pos: list[int] = []
+        write: list[int] = []
+        starts = []
+        for r in rows:
+            starts.append(len(ids))
+            ids.extend(r.ids)
+            pos.extend(range(r.past, r.past + len(r.ids)))
+            write.extend(m.slots(r.slot, r.past, r.past + len(r.ids)))
+        read: dict[int | None, list[_Group | _Single]] = {}
+        for w in pool.layout.kinds:
+            calls: list[_Group | _Single] = []
+            short = []
+            for r, start in zip(rows, starts, strict=True):
+                end, n = r.past + len(r.ids), len(r.ids)
+                lo = 0 if w is None else max(0, r.past - w + 1)
+                if n > SHORT_ROW:
+                    keys = torch.tensor(m.slots(r.slot, lo, end), dtype=torch.long, device=dev)
+                    calls.append(_Single(keys, start, n, _row_mask(r.past, n, lo, end - lo, w).to(dev)))
+                else:
+                    short.append((end - lo, n, lo, r, start))
+            short.sort(key=lambda t: t[0])
+            group: list[tuple[int, int, int, Row, int]] = []
+            for item in short:
+                trial = group + [item]
+                padded = len(trial) * item[0] * max(t[1] for t in trial)
+                if group and padded > GROUP_SLACK * sum(t[0] * t[1] for t in trial):
+                    calls.append(_group(m, group, w, dev))
+                    trial = [item]
+                group = trial
+            if group:
+                calls.append(_group(m, group, w, dev))
+            read[w] = calls
+        p = torch.tensor(pos, dtype=torch.long).clamp(max=pool.max_positions - 1)
+        return cls(pool, torch.tensor([ids], dtype=torch.long, device=dev), p[None].to(dev),
+                   torch.tensor(write, dtype=torch.long, device=dev), read)
+
+
+def _group(m: BlockManager, rows: list[tuple[int, int, int, Row, int]], window: int | None,
+           dev: torch.device) -> _Group:
+    G, N, W = len(rows), max(t[1] for t in rows), max(t[0] for t in rows)
+    keys: list[int] = []
+    queries: list[int] = []
+    src: list[int] = []
+    dst: list[int] = []
+    mask = torch.zeros(G, 1, N, W, dtype=torch.bool)
+    for g, (w, n, lo, r, start) in enumerate(rows):
+        slots = m.slots(r.slot, lo, lo + w)
+        keys.extend(slots + [slots[0]] * (W - w))
+        queries.extend(list(range(start, start + n)) + [start] * (N - n))
+        mask[g, 0, :n, :w] = _row_mask(r.past, n, lo, w, window)
+        mask[g, 0, n:, 0] = True  # padded queries see one key (no empty softmax); their output is dropped
+        src.extend(range(g * N, g * N + n))
+        dst.extend(range(start, start + n))
+
+    def t(x: list[int]) -> torch.Tensor:
+        return torch.tensor(x, dtype=torch.long, device=dev)
+
+    return _Group(t(keys), t(queries), mask.to(dev), t(src), t(dst), (G, N, W))
+
+
+class _PagedView(Cache):
+    """What the model sees as `past_key_values` during one `KVPool.forward`: writes go to the pool."""
+
+    def __init__(self, pool: KVPool, batch: _Batch) -> None:
         super().__init__(layers=[])
-        self.pool, self.slots, self.pos, self.width, self.span = pool, slots, pos, width, span
+        self.pool, self.batch = pool, batch
 
     @property
     def is_sliding(self) -> list[bool]:
@@ -225,25 +389,93 @@ class _PoolView(Cache):
         return len(self.pool.layout.windows)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return int(self.pos[:, 0].max())
+        return 0
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write the new K/V ([B, H, N, D]) at each row's positions; return the K/V attention reads."""
-        pool = self.pool
-        if pool.keys[layer_idx] is None:  # first forward: the layer's shapes are known now
-            shape = (pool.n_slots, key_states.shape[1], pool.capacity, key_states.shape[3])
-            pool.keys[layer_idx] = key_states.new_zeros(shape)
-            pool.values[layer_idx] = value_states.new_zeros(shape[:3] + (value_states.shape[3],))
-            pool.bytes_per_position = sum(
-                (k.shape[1] * k.shape[3] + v.shape[1] * v.shape[3]) * k.element_size()
-                for k, v in zip(pool.keys, pool.values, strict=True) if k is not None and v is not None)
-        k_all, v_all = pool.keys[layer_idx], pool.values[layer_idx]
-        assert k_all is not None and v_all is not None
-        # advanced indices on dims 0 and 2 around a slice: the indexed view is [B, N, H, D]
-        k_all[self.slots[:, None], :, self.pos] = key_states.transpose(1, 2).to(k_all.dtype)
-        v_all[self.slots[:, None], :, self.pos] = value_states.transpose(1, 2).to(v_all.dtype)
-        if self.span is not None:
-            return k_all[self.span, :, : self.width], v_all[self.span, :, : self.width]  # views [B, H, W, D]
-        return (k_all[:, :, : self.width].index_select(0, self.slots),
-                v_all[:, :, : self.width].index_select(0, self.slots))  # copies [B, H, W, D]
+        """Write the new K/V ([1, H, T, D]) at the batch's slot mapping; attention reads the pool."""
+        k, v = self.pool.keys[layer_idx], self.pool.values[layer_idx]  # [H, rows, D]
+        k.index_copy_(1, self.batch.write, key_states[0].to(k.dtype))
+        v.index_copy_(1, self.batch.write, value_states[0].to(v.dtype))
+        return key_states, value_states
+
+
+_active = threading.local()
+_CONFIGS: weakref.WeakKeyDictionary[torch.nn.Module, list[Any]] = weakref.WeakKeyDictionary()
+
+
+class _paged_attention:  # noqa: N801 - a context manager used as a function
+    """Select `paged_attention` for `model` during one forward, with `batch` as its input."""
+
+    def __init__(self, model: torch.nn.Module, batch: _Batch) -> None:
+        configs = _CONFIGS.get(model)
+        if configs is None:  # every distinct config object its modules read the implementation from
+            configs = list({id(c): c for c in (getattr(mod, "config", None) for mod in model.modules())
+                            if c is not None and hasattr(c, "_attn_implementation")}.values())
+            _CONFIGS[model] = configs
+        self.configs, self.batch = configs, batch
+
+    def __enter__(self) -> None:
+        self.saved = [c._attn_implementation for c in self.configs]
+        for c in self.configs:
+            c._attn_implementation_internal = ATTENTION_NAME
+        _active.batch = self.batch
+
+    def __exit__(self, *exc: object) -> None:
+        for c, s in zip(self.configs, self.saved, strict=True):
+            c._attn_implementation_internal = s
+        _active.batch = None
+
+
+def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: Any, scaling: float | None = None, dropout: float = 0.0,
+                    softcap: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """Attention of each row's queries ([1, Hq, T, D]) over that row's own cached keys (see the module
+    docstring); returns [1, T, Hq, D] like transformers' sdpa."""
+    batch: _Batch = _active.batch
+    pool = batch.pool
+    layer = int(module.layer_idx)  # type: ignore[arg-type]
+    k_pool, v_pool = pool.keys[layer], pool.values[layer]  # [H, rows, D]
+    q_all = query[0]  # [Hq, T, D]
+    hq, hk = q_all.shape[0], k_pool.shape[0]
+    out = query.new_empty(q_all.shape[1], hq, v_pool.shape[-1])  # [T, Hq, Dv]
+    for call in batch.read[pool.layout.windows[layer]]:
+        if isinstance(call, _Single):
+            q = q_all[:, call.start: call.start + call.n]  # [Hq, n, D]
+            k = k_pool.index_select(1, call.keys)  # [H, W, D]
+            v = v_pool.index_select(1, call.keys)
+            o = _attend(q, k, v, call.mask, scaling, softcap, hq != hk)  # [Hq, n, Dv]
+            out[call.start: call.start + call.n] = o.transpose(0, 1)
+            continue
+        G, N, W = call.shape
+        q = q_all.index_select(1, call.queries).view(hq, G, N, -1).transpose(0, 1)  # [G, Hq, N, D]
+        k = k_pool.index_select(1, call.keys).view(hk, G, W, -1).transpose(0, 1)  # [G, H, W, D]
+        v = v_pool.index_select(1, call.keys).view(hk, G, W, -1).transpose(0, 1)
+        o = _attend(q, k, v, call.mask, scaling, softcap, hq != hk)  # [G, Hq, N, Dv]
+        o = o.transpose(1, 2).reshape(G * N, hq, -1)  # [G x N, Hq, Dv]
+        out.index_copy_(0, call.dst, o.index_select(0, call.src))
+    return out[None], None
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scaling: float | None,
+            softcap: float | None, gqa: bool) -> torch.Tensor:
+    if softcap is None:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)
+    return _softcapped(q, k, v, mask, scaling, softcap)
+
+
+def _softcapped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                scaling: float | None, softcap: float) -> torch.Tensor:
+    """Attention with tanh-capped scores (Gemma2), as transformers' eager path computes it."""
+    if q.shape[-3] != k.shape[-3]:
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+        v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
+    s = (q @ k.transpose(-1, -2)) * (scaling if scaling is not None else q.shape[-1] ** -0.5)  # [.., Hq, n, W]
+    s = torch.tanh(s / softcap) * softcap
+    if mask is not None:
+        s = s.masked_fill(~mask, torch.finfo(s.dtype).min)
+    p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+    return p @ v  # [.., Hq, n, Dv]
+
+
+AttentionInterface.register(ATTENTION_NAME, paged_attention)

@@ -38,7 +38,7 @@ class OpenSessionRequest:
 class ModelInfo:
     # the target's name (its directory's name, or the config's name_or_path)
     model_id: str
-    # rows of the target's logits = the id range accepted on the wire
+    # rows of the target's logits (its output embedding)
     vocab_size: int
     # end-of-sequence token ids
     eos_ids: list[int] = field(default_factory=list)
@@ -52,6 +52,9 @@ class ModelInfo:
     tokenizer_fingerprint: str = ""
     # largest k a verify round may carry
     max_k: int = 0
+    # ids the tokenizer defines (len(tokenizer), at most vocab_size): the id range accepted on the wire and
+    # the support of p and q; logit rows past it are padding, never a token (0 = an older cloud: vocab_size)
+    tokenizer_size: int = 0
 
 
 @dataclass
@@ -62,7 +65,7 @@ class SessionInfo:
     ctx_len: int
     # FNV-1a hash of S (shared.hashing)
     ctx_hash: str
-    # the target's vocabulary size
+    # the target's vocabulary size: the ids accepted on the wire (ModelInfo.tokenizer_size)
     vocab_size: int
     # optional counters (GET /v1/sessions/{ctx_id})
     counters: dict[str, Any] = field(default_factory=dict)

@@ -27,8 +27,14 @@ def load_tokenizer(path: str | Path) -> Any:
 
     from shared.kvpool import UnsupportedModel
 
+    if not Path(path).is_dir():  # never a hub download: every model here is a local directory
+        raise UnsupportedModel(f"no tokenizer directory {path}: it does not exist")
     try:
-        return AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, TypeError, KeyError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UnsupportedModel(f"no usable tokenizer in {path}: {first}") from None
+    if len(tokenizer) < 2:  # a directory without tokenizer files loads as an empty tokenizer
+        raise UnsupportedModel(f"no tokenizer in {path}: it has no tokenizer files (tokenizer.json, vocab.json, "
+                               "tokenizer.model, ...); copy the model's tokenizer files into it")
+    return tokenizer

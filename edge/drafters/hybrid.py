@@ -30,7 +30,14 @@ class HybridDrafter:
         self.min_level = min_level
         self.wants_top_k = ngram.wants_top_k
         self.max_context = model.max_context
-        self.vocab_size = model.vocab_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.vocab_size
+
+    @vocab_size.setter
+    def vocab_size(self, value: int) -> None:
+        self.model.vocab_size = value
 
     def reset(self) -> None:
         self.model.reset()

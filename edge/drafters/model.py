@@ -18,7 +18,7 @@ import torch
 
 from shared.config import SamplingConfig
 from shared.hf_model import check_rollback, load_causal_lm
-from shared.kvpool import KVPool, Row, attention_layout
+from shared.kvpool import KVPool, Row, UnsupportedModel, attention_layout
 from shared.rng import position_uniform, sample_index
 from shared.sampling import process_logits
 from shared.tokenizer_id import load_tokenizer, tokenizer_fingerprint
@@ -61,9 +61,15 @@ class ModelDrafter:
     wants_top_k = 0
 
     def __init__(self, model_dir: str | Path, device: str = "cpu", mc_dropout_samples: int = 0) -> None:
+        if not Path(model_dir).is_dir():
+            raise UnsupportedModel(f"the draft model directory {model_dir} does not exist: pass --draft DIR (a local "
+                                   "Hugging Face model directory; nothing is downloaded) or --draft ngram")
         self.model = load_causal_lm(Path(model_dir), device, torch.float32)
         self.device = device
-        self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
+        # rows of the draft's logits, and the ids q is taken over (the target's tokenizer_size once paired:
+        # rows past it are padding of the embedding table, never a token)
+        self.logit_rows = int(self.model.get_output_embeddings().weight.shape[0])
+        self.vocab_size = self.logit_rows
         cfg = self.model.config.get_text_config()
         self.max_context: int | None = getattr(cfg, "n_positions", None) or getattr(
             cfg, "max_position_embeddings", None)
@@ -72,7 +78,7 @@ class ModelDrafter:
         # fingerprint of the tokenizer stored with the draft (None when its directory has none)
         self.tokenizer_fingerprint = _own_tokenizer_fingerprint(Path(model_dir))
         self._layout = attention_layout(self.model.config)
-        check_rollback(self.model, self._new_pool(), self.vocab_size, torch.float32)
+        check_rollback(self.model, self._new_pool(), self.logit_rows, torch.float32)
         self.reset()
 
     @property
@@ -81,7 +87,14 @@ class ModelDrafter:
         return self._pool.length(self._slot)
 
     def _new_pool(self) -> KVPool:
-        return KVPool(self._layout, self.max_context or 1 << 20, self.device, torch.float32)
+        pool = KVPool(self._layout, self.max_context or 1 << 20, self.device, torch.float32)
+        template = self.__dict__.get("_template")
+        if template is None:
+            pool.prepare(self.model)
+            self._template = pool
+        else:
+            pool.prepare_like(template)
+        return pool
 
     def reset(self) -> None:
         self._pool = self._new_pool()
@@ -101,8 +114,7 @@ class ModelDrafter:
         row = Row(self._slot, len(self._ids), [int(t) for t in tokens], keep=1)
         (logits,) = self._pool.forward(self.model, [row])  # [1, vocab]
         self._ids.extend(row.ids)
-        self._pool.lengths[self._slot] = len(self._ids)
-        return logits[-1]  # [vocab]
+        return logits[-1, : self.vocab_size]  # [vocab]: the tokenizer's ids only
 
     def _sync(self, context: Sequence[int]) -> torch.Tensor:
         """Crop to the common prefix with `context`, feed the rest; logits after the whole context."""

@@ -1,6 +1,8 @@
 """The OpenAI-compatible REST routes of `specsplit-edge serve` (FastAPI).
 
-GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /healthz, GET /metrics.
+GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /healthz, GET /readyz, GET /metrics.
+Bodies over --max-body-bytes answer 413 before they are read further; prompts are tokenized on a
+worker thread, so a long one does not hold up the event loop (or /healthz).
 Routes are thin: body -> TextRequest -> engine -> OpenAI JSON or server-sent events. Errors leave
 in OpenAI's body (openai_errors.py) from one set of handlers. A streamed response first waits for
 the generation's first event, so a request that fails before any text (a prompt too long, a cloud
@@ -27,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shared.errors import SpecSplitError
 
+from .body_limit import BodyLimit
 from .chat import ChatTemplate, require
 from .openai_bodies import ChatCompletionBody, CompletionBody
 from .openai_engine import (
@@ -181,6 +184,8 @@ def create_app(engine: OpenAIEngine, options: ServeOptions) -> FastAPI:
     app = FastAPI(title="specsplit edge (OpenAI-compatible)", version="1",
                   description="OpenAI completions and chat completions, drafted here and verified by the cloud.")
     prom = engine.prometheus
+    app.add_middleware(BodyLimit, max_bytes=engine.settings.max_body_bytes,
+                       on_error=lambda err: prom.errors.labels(err.type).inc())
 
     def answer(err: OpenAIError) -> JSONResponse:
         prom.errors.labels(err.type).inc()
@@ -227,6 +232,17 @@ def create_app(engine: OpenAIEngine, options: ServeOptions) -> FastAPI:
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
+    @app.get("/readyz", tags=["ops"])
+    async def readyz() -> JSONResponse:
+        """200 once the cloud answered with this server's key and the pairing checks passed; else 503 with
+        the reason (an unreachable cloud, a refused key, a draft or tokenizer the target does not speak)."""
+        try:
+            await asyncio.to_thread(engine.check_ready)
+        except SpecSplitError as e:
+            return JSONResponse({"ready": False, "reason": from_specsplit(e).message}, status_code=503,
+                                headers={"Retry-After": "1"})
+        return JSONResponse({"ready": True})
+
     @app.get("/metrics", tags=["ops"])
     async def metrics() -> Response:
         return Response(prom.render(), media_type=CONTENT_TYPE_LATEST)
@@ -244,7 +260,8 @@ def create_app(engine: OpenAIEngine, options: ServeOptions) -> FastAPI:
         body.check()
         name = await check_model(body.model)
         prompt = body.prompt_value()
-        ids = engine.encode(prompt) if isinstance(prompt, str) else await checked_ids(prompt)
+        # tokenizing a long prompt takes a while: on a worker thread, so other requests go on meanwhile
+        ids = await asyncio.to_thread(engine.encode, prompt) if isinstance(prompt, str) else await checked_ids(prompt)
         req = TextRequest(ids, body.max_new_tokens(), body.sampling(), body.seed, body.stop_sequences(),
                           "completions")
         shape = Shape("completions", f"cmpl-{uuid.uuid4().hex}", name, int(time.time()))
@@ -254,15 +271,17 @@ def create_app(engine: OpenAIEngine, options: ServeOptions) -> FastAPI:
     async def chat_completions(body: ChatCompletionBody, request: Request) -> Response:
         body.check()
         name = await check_model(body.model)
-        prompt = require(options.chat_template).render(body.chat_messages())
-        ids = engine.encode(prompt, add_special_tokens=False)  # the template placed its own
+        template = require(options.chat_template)
+        prompt = await asyncio.to_thread(template.render, body.chat_messages())
+        ids = await asyncio.to_thread(engine.encode, prompt, False)  # the template placed its own specials
         req = TextRequest(ids, body.max_new_tokens(options.chat_default_max_tokens), body.sampling(), body.seed,
                           body.stop_sequences(), "chat")
         shape = Shape("chat", f"chatcmpl-{uuid.uuid4().hex}", name, int(time.time()))
         return await respond(engine, req, shape, body.stream, body.include_usage(), request)
 
     async def checked_ids(ids: list[int]) -> list[int]:
-        vocab = (await asyncio.to_thread(engine.model_info)).vocab_size
+        info = await asyncio.to_thread(engine.model_info)
+        vocab = info.tokenizer_size or info.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise invalid(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}", "prompt")

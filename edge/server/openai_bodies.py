@@ -66,6 +66,23 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
+def reject_lone_surrogates(value: Any, where: str) -> None:
+    """A 400 naming the first string (or key) under `value` that holds a lone UTF-16 surrogate."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise invalid(f"{where or 'the body'} holds a lone surrogate (U+D800..U+DFFF), which is not text; "
+                          "send valid UTF-8", where or None, "invalid_text") from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            reject_lone_surrogates(key, where)
+            reject_lone_surrogates(item, f"{where}.{key}" if where else str(key))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            reject_lone_surrogates(item, f"{where}[{i}]")
+
+
 class GenerationBody(BaseModel):
     """What completions and chat completions share."""
 
@@ -112,6 +129,10 @@ class GenerationBody(BaseModel):
             raise invalid("stream_options is only allowed when stream is true", "stream_options")
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def check_text(self) -> None:
+        """Every string of the body must be text: a lone surrogate (JSON's "\\ud800") is a 400 naming the field."""
+        reject_lone_surrogates(self.model_dump(), "")
+
     def check_supported(self, unsupported: dict[str, Any]) -> None:
         for name, ok in unsupported.items():
             value = getattr(self, name, None)
@@ -130,6 +151,7 @@ class CompletionBody(GenerationBody):
     suffix: str | None = None
 
     def check(self) -> None:
+        self.check_text()
         self.check_supported(_COMPLETION_UNSUPPORTED)
 
     def prompt_value(self) -> str | list[int]:
@@ -193,6 +215,7 @@ class ChatCompletionBody(GenerationBody):
     web_search_options: dict[str, Any] | None = None
 
     def check(self) -> None:
+        self.check_text()
         self.check_supported(_CHAT_UNSUPPORTED)
 
     def chat_messages(self) -> list[ChatMessage]:

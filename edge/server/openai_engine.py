@@ -16,6 +16,7 @@ import logging
 import secrets
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -24,6 +25,7 @@ from shared.errors import SpecSplitError
 
 from ..client import EdgeClient
 from ..metrics import EdgeMetrics
+from ..pairing import check_pairing
 from ..prom import EdgePrometheus
 from ..settings import EdgeSettings
 from ..transport import ModelInfo, make_transport
@@ -82,7 +84,7 @@ class Finished:
                 "tokens_per_cloud_call": round(m.tokens_per_call, 6), "cloud_calls": m.cloud_calls,
                 "drafted": m.drafted, "accepted": m.accepted,
                 "tokens_by_origin": {k: v for k, v in m.by_origin.items() if v},
-                "local_commits": m.local_commits}
+                "local_commits": m.local_commits, "timeout_fallbacks": m.timeout_fallbacks}
 
 
 Event = TextDelta | Finished | SpecSplitError
@@ -117,6 +119,8 @@ class OpenAIEngine:
         self.prometheus = prometheus or EdgePrometheus.create()
         self._info: ModelInfo | None = None
         self._info_lock = threading.Lock()
+        # the fetch of the model info in flight: concurrent requests share its outcome instead of queueing
+        self._info_fetch: Future[ModelInfo] | None = None
 
     def new_client(self) -> EdgeClient:
         s = self.settings
@@ -125,15 +129,41 @@ class OpenAIEngine:
                           drafter=self.draft.for_generation(), tokenizer=self.tokenizer, model_info=self._info)
 
     def model_info(self) -> ModelInfo:
-        """The cloud's model, asked for once (with the client's retries)."""
+        """The cloud's model, asked for once (with the client's retries). Requests arriving while it is
+        being asked for wait for that one fetch and share its answer or its error: with the cloud down,
+        each fails after one round of retries, not after everyone's before it."""
         with self._info_lock:
-            if self._info is None:
-                client = EdgeClient(self.settings, tokenizer=self.tokenizer)
-                try:
-                    self._info = client.model_info()
-                finally:
-                    client.close()
-            return self._info
+            if self._info is not None:
+                return self._info
+            fetch, mine = self._info_fetch, self._info_fetch is None
+            if fetch is None:
+                fetch = self._info_fetch = Future()
+        if mine:
+            try:
+                info = self._fetch_model_info()
+                self._info = info
+                fetch.set_result(info)
+            except BaseException as e:
+                fetch.set_exception(e)
+            finally:
+                with self._info_lock:
+                    self._info_fetch = None
+        return fetch.result()
+
+    def check_ready(self) -> None:
+        """The cloud answers with this server's key (GET /v1/model needs it when auth is on), and the
+        tokenizer and the draft model speak the target's ids; the project's error naming the fix otherwise."""
+        info = self.model_info()
+        m = self.draft.model
+        check_pairing(info, self.tokenizer, self.settings.tokenizer_dir(), m.tokenizer_fingerprint if m else None,
+                      m.logit_rows if m else None)
+
+    def _fetch_model_info(self) -> ModelInfo:
+        client = EdgeClient(self.settings, tokenizer=self.tokenizer)
+        try:
+            return client.model_info()
+        finally:
+            client.close()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)

@@ -2,14 +2,23 @@
 
 The project's own errors map to an HTTP status and an OpenAI error type here, in one place: a bad
 request (ours or one the cloud refused as invalid) is 400 `invalid_request_error`; a cloud that
-is over capacity is 429; a cloud that cannot be reached or answers too late is 503; the rest 500.
+is over capacity is 429; a cloud that refuses this server's key is 502 (naming --api-key); a cloud that
+cannot be reached or answers too late is 503; the rest 500.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from shared.errors import InvalidArgument, PayloadTooLarge, ResourceExhausted, SpecSplitError, Unavailable
+from shared.errors import (
+    InvalidArgument,
+    PayloadTooLarge,
+    PermissionDenied,
+    ResourceExhausted,
+    SpecSplitError,
+    Unauthenticated,
+    Unavailable,
+)
 
 from ..transport.errors import CloudTimeout, CloudUnavailable
 
@@ -40,6 +49,9 @@ def from_specsplit(err: SpecSplitError) -> OpenAIError:
     if isinstance(err, ResourceExhausted):
         return OpenAIError(429, f"the cloud verifier is over capacity: {err.message}", "rate_limit_error",
                            None, err.code)
+    if isinstance(err, (Unauthenticated, PermissionDenied)):  # this server's configuration, not the request
+        return OpenAIError(502, f"the cloud verifier refused this server: {err.message}", "server_error",
+                           None, "cloud_refused_key")
     if isinstance(err, (CloudUnavailable, CloudTimeout, Unavailable)):
         return OpenAIError(503, f"the cloud verifier is unavailable: {err.message}", "service_unavailable",
                            None, err.code)

@@ -145,6 +145,15 @@ def error_from_body(body: dict[str, Any]) -> SpecSplitError:
     return _build(cls, str(err.get("message") or "error event"), err)
 
 
+def with_key_hint(err: SpecSplitError) -> SpecSplitError:
+    """A 401 from the cloud names the edge's setting that sends the key."""
+    if isinstance(err, Unauthenticated) and "--api-key" not in err.message:
+        err.message = (f"the cloud refused the edge's API key ({err.message}): pass --api-key KEY or set "
+                       "SPECSPLIT_EDGE_API_KEY")
+        err.args = (err.message,)
+    return err
+
+
 def is_retryable(err: SpecSplitError) -> bool:
     """Back off and send again: capacity, size limits (per PROTOCOL.md), 5xx and connection errors; not
     the cloud's own fault (500 internal, surfaced with its error_id)."""

@@ -22,7 +22,7 @@ from shared.protocol import (
 )
 
 from .base import ROUTE_HEADER, GenerateResult, ModelInfo, Traffic, check_route_key
-from .errors import CloudUnavailable, error_from_grpc
+from .errors import CloudUnavailable, error_from_grpc, with_key_hint
 
 
 def sampling_to_pb(c: SamplingConfig) -> pb.SamplingConfig:
@@ -61,6 +61,7 @@ class GrpcTransport:
     supports_generate = False
 
     def __init__(self, target: str, api_key: str | None = None) -> None:
+        self._target = target
         self._channel = grpc.insecure_channel(target)
         self._stub = pb_grpc.VerifierStub(self._channel)
         self._metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {api_key}"),) if api_key else ()
@@ -81,7 +82,12 @@ class GrpcTransport:
             code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
             details = e.details() if hasattr(e, "details") else str(e)
             trailing = e.trailing_metadata() if hasattr(e, "trailing_metadata") else ()
-            raise error_from_grpc(code, details or "", tuple(trailing or ())) from None
+            err = with_key_hint(error_from_grpc(code, details or "", tuple(trailing or ())))
+            if code == grpc.StatusCode.UNAVAILABLE and not trailing:  # no answer from a verifier at all
+                err.message = (f"cannot reach the cloud at {self._target} (gRPC: {details}): is specsplit-cloud "
+                               "running there? (--grpc HOST:PORT)")
+                err.args = (err.message,)
+            raise err from None
         self.traffic.bytes_down += reply.ByteSize()
         return reply
 
@@ -104,7 +110,8 @@ class GrpcTransport:
         m = self._call(self._stub.GetModel, pb.GetModelRequest(), timeout)
         return ModelInfo(model_id=m.model_id, vocab_size=m.vocab_size, eos_ids=list(m.eos_ids),
                          max_context=m.max_context, dtype=m.dtype, device=m.device,
-                         tokenizer_fingerprint=m.tokenizer_fingerprint, max_k=m.max_k)
+                         tokenizer_fingerprint=m.tokenizer_fingerprint, max_k=m.max_k,
+                         tokenizer_size=m.tokenizer_size)
 
     def generate(self, prompt_ids: list[int], cfg: SamplingConfig, seed: int, max_new_tokens: int,
                  timeout: float) -> GenerateResult:

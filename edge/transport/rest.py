@@ -10,6 +10,7 @@ from typing import Any
 import httpx
 
 from shared.config import SamplingConfig
+from shared.errors import InvalidArgument
 from shared.protocol import (
     OpenSessionRequest,
     RoundMetrics,
@@ -20,7 +21,7 @@ from shared.protocol import (
 )
 
 from .base import ROUTE_HEADER, GenerateResult, ModelInfo, Traffic, check_route_key
-from .errors import CloudTimeout, CloudUnavailable, error_from_body, error_from_http
+from .errors import CloudTimeout, CloudUnavailable, error_from_body, error_from_http, with_key_hint
 
 
 def verify_request_json(req: VerifyRequest, sampling: SamplingConfig | None = None) -> dict[str, Any]:
@@ -62,7 +63,8 @@ class RestTransport:
         headers = {"content-type": "application/json"}
         if api_key:
             headers["authorization"] = f"Bearer {api_key}"
-        self._http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers)
+        self._base_url = base_url.rstrip("/")
+        self._http = httpx.Client(base_url=self._base_url, headers=headers)
         self.traffic = Traffic()
         # per-call headers of this view: the routing key (see routed())
         self._route_headers: dict[str, str] = {}
@@ -81,11 +83,17 @@ class RestTransport:
                                    headers=self._route_headers)
         except httpx.TimeoutException as e:
             raise CloudTimeout(f"{method} {path}: no answer within {timeout:.3f} s") from e
+        except (httpx.UnsupportedProtocol, httpx.InvalidURL) as e:  # a configuration error: never retried
+            raise InvalidArgument(f"the cloud URL {self._base_url!r} is not usable ({e}): pass --cloud "
+                                  "http://HOST:PORT") from e
+        except httpx.ConnectError as e:
+            raise CloudUnavailable(f"cannot reach the cloud at {self._base_url} ({e}): is specsplit-cloud running "
+                                   "there? (--cloud URL)") from e
         except httpx.TransportError as e:
             raise CloudUnavailable(f"{method} {path}: {type(e).__name__}: {e}") from e
         self.traffic.bytes_down += len(r.content)
         if r.status_code >= 400:
-            raise error_from_http(r.status_code, r.content, r.headers.get("retry-after"))
+            raise with_key_hint(error_from_http(r.status_code, r.content, r.headers.get("retry-after")))
         try:
             out = r.json() if r.content else {}
         except ValueError as e:
@@ -117,7 +125,8 @@ class RestTransport:
         return ModelInfo(model_id=str(d.get("model_id", "")), vocab_size=int(d["vocab_size"]),
                          eos_ids=[int(i) for i in d.get("eos_ids") or []], max_context=int(d.get("max_context") or 0),
                          dtype=str(d.get("dtype", "")), device=str(d.get("device", "")),
-                         tokenizer_fingerprint=str(d.get("tokenizer_fingerprint", "")), max_k=int(d.get("max_k") or 0))
+                         tokenizer_fingerprint=str(d.get("tokenizer_fingerprint", "")), max_k=int(d.get("max_k") or 0),
+                         tokenizer_size=int(d.get("tokenizer_size") or 0))
 
     def generate(self, prompt_ids: list[int], cfg: SamplingConfig, seed: int, max_new_tokens: int,
                  timeout: float) -> GenerateResult:
@@ -139,7 +148,7 @@ class RestTransport:
             with self._http.stream("POST", "/v1/generate", content=content, timeout=timeout,
                                    headers=self._route_headers) as r:
                 if r.status_code >= 400:
-                    raise error_from_http(r.status_code, r.read(), r.headers.get("retry-after"))
+                    raise with_key_hint(error_from_http(r.status_code, r.read(), r.headers.get("retry-after")))
                 event = "message"
                 for line in r.iter_lines():
                     self.traffic.bytes_down += len(line) + 1

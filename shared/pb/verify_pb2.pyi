@@ -145,7 +145,7 @@ class GetModelRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_id", "vocab_size", "eos_ids", "max_context", "dtype", "device", "tokenizer_fingerprint", "max_k")
+    __slots__ = ("model_id", "vocab_size", "eos_ids", "max_context", "dtype", "device", "tokenizer_fingerprint", "max_k", "tokenizer_size")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     EOS_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +154,7 @@ class ModelInfo(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     MAX_K_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_SIZE_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     vocab_size: int
     eos_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -162,4 +163,5 @@ class ModelInfo(_message.Message):
     device: str
     tokenizer_fingerprint: str
     max_k: int
-    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_ids: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_k: _Optional[int] = ...) -> None: ...
+    tokenizer_size: int
+    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_ids: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_k: _Optional[int] = ..., tokenizer_size: _Optional[int] = ...) -> None: ...

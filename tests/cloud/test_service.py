@@ -152,8 +152,9 @@ def test_idle_session_expires_by_the_injected_clock(make_service: Callable[..., 
 
 def test_kv_budget_evicts_the_least_recently_used_session(make_service: Callable[..., VerifierService],
                                                           prompt: list[int], tiny_target: TargetModel) -> None:
-    per_session = (len(prompt) + 1) * tiny_target.kv_bytes_per_token
-    svc = make_service(kv_budget_bytes=int(2.5 * per_session))
+    per_session = (len(prompt) - 1) * tiny_target.kv_bytes_per_token  # an open caches S[:-1]
+    # blocks of one position and no prefix sharing (the three prompts are equal): memory by session
+    svc = make_service(kv_budget_bytes=int(2.5 * per_session), kv_block_size=1, prefix_cache=False)
 
     async def main() -> None:
         a = await open_(svc, prompt, 1)
@@ -297,5 +298,42 @@ def test_context_mismatch_reports_the_clouds_length(make_service: Callable[..., 
             await svc.verify(k0_request(ctx_id, prompt + [1, 2]), "", 0)
         assert e.value.details["expected_ctx_len"] == len(prompt)
         assert e.value.details["expected_ctx_hash"] == ctx_hash(prompt)
+
+    run(main())
+
+
+def test_replay_cache_keeps_residual_distributions_within_its_byte_limit(make_service: Callable[..., VerifierService],
+                                                                  prompt: list[int]) -> None:
+    """Residual answers carry p_j over the vocabulary; the cache keeps them packed, within
+    --replay-cache-bytes (here less than one distribution: the newest round's alone, what a resend needs)."""
+    svc = make_service(replay_cache_size=8, replay_cache_bytes=1024)
+    vocab = svc.info.vocab_size
+    with torch.no_grad():  # the target's least likely next token: rejected, strict -> a residual answer
+        unlikely = int(svc.model.model(input_ids=torch.tensor([prompt])).logits[0, -1].argmin())
+
+    async def main() -> None:
+        cid = await open_(svc, prompt)
+        ids, append, sent = list(prompt), [], []
+        for i in range(5):
+            req = VerifyBody(ctx_id=cid, ctx_len=len(ids) + len(append), append_ids=append,
+                             ctx_hash=ctx_hash(ids + append), draft_tokens=[unlikely], q_token_probs=[0.99], k=1,
+                             request_id=f"round-{i}").to_request()
+            resp = await svc.verify(req, "", 1)
+            assert resp.next_kind == "residual" and resp.target_dist is not None
+            sent.append((req, resp))
+            ids = ids + append
+            d = resp.target_dist
+            append = [d.ids[max(range(len(d.ids)), key=lambda j: d.probs[j])]]  # the edge's draw, any will do
+        s = svc.store.get(cid, "")
+        assert sum(e.dist_ids is not None for e in s.replies.values()) == 1
+        assert 0 < s.replay_bytes <= vocab * 12  # int32 ids + float64 probs of one distribution
+        last_req, last_resp = sent[-1]
+        again = await svc.verify(last_req, "", 1)  # the newest round's resend: the same answer, dist included
+        assert again.target_dist == last_resp.target_dist and again.accepted_len == last_resp.accepted_len
+        before = svc.get_session(cid, "")
+        with pytest.raises(ContextMismatch):  # an older round's late duplicate: refused, nothing rolled back
+            await svc.verify(sent[0][0], "", 1)
+        after = svc.get_session(cid, "")
+        assert (after.ctx_len, after.ctx_hash) == (before.ctx_len, before.ctx_hash)
 
     run(main())

@@ -1,4 +1,4 @@
-"""SessionStore policy: TTL, the session cap, LRU eviction under the KV budget, ownership."""
+"""SessionStore policy: TTL, the session cap, LRU order for evictions under the KV budget, ownership."""
 
 from __future__ import annotations
 
@@ -62,27 +62,21 @@ def test_full_store_refuses_a_new_session_unless_one_has_expired() -> None:
     assert {r[1] for r in removed} == {"ttl"}
 
 
-def test_kv_budget_evicts_least_recently_used_idle_sessions_first() -> None:
+def test_lru_order_and_drop_of_an_evicted_session() -> None:
+    """The model thread evicts for KV blocks in `lru()` order and hands the session to `drop`."""
     clock = FakeClock()
     st, removed = store(clock, kv_budget_bytes=1000)
     for name in "abc":
-        st.add(session(name, 30, clock))  # 300 bytes each
+        st.add(session(name, 30, clock))
         clock.advance(1)
     st.get("a", "")  # a becomes the most recently used: b is now the oldest
-    st.make_room(250)  # 900 + 250 > 1000: one must go
-    assert removed == [("b", "kv_budget")]
-    assert st.kv_bytes == 600
-
-
-def test_kv_budget_skips_busy_sessions_and_the_growing_one() -> None:
-    clock = FakeClock()
-    st, removed = store(clock, kv_budget_bytes=1000)
-    a, b, c = (session(n, 30, clock) for n in "abc")
-    for s in (a, b, c):
-        st.add(s)
-    a.inflight = 1
-    st.make_room(600, session=b)  # b grows 300 -> 600: total 1200, c (idle, not b) goes
-    assert removed == [("c", "kv_budget")]
+    assert [s.ctx_id for s in st.lru()] == ["b", "c", "a"]
+    b = st.lru()[0]
+    st.drop(b, "kv_budget")
+    st.drop(b, "kv_budget")  # twice: once removed, nothing more happens
+    assert removed == [("b", "kv_budget")] and b.closed
+    with pytest.raises(NotFound):
+        st.get("b", "")
 
 
 def test_a_context_larger_than_the_whole_budget_is_refused() -> None:

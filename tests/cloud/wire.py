@@ -121,7 +121,8 @@ class GrpcClient:
         m = self._call(self.stub.GetModel, pb.GetModelRequest())
         return {"model_id": m.model_id, "vocab_size": m.vocab_size, "eos_ids": list(m.eos_ids),
                 "max_context": m.max_context, "dtype": m.dtype, "device": m.device,
-                "tokenizer_fingerprint": m.tokenizer_fingerprint, "max_k": m.max_k}
+                "tokenizer_fingerprint": m.tokenizer_fingerprint, "max_k": m.max_k,
+                "tokenizer_size": m.tokenizer_size}
 
     def shutdown(self) -> None:
         self.channel.close()

@@ -34,7 +34,9 @@ TRANSPORTS = ["rest", "grpc"]
 
 @pytest.fixture(scope="module")
 def cloud(demo_target_dir: Path) -> Iterator[CloudProcess]:
-    args = ("--kv-budget-bytes", str(BUDGET_TOKENS * kv_per_token(demo_target_dir)), "--max-sessions", str(MAX_SESSIONS))
+    # blocks of one position: the budget counts positions exactly as the sessions below are sized
+    args = ("--kv-budget-bytes", str(BUDGET_TOKENS * kv_per_token(demo_target_dir)), "--max-sessions", str(MAX_SESSIONS),
+            "--kv-block-size", "1")
     c = CloudProcess(demo_target_dir, extra_args=args).start()
     yield c
     c.stop()
@@ -86,7 +88,8 @@ def test_evicted_session_is_404_and_a_reopen_continues_identically(
         sent.append(body)
     evictions = metric(cloud, 'specsplit_cloud_evictions_total{reason="kv_budget"}')
     filler = (prompt * 40)[: BUDGET_TOKENS // 2]
-    others = [c.open({"prompt_ids": filler})["ctx_id"] for _ in range(2)]  # room for them: ours goes (LRU)
+    # two distinct fillers (no shared prefix): room for them, ours goes (LRU)
+    others = [c.open({"prompt_ids": [i + 1] + filler[1:]})["ctx_id"] for i in range(2)]
     body, draft = edge.request(ctx_id, 4)
     with pytest.raises(WireError) as e:
         c.verify(body)

@@ -127,10 +127,13 @@ def test_round_replayed_after_the_edge_timed_out(client: RestClient | GrpcClient
         else GrpcClient(cloud_server.grpc_target, timeout=0.05)
     long_prompt = (prompt * 200)[:500]
     opened: list[str] = []
+    counter = iter(range(1, 10**6))
 
     def long_open() -> float:
         t0 = time.monotonic()
-        r = httpx.post(cloud_server.http_url + "/v1/sessions", json={"prompt_ids": long_prompt}, timeout=60)
+        # distinct first tokens: no prefix shared through the cache, so every open is real model work
+        ids = [next(counter)] + long_prompt[1:]
+        r = httpx.post(cloud_server.http_url + "/v1/sessions", json={"prompt_ids": ids}, timeout=60)
         opened.append(r.json()["ctx_id"])
         return time.monotonic() - t0
 

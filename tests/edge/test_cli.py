@@ -19,7 +19,7 @@ def test_flags_override_settings_and_unset_flags_leave_the_environment(monkeypat
     s = settings_from_args(args)
     assert s.grpc_target == "127.0.0.1:1" and s.draft == "ngram" and s.fixed_k == 4 and s.temperature == 0
     assert s.top_p == 0.5 and s.timeout_fallback is False and s.send_q_dists is True
-    assert s.repetition_penalty == 1.1 and s.k_start == 6 and s.timeout_ms == 400  # documented defaults
+    assert s.repetition_penalty == 1.1 and s.k_start == 6 and s.timeout_ms is None  # documented defaults
 
 
 class Letters:

@@ -33,11 +33,12 @@ def requests_are_consistent(cloud: FakeCloud, prompt_ids: list[int], out: list[i
 
 
 def test_late_answer_commits_the_first_draft_token_locally_and_realigns(make_client, fake_cloud: FakeCloud) -> None:
-    client, _ = make_client(temperature=0, max_new_tokens=N)
+    client, _ = make_client(temperature=0, max_new_tokens=N, timeout_fallback=True)
     fake_cloud.fail("verify", CloudTimeout("late"), times=1, apply_first=True)  # applied, answer dropped
     r = client.generate(PROMPT)
     m = r.metrics
-    assert m.timeouts == 1 and m.local_commits == 1 and m.reopens == 0 and m.resyncs == 0
+    assert m.timeouts == 1 and m.local_commits == 1 and m.timeout_fallbacks == 1
+    assert m.reopens == 0 and m.resyncs == 0
     assert r.tokens[0].origin == "local" and r.rounds[0].decided_by == "timeout"
     assert r.tokens[0].token_id == fake_cloud.requests[0].draft.draft_tokens[0]
     second = fake_cloud.requests[1]  # realigns: crops back to the prompt and appends the local token

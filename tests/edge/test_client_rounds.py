@@ -128,9 +128,10 @@ def test_cloud_only_with_and_without_a_generate_call(make_client, fake_cloud: Fa
 
 def test_vocab_mismatch_is_an_error(make_client, fake_cloud: FakeCloud, model_drafter: ModelDrafter,
                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(model_drafter, "vocab_size", fake_cloud.vocab + 1)
+    """A cloud without a tokenizer fingerprint: the logit rows are all there is to compare."""
+    monkeypatch.setattr(model_drafter, "logit_rows", fake_cloud.vocab + 1)
     client, _ = make_client(temperature=0, max_new_tokens=3)
-    with pytest.raises(InvalidArgument, match="vocabulary"):
+    with pytest.raises(InvalidArgument, match="logits"):
         client.generate(PROMPTS[0])
     assert not fake_cloud.sessions
 

@@ -110,7 +110,9 @@ def test_the_run_hides_catch_up_drafting_from_the_controller(make_client, monkey
         return real(self, c)
 
     monkeypatch.setattr(CostModelK, "observe", spy)
-    client, _ = make_client(temperature=0, max_new_tokens=40)
+    schedule = iter([0, 2, 2, 0, 3, 1] * 20)  # k chosen by script, not by the clock
+    monkeypatch.setattr(CostModelK, "best_k", lambda self: next(schedule))
+    client, _ = make_client(temperature=0, max_new_tokens=40, draft_ahead=False)
     client.generate("The cat sat on the mat. The cat")
     assert seen[0][1] == 0
     for (k_prev, _), (_, drafted_now) in zip(seen, seen[1:], strict=False):

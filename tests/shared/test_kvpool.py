@@ -1,8 +1,10 @@
-"""The KV pool: a row's logits in a batch equal the same row run alone, and the model's own forward.
+"""The paged KV pool: a row's logits in a flattened batch equal the same row run alone, and the
+model's own forward.
 
 Tiny random models (tests/tiny_models.py): GPT-2 (absolute positions), Llama (GQA, RoPE), Mistral
-(sliding window 8), Gemma2 and Gemma3 (sliding and global layers). Tolerance: 1e-4 absolute on logits of
-magnitude ~2 in float32 (observed differences ~1e-6: the batch only changes summation order).
+(sliding window 8), Gemma2 (softcapped scores) and Gemma3 (sliding and global layers). Blocks of 4
+positions, so rows cross block boundaries and crops land inside blocks. Tolerance: 1e-4 absolute on
+logits of magnitude ~2 in float32 (observed differences ~1e-6: the batch only changes summation order).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shared.blocks import OutOfBlocks
 from shared.hf_model import load_causal_lm
 from shared.kvpool import KVPool, Row, attention_layout
 from tests.tiny_models import build
@@ -24,6 +27,12 @@ def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     return load_causal_lm(d, "cpu", torch.float32)  # sdpa, or eager where the model has no sdpa (Gemma2)
 
 
+def new_pool(model: torch.nn.Module, **kw: object) -> KVPool:
+    pool = KVPool(attention_layout(model.config), 256, "cpu", torch.float32, block_size=4, **kw)  # type: ignore[arg-type]
+    pool.prepare(model)
+    return pool
+
+
 def seqs(n: int, length: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, 4096, (length,), generator=g).tolist() for _ in range(n)]
@@ -36,19 +45,16 @@ def test_batched_rows_equal_rows_run_alone_and_the_plain_forward(model: torch.nn
     ids = seqs(5, 34)
     past = [3, 27, 10, 0, 16]
     new = [5, 1, 6, 4, 2]
-    batched = KVPool(attention_layout(model.config), 256, "cpu", torch.float32)
+    batched = new_pool(model)
     slots = [batched.allocate() for _ in ids]
     batched.forward(model, [Row(s, 0, x[:c], 0) for s, x, c in zip(slots, ids, past, strict=True) if c])
-    for s, c in zip(slots, past, strict=True):
-        batched.lengths[s] = c
     rows = [Row(s, c, x[c: c + n], n) for s, x, c, n in zip(slots, ids, past, new, strict=True)]
     together = batched.forward(model, rows)
     for x, c, n, got in zip(ids, past, new, together, strict=True):
-        alone = KVPool(attention_layout(model.config), 256, "cpu", torch.float32)
+        alone = new_pool(model)
         s = alone.allocate()
         if c:
             alone.forward(model, [Row(s, 0, x[:c], 0)])
-            alone.lengths[s] = c
         (single,) = alone.forward(model, [Row(s, c, x[c: c + n], n)])
         plain = model(input_ids=torch.tensor([x[: c + n]])).logits[0, c: c + n].float()
         assert got.shape == (n, model.config.vocab_size)
@@ -60,42 +66,72 @@ def test_batched_rows_equal_rows_run_alone_and_the_plain_forward(model: torch.nn
 def test_crop_then_rewrite_gives_the_uncropped_answer(model: torch.nn.Module) -> None:
     """Write 20 positions, crop to 12, feed other tokens, crop back, feed the originals: as if never cropped."""
     (x,) = seqs(1, 24, seed=1)
-    pool = KVPool(attention_layout(model.config), 256, "cpu", torch.float32)
+    pool = new_pool(model)
     s = pool.allocate()
     pool.forward(model, [Row(s, 0, x[:20], 0)])
-    pool.lengths[s] = 20
-    pool.crop(s, 12)
-    pool.forward(model, [Row(s, 12, [7, 8, 9, 10, 11], 0)])  # a rejected continuation
-    pool.lengths[s] = 17
-    pool.crop(s, 12)
-    (got,) = pool.forward(model, [Row(s, 12, x[12:24], 12)])
-    plain = model(input_ids=torch.tensor([x])).logits[0, 12:24].float()
+    pool.crop(s, 13)  # the middle of a block
+    pool.forward(model, [Row(s, 13, [7, 8, 9, 10, 11], 0)])  # a rejected continuation
+    assert pool.length(s) == 18
+    pool.crop(s, 13)
+    (got,) = pool.forward(model, [Row(s, 13, x[13:24], 11)])
+    plain = model(input_ids=torch.tensor([x])).logits[0, 13:24].float()
     assert (got - plain).abs().max() < TOL
+    assert pool.manager.seqs[s].table.__len__() == 6  # 24 positions in blocks of 4
+
+
+@torch.inference_mode()
+def test_prefix_from_the_cache_gives_the_same_logits(model: torch.nn.Module) -> None:
+    """A sequence whose first full blocks come from the prefix cache answers like one that computed
+    them, including after a crop into a shared block (copy-on-write); another salt shares nothing."""
+    (x,) = seqs(1, 30, seed=3)
+    pool = new_pool(model, prefix_cache=True)
+    a = pool.allocate(b"k1")
+    pool.forward(model, [Row(a, 0, x[:22], 0)])
+    pool.set_length(a, 22)  # 5 full blocks enter the cache
+    b = pool.allocate(b"k1")
+    assert pool.match_prefix(b, x, 21) == 20
+    shared = pool.manager.seqs[b].table[:5]
+    assert shared == pool.manager.seqs[a].table[:5]
+    (got,) = pool.forward(model, [Row(b, 20, x[20:30], 10)])
+    plain = model(input_ids=torch.tensor([x])).logits[0, 20:30].float()
+    assert (got - plain).abs().max() < TOL
+    pool.crop(b, 18)  # into the middle of a shared block: the next write copies it first
+    (again,) = pool.forward(model, [Row(b, 18, x[18:30], 12)])
+    assert (again - model(input_ids=torch.tensor([x])).logits[0, 18:30].float()).abs().max() < TOL
+    assert pool.manager.seqs[b].table[4] != shared[4] and pool.manager.seqs[a].table[4] == shared[4]
+    (first,) = pool.forward(model, [Row(a, 22, x[22:30], 8)])  # a's blocks were not touched by b
+    assert (first - plain[2:]).abs().max() < TOL
+    other = pool.allocate(b"k2")
+    assert pool.match_prefix(other, x, 21) == 0
+    for s in (a, b, other):
+        pool.release(s)
+    pool.manager.check()
+    assert pool.manager.used == 0
 
 
 @torch.inference_mode()
 def test_non_adjacent_slots_are_gathered_with_the_same_result(model: torch.nn.Module) -> None:
     ids = seqs(4, 12, seed=2)
-    pool = KVPool(attention_layout(model.config), 256, "cpu", torch.float32)
+    pool = new_pool(model)
     slots = [pool.allocate() for _ in ids]
     pool.forward(model, [Row(s, 0, x[:8], 0) for s, x in zip(slots, ids, strict=True)])
-    for s in slots:
-        pool.lengths[s] = 8
     a, b = pool.forward(model, [Row(slots[0], 8, ids[0][8:], 4), Row(slots[3], 8, ids[3][8:], 4)])  # slots 0 and 3
     for got, x in ((a, ids[0]), (b, ids[3])):
         plain = model(input_ids=torch.tensor([x])).logits[0, 8:].float()
         assert (got - plain).abs().max() < TOL
 
 
-def test_released_slots_are_reused_lowest_first() -> None:
-    pool = KVPool(attention_layout(build_config()), 64, "cpu", torch.float32)
-    a, b, c = pool.allocate(), pool.allocate(), pool.allocate()
-    pool.release(b)
-    pool.release(a)
-    assert (a, b, c) == (0, 1, 2) and pool.allocate() == 0 and pool.allocate() == 1 and pool.allocate() == 3
-
-
-def build_config() -> object:
-    import transformers as tf
-
-    return tf.LlamaConfig(num_hidden_layers=2)
+@torch.inference_mode()
+def test_pool_sized_from_the_budget_never_grows_past_it(model: torch.nn.Module) -> None:
+    """A budget of 10 blocks: the tensors never hold more, and a forward that needs more is refused
+    before anything is written."""
+    probe = new_pool(model)
+    budget = 10 * 4 * probe.bytes_per_position
+    pool = new_pool(model, budget_bytes=budget)
+    s = pool.allocate()
+    pool.forward(model, [Row(s, 0, seqs(1, 40)[0], 0)])
+    assert pool.allocated_bytes <= budget and pool.manager.available() == 0
+    t = pool.allocate()
+    with pytest.raises(OutOfBlocks):
+        pool.forward(model, [Row(t, 0, [1, 2], 1)])
+    assert pool.length(t) == 0 and pool.length(s) == 40

@@ -1,0 +1,235 @@
+"""The serving core on the paged cache: scheduling under a token budget, prefix sharing, running out
+of blocks. Forwards are counted (the scheduler's `on_batch`), never timed."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from cloud.scheduler import PREFILL, ROUND, BatchStats, Job, Scheduler
+from cloud.service import VerifierService
+from shared.config import SamplingConfig
+from shared.errors import NotFound, ResourceExhausted
+from shared.kvpool import Row
+from shared.protocol import OpenSessionRequest, VerifyResponse
+from tests.cloud.reference import CausalLM
+from tests.cloud.test_batching import gated, greedy_continuation
+from tests.cloud.test_service import draft_request
+
+GREEDY = SamplingConfig(0.0)
+
+
+@pytest.fixture(scope="module")
+def text_ids(tiny_pair: tuple[Path, Path]) -> Callable[[int, int], list[int]]:
+    tok = AutoTokenizer.from_pretrained(tiny_pair[0])
+    base = list(tok.encode("def main(argv):\n    for line in open(argv[1]):\n        print(line.strip())\n" * 20))
+
+    def make(n: int, seed: int) -> list[int]:
+        """n tokens of code text, distinct per seed from the first token on."""
+        return [100 + seed] + base[seed: seed + n - 1]
+
+    return make
+
+
+def record_forwards(svc: VerifierService) -> list[BatchStats]:
+    seen: list[BatchStats] = []
+    inner = svc.worker.on_batch
+
+    def hook(b: BatchStats) -> None:
+        seen.append(b)
+        inner(b)
+
+    svc.worker.on_batch = hook
+    return seen
+
+
+def test_a_round_waits_at_most_one_forward_behind_a_burst_of_prefills(
+        make_service: Callable[..., VerifierService], text_ids: Callable[[int, int], list[int]],
+        tiny_reference: CausalLM) -> None:
+    """Eight 120-token opens queue before a round (budget 32 tokens per forward: the opens need about
+    30 forwards); the round runs in the first forward. A second round sent while the burst is running
+    runs in the forward after the one in progress."""
+    svc = make_service(max_batch_tokens=32, batch_wait_ms=0)
+    prompt = text_ids(12, 0)
+    truth = greedy_continuation(tiny_reference, prompt, 2)
+
+    async def main() -> None:
+        a = (await svc.open_session(OpenSessionRequest(prompt, GREEDY), "")).ctx_id
+        forwards = record_forwards(svc)
+        opens = [svc.open_session(OpenSessionRequest(text_ids(120, i + 1), GREEDY), "") for i in range(8)]
+        round1 = svc.verify(draft_request(a, prompt, [truth[0]], q=1.0), "", 1)
+        got = await gated(svc, [*opens, round1])
+        assert all(not isinstance(g, BaseException) for g in got), got
+        first_round = next(i for i, b in enumerate(forwards) if any(k == ROUND for k, _ in b.waits))
+        assert first_round == 0 and len(forwards) > 20
+        assert max(b.tokens for b in forwards) <= 32  # the budget holds with prefills chunked
+        # a round sent while the burst runs
+        ctx = prompt + truth[:1] + [got[-1].correction]
+        before = len(forwards)
+        burst = [asyncio.ensure_future(svc.open_session(OpenSessionRequest(text_ids(120, i + 20), GREEDY), ""))
+                 for i in range(8)]
+        while len(forwards) < before + 3:
+            await asyncio.sleep(0.001)
+        sent_at = len(forwards)  # forwards finished when the round is sent
+        await svc.verify(draft_request(a, ctx, [], q=1.0), "", 0)
+        ran = next(i for i in range(sent_at, len(forwards)) if any(k == ROUND for k, _ in forwards[i].waits))
+        assert ran <= sent_at + 1  # the forward in progress, then the round's
+        assert not all(t.done() for t in burst)  # the burst was still queued behind it
+        await asyncio.gather(*burst)
+
+    asyncio.run(main())
+
+
+def test_one_keys_burst_of_opens_does_not_starve_another_key(
+        make_service: Callable[..., VerifierService], text_ids: Callable[[int, int], list[int]]) -> None:
+    """Key a queues six 120-token opens, then key b one: prefills are taken round-robin over keys, so
+    b's open finishes before a's second one."""
+    svc = make_service(max_batch_tokens=32, batch_wait_ms=0)
+    done: list[str] = []
+
+    async def open_(owner: str, ids: list[int]) -> None:
+        await svc.open_session(OpenSessionRequest(ids, GREEDY), owner)
+        done.append(owner)
+
+    async def main() -> None:
+        await gated(svc, [*[open_("a", text_ids(120, i)) for i in range(6)], open_("b", text_ids(120, 9))])
+
+    asyncio.run(main())
+    assert done.index("b") <= 1, done
+
+
+def test_shared_prefix_is_reused_within_a_key_and_answers_exactly(
+        make_service: Callable[..., VerifierService], text_ids: Callable[[int, int], list[int]],
+        tiny_reference: CausalLM) -> None:
+    """Two sessions whose prompts share 100 tokens: the second reuses 6 full blocks (96 positions)
+    and its greedy rounds are the target's; another key reuses nothing unless sharing is turned on."""
+    base = text_ids(100, 1)
+    first, second = base + [7, 8, 9], base + [11, 12]
+    truth = greedy_continuation(tiny_reference, second, 6)
+
+    def hits(svc: VerifierService) -> float:
+        svc.render_metrics()
+        return svc.metrics.registry.get_sample_value("specsplit_cloud_prefix_cache_hit_tokens_total") or 0.0
+
+    async def run(svc: VerifierService, owners: tuple[str, str]) -> float:
+        await svc.open_session(OpenSessionRequest(first, GREEDY), owners[0])
+        before = hits(svc)
+        b = (await svc.open_session(OpenSessionRequest(second, GREEDY), owners[1])).ctx_id
+        got = hits(svc) - before
+        resp = await svc.verify(draft_request(b, second, truth[:4], q=1.0), owners[1], 4)
+        assert (resp.accepted_len, resp.correction) == (4, truth[4])
+        return got
+
+    assert asyncio.run(run(make_service(), ("k1", "k1"))) == 96
+    assert asyncio.run(run(make_service(), ("k1", "k2"))) == 0
+    assert asyncio.run(run(make_service(share_prefix_across_keys=True), ("k1", "k2"))) == 96
+    assert asyncio.run(run(make_service(prefix_cache=False), ("k1", "k1"))) == 0
+
+
+def test_when_blocks_run_out_the_least_recently_used_idle_session_goes(
+        make_service: Callable[..., VerifierService], text_ids: Callable[[int, int], list[int]],
+        tiny_target: Any, tiny_reference: CausalLM) -> None:
+    """A pool of 12 blocks of 4 positions: two 20-token sessions fit, a third evicts the least recently
+    used one (404), and the pool never holds more than the budget; the survivor answers exactly."""
+    budget = 12 * 4 * tiny_target.kv_bytes_per_token
+    svc = make_service(kv_budget_bytes=budget, kv_block_size=4)
+    p = [text_ids(20, i) for i in range(3)]
+
+    async def main() -> None:
+        a = (await svc.open_session(OpenSessionRequest(p[0], GREEDY), "")).ctx_id
+        b = (await svc.open_session(OpenSessionRequest(p[1], GREEDY), "")).ctx_id
+        await svc.verify(draft_request(a, p[0], [], q=1.0), "", 0)  # a is now more recent than b
+        c = (await svc.open_session(OpenSessionRequest(p[2], GREEDY), "")).ctx_id
+        with pytest.raises(NotFound):
+            await svc.verify(draft_request(b, p[1], [], q=1.0), "", 0)
+        resp = await svc.verify(draft_request(c, p[2], [], q=1.0), "", 0)
+        assert isinstance(resp, VerifyResponse)
+        assert resp.correction == greedy_continuation(tiny_reference, p[2], 1)[0]
+
+    asyncio.run(main())
+    assert svc.model.pool.allocated_bytes <= budget
+    assert svc.metrics.evictions.labels(reason="kv_budget")._value.get() == 1
+    svc.model.pool.manager.check()
+
+
+def test_a_job_that_cannot_get_its_blocks_even_alone_is_refused_with_429() -> None:
+    """The scheduler alone, with a fake runner: 3 blocks left, a row needing 4, nothing to evict."""
+    asked: list[int] = []
+    calls: list[list[Row]] = []
+
+    def forward(rows: list[Row]) -> list[torch.Tensor]:
+        calls.append(rows)
+        return [torch.zeros(r.keep, 4) for r in rows]
+
+    sched = Scheduler(8, lambda: 0.0, forward=forward, blocks_needed=lambda r: len(r.ids) // 4,
+                      blocks_available=lambda: 3, make_room=asked.append, batch_wait_ms=0)
+
+    async def main() -> None:
+        big = Job(plan=lambda _: Row(0, 0, [1] * 16, 0), finish=lambda _, __: 0.0, kind=PREFILL)
+        small = Job(plan=lambda _: Row(1, 0, [1] * 4, 1), finish=lambda _, __: 1.0)
+        got = await asyncio.gather(sched.submit(big), sched.submit(small), return_exceptions=True)
+        assert isinstance(got[0], ResourceExhausted) and got[0].http_status == 429
+        assert got[0].retry_after_s is not None
+        assert got[1][0] == 1.0  # type: ignore[index]
+
+    try:
+        asyncio.run(main())
+    finally:
+        sched.shutdown()
+    assert asked and all(len(rows) == 1 and len(rows[0].ids) == 4 for rows in calls)
+
+
+def test_generate_decode_steps_go_before_prefills(make_service: Callable[..., VerifierService],
+                                                  text_ids: Callable[[int, int], list[int]]) -> None:
+    """Every forward that has a decode step waiting takes it: a stream keeps one token per forward
+    while a burst of opens is prefilled."""
+    svc = make_service(max_batch_tokens=32, batch_wait_ms=0)
+
+    async def main() -> None:
+        from cloud.service import GenerateRequest
+        forwards = record_forwards(svc)
+        out: list[int] = []
+
+        async def gen() -> None:
+            async for e in svc.start_generate(GenerateRequest(text_ids(8, 3), GREEDY, 0, 12, stop_at_eos=False), ""):
+                if e.token_id is not None:
+                    out.append(e.token_id)
+        stream = asyncio.ensure_future(gen())
+        while len(out) < 2:
+            await asyncio.sleep(0.001)
+        opens = [asyncio.ensure_future(svc.open_session(OpenSessionRequest(text_ids(120, i + 5), GREEDY), ""))
+                 for i in range(4)]
+        await stream
+        assert not all(o.done() for o in opens)  # the stream finished while the opens were still prefilling
+        await asyncio.gather(*opens)
+        assert len(out) == 12 and len(forwards) > 12
+
+    asyncio.run(main())
+
+
+def test_a_long_resync_runs_in_chunks_and_answers_exactly(
+        make_service: Callable[..., VerifierService], text_ids: Callable[[int, int], list[int]],
+        tiny_reference: CausalLM) -> None:
+    """A round whose append_ids carry 60 tokens under a 16-token budget: its context runs in prefill
+    chunks (several forwards, none above the budget), then the verify row; the answer is the target's."""
+    svc = make_service(max_batch_tokens=16, batch_wait_ms=0)
+    prompt = text_ids(6, 2)
+    resync = prompt + text_ids(60, 4)
+    truth = greedy_continuation(tiny_reference, resync, 4)
+
+    async def main() -> VerifyResponse:
+        a = (await svc.open_session(OpenSessionRequest(prompt, GREEDY), "")).ctx_id
+        req = draft_request(a, resync, truth[:3], q=1.0)
+        req.append_ids = resync[len(prompt):]
+        return await svc.verify(req, "", 3)
+
+    forwards = record_forwards(svc)
+    resp = asyncio.run(main())
+    assert (resp.accepted_len, resp.correction, resp.ctx_len) == (3, truth[3], len(resync) + 4)
+    assert len(forwards) >= 5 and max(b.tokens for b in forwards) <= 16
