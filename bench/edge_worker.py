@@ -9,7 +9,7 @@ At the start of a job the process resets its peak-RSS counter, so the answer's `
 is the high-water mark of that job alone.
 
 Job: {"cloud_url", "mode", "draft" (dir | "ngram" | null), "tokenizer" (dir), "sampling" {...},
-      "fixed_k" (int | null), "max_new_tokens", "sessions": [[{"prompt", "prompt_ids", "seed"}, ...], ...]}
+      "fixed_k" (int | null), "k_policy" ("dynamic" | "cost"), "draft_ahead" (bool), "max_new_tokens", "sessions": [[{"prompt", "prompt_ids", "seed"}, ...], ...]}
 Answer: {"ok": true, "wall_ms", "peak_rss_bytes", "cpu_s", "generations": [...]} or
         {"ok": false, "error"}.
 """
@@ -75,9 +75,11 @@ class Pools:
 
 
 def round_rows(result: Any) -> list[list[Any]]:
-    """[k, accepted_len, next_kind, decided_by, edge_time_ms, cloud_prefill_ms, rtt_ms] per round."""
+    """[k, accepted_len, next_kind, decided_by, edge_time_ms, cloud_prefill_ms, rtt_ms, ahead, ahead_used,
+    ahead_saved_ms] per round."""
     return [[r.k, r.accepted_len, r.next_kind, r.decided_by, round(r.edge_time_ms, 4),
-             round(r.cloud_prefill_ms, 4), round(r.rtt_ms, 4)] for r in result.rounds]
+             round(r.cloud_prefill_ms, 4), round(r.rtt_ms, 4), r.ahead, r.ahead_used, round(r.ahead_saved_ms, 4)]
+            for r in result.rounds]
 
 
 def run_session(job: dict[str, Any], slot: int, work: list[dict[str, Any]], pools: Pools,
@@ -91,6 +93,7 @@ def run_session(job: dict[str, Any], slot: int, work: list[dict[str, Any]], pool
         cloud_url=job["cloud_url"], draft=job["draft"] or "ngram", tokenizer=job["tokenizer"], mode=job["mode"],
         max_new_tokens=job["max_new_tokens"], temperature=s["temperature"], top_p=s["top_p"],
         top_k=s["top_k"], repetition_penalty=s["repetition_penalty"], fixed_k=job["fixed_k"],
+        k_policy=job.get("k_policy", "dynamic"), draft_ahead=job.get("draft_ahead", False),
         # every token verified: an answer is never dropped for being late
         timeout_ms=job.get("timeout_ms", 120_000.0), stop_at_eos=job.get("stop_at_eos", True))
     client = EdgeClient(settings, transport=pools.transport(job["cloud_url"], slot),

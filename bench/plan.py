@@ -5,6 +5,8 @@ Parts:
 - rtt: a subset of modes through the delay proxy at each injected round-trip time.
 - k: fixed k swept for the model drafter (acceptance vs k), one run each.
 - concurrency: speculative (model drafter) vs cloud_only, greedy, 1..16 sessions against the one cloud.
+- net (`specsplit-bench --only network`): both drafters, greedy and sampled, at 0 / 10 / 50 / 100 ms
+  round trip: the dynamic k, a fixed-k sweep, the cost-model k with and without drafting ahead.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 Mode = Literal["speculative", "edge_only", "cloud_only"]
-Part = Literal["main", "rtt", "k", "concurrency"]
+Part = Literal["main", "rtt", "k", "concurrency", "net"]
 
 # the two sampling settings measured (repetition penalty 1.1 is the edge's default, on both sides)
 SAMPLINGS: dict[str, dict[str, float | int]] = {
@@ -42,20 +44,25 @@ class Case:
     per_session: int = 0
     # runs of the whole case (timing noise: min-max over these)
     repeats: int = 1
+    # the edge's k policy when k is not fixed ("dynamic" | "cost") and drafting while verifying
+    k_policy: str = "dynamic"
+    draft_ahead: bool = False
 
     @property
     def label(self) -> str:
         """Short name of the mode: cloud_only, edge_only, spec-model, spec-ngram, + k."""
         if self.mode != "speculative":
             return self.mode
-        k = f"k={self.fixed_k}" if self.fixed_k is not None else "dynamic k"
-        return f"spec-{self.drafter} ({k})"
+        k = f"k={self.fixed_k}" if self.fixed_k is not None else f"{self.k_policy} k"
+        ahead = ", ahead" if self.draft_ahead and self.drafter == "model" else ""
+        return f"spec-{self.drafter} ({k}{ahead})"
 
     @property
     def key(self) -> str:
         """Unique id of the case within a run."""
-        k = "dyn" if self.fixed_k is None else str(self.fixed_k)
-        return (f"{self.part}/{self.mode}/{self.drafter or '-'}/{self.sampling}/k{k}/rtt{self.rtt_ms:g}/"
+        k = ("dyn" if self.k_policy == "dynamic" else self.k_policy) if self.fixed_k is None else str(self.fixed_k)
+        ahead = "+ahead" if self.draft_ahead and self.mode == "speculative" else ""
+        return (f"{self.part}/{self.mode}/{self.drafter or '-'}/{self.sampling}/k{k}{ahead}/rtt{self.rtt_ms:g}/"
                 f"s{self.sessions}")
 
     def baseline_key(self) -> str:
@@ -98,6 +105,34 @@ def rtt_cases(rtts: list[float], repeats: int, samplings: tuple[str, ...] = ("gr
         if ngram:
             out.append(Case("rtt", "speculative", "ngram", "greedy", None, rtt_ms=rtt, repeats=repeats))
     return out
+
+
+def net_cases(rtts: list[float], sweep: list[int], repeats: int = 1,
+              samplings: tuple[str, ...] = ("greedy", "sampled"),
+              drafters: tuple[str, ...] = ("model", "ngram")) -> list[Case]:
+    """Per RTT and sampling: cloud_only, then per drafter the dynamic k, each fixed k of `sweep`, the
+    cost-model k, and (model drafter) the cost-model k drafting while verifying."""
+    out: list[Case] = []
+    for rtt in rtts:
+        for sampling in samplings:
+            out.append(Case("net", "cloud_only", None, sampling, rtt_ms=rtt, repeats=repeats))
+            for d in drafters:
+                out.append(Case("net", "speculative", d, sampling, None, rtt, repeats=repeats))
+                out += [Case("net", "speculative", d, sampling, k, rtt, repeats=repeats) for k in sweep]
+                out.append(Case("net", "speculative", d, sampling, None, rtt, repeats=repeats, k_policy="cost"))
+                if d == "model":
+                    out.append(Case("net", "speculative", d, sampling, None, rtt, repeats=repeats, k_policy="cost",
+                                    draft_ahead=True))
+    return out
+
+
+def network_plan(quick: bool = False) -> Plan:
+    """The network section alone: about 15 minutes on 2 loaded cores (quick: seconds)."""
+    if quick:
+        return Plan(prompts_per_set=1, max_new_tokens=8, main_k=2, warmup=False,
+                    cases=net_cases([20.0], [1, 2], samplings=("greedy",)))
+    return Plan(prompts_per_set=1, max_new_tokens=64, main_k=4, cases=net_cases([0.0, 10.0, 50.0, 100.0],
+                                                                              [1, 2, 4, 8]))
 
 
 def k_cases(ks: list[int], main_k: int, samplings: tuple[str, ...] = ("greedy", "sampled")) -> list[Case]:

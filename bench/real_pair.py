@@ -63,7 +63,7 @@ def forward_ms(model: Any, ctx: list[int], n_new: int, repeats: int = 7) -> floa
             t0 = time.perf_counter()
             model(input_ids=new, past_key_values=cache, use_cache=True)
             times.append((time.perf_counter() - t0) * 1000)
-            cache.crop(len(ctx))
+            cache.crop(-n_new)  # remove the n_new tokens just added
     return statistics.median(times)
 
 

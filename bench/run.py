@@ -5,6 +5,7 @@ write BENCHMARKS.md plus its PNG figures.
     specsplit-bench --quick --out /tmp/B.md --plots /tmp/plots   # seconds-scale smoke run
     specsplit-bench --from-json bench/plots/results.json          # re-render from raw results
     specsplit-bench --only capacity      # the cloud capacity section alone (a few minutes)
+    specsplit-bench --only network       # speculation over 0-100 ms round trips alone (about 15 minutes)
     specsplit-bench --only real-pair     # SmolLM2-135M-Instruct + its distilled draft (about 10 minutes)
 """
 
@@ -43,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip later repeats that would end the run after this many seconds "
                         "(default 570 for the full run, none with --quick; 0 = no budget)")
     p.add_argument("--from-json", type=Path, default=None, help="re-render the report from a results.json")
-    p.add_argument("--only", choices=["capacity", "real-pair"], default=None,
+    p.add_argument("--only", choices=["capacity", "network", "real-pair"], default=None,
                    help="run only this section and splice it into OUT and the results JSON")
     p.add_argument("--skip-capacity", action="store_true", help="full run without the cloud capacity section")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
@@ -98,6 +99,56 @@ def run_capacity(args: argparse.Namespace, command: str, out: Path, plots_dir: P
     return 0
 
 
+def run_network(args: argparse.Namespace, command: str, out: Path, plots_dir: Path) -> int:
+    """The network section: measured, spliced into OUT, raw data in plots_dir/results_network.json."""
+    from bench import net_report
+    from bench.plan import network_plan
+    from bench.runner import Runner, RunResults
+    from bench.stats import analyse
+
+    if args.from_json:  # re-render the section from a stored run
+        results = RunResults.from_json(json.loads(args.from_json.read_text()))
+        an = analyse(results)
+        path = net_report.write_into(an, out, results.notes.get("command", command), results.total_s)
+        say(f"wrote the network section into {path}")
+        return 0
+    t0 = time.perf_counter()
+    plan = network_plan(args.quick)
+    if args.repeats:
+        plan = with_repeats(plan, args.repeats)
+    say(f"network: {len(plan.cases)} cases, {plan.prompts_per_set} prompts per set, {plan.max_new_tokens} new tokens")
+    runner = Runner(plan, args.target, args.draft, args.device, args.edge_threads, args.cloud_threads,
+                    shared_worker=args.shared_edge_worker or args.quick, budget_s=args.budget_s or 0.0, progress=say)
+    results = runner.run(n_ping=5)
+    results.total_s = time.perf_counter() - t0
+    results.notes["command"] = command
+    an = analyse(results)
+    raw = net_report.store_raw(an, plots_dir / "results_network.json")
+    path = net_report.write_into(an, out, command, results.total_s)
+    say("")
+    say("\n".join(net_report.section(an, command, results.total_s)))
+    say(f"\nwrote the network section into {path} and its raw data into {raw} ({results.total_s:.1f} s)")
+    return 0
+
+
+def keep_network(out: Path, plots_dir: Path) -> None:
+    """Splice the stored network section (plots_dir/results_network.json, if any) back into a rewritten report."""
+    from bench import net_report
+    from bench.runner import RunResults
+    from bench.stats import analyse
+
+    raw = plots_dir / "results_network.json"
+    if not raw.is_file():
+        return
+    try:
+        results = RunResults.from_json(json.loads(raw.read_text()))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        say(f"kept no network section: {raw} unreadable ({e})")
+        return
+    net_report.write_into(analyse(results), out, results.notes.get("command", "specsplit-bench --only network"),
+                          results.total_s)
+
+
 def default_plots(out: Path) -> Path:
     return REPO / "bench" / "plots" if out.resolve().parent == REPO else out.resolve().parent / "plots"
 
@@ -149,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
     if args.only == "capacity":
         return run_capacity(args, command, args.out, plots_dir)
+    if args.only == "network":
+        return run_network(args, command, args.out, plots_dir)
     raw: dict[str, Any] = json.loads(args.from_json.read_text()) if args.from_json else {}
     if args.from_json:
         if "machine" not in raw:  # a results file holding capacity runs only
@@ -182,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     report.write_raw(an, plots_dir)
     total_s = results.total_s if args.from_json else time.perf_counter() - t0
     path = report.write(an, args.out, plots_dir, command, total_s)
+    keep_network(path, plots_dir)
     if args.from_json:
         rerender_capacity(raw, path, plots_dir)
     else:

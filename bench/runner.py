@@ -288,7 +288,7 @@ class Runner:
         draft = {"model": str(self.draft), "ngram": "ngram", None: None}[case.drafter]
         return {"cloud_url": url, "mode": case.mode, "draft": draft, "tokenizer": str(self.target),
                 "sampling": SAMPLINGS[case.sampling], "fixed_k": case.fixed_k, "max_new_tokens": max_new,
-                "sessions": work}
+                "k_policy": case.k_policy, "draft_ahead": case.draft_ahead, "sessions": work}
 
     def _run_case(self, case: Case, repeat: int, worker: EdgeWorker, cloud: CloudServer, cloud_rss: PeakRss,
                   url: str, proxy: DelayProxy | None, prompts: list[Prompt]) -> CaseRun:

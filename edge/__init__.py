@@ -7,7 +7,8 @@
         print(tok.token_id, tok.origin)
 
 Layout: drafters/ (the Drafter interface, ModelDrafter, NGramDrafter), gating.py (uncertainty
-gate), round_control.py (dynamic k), transport/ (REST and gRPC behind one interface, error
+gate), kcontrol.py (the cost-model k), round_control.py (fixed and dynamic k), prefetch.py
+(drafting while the cloud verifies), transport/ (REST and gRPC behind one interface, error
 mapping), speculative.py (one session's rounds and recovery), client.py (modes, streaming),
 pairing.py (tokenizer and draft against the target's fingerprint), metrics.py, settings.py
 (EdgeSettings, env prefix SPECSPLIT_EDGE_), cli.py (specsplit-edge); the OpenAI-compatible server

@@ -38,7 +38,8 @@ COLOURS = {"accepted": "\x1b[32m", "correction": "\x1b[33m", "bonus": "\x1b[36m"
            "local": "\x1b[31m", "target": ""}
 RESET = "\x1b[0m"
 LOG_FIELDS = ("index", "k", "accepted_len", "la_over_k", "alpha_mean", "edge_time_ms", "cloud_prefill_ms", "rtt_ms",
-              "A_cum", "bytes_up", "bytes_down", "hard_ratio", "triggered", "next_kind", "decided_by", "committed")
+              "A_cum", "bytes_up", "bytes_down", "hard_ratio", "triggered", "next_kind", "decided_by", "committed",
+              "ahead", "ahead_used", "ahead_saved_ms")
 
 # flag -> EdgeSettings field
 _FLAGS: dict[str, str] = {"cloud": "cloud_url", "grpc": "grpc_target", "api_key": "api_key", "draft": "draft",
@@ -51,8 +52,8 @@ _FLAGS: dict[str, str] = {"cloud": "cloud_url", "grpc": "grpc_target", "api_key"
                           "deadline_ceiling_ms": "deadline_ceiling_ms", "deadline_first_ms": "deadline_first_ms",
                           "ngram_order": "ngram_order",
                           "filler_top_k": "filler_top_k", "device": "device", "r_hard": "r_hard",
-                          "hybrid": "hybrid", "route_key": "route_key",
-                          "max_body_bytes": "max_body_bytes"}
+                          "hybrid": "hybrid", "route_key": "route_key", "k_policy": "k_policy",
+                          "draft_ahead": "draft_ahead", "max_body_bytes": "max_body_bytes"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,7 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--correction", choices=["strict", "shortcut"])
     g.add_argument("--send-q-dists", action=argparse.BooleanOptionalAction, default=None,
                    help="send the draft's sparse q distributions")
-    g.add_argument("--k", type=int, help="fixed k (default: dynamic)")
+    g.add_argument("--k", type=int, help="fixed k (default: chosen per round by --k-policy)")
+    g.add_argument("--k-policy", choices=["cost", "dynamic"],
+                   help="cost: the k with the most tokens per second from measured costs (default); "
+                        "dynamic: +1 / -1 on the last round's la/k")
+    g.add_argument("--draft-ahead", action=argparse.BooleanOptionalAction, default=None,
+                   help="draft the next block while the cloud verifies (model drafter; default on)")
     g.add_argument("--k-start", type=int)
     g.add_argument("--k-min", type=int)
     g.add_argument("--k-max", type=int)
@@ -167,6 +173,8 @@ def summary_table(result: GenerationResult) -> str:
             ("retries / reopens / resyncs / timeouts", f"{m.retries} / {m.reopens} / {m.resyncs} / {m.timeouts}"),
             ("bytes up / down", f"{m.bytes_up} / {m.bytes_down}"),
             ("edge / rtt / cloud prefill ms", f"{m.edge_time_ms:.0f} / {m.rtt_ms:.0f} / {m.cloud_prefill_ms:.0f}"),
+            ("drafted ahead: guess held / tried, tokens, ms saved / waited",
+             f"{m.ahead_hits} / {m.ahead_rounds}, {m.ahead_tokens}, {m.ahead_saved_ms:.0f} / {m.ahead_wait_ms:.0f}"),
             ("ttft / wall ms", f"{m.ttft_ms:.0f} / {m.wall_ms:.0f}")]
     width = max(len(str(k)) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

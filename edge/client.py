@@ -20,6 +20,7 @@ from shared.verify import DraftKind
 from .deadline import DeadlineConfig
 from .drafters.base import DraftBlock, Drafter
 from .gating import GateThresholds
+from .kcontrol import CostModelK
 from .metrics import CommittedToken, EdgeMetrics, Origin, RoundRecord
 from .pairing import check_pairing, fit_drafter
 from .round_control import KController
@@ -113,6 +114,8 @@ class _Job:
     route_key: str
     # X-Request-Id sent on every cloud call of the generation (None: not sent)
     request_id: str | None = None
+    # "cost" | "dynamic" (edge/kcontrol.py, edge/round_control.py)
+    k_policy: str = "cost"
     metrics: EdgeMetrics = field(default_factory=EdgeMetrics)
     rounds: list[RoundRecord] = field(default_factory=list)
     started: float = 0.0
@@ -235,10 +238,12 @@ class EdgeClient:
 
     def stream(self, prompt: str | Sequence[int], *, max_new_tokens: int | None = None, seed: int | None = None,
                sampling: SamplingConfig | None = None, mode: Mode | None = None,
-               route_key: str | None = None, request_id: str | None = None) -> Generation:
+               route_key: str | None = None, k_policy: str | None = None,
+               request_id: str | None = None) -> Generation:
         """Start a generation. `route_key` (default: the settings', else a fresh random key) goes with
-        every cloud call of it, so a load balancer hashing on it keeps the session on one replica;
-        `request_id`, when given, goes with every call as X-Request-Id (the cloud logs and echoes it)."""
+        every cloud call of it, so a load balancer hashing on it keeps the session on one replica.
+        `k_policy` overrides the settings' for this generation ("cost" | "dynamic"). `request_id`, when
+        given, goes with every call as X-Request-Id (the cloud logs and echoes it)."""
         s = self.settings
         prompt_ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if not prompt_ids:
@@ -246,8 +251,11 @@ class EdgeClient:
         params = SessionParams(sampling=sampling or s.sampling(), seed=s.seed if seed is None else seed,
                                correction=s.correction, send_q_dists=s.send_q_dists)
         n_new = s.max_new_tokens if max_new_tokens is None else max_new_tokens
+        if k_policy not in (None, "cost", "dynamic"):
+            raise InvalidArgument(f"k_policy must be 'cost' or 'dynamic', got {k_policy!r}")
         job = _Job(prompt_ids, mode or s.mode, n_new, params, check_route_key(route_key or s.route_key or new_route_key()),
-                   None if request_id is None else check_request_id(request_id))
+                   request_id=None if request_id is None else check_request_id(request_id),
+                   k_policy=k_policy or s.k_policy)
         if job.mode != "cloud_only":  # load the draft model before the clock starts
             _ = self.drafter
         return Generation(self._run(job), lambda toks: self._finish(job, toks))
@@ -308,11 +316,14 @@ class EdgeClient:
                               open_timeout_s=s.open_timeout_s, max_retries=s.max_retries,
                               backoff_s=s.backoff_ms / 1000, backoff_max_s=s.backoff_max_ms / 1000)
 
-    def _k_controller(self) -> KController:
+    def _k_controller(self, policy: str) -> KController | CostModelK:
         s = self.settings
+        k_min = s.k_min_for(policy)
         if s.fixed_k is not None:
             return KController(k=s.fixed_k, k_min=s.fixed_k, k_max=max(s.fixed_k, 1), dynamic=False)
-        return KController(k=s.k_start, k_min=s.k_min, k_max=s.k_max, up_at=s.k_up_at, down_at=s.k_down_at)
+        if policy == "cost":
+            return CostModelK(k=s.k_start, k_min=k_min, k_max=s.k_max)
+        return KController(k=s.k_start, k_min=k_min, k_max=s.k_max, up_at=s.k_up_at, down_at=s.k_down_at)
 
     def _speculative(self, job: _Job, drafter: Drafter | None = None, origin_map: dict[str, Origin] | None = None,
                      ) -> Generator[CommittedToken, None, None]:
@@ -328,9 +339,9 @@ class EdgeClient:
             gate = GateThresholds(t_nll=s.t_nll, t_entropy_bits=s.t_entropy_bits, t_margin=s.t_margin,
                                   t_mc_var=s.t_mc_var, r_hard=s.r_hard)
         transport = self._routed(job)
-        run = SpeculativeRun(transport, drafter, job.params, self._k_controller(), job.metrics, self._policy(),
+        run = SpeculativeRun(transport, drafter, job.params, self._k_controller(job.k_policy), job.metrics, self._policy(),
                              gate=gate, rule_triggers=s.rule_triggers, detokenize=self.decode if gate else None,
-                             clock=self.clock, sleep=self.sleep)
+                             clock=self.clock, sleep=self.sleep, draft_ahead=s.draft_ahead)
         job.rounds = run.records
         limits = [m for m in (info.max_context, drafter.max_context) if m]
         max_context = min(limits) if limits else None

@@ -62,6 +62,14 @@ class RoundRecord:
     triggered: bool = False
     # cloud calls made by this round beyond the first (retries, reopen, resync)
     extra_calls: int = 0
+    # drafting while the previous round was verified: "hit" (its guess held), "miss" (dropped), "" (none)
+    ahead: str = ""
+    # draft tokens of this round that were ready from drafting ahead
+    ahead_used: int = 0
+    # drafting time those tokens took off this round's critical path, ms
+    ahead_saved_ms: float = 0.0
+    # the cloud's reported queue time
+    cloud_queue_ms: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -110,6 +118,13 @@ class EdgeMetrics:
     edge_time_ms: float = 0.0
     rtt_ms: float = 0.0
     cloud_prefill_ms: float = 0.0
+    # drafting while verifying: rounds that drafted ahead, of those whose guess held, draft tokens
+    # taken from it, drafting time taken off the critical path, and time waited for the worker, ms
+    ahead_rounds: int = 0
+    ahead_hits: int = 0
+    ahead_tokens: int = 0
+    ahead_saved_ms: float = 0.0
+    ahead_wait_ms: float = 0.0
     # wall time from start to the first emitted token, and to the end
     ttft_ms: float = 0.0
     wall_ms: float = 0.0

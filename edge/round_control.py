@@ -1,8 +1,11 @@
-"""How many tokens to draft next: fixed k, or k moved by one step on the last round's la/k."""
+"""How many tokens to draft next: fixed k, or k moved by one step on the last round's la/k (the
+"dynamic" policy; the default "cost" policy is edge/kcontrol.py)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from .kcontrol import RoundCosts
 
 
 @dataclass
@@ -28,3 +31,7 @@ class KController:
         elif ratio <= self.down_at:
             self.k = max(self.k - 1, self.k_min)
         return self.k
+
+    def observe(self, c: RoundCosts) -> int:
+        """The cost controller's interface: only k and La are used here."""
+        return self.update(c.k, c.accepted_len)

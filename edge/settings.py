@@ -1,8 +1,11 @@
 """The edge's one settings class (env prefix SPECSPLIT_EDGE_), validated when built.
 
-Defaults follow the engineering guide: temperature 1.0, top-p 0.9, repetition penalty 1.1, k
-starting at 6 in [3, 12] (+1 when la/k >= 0.8, -1 when la/k <= 0.4), gating off, an adaptive verify
-deadline (edge/deadline.py) and every token verified: the lossy timeout fallback is opt-in.
+Defaults follow the engineering guide: temperature 1.0, top-p 0.9, repetition penalty 1.1, gating
+off, an adaptive verify deadline (edge/deadline.py) and every token verified: the lossy timeout
+fallback is opt-in. k is chosen per round by the cost model (edge/kcontrol.py) within [0, 12],
+starting at 6, and the model drafter drafts the next block while the cloud verifies
+(edge/prefetch.py); k_policy "dynamic" is the older controller (+1 when la/k >= 0.8, -1 when
+la/k <= 0.4, within [3, 12]).
 """
 
 from __future__ import annotations
@@ -60,7 +63,9 @@ class EdgeSettings(BaseSettings):
     top_p: float = Field(default=0.9, gt=0, le=1)
     top_k: int = Field(default=0, ge=0)
     repetition_penalty: float = Field(default=1.1, gt=0)
-    # keys every coin and sample: same seed, same settings -> same text
+    # keys every coin and sample: same seed, same settings -> same text. Sampled text also depends on
+    # where rounds end, so it repeats exactly with a k that does not depend on timing (fixed_k, or
+    # k_policy "dynamic"); the "cost" policy keeps the target's distribution but not the exact text
     seed: int = Field(default=0, ge=0)
     # "strict" (exact) or "shortcut" (corrections drawn from p; biased)
     correction: Literal["strict", "shortcut"] = "strict"
@@ -69,14 +74,19 @@ class EdgeSettings(BaseSettings):
     # stop after an end-of-sequence token
     stop_at_eos: bool = True
 
-    # round control: fixed_k set -> k never changes; else dynamic within [k_min, k_max]
+    # round control: fixed_k set -> k never changes; else k_policy moves it within [k_min, k_max]:
+    # "cost" (expected tokens per second from measured costs, kcontrol.py) or "dynamic" (la/k steps)
     fixed_k: int | None = Field(default=None, ge=0)
+    k_policy: Literal["cost", "dynamic"] = "cost"
     k_start: int = Field(default=6, ge=0)
-    k_min: int = Field(default=3, ge=0)
+    # unset: 0 for the cost policy (k = 0 is plain target decoding), 3 for the dynamic one
+    k_min: int | None = Field(default=None, ge=0)
     k_max: int = Field(default=12, ge=1)
     # la/k at or above k_up_at grows k by one; at or below k_down_at shrinks it by one
     k_up_at: float = 0.8
     k_down_at: float = 0.4
+    # the model drafter drafts the next block while the cloud verifies (guessing all accepted)
+    draft_ahead: bool = True
 
     # uncertainty gating (off by default): signals of the draft model's raw distribution
     gating: bool = False
@@ -139,14 +149,23 @@ class EdgeSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _check(self) -> EdgeSettings:
-        if not self.k_min <= self.k_start <= self.k_max:
-            raise ValueError(f"need k_min <= k_start <= k_max, got {self.k_min}, {self.k_start}, {self.k_max}")
+        k_min = self.k_min_for(self.k_policy)
+        if self.k_policy == "dynamic" and k_min == 0 and self.fixed_k is None:
+            raise ValueError("k_policy dynamic needs k_min >= 1 (it learns nothing from k = 0 rounds)")
+        if not k_min <= self.k_start <= self.k_max:
+            raise ValueError(f"need k_min <= k_start <= k_max, got {k_min}, {self.k_start}, {self.k_max}")
         if self.deadline_floor_ms > self.deadline_ceiling_ms:
             raise ValueError("deadline_floor_ms must not exceed deadline_ceiling_ms")
         if self.k_down_at >= self.k_up_at:
             raise ValueError("k_down_at must be below k_up_at")
         self.sampling()  # raises on a bad combination
         return self
+
+    def k_min_for(self, policy: str) -> int:
+        """k_min, or the policy's default when unset: 0 for "cost", 3 (at most k_start) for "dynamic"."""
+        if self.k_min is not None:
+            return self.k_min
+        return 0 if policy == "cost" else max(1, min(3, self.k_start))
 
     def sampling(self) -> SamplingConfig:
         return SamplingConfig(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,

@@ -28,7 +28,9 @@ from shared.verify import sample_residual
 from .deadline import DeadlineConfig, VerifyDeadline
 from .drafters.base import DraftBlock, Drafter
 from .gating import GateDecision, GateThresholds, decide
+from .kcontrol import CostModelK, RoundCosts
 from .metrics import EdgeMetrics, Origin, RoundRecord
+from .prefetch import AheadOutcome, DraftAhead, concat_blocks
 from .round_control import KController
 from .transport.base import Transport
 from .transport.errors import CloudTimeout, is_retryable, retry_delay
@@ -73,11 +75,12 @@ class SessionParams:
 class SpeculativeRun:
     """The edge side of one session; `step()` runs one round and returns the tokens it committed."""
 
-    def __init__(self, transport: Transport, drafter: Drafter, params: SessionParams, k_ctl: KController,
-                 metrics: EdgeMetrics, policy: RecoveryPolicy, *, gate: GateThresholds | None = None,
-                 rule_triggers: bool = True, detokenize: Callable[[Sequence[int]], str] | None = None,
+    def __init__(self, transport: Transport, drafter: Drafter, params: SessionParams,
+                 k_ctl: KController | CostModelK, metrics: EdgeMetrics, policy: RecoveryPolicy, *,
+                 gate: GateThresholds | None = None, rule_triggers: bool = True,
+                 detokenize: Callable[[Sequence[int]], str] | None = None,
                  clock: Callable[[], float] = time.perf_counter, sleep: Callable[[float], None] = time.sleep,
-                 ) -> None:
+                 draft_ahead: bool = False) -> None:
         self.transport = transport
         self.drafter = drafter
         self.params = params
@@ -100,6 +103,12 @@ class SpeculativeRun:
         self._budget = 0
         # lowest crop point of a request whose answer was dropped: the cloud's S below it is ours
         self._stale_floor = NO_STALE
+        self._outcome = AheadOutcome()
+        # the previous round was verified with k > 0 (the drafter's state is one round behind at most)
+        self._prev_drafted = False
+        # drafting while the cloud verifies (model drafter only; see prefetch.py)
+        self.ahead = DraftAhead(drafter, params.sampling, params.seed, clock) \
+            if draft_ahead and DraftAhead.supports(drafter) else None
 
     # -- session --------------------------------------------------------------------------------
 
@@ -130,6 +139,8 @@ class SpeculativeRun:
         return hash_hex(self._states[n - 1] if n else FNV_OFFSET)
 
     def close(self) -> None:
+        if self.ahead is not None:
+            self.ahead.stop()
         if self.ctx_id is None:
             return
         ctx_id, self.ctx_id = self.ctx_id, None
@@ -163,9 +174,14 @@ class SpeculativeRun:
         if max_context:
             k = max(0, min(k, max_context - len(self.S) - 1))
         t0 = self.clock()
-        block = self.drafter.propose(self.S, k, self.params.sampling, self.params.seed)
-        edge_ms = (self.clock() - t0) * 1000
+        block, self._outcome = self._draft(k)
+        # time waited after the last answer for the worker drafting ahead is drafting on the critical path
+        wait_ms = 0.0
+        if self.ahead is not None:
+            wait_ms, self.ahead.wait_ms = self.ahead.wait_ms, 0.0
+        edge_ms = (self.clock() - t0) * 1000 + wait_ms
         self.metrics.edge_time_ms += edge_ms
+        self.metrics.ahead_wait_ms += wait_ms
         decision = None
         if self.gate is not None and block.k > 0:
             decision = decide(block, self.detokenize(block.tokens), self.gate, self.rule_triggers)
@@ -174,8 +190,14 @@ class SpeculativeRun:
         up, down = self.transport.traffic.bytes_up, self.transport.traffic.bytes_down
         t1 = self.clock()
         calls_before = self.metrics.cloud_calls
-        resp = self._verify(block, decision)
-        rtt_ms = (self.clock() - t1) * 1000
+        if self.ahead is not None and block.k > 0 and self.ahead.start(self.S, block, max(self.k_ctl.k, 1)):
+            self.metrics.ahead_rounds += 1
+        try:
+            resp = self._verify(block, decision)
+            rtt_ms = (self.clock() - t1) * 1000
+        finally:
+            if self.ahead is not None:  # the worker ends before anything else touches the drafter
+                self.ahead.stop()
         self.metrics.rtt_ms += rtt_ms
         traffic = (self.transport.traffic.bytes_up - up, self.transport.traffic.bytes_down - down)
         extra_calls = self.metrics.cloud_calls - calls_before - 1
@@ -183,6 +205,21 @@ class SpeculativeRun:
             return self._commit_local(block, block.tokens[:1], "timeout", edge_ms, decision, rtt_ms, traffic,
                                       extra_calls)
         return self._commit_verified(block, resp, edge_ms, rtt_ms, traffic, decision, extra_calls)
+
+    def _draft(self, k: int) -> tuple[DraftBlock, AheadOutcome]:
+        """This round's block: the part drafted ahead during the last verify when its guess held, the rest now."""
+        if self.ahead is None:
+            return self.drafter.propose(self.S, k, self.params.sampling, self.params.seed), AheadOutcome()
+        ready, outcome = self.ahead.take(self.S, k)
+        if ready is None:
+            return self.drafter.propose(self.S, k, self.params.sampling, self.params.seed), outcome
+        self.metrics.ahead_hits += 1
+        self.metrics.ahead_tokens += ready.k
+        self.metrics.ahead_saved_ms += outcome.saved_ms
+        if ready.k >= k:
+            return ready, outcome
+        rest = self.drafter.propose(self.S + ready.tokens, k - ready.k, self.params.sampling, self.params.seed)
+        return concat_blocks(ready, rest), outcome
 
     def _request(self, block: DraftBlock, decision: GateDecision | None, request_id: str) -> VerifyRequest:
         q_dists = None
@@ -305,14 +342,22 @@ class SpeculativeRun:
         m.accepted += la
         m.cloud_prefill_ms += resp.metrics.prefill_ms
         m.record_positions(block.k, la)
-        self.k_ctl.update(block.k, la)
+        cloud_ms = resp.metrics.prefill_ms + resp.metrics.queue_ms
+        # drafting time per token is seen only after a verified round with drafts: otherwise the
+        # drafter first caught up on tokens it never drafted (k = 0 rounds, local commits, the prompt)
+        drafted_now = block.k - self._outcome.used if self._prev_drafted else 0
+        self.k_ctl.observe(RoundCosts(k=block.k, accepted_len=la, draft_ms=edge_ms, drafted_now=drafted_now,
+                                      exchange_ms=rtt_ms, cloud_ms=cloud_ms))
+        self._prev_drafted = block.k > 0
         self._record(block.k, la, resp.next_kind, "cloud", len(out), edge_ms, rtt_ms, traffic, decision,
-                     alpha=resp.metrics.alpha_mean, prefill=resp.metrics.prefill_ms, extra_calls=extra_calls)
+                     alpha=resp.metrics.alpha_mean, prefill=resp.metrics.prefill_ms, extra_calls=extra_calls,
+                     queue=resp.metrics.queue_ms)
         return out
 
     def _commit_local(self, block: DraftBlock, tokens: list[int], why: str, edge_ms: float,
                       decision: GateDecision | None, rtt_ms: float = 0.0, traffic: tuple[int, int] = (0, 0),
                       extra_calls: int = 0) -> list[tuple[int, Origin]]:
+        self._prev_drafted = False
         self._extend(tokens)
         self.metrics.local_commits += len(tokens)
         self.metrics.timeout_fallbacks += len(tokens) if why == "timeout" else 0
@@ -323,12 +368,14 @@ class SpeculativeRun:
 
     def _record(self, k: int, la: int, next_kind: str, decided_by: str, committed: int, edge_ms: float,
                 rtt_ms: float, traffic: tuple[int, int], decision: GateDecision | None, *, alpha: float = 0.0,
-                prefill: float = 0.0, extra_calls: int = 0) -> None:
+                prefill: float = 0.0, extra_calls: int = 0, queue: float = 0.0) -> None:
+        o = self._outcome
         self.metrics.rounds += 1
         self.records.append(RoundRecord(
             index=len(self.records), k=k, accepted_len=la, next_kind=next_kind, decided_by=decided_by,
             committed=committed, la_over_k=la / k if k else 0.0, alpha_mean=alpha, edge_time_ms=edge_ms,
             cloud_prefill_ms=prefill, rtt_ms=rtt_ms, A_cum=self.metrics.acceptance_rate, bytes_up=traffic[0],
             bytes_down=traffic[1], hard_ratio=None if decision is None else decision.hard_ratio,
-            triggered=False if decision is None else decision.triggered, extra_calls=max(0, extra_calls)))
+            triggered=False if decision is None else decision.triggered, extra_calls=max(0, extra_calls),
+            ahead=o.result, ahead_used=o.used, ahead_saved_ms=o.saved_ms, cloud_queue_ms=queue))
 

@@ -128,6 +128,17 @@ class ModelDrafter:
         # context[keep:] is [y_k, bonus] because y_k was sampled but never fed
         return self._feed(context[keep:])
 
+    def rewind(self, n: int) -> None:
+        """Keep the KV of the first n held positions (no-op when it holds fewer)."""
+        if n < len(self._ids):
+            self._pool.crop(self._slot, n)
+            del self._ids[n:]
+
+    @property
+    def held_ids(self) -> list[int]:
+        """The tokens whose KV the drafter holds (a copy)."""
+        return list(self._ids)
+
     def logits_after(self, context: Sequence[int]) -> torch.Tensor:
         """The draft model's raw logits for the token after `context` ([vocab]); syncs the cache."""
         return self._sync(context)

@@ -222,8 +222,11 @@ class OpenAIEngine:
         client = self.new_client()
         eos = set(self._info.eos_ids if self._info and self._info.eos_ids else [self.tokenizer.eos_token_id])
         text = StopText(req.stop, self.decode)
+        # a request's own seed promises the same text again: sampled text depends on where rounds end,
+        # so such requests take a k that does not depend on timing
+        policy = "dynamic" if req.seed is not None and not req.sampling.greedy else None
         gen = client.stream(req.prompt_ids, max_new_tokens=req.max_tokens, seed=seed, sampling=req.sampling,
-                            request_id=req.request_id or None)
+                            k_policy=policy, request_id=req.request_id or None)
         clock = self.prometheus.token_clock(req.arrived)
         n, last = 0, None
         try:

@@ -190,7 +190,7 @@ def test_one_key_cannot_take_every_session(transport: str, cloud: CloudProcess, 
 
 
 def test_retry_after_is_sent_on_429_and_honoured_by_the_edge(cloud: CloudProcess, prompt: list[int],
-                                                             drafter: ModelDrafter) -> None:
+                                                             drafter: ModelDrafter, tokenizer: Any) -> None:
     a = RestClient(cloud.http_url, ALPHA)
     mine = [a.open({"prompt_ids": prompt})["ctx_id"] for _ in range(32)]
     try:
@@ -206,7 +206,7 @@ def test_retry_after_is_sent_on_429_and_honoured_by_the_edge(cloud: CloudProcess
         assert retry_delay(err.value, 0.05) == 1.0
         slept: list[float] = []
         edge = EdgeClient(EdgeSettings(cloud_url=cloud.http_url, api_key=ALPHA, max_retries=2),
-                          transport=transport, drafter=drafter, sleep=slept.append)
+                          transport=transport, drafter=drafter, tokenizer=tokenizer, sleep=slept.append)
         with pytest.raises(ResourceExhausted):
             edge.generate(prompt, max_new_tokens=4)
         assert slept and all(s >= 1.0 for s in slept), slept  # its own backoff would be 0.05 s, 0.1 s

@@ -1,0 +1,207 @@
+"""Drafting while the cloud verifies: the next block is drafted during the verify exchange.
+
+While round r's request (context S, drafts y_1..y_k) is in flight, a worker thread guesses its
+answer: every draft accepted and the next token equal to the draft model's own next choice g
+(sampled at its position from the edge's DRAFT stream, like any draft token). It then drafts the
+next block a_1, a_2, ... after S + y_1..y_k + g, one token at a time, until it has `k_next` tokens
+or the answer arrives (it stops between two tokens, so the answer waits for at most one draft
+forward). When the committed context after the round is exactly S + y + g the guess held and
+round r + 1 starts with a_1..a_m ready (drafting only the rest, if any); otherwise they are
+dropped.
+
+Exactness is untouched: drafts are proposals, and a_j is the very token `propose` would draw
+after the same context (the draw is keyed by position, the repetition-penalty set is the
+context's). The draft model's KV ends as the plain path would leave it: on a miss it is cropped
+back to what it held when the worker started (S + y_1..y_{k-1}); on a hit with more tokens than
+the next k it is cropped to S' + a_1..a_{k-1}. Only one thread touches the drafter at a time: the
+caller joins the worker before it uses the drafter again.
+
+Whether it pays is measured as it goes: a miss costs the wait for the worker's token in progress
+when the answer comes (nothing when the worker was already done), a hit saves the drafting of the
+tokens it made ready. From running means (weight `weight`) of the hit rate, the time a hit saved
+and the wait per attempt, a round drafts ahead while hit rate x saved > wait and the hit rate is at
+least `min_hit`; otherwise it stops, and tries again once every `probe_every` rounds.
+
+Only the model drafter drafts ahead (alone, or behind the OpenAI server's lock, which the worker
+then takes per token like any proposal): the n-gram drafter's block costs microseconds (0.08 ms
+per token in BENCHMARKS.md), so there is nothing to hide, and drafting after guessed tokens would
+count them in its storage.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from shared.config import SamplingConfig
+
+from .drafters.base import DraftBlock, Drafter
+from .drafters.model import ModelDrafter
+
+log = logging.getLogger(__name__)
+
+
+def concat_blocks(a: DraftBlock, b: DraftBlock) -> DraftBlock:
+    """b's tokens after a's (signals too; MC-dropout variance is not carried)."""
+    def join(x: list[float] | None, y: list[float] | None) -> list[float] | None:
+        return None if x is None and y is None else (x or []) + (y or [])
+
+    return DraftBlock(tokens=a.tokens + b.tokens, q_probs=a.q_probs + b.q_probs, kind=a.kind,
+                      q_full=a.q_full + b.q_full, nll=join(a.nll, b.nll),
+                      entropy_bits=join(a.entropy_bits, b.entropy_bits), margin=join(a.margin, b.margin))
+
+
+def truncate_block(b: DraftBlock, k: int) -> DraftBlock:
+    def cut(x: list[float] | None) -> list[float] | None:
+        return None if x is None else x[:k]
+
+    return DraftBlock(tokens=b.tokens[:k], q_probs=b.q_probs[:k], kind=b.kind, q_full=b.q_full[:k],
+                      nll=cut(b.nll), entropy_bits=cut(b.entropy_bits), margin=cut(b.margin))
+
+
+@dataclass
+class AheadOutcome:
+    # "hit" (the guess held), "miss" (dropped) or "" (nothing was drafted ahead)
+    result: str = ""
+    # draft tokens of this round taken from the block drafted ahead
+    used: int = 0
+    # the worker's drafting time for the guess and the used tokens (taken off the critical path), ms
+    saved_ms: float = 0.0
+
+
+@dataclass
+class _Ahead:
+    # the guessed committed context after the round: S + y_1..y_k + g
+    context: list[int]
+    # what the drafter held when the worker started (the plain path's state)
+    kv_before: int
+    # the block drafted after `context`, and the worker's elapsed time after each of its tokens, ms
+    block: DraftBlock
+    elapsed_ms: list[float] = field(default_factory=list)
+    error: BaseException | None = None
+
+
+class DraftAhead:
+    """One speculative run's drafting ahead: `start` before a verify, `stop` after, `take` next round."""
+
+    def __init__(self, drafter: Drafter, cfg: SamplingConfig, seed: int,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        model = self.model_of(drafter)
+        if model is None:
+            raise ValueError("drafting ahead needs the model drafter (without MC dropout)")
+        # proposals go through `drafter` (it may hold a lock); the KV is `model`'s
+        self.drafter = drafter
+        self.model = model
+        self.cfg = cfg
+        self.seed = seed
+        self.clock = clock
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._ahead: _Ahead | None = None
+        # time the caller waited for the worker to finish its token after the answer, ms (not yet booked)
+        self.wait_ms = 0.0
+        # running means: hit rate, ms a hit saved, ms waited per attempt; rounds since the last attempt
+        self.weight, self.min_hit, self.probe_every = 0.2, 0.05, 8
+        self.hit_rate, self.saved_per_hit, self.wait_per_try = 0.5, 0.0, 0.0
+        self._tries = 0
+        self._idle_rounds = 0
+        self._last_wait = 0.0
+
+    @staticmethod
+    def model_of(drafter: object) -> ModelDrafter | None:
+        """The model drafter that proposes for `drafter` (itself, or a LockedDrafter's inner one)."""
+        inner = getattr(drafter, "inner", drafter)
+        return inner if isinstance(inner, ModelDrafter) and not inner.mc_dropout_samples else None
+
+    @classmethod
+    def supports(cls, drafter: object) -> bool:
+        return cls.model_of(drafter) is not None
+
+    def worth_it(self) -> bool:
+        """Whether this round should draft ahead (see the module docstring); counts skipped rounds."""
+        if self._tries < 3 or (self.hit_rate >= self.min_hit
+                               and self.hit_rate * self.saved_per_hit > self.wait_per_try):
+            return True
+        self._idle_rounds += 1
+        if self._idle_rounds >= self.probe_every:
+            self._idle_rounds = 0
+            return True
+        return False
+
+    def _learn(self, outcome: AheadOutcome, waited: float) -> None:
+        w = self.weight
+        self._tries += 1
+        hit = outcome.result == "hit"
+        self.hit_rate = (1 - w) * self.hit_rate + w * float(hit)
+        self.wait_per_try = (1 - w) * self.wait_per_try + w * waited
+        if hit:
+            self.saved_per_hit = outcome.saved_ms if self._tries == 1 or self.saved_per_hit == 0 else (
+                (1 - w) * self.saved_per_hit + w * outcome.saved_ms)
+
+    def start(self, context: Sequence[int], block: DraftBlock, k_next: int) -> bool:
+        """Draft after context + block + the guess, in a worker, until `stop`; False when not started."""
+        if block.k == 0 or k_next <= 0 or not self.worth_it():
+            return False
+        sent = [int(t) for t in context] + list(block.tokens)
+        limit = self.model.max_context
+        if limit is not None:
+            k_next = min(k_next, limit - len(sent) - 2)
+            if k_next <= 0:
+                return False
+        self._stop.clear()
+        self._ahead = _Ahead(context=sent, kv_before=self.model.kv_len, block=DraftBlock([], [], "sampled"))
+        self._thread = threading.Thread(target=self._work, args=(self._ahead, k_next), name="draft-ahead",
+                                        daemon=True)
+        self._thread.start()
+        return True
+
+    def _work(self, ahead: _Ahead, k_next: int) -> None:
+        t0 = self.clock()
+        try:
+            guess = self.drafter.propose(ahead.context, 1, self.cfg, self.seed)
+            ahead.context.append(guess.tokens[0])
+            block = ahead.block
+            while block.k < k_next and not self._stop.is_set():
+                one = self.drafter.propose(ahead.context + block.tokens, 1, self.cfg, self.seed)
+                block = concat_blocks(block, one)
+                ahead.block = block
+                ahead.elapsed_ms.append((self.clock() - t0) * 1000)
+        except BaseException as e:  # noqa: BLE001 - reported by take(); the round goes on without it
+            ahead.error = e
+
+    def stop(self) -> None:
+        """The answer is in (or the round failed): let the worker finish its token and end."""
+        if self._thread is None:
+            return
+        t0 = self.clock()
+        self._stop.set()
+        self._thread.join()
+        self._thread = None
+        self._last_wait = (self.clock() - t0) * 1000
+        self.wait_ms += self._last_wait
+
+    def take(self, committed: Sequence[int], k: int) -> tuple[DraftBlock | None, AheadOutcome]:
+        """The ready part of the next block when `committed` is the guessed context, else None
+        (the drafter is then cropped back to the plain path's state)."""
+        self.stop()
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return None, AheadOutcome()
+        if ahead.error is not None:
+            log.warning("drafting ahead failed, drafting on the critical path: %s", ahead.error)
+        held = ahead.error is None and len(ahead.context) == len(committed) and list(committed) == ahead.context
+        if not held or k <= 0:
+            self.model.rewind(ahead.kv_before)
+            outcome = AheadOutcome("miss" if ahead.error is None else "")
+            self._learn(outcome, self._last_wait)
+            return None, outcome
+        m = min(k, ahead.block.k)
+        if ahead.block.k > m:  # more than this round takes: keep the KV the plain path would hold
+            self.model.rewind(len(committed) + m - 1)
+        # the worker's clock runs from before the guess: elapsed_ms[m - 1] covers the guess and a_1..a_m
+        outcome = AheadOutcome("hit", m, ahead.elapsed_ms[m - 1] if m else 0.0)
+        self._learn(outcome, self._last_wait)
+        return truncate_block(ahead.block, m), outcome
