@@ -158,6 +158,7 @@ def summary_table(result: GenerationResult) -> str:
             ("tokens per cloud call", f"{m.tokens_per_call:.2f}"),
             ("by origin", ", ".join(f"{k}={v}" for k, v in m.by_origin.items() if v)),
             ("local commits (unverified)", m.local_commits),
+            ("of those after a missed deadline", m.timeout_fallbacks),
             ("retries / reopens / resyncs / timeouts", f"{m.retries} / {m.reopens} / {m.resyncs} / {m.timeouts}"),
             ("bytes up / down", f"{m.bytes_up} / {m.bytes_down}"),
             ("edge / rtt / cloud prefill ms", f"{m.edge_time_ms:.0f} / {m.rtt_ms:.0f} / {m.cloud_prefill_ms:.0f}"),
