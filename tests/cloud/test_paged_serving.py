@@ -4,6 +4,7 @@ of blocks. Forwards are counted (the scheduler's `on_batch`), never timed."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from cloud.scheduler import PREFILL, ROUND, BatchStats, Job, Scheduler
+from cloud.scheduler import DECODE, PENDING, PREFILL, ROUND, BatchStats, Job, Pending, Scheduler
 from cloud.service import VerifierService
 from shared.config import SamplingConfig
 from shared.errors import NotFound, ResourceExhausted
@@ -185,32 +186,52 @@ def test_a_job_that_cannot_get_its_blocks_even_alone_is_refused_with_429() -> No
     assert asked and all(len(rows) == 1 and len(rows[0].ids) == 4 for rows in calls)
 
 
-def test_generate_decode_steps_go_before_prefills(make_service: Callable[..., VerifierService],
-                                                  text_ids: Callable[[int, int], list[int]]) -> None:
-    """Every forward that has a decode step waiting takes it: a stream keeps one token per forward
-    while a burst of opens is prefilled."""
-    svc = make_service(max_batch_tokens=32, batch_wait_ms=0)
+def test_decode_steps_and_rounds_go_first_and_prefills_fill_the_rest() -> None:
+    """The scheduler alone, with a fake runner and a 32-token budget: three 100-token prefills queued
+    before a decode step and a 5-token round; the first forward runs the decode step and the round,
+    then prefill chunks up to the budget."""
+    calls: list[list[Row]] = []
+    gate = threading.Event()
+
+    def forward(rows: list[Row]) -> list[torch.Tensor]:
+        calls.append(rows)
+        return [torch.zeros(r.keep, 4) for r in rows]
+
+    sched = Scheduler(16, lambda: 0.0, forward=forward, max_batch_tokens=32, batch_wait_ms=0)
+
+    def prefill(slot: int) -> Job[float]:
+        done = [0]
+
+        def plan(budget: int) -> Row:
+            return Row(slot, done[0], [1] * min(budget, 100 - done[0]), 0)
+
+        def finish(_: object, __: float) -> float | Pending:
+            done[0] += len(calls[-1][[r.slot for r in calls[-1]].index(slot)].ids)
+            return 1.0 if done[0] >= 100 else PENDING
+
+        return Job(plan=plan, finish=finish, kind=PREFILL, owner=f"k{slot}")
 
     async def main() -> None:
-        from cloud.service import GenerateRequest
-        forwards = record_forwards(svc)
-        out: list[int] = []
-
-        async def gen() -> None:
-            async for e in svc.start_generate(GenerateRequest(text_ids(8, 3), GREEDY, 0, 12, stop_at_eos=False), ""):
-                if e.token_id is not None:
-                    out.append(e.token_id)
-        stream = asyncio.ensure_future(gen())
-        while len(out) < 2:
+        blocker = asyncio.ensure_future(sched.run(gate.wait))
+        await asyncio.sleep(0.01)
+        jobs = [*(prefill(i) for i in range(3)),
+                Job(plan=lambda _: Row(10, 7, [2], 1), finish=lambda _, __: 2.0, kind=DECODE),
+                Job(plan=lambda _: Row(11, 9, [3] * 5, 5), finish=lambda _, __: 3.0, kind=ROUND)]
+        futures = [asyncio.ensure_future(sched.submit(j)) for j in jobs]
+        while len(sched._queue) < len(jobs) + 1:
             await asyncio.sleep(0.001)
-        opens = [asyncio.ensure_future(svc.open_session(OpenSessionRequest(text_ids(120, i + 5), GREEDY), ""))
-                 for i in range(4)]
-        await stream
-        assert not all(o.done() for o in opens)  # the stream finished while the opens were still prefilling
-        await asyncio.gather(*opens)
-        assert len(out) == 12 and len(forwards) > 12
+        gate.set()
+        await blocker
+        await asyncio.gather(*futures)
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    finally:
+        sched.shutdown()
+    first = calls[0]
+    assert [r.slot for r in first[:2]] == [10, 11]  # the decode step and the round, before any prefill
+    assert sum(len(r.ids) for r in first) == 32 and all(r.keep == 0 for r in first[2:])
+    assert all(sum(len(r.ids) for r in c) <= 32 for c in calls)
 
 
 def test_a_long_resync_runs_in_chunks_and_answers_exactly(
