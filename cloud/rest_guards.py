@@ -23,6 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cloud.guards import bearer_key
 from shared.errors import InvalidArgument, PayloadTooLarge, SpecSplitError
+from shared.http_body import read_limited, replaying
 from shared.request_id import CURRENT, REQUEST_ID_HEADER, check_request_id
 
 # JSON objects a body may hold beyond max_k (the root, sampling_cfg, and slack for braces in strings)
@@ -144,28 +145,11 @@ class BodyLimit:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        err = PayloadTooLarge(f"request body exceeds max_body_bytes = {self.max_bytes}")
-        declared = dict(scope["headers"]).get(b"content-length")
-        too_big = declared is not None and declared.isdigit() and int(declared) > self.max_bytes
-        chunks: list[bytes] = []
-        seen, more = 0, not too_big
-        while more and not too_big:  # buffer the body (at most max_bytes) so a stream is limited too
-            msg = await receive()
-            if msg["type"] != "http.request":
-                return
-            chunks.append(msg.get("body", b""))
-            seen += len(chunks[-1])
-            more, too_big = msg.get("more_body", False), seen > self.max_bytes
-        if too_big:
+        outcome, body = await read_limited(scope, receive, self.max_bytes)
+        if outcome == "gone":
+            return
+        if outcome == "too_big":
+            err = PayloadTooLarge(f"request body exceeds max_body_bytes = {self.max_bytes}")
             self.on_error(err.code)
             return await error_response(err)(scope, receive, send)
-        body, sent = b"".join(chunks), False
-
-        async def replay() -> Message:
-            nonlocal sent
-            if sent:
-                return await receive()
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        await self.app(scope, replay, send)
+        await self.app(scope, replaying(body, receive), send)
