@@ -99,6 +99,17 @@ def grpc_round(target: str, prompt: list[int], draft: list[int]) -> Callable[[],
     return once
 
 
+def healthz(url: str) -> Callable[[], float]:
+    """GET /healthz on a kept-alive connection: no forward, so its latency is all transport."""
+    client = httpx.Client(base_url=url, timeout=30)
+
+    def once() -> float:
+        client.get("/healthz").raise_for_status()
+        return 0.0
+
+    return once
+
+
 def measure(once: Callable[[], float], rounds: int, warmup: int) -> dict[str, list[float]]:
     for _ in range(warmup):
         once()
@@ -131,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     draft = (ids * args.k)[: args.k]
 
     def run(url: str, target: str) -> dict[str, dict[str, list[float]]]:
-        return {"rest": measure(rest_round(url, ids, draft), args.rounds, args.warmup),
+        return {"healthz": measure(healthz(url), args.rounds, args.warmup),
+                "rest": measure(rest_round(url, ids, draft), args.rounds, args.warmup),
                 "grpc": measure(grpc_round(target, ids, draft), args.rounds, args.warmup)}
 
     if args.cloud and args.grpc:
