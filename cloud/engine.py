@@ -30,6 +30,7 @@ from cloud.model import TargetModel
 from cloud.session import Context, Session
 from shared.config import SamplingConfig
 from shared.errors import ContextMismatch, InvalidArgument, NotFound
+from shared.features import encode_feature
 from shared.kvpool import KVPool, Row
 from shared.protocol import RoundMetrics, SparseDist, VerifyRequest, VerifyResponse
 from shared.rng import SAMPLE, position_uniform, sample_index
@@ -160,6 +161,8 @@ class RoundPlan:
     fp: str
     # positions of S' fed so far (a long append runs in prefill chunks before the verify row)
     fed: int = 0
+    # the verify row as it ran (its kept positions' hidden states give the feature)
+    row_run: Row | None = None
 
     def next_row(self, budget: int) -> Row:
         """The next forward of this round: a chunk of S' (keep = 0) while the rest does not fit in
@@ -170,7 +173,8 @@ class RoundPlan:
         rest = list(self.new.ids[fed:])
         if len(rest) + len(drafts) > budget and len(rest) > 1:
             return Row(r.slot, fed, rest[: max(1, min(budget, len(rest) - 1))], keep=0)
-        return Row(r.slot, fed, rest + drafts, keep=r.keep)
+        self.row_run = Row(r.slot, fed, rest + drafts, keep=r.keep)
+        return self.row_run
 
 
 def plan_round(session: Session, req: VerifyRequest, fp: str) -> RoundPlan | VerifyResponse:
@@ -211,11 +215,15 @@ def finish_round(model: TargetModel, session: Session, req: VerifyRequest, q_den
     if out.next_kind == "residual":
         assert out.target_ids is not None and out.target_probs is not None
         target = SparseDist(out.target_ids.tolist(), out.target_probs.tolist())
+    feature = None
+    hidden = model.hidden_of(plan.row_run) if session.feature_encoding and plan.row_run is not None else None
+    if hidden is not None:  # row la: the state after S' + y_1..y_La, which decides the next token
+        feature = encode_feature(hidden[la], session.feature_encoding, L + la)
     resp = VerifyResponse(
         accepted_len=la, correction=out.next_token, next_kind=out.next_kind, target_dist=target,
         ctx_len=len(final), ctx_hash=final.hash_at(len(final)), top_k_ids=top,
         metrics=RoundMetrics(alpha_mean=sum(out.alphas) / k if k else 0.0, la_over_k=la / k if k else 0.0,
-                             prefill_ms=prefill_ms))
+                             prefill_ms=prefill_ms), feature=feature)
     # KV stays valid for S' + y_1..y_La: the last accepted draft token's KV was filled in by this
     # forward (it was an input). The correction/bonus token has no KV yet; the next round feeds it
     # as S[kv_len:]. For "residual", S ends at y_La and the edge's token arrives as append_ids.
@@ -244,16 +252,22 @@ class Prefill:
     done: int = 0
     # positions taken from the prefix cache
     reused: int = 0
+    # the last position's logits are wanted (its hidden state is a session's first feature): at least
+    # one token is computed, and the last chunk keeps one position
+    keep_last: bool = False
 
     def plan(self, pool: KVPool, budget: int | None = None) -> Row | None:
         """The next chunk (at most `budget` tokens, default `chunk`), or None when the whole prefill is cached."""
         budget = self.chunk if budget is None else budget
         if self.slot is None:
             self.slot = pool.allocate(self.salt)
-            self.done = self.reused = pool.match_prefix(self.slot, self.ids, len(self.ids))
+            limit = len(self.ids) - 1 if self.keep_last else len(self.ids)
+            self.done = self.reused = pool.match_prefix(self.slot, self.ids, limit)
         if self.done >= len(self.ids):
             return None
-        return Row(self.slot, self.done, self.ids[self.done: self.done + max(budget, 1)], keep=0)
+        chunk = self.ids[self.done: self.done + max(budget, 1)]
+        last = self.keep_last and self.done + len(chunk) == len(self.ids)
+        return Row(self.slot, self.done, chunk, keep=1 if last else 0)
 
     def advance(self, pool: KVPool, row: Row | None = None) -> bool:
         """After a forward of `row` (default: a chunk of `chunk` tokens): the chunk is cached; True when

@@ -39,6 +39,7 @@ from shared.protocol import (
     OpenSessionRequest,
     SessionInfo,
     SparseDist,
+    TargetFeature,
     VerifyRequest,
     VerifyResponse,
 )
@@ -94,7 +95,12 @@ def sampling_from_pb(m: pb.SamplingConfig) -> SamplingConfig:
 
 def open_from_pb(m: pb.OpenSessionRequest) -> OpenSessionRequest:
     cfg = sampling_from_pb(m.sampling_cfg) if m.HasField("sampling_cfg") else SamplingConfig()
-    return OpenSessionRequest(list(m.prompt_ids), cfg, m.seed, m.correction or "strict", m.max_new_tokens)
+    return OpenSessionRequest(list(m.prompt_ids), cfg, m.seed, m.correction or "strict", m.max_new_tokens,
+                              m.feature_encoding)
+
+
+def feature_to_pb(f: TargetFeature) -> pb.TargetFeature:
+    return pb.TargetFeature(prefix_len=f.prefix_len, encoding=f.encoding, data=f.data, scale=f.scale)
 
 
 def verify_from_pb(m: pb.VerifyRequest) -> VerifyRequest:
@@ -105,8 +111,11 @@ def verify_from_pb(m: pb.VerifyRequest) -> VerifyRequest:
 
 
 def info_to_pb(i: SessionInfo) -> pb.SessionInfo:
-    return pb.SessionInfo(ctx_id=i.ctx_id, ctx_len=i.ctx_len, ctx_hash=i.ctx_hash, vocab_size=i.vocab_size,
-                          counters_json=json.dumps(i.counters) if i.counters else "")
+    out = pb.SessionInfo(ctx_id=i.ctx_id, ctx_len=i.ctx_len, ctx_hash=i.ctx_hash, vocab_size=i.vocab_size,
+                         counters_json=json.dumps(i.counters) if i.counters else "")
+    if i.feature is not None:
+        out.feature.CopyFrom(feature_to_pb(i.feature))
+    return out
 
 
 def response_to_pb(r: VerifyResponse) -> pb.VerifyResponse:
@@ -117,6 +126,8 @@ def response_to_pb(r: VerifyResponse) -> pb.VerifyResponse:
         out.correction = r.correction
     if r.target_dist is not None:
         out.target_dist.CopyFrom(pb.SparseDist(ids=r.target_dist.ids, probs=r.target_dist.probs))
+    if r.feature is not None:
+        out.feature.CopyFrom(feature_to_pb(r.feature))
     return out
 
 

@@ -10,6 +10,10 @@ The target samples over the tokenizer's ids: when its embedding table has more r
 tokenizer has ids (padding, as Qwen2.5's), the extra columns are cut from every forward's logits,
 so p, the id checks and every emitted token stay inside the tokenizer.
 
+Every forward also keeps each row's hidden states at its kept positions: the output layer's input
+(after the final norm), captured by a hook on the output layer, so `E h` is the target's logits.
+A session that asked for feature-fed drafting gets one of them per round (`hidden_of`).
+
 Start-up refuses, with one line, what cannot be served exactly: a model whose layers keep
 recurrent or convolution state (no rollback by position), a directory without a tokenizer, and
 any architecture whose batched, cropped forward does not reproduce its own plain forward
@@ -58,6 +62,13 @@ class TargetModel:
         check_rollback(self.model, self.pool, vocab, torch_dtype)
         # K and V of every layer: bytes one position of one session's cache takes
         self.kv_bytes_per_token = self.pool.bytes_per_position
+        # width of the output layer's input: the feature a session may ask for (0: no output layer found)
+        head = self.model.get_output_embeddings()
+        self.feature_size = int(head.weight.shape[1]) if isinstance(head, torch.nn.Linear) else 0
+        self._captured: list[torch.Tensor] = []
+        self._hidden: dict[int, torch.Tensor] = {}
+        if self.feature_size:
+            head.register_forward_pre_hook(lambda _m, args: self._captured.append(args[0]))
         log.info("target loaded: %s", self.info)
 
     def use_pool(self, kv_budget_bytes: int | None, block_size: int = BLOCK_SIZE, prefix_cache: bool = True) -> None:
@@ -75,7 +86,19 @@ class TargetModel:
         """One forward over every row; each row's logits for its last `keep` ids ([keep, support], float32):
         the columns of the tokenizer's ids only. Each row's sequence then holds its ids' KV; the caller crops
         back what it does not keep."""
+        self._captured.clear()
         out = self.pool.forward(self.model, rows)
         if self.support < self.info.vocab_size:
             out = [x[:, : self.support] for x in out]  # [keep, support]
+        self._hidden = {}
+        if len(self._captured) == 1:
+            h, i = self._captured[0].reshape(-1, self.feature_size), 0  # [P, d]: the kept positions
+            for r in rows:
+                self._hidden[id(r)] = h[i: i + r.keep]  # [keep, d]
+                i += r.keep
+        self._captured.clear()
         return out
+
+    def hidden_of(self, row: Row) -> torch.Tensor | None:
+        """The output layer's input at `row`'s kept positions in the last forward ([keep, d]), or None."""
+        return self._hidden.get(id(row))

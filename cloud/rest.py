@@ -35,6 +35,7 @@ from cloud.rest_guards import (
 from cloud.service import GenerateEvent, GenerateRequest, VerifierService
 from shared.config import SamplingConfig
 from shared.errors import ERRORS_BY_STATUS, Internal, InvalidArgument, SpecSplitError
+from shared.features import feature_to_json
 from shared.protocol import DraftProposal, OpenSessionRequest, SparseDist, VerifyRequest
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,8 @@ class OpenSessionBody(BaseModel):
     seed: StrictInt = 0
     correction: Text = "strict"
     max_new_tokens: StrictInt = 256
+    # "" (none), "float16" or "int8": the open answer and every verify answer carry the target's feature
+    feature_encoding: Text = ""
 
 
 class SparseDistBody(BaseModel):
@@ -187,19 +190,20 @@ def create_app(service: VerifierService) -> FastAPI:
     async def open_session(body: OpenSessionBody, request: Request, who: str = Depends(owner)
                            ) -> dict[str, Any] | Response:
         req = OpenSessionRequest(body.prompt_ids, body.sampling_cfg.to_cfg(), body.seed, body.correction,
-                                 body.max_new_tokens)
+                                 body.max_new_tokens, body.feature_encoding)
         info = await service.open_session(req, who)
         if await request.is_disconnected():  # nobody learns its ctx_id: close it now, not at the TTL
             service.close_session(info.ctx_id, who)
             log.info("session %s closed: the client went away while it was opened", info.ctx_id)
             return Response(status_code=499)
-        return {k: v for k, v in asdict(info).items() if k != "counters"}
+        return {**{k: v for k, v in asdict(info).items() if k != "counters"}, "feature": feature_to_json(info.feature)}
 
     @app.post("/v1/verify", tags=["v1"])
     async def verify(body: VerifyBody, who: str = Depends(owner)) -> dict[str, Any]:
         body.check_counts(service)
         cfg = body.sampling_cfg.to_cfg() if body.sampling_cfg is not None else None
-        return asdict(await service.verify(body.to_request(), who, body.k, cfg))
+        resp = await service.verify(body.to_request(), who, body.k, cfg)
+        return {**asdict(resp), "feature": feature_to_json(resp.feature)}
 
     @app.get("/v1/sessions/{ctx_id}", tags=["v1"])
     async def get_session(ctx_id: str, who: str = Depends(owner)) -> dict[str, Any]:

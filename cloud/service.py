@@ -38,8 +38,9 @@ from cloud.settings import CloudSettings
 from cloud.store import CLOSED, KV_BUDGET, SessionStore
 from shared.config import SamplingConfig
 from shared.errors import InvalidArgument, NotFound, Unauthenticated, Unavailable
+from shared.features import ENCODINGS, encode_feature
 from shared.kvpool import Row
-from shared.protocol import OpenSessionRequest, SessionInfo, VerifyRequest, VerifyResponse
+from shared.protocol import OpenSessionRequest, SessionInfo, TargetFeature, VerifyRequest, VerifyResponse
 
 log = logging.getLogger(__name__)
 round_log = logging.getLogger("specsplit.cloud.rounds")
@@ -78,7 +79,10 @@ class VerifierService:
                  new_id: Callable[[], str] = lambda: secrets.token_urlsafe(24)) -> None:
         self.settings, self.model, self.clock, self.new_id = settings, model, clock, new_id
         model.use_pool(settings.kv_budget_bytes, settings.kv_block_size, settings.prefix_cache)
-        self.info: ModelInfo = replace(model.info, max_k=settings.max_k)
+        offer = settings.features and model.feature_size > 0
+        self.info: ModelInfo = replace(model.info, max_k=settings.max_k,
+                                       feature_size=model.feature_size if offer else 0,
+                                       feature_encodings=list(ENCODINGS) if offer else [])
         self.prompt_limit = settings.prompt_limit(model.info.max_context)
         self.limits = RoundLimits(max_k=settings.max_k, max_return_top_k=settings.max_return_top_k,
                                   max_context=model.info.max_context, vocab_size=model.support)
@@ -135,13 +139,22 @@ class VerifierService:
             raise InvalidArgument("seed must be in [0, 2**64)")
         if req.max_new_tokens < 0:
             raise InvalidArgument("max_new_tokens must be >= 0")
+        if req.feature_encoding not in ("", *ENCODINGS):
+            raise InvalidArgument(f"feature_encoding must be '', 'float16' or 'int8', not {req.feature_encoding!r}")
+        # a cloud that does not offer features answers without them, as an older cloud would
+        encoding = req.feature_encoding if self.info.feature_size else ""
         need = len(req.prompt_ids) * self.model.kv_bytes_per_token
         self._loop = asyncio.get_running_loop()
         with self.worker.admit():
             admitted = self.clock()
             self.store.check_room(need, owner)
-            pre = Prefill(req.prompt_ids[:-1], chunk=self.settings.max_batch_tokens, salt=self._salt(owner))
-            job = asyncio.ensure_future(self.worker.submit(self._prefill_job(pre, owner), since=admitted))
+            # with a feature the whole prompt is run (its last position's state is the first feature); without,
+            # S[:-1] (the first round feeds the last token)
+            ids = req.prompt_ids if encoding else req.prompt_ids[:-1]
+            pre = Prefill(ids, chunk=self.settings.max_batch_tokens, salt=self._salt(owner), keep_last=bool(encoding))
+            first: list[TargetFeature] = []
+            job = asyncio.ensure_future(self.worker.submit(self._prefill_job(pre, owner, encoding, first),
+                                                           since=admitted))
             try:
                 (ms, queue_ms) = await asyncio.shield(job)
             except BaseException:
@@ -159,13 +172,16 @@ class VerifierService:
                         correction=req.correction, max_new_tokens=req.max_new_tokens,
                         prompt_len=len(req.prompt_ids), context=Context.of(req.prompt_ids), slot=pre.slot,
                         kv_bytes_per_token=self.model.kv_bytes_per_token, last_used=now, created=now,
-                        kv_len=len(pre.ids), replay_bytes_limit=self.settings.replay_cache_bytes)
+                        kv_len=len(pre.ids), replay_bytes_limit=self.settings.replay_cache_bytes,
+                        feature_encoding=encoding)
             self.store.add(s)
         self.metrics.prefill_ms.observe(ms)
         self.metrics.queue_ms.observe(queue_ms)
         log.info("session opened", extra={"fields": {"event": "open", "ctx_id": s.ctx_id,
                                                      "prompt_len": len(req.prompt_ids), "prefill_ms": round(ms, 3)}})
-        return self._info(s)
+        info = self._info(s)
+        info.feature = first[0] if first else None
+        return info
 
     def _refuse_when_draining(self, what: str) -> None:
         if self.draining:
@@ -176,8 +192,10 @@ class VerifierService:
         unless the operator shares them across keys."""
         return b"" if self.settings.share_prefix_across_keys else owner.encode()
 
-    def _prefill_job(self, pre: Prefill, owner: str) -> Job[float]:
-        """KV of a prompt's S[:-1], in chunks; the result is the forward time (ms) summed over chunks."""
+    def _prefill_job(self, pre: Prefill, owner: str, encoding: str = "",
+                     feature: list[TargetFeature] | None = None) -> Job[float]:
+        """KV of a prompt's S[:-1] (all of S with `encoding`: then the last position's state goes into
+        `feature`), in chunks; the result is the forward time (ms) summed over chunks."""
         spent = [0.0]
         rows: list[Row] = []
 
@@ -188,6 +206,9 @@ class VerifierService:
 
         def finish(_: object, ms: float) -> float | Pending:
             spent[0] += ms
+            hidden = self.model.hidden_of(rows[0]) if encoding and rows[0].keep else None
+            if hidden is not None and feature is not None:
+                feature[:] = [encode_feature(hidden[-1], encoding, len(pre.ids))]
             return spent[0] if pre.advance(self.model.pool, rows[0]) else PENDING
 
         def abort() -> None:

@@ -152,6 +152,8 @@ class Session:
     kv_len: int = 0
     # bytes of residual distributions the replay cache keeps beyond the newest answer's (--replay-cache-bytes)
     replay_bytes_limit: int = 1 << 20
+    # "" or the encoding of the target feature each answer carries (feature-fed drafting)
+    feature_encoding: str = ""
 
     @property
     def kv_bytes(self) -> int:
@@ -189,4 +191,5 @@ class Session:
         return {**self.counters.__dict__, "prompt_len": self.prompt_len, "kv_len": self.kv_len,
                 "kv_bytes": self.kv_bytes, "idle_s": round(now - self.last_used, 3),
                 "age_s": round(now - self.created, 3), "seed": self.seed, "correction": self.correction,
-                "max_new_tokens": self.max_new_tokens, "sampling_cfg": self.sampling_cfg.to_dict()}
+                "max_new_tokens": self.max_new_tokens, "sampling_cfg": self.sampling_cfg.to_dict(),
+                "feature_encoding": self.feature_encoding}

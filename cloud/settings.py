@@ -58,6 +58,8 @@ class CloudSettings(BaseSettings):
     # share cached prefix blocks across API keys (off: a key never reuses, nor learns from its latency
     # whether another key sent, a prompt)
     share_prefix_across_keys: bool = False
+    # offer feature-fed drafting: sessions that ask get the target's hidden state with every answer
+    features: bool = True
     # largest k (draft tokens per round) accepted
     max_k: int = Field(default=16, ge=0, le=256)
     # sessions (rows) in one batched forward at most; 1 = one session per forward (no batching)

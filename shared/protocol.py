@@ -21,6 +21,19 @@ class SparseDist:
 
 
 @dataclass
+class TargetFeature:
+    """The target's hidden state for feature-fed drafting (PROTOCOL.md, "Feature-fed drafting")."""
+    # the state after reading S[:prefix_len]: the output layer's input whose logits give p of S[prefix_len]
+    prefix_len: int
+    # "float16" (little-endian) or "int8" (value = scale * int8)
+    encoding: str
+    # the vector's bytes
+    data: bytes
+    # int8 only: one scale for the whole vector
+    scale: float = 0.0
+
+
+@dataclass
 class OpenSessionRequest:
     # the prompt's token ids (for a reopen: the whole committed context S)
     prompt_ids: list[int]
@@ -32,6 +45,8 @@ class OpenSessionRequest:
     correction: str = "strict"
     # generation budget the session allows after the prompt
     max_new_tokens: int = 256
+    # "" (none), "float16" or "int8": send the target's feature with the open answer and every round
+    feature_encoding: str = ""
 
 
 @dataclass
@@ -55,6 +70,10 @@ class ModelInfo:
     # ids the tokenizer defines (len(tokenizer), at most vocab_size): the id range accepted on the wire and
     # the support of p and q; logit rows past it are padding, never a token (0 = an older cloud: vocab_size)
     tokenizer_size: int = 0
+    # width of the target feature a session may ask for (0: this cloud does not offer feature-fed drafting)
+    feature_size: int = 0
+    # the encodings it offers ("float16", "int8")
+    feature_encodings: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -69,6 +88,8 @@ class SessionInfo:
     vocab_size: int
     # optional counters (GET /v1/sessions/{ctx_id})
     counters: dict[str, Any] = field(default_factory=dict)
+    # the open answer of a session that asked for features: the state after the whole prompt
+    feature: TargetFeature | None = None
 
 
 @dataclass
@@ -133,3 +154,5 @@ class VerifyResponse:
     # the target's top ids per checked position when return_top_k > 0
     top_k_ids: list[list[int]] = field(default_factory=list)
     metrics: RoundMetrics = field(default_factory=RoundMetrics)
+    # for a session that asked for features: the state at the position that decides the next token
+    feature: TargetFeature | None = None

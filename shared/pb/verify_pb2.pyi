@@ -26,33 +26,49 @@ class SparseDist(_message.Message):
     probs: _containers.RepeatedScalarFieldContainer[float]
     def __init__(self, ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
+class TargetFeature(_message.Message):
+    __slots__ = ("prefix_len", "encoding", "data", "scale")
+    PREFIX_LEN_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    SCALE_FIELD_NUMBER: _ClassVar[int]
+    prefix_len: int
+    encoding: str
+    data: bytes
+    scale: float
+    def __init__(self, prefix_len: _Optional[int] = ..., encoding: _Optional[str] = ..., data: _Optional[bytes] = ..., scale: _Optional[float] = ...) -> None: ...
+
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("prompt_ids", "sampling_cfg", "seed", "correction", "max_new_tokens")
+    __slots__ = ("prompt_ids", "sampling_cfg", "seed", "correction", "max_new_tokens", "feature_encoding")
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_CFG_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     CORRECTION_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_ENCODING_FIELD_NUMBER: _ClassVar[int]
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_cfg: SamplingConfig
     seed: int
     correction: str
     max_new_tokens: int
-    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., sampling_cfg: _Optional[_Union[SamplingConfig, _Mapping]] = ..., seed: _Optional[int] = ..., correction: _Optional[str] = ..., max_new_tokens: _Optional[int] = ...) -> None: ...
+    feature_encoding: str
+    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., sampling_cfg: _Optional[_Union[SamplingConfig, _Mapping]] = ..., seed: _Optional[int] = ..., correction: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., feature_encoding: _Optional[str] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
-    __slots__ = ("ctx_id", "ctx_len", "ctx_hash", "vocab_size", "counters_json")
+    __slots__ = ("ctx_id", "ctx_len", "ctx_hash", "vocab_size", "counters_json", "feature")
     CTX_ID_FIELD_NUMBER: _ClassVar[int]
     CTX_LEN_FIELD_NUMBER: _ClassVar[int]
     CTX_HASH_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_JSON_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_FIELD_NUMBER: _ClassVar[int]
     ctx_id: str
     ctx_len: int
     ctx_hash: str
     vocab_size: int
     counters_json: str
-    def __init__(self, ctx_id: _Optional[str] = ..., ctx_len: _Optional[int] = ..., ctx_hash: _Optional[str] = ..., vocab_size: _Optional[int] = ..., counters_json: _Optional[str] = ...) -> None: ...
+    feature: TargetFeature
+    def __init__(self, ctx_id: _Optional[str] = ..., ctx_len: _Optional[int] = ..., ctx_hash: _Optional[str] = ..., vocab_size: _Optional[int] = ..., counters_json: _Optional[str] = ..., feature: _Optional[_Union[TargetFeature, _Mapping]] = ...) -> None: ...
 
 class TopIds(_message.Message):
     __slots__ = ("ids",)
@@ -103,7 +119,7 @@ class RoundMetrics(_message.Message):
     def __init__(self, alpha_mean: _Optional[float] = ..., la_over_k: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("accepted_len", "correction", "next_kind", "target_dist", "ctx_len", "ctx_hash", "top_k_ids", "metrics")
+    __slots__ = ("accepted_len", "correction", "next_kind", "target_dist", "ctx_len", "ctx_hash", "top_k_ids", "metrics", "feature")
     ACCEPTED_LEN_FIELD_NUMBER: _ClassVar[int]
     CORRECTION_FIELD_NUMBER: _ClassVar[int]
     NEXT_KIND_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +128,7 @@ class VerifyResponse(_message.Message):
     CTX_HASH_FIELD_NUMBER: _ClassVar[int]
     TOP_K_IDS_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_FIELD_NUMBER: _ClassVar[int]
     accepted_len: int
     correction: int
     next_kind: str
@@ -120,7 +137,8 @@ class VerifyResponse(_message.Message):
     ctx_hash: str
     top_k_ids: _containers.RepeatedCompositeFieldContainer[TopIds]
     metrics: RoundMetrics
-    def __init__(self, accepted_len: _Optional[int] = ..., correction: _Optional[int] = ..., next_kind: _Optional[str] = ..., target_dist: _Optional[_Union[SparseDist, _Mapping]] = ..., ctx_len: _Optional[int] = ..., ctx_hash: _Optional[str] = ..., top_k_ids: _Optional[_Iterable[_Union[TopIds, _Mapping]]] = ..., metrics: _Optional[_Union[RoundMetrics, _Mapping]] = ...) -> None: ...
+    feature: TargetFeature
+    def __init__(self, accepted_len: _Optional[int] = ..., correction: _Optional[int] = ..., next_kind: _Optional[str] = ..., target_dist: _Optional[_Union[SparseDist, _Mapping]] = ..., ctx_len: _Optional[int] = ..., ctx_hash: _Optional[str] = ..., top_k_ids: _Optional[_Iterable[_Union[TopIds, _Mapping]]] = ..., metrics: _Optional[_Union[RoundMetrics, _Mapping]] = ..., feature: _Optional[_Union[TargetFeature, _Mapping]] = ...) -> None: ...
 
 class GetSessionRequest(_message.Message):
     __slots__ = ("ctx_id",)
@@ -145,7 +163,7 @@ class GetModelRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_id", "vocab_size", "eos_ids", "max_context", "dtype", "device", "tokenizer_fingerprint", "max_k", "tokenizer_size")
+    __slots__ = ("model_id", "vocab_size", "eos_ids", "max_context", "dtype", "device", "tokenizer_fingerprint", "max_k", "tokenizer_size", "feature_size", "feature_encodings")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     EOS_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -155,6 +173,8 @@ class ModelInfo(_message.Message):
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     MAX_K_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_SIZE_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_ENCODINGS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     vocab_size: int
     eos_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -164,4 +184,6 @@ class ModelInfo(_message.Message):
     tokenizer_fingerprint: str
     max_k: int
     tokenizer_size: int
-    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_ids: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_k: _Optional[int] = ..., tokenizer_size: _Optional[int] = ...) -> None: ...
+    feature_size: int
+    feature_encodings: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_ids: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_k: _Optional[int] = ..., tokenizer_size: _Optional[int] = ..., feature_size: _Optional[int] = ..., feature_encodings: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -1,0 +1,344 @@
+"""Train the drafts of SmolLM2-135M-Instruct on this CPU; resumable, phase by phase.
+
+    nice -n 19 .venv/bin/python scripts/train_heads.py --work /work/runs/heads all
+
+Phases (each skips what its output already holds, so a stopped run resumes where it was):
+1. prompts  the training and held-out prompt sets (`scripts/head_prompts.py`).
+2. answers  the target's own answers to the training prompts, generated in batches of `--gen-batch`
+            rows per forward (left-padded, per-row positions), greedy for three batches in four and
+            sampled at T = 0.7 for the fourth. Each shard keeps the token ids and the target's last
+            hidden state after its final norm (the output layer's input, float16) at every position
+            from the prompt's last to the answer's last, so the target's full distribution at any
+            of those positions is `softmax(E h)` and needs no storage.
+3. eval     the same for the held-out prompts (greedy only): what every agreement figure is measured on.
+4. freq     the token frequencies of the target's answers: the frequency-ranked vocabulary.
+5. train    the feature-fed head (`edge/drafters/feature_head.py`) with the target frozen, by an
+            unrolled loss over `--unroll` drafted positions (see `train_feature_head`).
+6. export   the head into `--out`, with `report.json`: agreement by draft position on the eval set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+
+TARGET = REPO / "models" / "smollm2-135m-instruct"
+
+
+def load_target(threads: int) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    torch.set_num_threads(threads)
+    tok = AutoTokenizer.from_pretrained(TARGET)
+    model = AutoModelForCausalLM.from_pretrained(TARGET, dtype=torch.float32, attn_implementation="sdpa").eval()
+    return tok, model
+
+
+def chat_ids(tok: Any, prompt: str) -> list[int]:
+    ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+@torch.inference_mode()
+def generate_batch(model: Any, prompts: list[list[int]], max_new: int, eos: int, temperature: float,
+                   gen: torch.Generator) -> list[dict[str, Any]]:
+    """The target's answers to `prompts` in one batch, with its normed last hidden state per position."""
+    from transformers import DynamicCache
+    b, width = len(prompts), max(len(p) for p in prompts)
+    ids = torch.full((b, width), eos, dtype=torch.long)  # [B, W] left-padded
+    mask = torch.zeros((b, width), dtype=torch.long)  # [B, W]
+    for r, p in enumerate(prompts):
+        ids[r, width - len(p):] = torch.tensor(p)
+        mask[r, width - len(p):] = 1
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, W] per-row positions
+    cache = DynamicCache(config=model.config)
+    h = model.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                    use_cache=True).last_hidden_state[:, -1]  # [B, d]
+    hs, toks = [h], []
+    done = torch.zeros(b, dtype=torch.bool)  # [B]
+    for _ in range(max_new):
+        logits = model.lm_head(h).float()  # [B, V]
+        if temperature > 0:
+            tok = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=gen)[:, 0]  # [B]
+        else:
+            tok = logits.argmax(-1)  # [B]
+        tok = torch.where(done, torch.full_like(tok, eos), tok)
+        toks.append(tok)
+        done |= tok == eos
+        if bool(done.all()):
+            break
+        mask = torch.cat([mask, torch.ones((b, 1), dtype=torch.long)], 1)  # [B, W + t]
+        pos = pos[:, -1:] + 1  # [B, 1]
+        h = model.model(input_ids=tok[:, None], attention_mask=mask, position_ids=pos, past_key_values=cache,
+                        use_cache=True).last_hidden_state[:, -1]  # [B, d]
+        hs.append(h)
+    gen_ids = torch.stack(toks, 1)  # [B, N]
+    hid = torch.stack(hs, 1)  # [B, N(+1), d]
+    out = []
+    for r, p in enumerate(prompts):
+        row = gen_ids[r].tolist()
+        n = row.index(eos) + 1 if eos in row else len(row)
+        # hidden[i] is the state at position len(p) - 1 + i, whose next token is answer token i
+        out.append({"ids": p + row[:n], "start": len(p), "hidden": hid[r, :n].half().clone(),
+                    "temperature": temperature})
+    return out
+
+
+def phase_answers(work: Path, prompts: list[str], name: str, args: argparse.Namespace, sample_every: int) -> None:
+    tok, model = load_target(args.threads)
+    eos = int(tok.eos_token_id)
+    items = sorted(((chat_ids(tok, p), i) for i, p in enumerate(prompts)), key=lambda x: len(x[0]))
+    bs = args.gen_batch
+    for b0 in range(0, len(items), bs):
+        shard = work / f"{name}-{b0:05d}.pt"
+        if shard.exists():
+            continue
+        t0 = time.time()
+        batch = items[b0:b0 + bs]
+        sampled = sample_every > 0 and (b0 // bs) % sample_every == sample_every - 1
+        gen = torch.Generator().manual_seed(b0)
+        recs = generate_batch(model, [ids for ids, _ in batch], args.max_new, eos, 0.7 if sampled else 0.0, gen)
+        for rec, (_, i) in zip(recs, batch, strict=True):
+            rec["prompt"] = prompts[i]
+        tmp = shard.with_suffix(".tmp")
+        torch.save(recs, tmp)
+        tmp.rename(shard)
+        n = sum(len(r["ids"]) - r["start"] for r in recs)
+        print(f"[{name}] {b0}: {len(batch)} answers, {n} tokens, {time.time() - t0:.0f} s "
+              f"({n / (time.time() - t0):.0f} tok/s), T={0.7 if sampled else 0}", flush=True)
+
+
+def load_shards(work: Path, name: str) -> list[dict[str, Any]]:
+    recs: list[dict[str, Any]] = []
+    for f in sorted(work.glob(f"{name}-*.pt")):
+        recs.extend(torch.load(f))
+    return recs
+
+
+def target_tables() -> tuple[torch.Tensor, int]:
+    """The target's (tied) output embedding [V, d] and its tokenizer's size."""
+    from safetensors.torch import load_file
+    w = load_file(str(TARGET / "model.safetensors"))
+    table = w.get("lm_head.weight", w["model.embed_tokens.weight"]).float()
+    return table, table.shape[0]
+
+
+def phase_freq(work: Path) -> dict[str, Any]:
+    """Token counts of the target's training answers, and how much of the held-out answers the top N cover."""
+    out = work / "freq.json"
+    if out.exists():
+        return dict(json.loads(out.read_text()))
+    table, vocab = target_tables()
+    counts = torch.zeros(vocab, dtype=torch.float64)
+    for r in load_shards(work, "chat"):
+        counts += torch.bincount(torch.tensor(r["ids"][r["start"]:]), minlength=vocab).double()
+        # plus the target's expected counts (its distribution at every 4th position): ranks the tokens
+        # the answers happen not to contain by how likely the target makes them
+        h = r["hidden"][::4].float()  # [n / 4, d]
+        counts += 4 * torch.softmax(h @ table.T, -1).sum(0).double()
+    order = torch.argsort(counts, descending=True, stable=True)
+    ev = torch.cat([torch.tensor(r["ids"][r["start"]:]) for r in load_shards(work, "eval")])
+    rank = torch.empty(vocab, dtype=torch.long)
+    rank[order] = torch.arange(vocab)
+    cover = {n: float((rank[ev] < n).float().mean()) for n in (2048, 4096, 8192, 12288, 16384, 24576, 32768)}
+    res = {"train_tokens": int(counts.sum() / 2), "distinct": int((counts > 0).sum()), "eval_tokens": int(ev.numel()),
+           "coverage": cover, "order": order.tolist()}
+    out.write_text(json.dumps(res))
+    return res
+
+
+LABEL_K = 32  # the target's top ids kept per position (over out_ids)
+
+
+def phase_labels(work: Path, name: str, n_out: int, threads: int) -> None:
+    """The target's top LABEL_K ids (indices into out_ids) and log-probabilities over out_ids at every
+    stored position: computed once, so training never runs the whole output layer for its targets."""
+    out = work / f"labels-{name}-{n_out}.pt"
+    if out.exists():
+        return
+    torch.set_num_threads(threads)
+    table, _ = target_tables()
+    rows = table[torch.tensor(phase_freq(work)["order"][:n_out])]  # [N, d]
+    labels = []
+    t0 = time.time()
+    for r in load_shards(work, name):
+        lp = torch.log_softmax(r["hidden"].float() @ rows.T, -1)  # [n, N]
+        val, ix = lp.topk(LABEL_K, -1)  # [n, K]
+        labels.append({"ix": ix.int(), "lp": val.half()})
+    torch.save(labels, out)
+    print(f"[labels] {name}: {len(labels)} answers, {time.time() - t0:.0f} s", flush=True)
+
+
+class Windows:
+    """Training windows over the answers: the target's states, the tokens they predict, their top labels."""
+
+    def __init__(self, recs: list[dict[str, Any]], labels: list[dict[str, torch.Tensor]], width: int) -> None:
+        self.width = width
+        keep = [i for i, r in enumerate(recs) if r["hidden"].shape[0] > 8]
+        self.hidden = [recs[i]["hidden"] for i in keep]
+        self.tokens = [torch.tensor(recs[i]["ids"][recs[i]["start"]:]) for i in keep]
+        self.ix = [labels[i]["ix"] for i in keep]
+        self.lp = [labels[i]["lp"] for i in keep]
+        self.sizes = torch.tensor([h.shape[0] for h in self.hidden], dtype=torch.float64)
+
+    def batch(self, b: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+        """H [B, W, d]; A [B, W] (A[:, i] is the token H[:, i] predicts); IX, LP [B, W, K]; valid [B, W]."""
+        d, w = self.hidden[0].shape[1], self.width
+        out = {"H": torch.zeros(b, w, d), "A": torch.zeros(b, w, dtype=torch.long),
+               "IX": torch.zeros(b, w, LABEL_K, dtype=torch.long), "LP": torch.zeros(b, w, LABEL_K),
+               "valid": torch.zeros(b, w, dtype=torch.bool)}
+        recs = torch.multinomial(self.sizes, b, replacement=True, generator=gen).tolist()
+        for r, i in enumerate(recs):
+            n = self.hidden[i].shape[0]
+            o = int(torch.randint(0, max(1, n - w + 1), (1,), generator=gen))
+            m = min(w, n - o)
+            out["H"][r, :m] = self.hidden[i][o:o + m].float()
+            out["A"][r, :m] = self.tokens[i][o:o + m]
+            out["IX"][r, :m] = self.ix[i][o:o + m].long()
+            out["LP"][r, :m] = self.lp[i][o:o + m].float()
+            out["valid"][r, :m] = True
+        return out
+
+
+def unrolled_loss(head: Any, bt: dict[str, torch.Tensor], unroll: int, feat_weight: float, decay: float,
+                  negatives: torch.Tensor) -> tuple[torch.Tensor, list[float]]:
+    """Every window position i starts from the target's state s_0 = H[:, i]; the head steps `unroll` times
+    on the target's tokens (as when the drafts before are accepted; the head's own states, never the
+    target's, are carried), and step j is scored against the target one position later: a sampled soft
+    cross-entropy (the target's top LABEL_K ids, renormalised, against those ids plus `negatives`, ids
+    shared by the batch) and SmoothL1 to the target's state H[:, i + j]. Returns the loss and, per step,
+    how often the head's best candidate is the target's top id."""
+    H, A, IX, LP, valid = bt["H"], bt["A"], bt["IX"], bt["LP"], bt["valid"]
+    W = H.shape[1]
+    n = W - unroll
+    s = H[:, :n]  # [B, n, d]
+    neg_rows = head.out[negatives]  # [R, d]
+    loss = H.new_zeros(())
+    agree = []
+    for j in range(1, unroll + 1):
+        s = head.step(s, A[:, j - 1: n + j - 1])  # [B, n, d]
+        ok = valid[:, j: n + j].float()  # [B, n]
+        ix, lp = IX[:, j: n + j], LP[:, j: n + j]  # [B, n, K]
+        cand = torch.einsum("bnd,bnkd->bnk", s, head.out[ix])  # [B, n, K]
+        neg = s @ neg_rows.T  # [B, n, R]
+        neg = neg.masked_fill((ix[..., :, None] == negatives).any(-2), float("-inf"))  # a candidate counts once
+        logq = torch.log_softmax(torch.cat([cand, neg], -1), -1)[..., :LABEL_K]  # [B, n, K]
+        p = torch.softmax(lp, -1)  # [B, n, K]
+        ce = -(p * logq).sum(-1)  # [B, n]
+        fl = torch.nn.functional.smooth_l1_loss(s, H[:, j: n + j], reduction="none").mean(-1)  # [B, n]
+        loss = loss + decay ** (j - 1) * ((ce + feat_weight * fl) * ok).sum() / ok.sum().clamp(min=1)
+        with torch.no_grad():
+            agree.append(float(((cand.argmax(-1) == 0).float() * ok).sum() / ok.sum().clamp(min=1)))
+    return loss, agree
+
+
+def new_head(work: Path, n_out: int) -> Any:
+    from edge.drafters.feature_head import FeatureHead, FeatureHeadConfig
+    from shared.tokenizer_id import load_tokenizer, tokenizer_fingerprint
+    freq = phase_freq(work)
+    table, vocab = target_tables()
+    cfg = FeatureHeadConfig(hidden_size=table.shape[1], vocab_size=vocab, n_out=n_out, target_model_id=TARGET.name,
+                            tokenizer_fingerprint=tokenizer_fingerprint(load_tokenizer(TARGET)))
+    head = FeatureHead(cfg)
+    ids = torch.tensor(freq["order"][:n_out])
+    head.out_ids.copy_(ids)
+    head.out.data.copy_(table[ids])
+    centred = table - table.mean(0)
+    _, _, v = torch.linalg.svd(centred, full_matrices=False)  # v [d, d]
+    proj = centred @ v[: cfg.embed_dim].T  # [V, embed_dim]
+    head.embed.weight.data.copy_(proj / proj.std())
+    return head
+
+
+def phase_train(work: Path, args: argparse.Namespace) -> None:
+    """Time-budgeted; checkpoint every few minutes (`head.pt`), resumed by rerunning the same command."""
+    torch.set_num_threads(args.threads)
+    ck = work / "head.pt"
+    head = new_head(work, args.n_out)
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.98))
+    state = {"step": 0, "seconds": 0.0, "log": []}
+    if ck.exists():
+        saved = torch.load(ck)
+        head.load_state_dict(saved["head"])
+        opt.load_state_dict(saved["opt"])
+        state = saved["state"]
+    phase_labels(work, "chat", args.n_out, args.threads)
+    data = Windows(load_shards(work, "chat"), torch.load(work / f"labels-chat-{args.n_out}.pt"),
+                   args.window + args.unroll)
+    print(f"[train] {len(data.hidden)} answers, {int(data.sizes.sum())} positions; from step {state['step']}",
+          flush=True)
+    gen = torch.Generator().manual_seed(1000 + state["step"])
+    budget = args.train_minutes * 60.0
+    t_last, t0 = time.time(), time.time() - state["seconds"]
+    while time.time() - t0 < budget:
+        frac = (time.time() - t0) / budget
+        for g in opt.param_groups:  # warm-up, then cosine to 10 %
+            g["lr"] = args.lr * min(1.0, (state["step"] + 1) / 100) * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
+        negatives = torch.randint(0, args.n_out, (args.negatives,), generator=gen)
+        loss, agree = unrolled_loss(head, data.batch(args.batch, gen), args.unroll, args.feat_weight, args.decay,
+                                    negatives)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        state["step"] += 1
+        if state["step"] % args.log_every == 0:
+            state["log"].append({"step": state["step"], "loss": round(float(loss), 4),
+                                 "agree": [round(a, 3) for a in agree]})
+            print(f"[train] step {state['step']} loss {float(loss):.3f} agree {[round(a, 3) for a in agree]} "
+                  f"{time.time() - t0:.0f} s", flush=True)
+        if time.time() - t_last > 300 or time.time() - t0 >= budget:
+            state["seconds"] = time.time() - t0
+            torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "state": state}, ck.with_suffix(".tmp"))
+            ck.with_suffix(".tmp").rename(ck)
+            t_last = time.time()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("phase", choices=["prompts", "answers", "eval", "freq", "train", "all"])
+    ap.add_argument("--work", type=Path, required=True, help="data and checkpoints (outside the work tree)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--gen-batch", type=int, default=32)
+    ap.add_argument("--max-new", type=int, default=192)
+    ap.add_argument("--train-prompts", type=int, default=4000)
+    ap.add_argument("--n-out", type=int, default=16384, help="rows of the frequency-ranked output layer")
+    ap.add_argument("--train-minutes", type=float, default=60)
+    ap.add_argument("--batch", type=int, default=32, help="windows per step")
+    ap.add_argument("--window", type=int, default=48, help="start positions per window")
+    ap.add_argument("--unroll", type=int, default=6, help="drafted positions scored per start")
+    ap.add_argument("--negatives", type=int, default=1024, help="shared sampled ids per step")
+    ap.add_argument("--log-every", type=int, default=20)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--feat-weight", type=float, default=1.0)
+    ap.add_argument("--decay", type=float, default=0.8, help="weight of unrolled step j: decay ** (j - 1)")
+    args = ap.parse_args(argv)
+    args.work.mkdir(parents=True, exist_ok=True)
+    from head_prompts import build_prompts
+    train, evals = build_prompts()
+    (args.work / "prompts.json").write_text(json.dumps({"train": train, "eval": evals}, indent=0))
+    if args.phase in ("eval", "all"):
+        phase_answers(args.work, evals, "eval", args, sample_every=0)
+    if args.phase in ("answers", "all"):
+        phase_answers(args.work, train[:args.train_prompts], "chat", args, sample_every=4)
+    if args.phase == "train":
+        phase_train(args.work, args)
+    if args.phase == "freq":
+        res = phase_freq(args.work)
+        print({k: v for k, v in res.items() if k != "order"})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""The target feature on the wire: one hidden-state vector, float16 or int8 with one scale.
+
+float16 keeps the target's own state to its precision (2 bytes a value: 1,152 bytes for a width of
+576). int8 halves that (576 bytes and a 4-byte scale): value = scale * q, q = round(x / scale),
+scale = max |x| / 127. Both sides call these, so what the edge's head sees is decided here alone.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shared.protocol import TargetFeature
+
+ENCODINGS = ("float16", "int8")
+
+
+def encode_feature(h: torch.Tensor, encoding: str, prefix_len: int) -> TargetFeature:
+    """A [d] state as a TargetFeature."""
+    x = h.detach().reshape(-1).float().cpu()  # [d]
+    if encoding == "float16":
+        return TargetFeature(prefix_len, encoding, x.half().numpy().astype("<f2").tobytes())
+    if encoding == "int8":
+        scale = float(x.abs().max()) / 127.0 or 1.0
+        q = (x / scale).round().clamp(-127, 127).to(torch.int8)  # [d]
+        return TargetFeature(prefix_len, encoding, q.numpy().tobytes(), scale)
+    raise ValueError(f"unknown feature encoding {encoding!r}: one of {', '.join(ENCODINGS)}")
+
+
+def decode_feature(f: TargetFeature) -> torch.Tensor:
+    """The [d] float32 vector of a TargetFeature."""
+    import numpy as np
+    if f.encoding == "float16":
+        return torch.from_numpy(np.frombuffer(f.data, dtype="<f2").astype(np.float32))
+    if f.encoding == "int8":
+        return torch.from_numpy(np.frombuffer(f.data, dtype=np.int8).astype(np.float32)) * f.scale
+    raise ValueError(f"unknown feature encoding {f.encoding!r}")
+
+
+def feature_bytes(f: TargetFeature | None) -> int:
+    """Bytes of the vector and its scale (what the feature adds to an answer, before the transport's framing)."""
+    if f is None:
+        return 0
+    return len(f.data) + (4 if f.encoding == "int8" else 0)
+
+
+def feature_to_json(f: TargetFeature | None) -> dict[str, object] | None:
+    """REST form: the bytes as base64."""
+    import base64
+    if f is None:
+        return None
+    return {"prefix_len": f.prefix_len, "encoding": f.encoding, "data": base64.b64encode(f.data).decode(),
+            "scale": f.scale}
+
+
+def feature_from_json(d: dict[str, object] | None) -> TargetFeature | None:
+    """A REST answer's feature; None when absent or not of a known encoding (an edge then drafts without it)."""
+    import base64
+    if not d or d.get("encoding") not in ENCODINGS:
+        return None
+    return TargetFeature(int(d["prefix_len"]), str(d["encoding"]),  # type: ignore[call-overload]
+                         base64.b64decode(str(d["data"])), float(d.get("scale") or 0.0))  # type: ignore[arg-type]
