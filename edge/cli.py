@@ -172,6 +172,8 @@ def summary_table(result: GenerationResult) -> str:
             ("of those after a missed deadline", m.timeout_fallbacks),
             ("retries / reopens / resyncs / timeouts", f"{m.retries} / {m.reopens} / {m.resyncs} / {m.timeouts}"),
             ("bytes up / down", f"{m.bytes_up} / {m.bytes_down}"),
+            ("feature-fed rounds / fallback rounds, feature bytes per round",
+             f"{m.head_rounds} / {m.fallback_rounds}, {m.feature_bytes_per_round:.0f}"),
             ("edge / rtt / cloud prefill ms", f"{m.edge_time_ms:.0f} / {m.rtt_ms:.0f} / {m.cloud_prefill_ms:.0f}"),
             ("drafted ahead: guess held / tried, tokens, ms saved / waited",
              f"{m.ahead_hits} / {m.ahead_rounds}, {m.ahead_tokens}, {m.ahead_saved_ms:.0f} / {m.ahead_wait_ms:.0f}"),

@@ -7,9 +7,11 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, TypeVar
 
 from shared.config import SamplingConfig
@@ -30,6 +32,7 @@ from .transport.base import ModelInfo, Transport, check_route_key, new_route_key
 from .transport.errors import CloudTimeout, is_retryable, retry_delay
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -139,7 +142,9 @@ def check_tokenizer_dir(settings: EdgeSettings) -> str:
 def _draft_part(drafter: Any, name: str) -> Any:
     """Attribute `name` of a model drafter, also inside a hybrid (.model) or a server's wrapper (.inner)."""
     inner = getattr(drafter, "inner", None)
-    for part in (drafter, getattr(drafter, "model", None), inner, getattr(inner, "model", None)):
+    fallback = getattr(drafter, "fallback", None)
+    for part in (drafter, getattr(drafter, "model", None), inner, getattr(inner, "model", None), fallback,
+                 getattr(fallback, "model", None)):
         value = getattr(part, name, None)
         if value is not None:
             return value
@@ -164,6 +169,8 @@ class EdgeClient:
         self._tokenizer = tokenizer
         # the cloud's model (GET /v1/model), asked for once unless given
         self._model_info = model_info
+        self._head: Any = None
+        self._head_warned = False
         self.clock = clock
         self.sleep = sleep
 
@@ -325,11 +332,45 @@ class EdgeClient:
             return CostModelK(k=s.k_start, k_min=k_min, k_max=s.k_max)
         return KController(k=s.k_start, k_min=k_min, k_max=s.k_max, up_at=s.k_up_at, down_at=s.k_down_at)
 
+    def head(self) -> Any:
+        """The feature-fed head of the settings (loaded once), or None for "none"."""
+        if self.settings.head == "none":
+            return None
+        if self._head is None:
+            from .drafters.feature_head import FeatureHead, is_feature_head
+
+            if not is_feature_head(self.settings.head):
+                from shared.kvpool import UnsupportedModel
+                raise UnsupportedModel(f"{self.settings.head} holds no feature-fed head (feature_head.json): pass "
+                                       "--head DIR or --head none")
+            self._head = FeatureHead.load(Path(self.settings.head), self.settings.device)
+        return self._head
+
+    def _feature_fed(self, info: ModelInfo, drafter: Drafter) -> Drafter | None:
+        """`drafter` wrapped by the feature-fed head when the cloud offers features the head was trained on."""
+        if not isinstance(drafter, NoDrafter) and info.feature_size and self.settings.feature_encoding in \
+                info.feature_encodings and self.head() is not None:
+            from .drafters.feature_head import FeatureDrafter
+
+            cfg = self._head.cfg
+            if cfg.hidden_size == info.feature_size and cfg.tokenizer_fingerprint in ("", info.tokenizer_fingerprint):
+                return FeatureDrafter(self._head, drafter)
+            if not self._head_warned:
+                self._head_warned = True
+                log.warning("the feature-fed head %s was trained on another target (width %d, tokenizer %s; the "
+                            "cloud's: %d, %s): drafting without it", self.settings.head, cfg.hidden_size,
+                            cfg.tokenizer_fingerprint, info.feature_size, info.tokenizer_fingerprint)
+        return None
+
     def _speculative(self, job: _Job, drafter: Drafter | None = None, origin_map: dict[str, Origin] | None = None,
                      ) -> Generator[CommittedToken, None, None]:
         s = self.settings
         drafter = drafter or self.drafter
         info = self.model_info()
+        fed = self._feature_fed(info, drafter)
+        if fed is not None:
+            drafter = fed
+            job.params = replace(job.params, feature_encoding=s.feature_encoding)
         rows = _draft_part(drafter, "logit_rows")
         support = check_pairing(info, self.tokenizer, self.settings.tokenizer_dir(), _draft_fingerprint(drafter),
                                 int(rows) if rows is not None else None)

@@ -125,6 +125,13 @@ class EdgeMetrics:
     ahead_tokens: int = 0
     ahead_saved_ms: float = 0.0
     ahead_wait_ms: float = 0.0
+    # feature-fed drafting: rounds drafted by the head from the cloud's feature, rounds with k > 0 drafted by
+    # the tokens-only fallback, and feature bytes received with verify answers and with opens (vector and
+    # scale, before the transport's framing)
+    head_rounds: int = 0
+    fallback_rounds: int = 0
+    feature_bytes: int = 0
+    open_feature_bytes: int = 0
     # wall time from start to the first emitted token, and to the end
     ttft_ms: float = 0.0
     wall_ms: float = 0.0
@@ -153,8 +160,13 @@ class EdgeMetrics:
             self.position_drafted[i] += 1
             self.position_accepted[i] += int(i < accepted_len)
 
+    @property
+    def feature_bytes_per_round(self) -> float:
+        """Feature bytes received with verify answers, per verified round."""
+        return self.feature_bytes / self.verify_calls if self.verify_calls else 0.0
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d.update(acceptance_rate=self.acceptance_rate, mean_accepted_len=self.mean_accepted_len,
-                 tokens_per_call=self.tokens_per_call)
+                 tokens_per_call=self.tokens_per_call, feature_bytes_per_round=self.feature_bytes_per_round)
         return d

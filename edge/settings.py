@@ -27,6 +27,16 @@ Mode = Literal["speculative", "edge_only", "cloud_only"]
 DEFAULT_DRAFTS = ("smollm2-135m-draft", "demo-draft")
 
 
+# The feature-fed head of the real pair (edge/drafters/feature_head.py), used when the cloud offers features.
+DEFAULT_HEAD = "smollm2-135m-head"
+
+
+def default_head() -> str:
+    """The repository's feature-fed head when it holds one, else "none"."""
+    path = REPO_ROOT / "models" / DEFAULT_HEAD
+    return str(path) if path.is_dir() else "none"
+
+
 def default_draft() -> str:
     """The first of DEFAULT_DRAFTS the repository holds, else the n-gram drafter."""
     for name in DEFAULT_DRAFTS:
@@ -49,6 +59,11 @@ class EdgeSettings(BaseSettings):
     route_key: str | None = Field(default=None, pattern=r"^[A-Za-z0-9._~-]{1,128}$")
     # a Hugging Face causal-LM directory, or "ngram" for the n-gram drafter
     draft: str = Field(default_factory=default_draft)
+    # a feature-fed draft head directory, or "none": drafts from the target's hidden state whenever the cloud
+    # offers it (GET /v1/model feature_size), with `draft` as its fallback for rounds without a feature
+    head: str = Field(default_factory=default_head)
+    # how the cloud sends the feature: "float16" (1,152 bytes a round for SmolLM2) or "int8" (580)
+    feature_encoding: Literal["float16", "int8"] = "float16"
     # tokenizer directory; default: the draft directory, else the first default draft present
     tokenizer: str | None = None
     # torch device of the draft model

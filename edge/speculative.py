@@ -21,8 +21,16 @@ from dataclasses import dataclass
 
 from shared.config import SamplingConfig
 from shared.errors import ContextMismatch, NotFound, SpecSplitError
+from shared.features import decode_feature, feature_bytes
 from shared.hashing import FNV_OFFSET, hash_hex, prefix_hashes
-from shared.protocol import DraftProposal, OpenSessionRequest, SparseDist, VerifyRequest, VerifyResponse
+from shared.protocol import (
+    DraftProposal,
+    OpenSessionRequest,
+    SparseDist,
+    TargetFeature,
+    VerifyRequest,
+    VerifyResponse,
+)
 from shared.verify import sample_residual
 
 from .deadline import DeadlineConfig, VerifyDeadline
@@ -70,6 +78,8 @@ class SessionParams:
     correction: str = "strict"
     # send the draft's sparse q distributions
     send_q_dists: bool = False
+    # "" or the encoding of the target feature to ask for (a feature-fed drafter)
+    feature_encoding: str = ""
 
 
 class SpeculativeRun:
@@ -122,13 +132,27 @@ class SpeculativeRun:
     def _open(self) -> None:
         """(Re)open with the whole committed S as the prompt."""
         req = OpenSessionRequest(prompt_ids=list(self.S), sampling_cfg=self.params.sampling, seed=self.params.seed,
-                                 correction=self.params.correction, max_new_tokens=self._budget)
+                                 correction=self.params.correction, max_new_tokens=self._budget,
+                                 feature_encoding=self.params.feature_encoding)
         info = self._call(lambda: self.transport.open_session(req, self.policy.open_timeout_s), retry_timeouts=True)
         if info.ctx_len != len(self.S) or info.ctx_hash != self.hash_at(len(self.S)):
             raise SpecSplitError(f"opened session holds {info.ctx_len} tokens / hash {info.ctx_hash}, "
                                  f"expected {len(self.S)} / {self.hash_at(len(self.S))}")
         self.ctx_id, self.cloud_len, self.vocab_size = info.ctx_id, info.ctx_len, info.vocab_size
         self._stale_floor = NO_STALE
+        self._take_feature(info.feature, opened=True)
+
+    def _take_feature(self, f: TargetFeature | None, opened: bool = False) -> None:
+        """Hand the cloud's feature to a feature-fed drafter (a reopen or a resync gets a new one)."""
+        if f is None or not self.params.feature_encoding:
+            return
+        if opened:
+            self.metrics.open_feature_bytes += feature_bytes(f)
+        else:
+            self.metrics.feature_bytes += feature_bytes(f)
+        set_feature = getattr(self.drafter, "set_feature", None)
+        if set_feature is not None and 0 < f.prefix_len <= len(self.S):
+            set_feature(self.S[:f.prefix_len], decode_feature(f))
 
     def _extend(self, tokens: Sequence[int]) -> None:
         self._states.extend(prefix_hashes(tokens, self._states[-1] if self._states else FNV_OFFSET))
@@ -207,6 +231,15 @@ class SpeculativeRun:
         return self._commit_verified(block, resp, edge_ms, rtt_ms, traffic, decision, extra_calls)
 
     def _draft(self, k: int) -> tuple[DraftBlock, AheadOutcome]:
+        """This round's block; counts whether a feature-fed drafter drafted it from the cloud's feature."""
+        block, outcome = self._draft_block(k)
+        from_head = getattr(self.drafter, "last_from_head", None)
+        if block.k > 0 and from_head is not None:
+            self.metrics.head_rounds += int(from_head)
+            self.metrics.fallback_rounds += int(not from_head)
+        return block, outcome
+
+    def _draft_block(self, k: int) -> tuple[DraftBlock, AheadOutcome]:
         """This round's block: the part drafted ahead during the last verify when its guess held, the rest now."""
         if self.ahead is None:
             return self.drafter.propose(self.S, k, self.params.sampling, self.params.seed), AheadOutcome()
@@ -330,6 +363,7 @@ class SpeculativeRun:
         self._extend([t for t, _ in out])
         if 0 <= resp.ctx_len <= len(self.S) and resp.ctx_hash == self.hash_at(resp.ctx_len):
             self.cloud_len = resp.ctx_len  # the residual (if any) goes as append_ids next round
+            self._take_feature(resp.feature)
         else:
             log.warning("cloud context %d/%s disagrees with ours after the round: reopening next round",
                         resp.ctx_len, resp.ctx_hash)

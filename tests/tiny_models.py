@@ -64,3 +64,28 @@ def build(arch: str, out_dir: Path, seed: int = 0) -> Path:
         if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
             shutil.copy(f, out_dir / f.name)
     return out_dir
+
+
+def build_feature_head(target_dir: Path, out_dir: Path, n_out: int | None = None, seed: int = 0) -> Path:
+    """An untrained feature-fed head for the model in target_dir (edge/drafters/feature_head.py): its
+    output rows are the target's own for the first `n_out` ids (all by default), its blocks random, so
+    the first draft after a feature is the target's own distribution over those ids."""
+    from edge.drafters.feature_head import FeatureHead, FeatureHeadConfig
+    from shared.tokenizer_id import load_tokenizer, tokenizer_fingerprint
+
+    target = tf.AutoModelForCausalLM.from_pretrained(target_dir)
+    table = target.get_output_embeddings().weight.detach().float()  # [V, d]
+    n = n_out or table.shape[0]
+    cfg = FeatureHeadConfig(hidden_size=table.shape[1], vocab_size=table.shape[0], n_out=n, embed_dim=16,
+                            ffn_size=64, blocks=1, target_model_id=target_dir.name,
+                            tokenizer_fingerprint=tokenizer_fingerprint(load_tokenizer(target_dir)))
+    torch.manual_seed(seed)
+    head = FeatureHead(cfg)
+    with torch.no_grad():
+        head.out_ids.copy_(torch.arange(n))
+        head.out.copy_(table[:n])
+        head.embed.weight.normal_()
+        for b in head.blocks:
+            b.down.weight.normal_(std=0.02)
+    head.save(out_dir)
+    return out_dir

@@ -82,6 +82,8 @@ class Block(nn.Module):
 
 
 class FeatureHead(nn.Module):
+    out_ids: torch.Tensor  # [n_out] the vocabulary ids of the output rows (a buffer)
+
     def __init__(self, cfg: FeatureHeadConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -152,11 +154,21 @@ class FeatureDrafter:
         self.fallback = fallback
         self.wants_top_k = int(getattr(fallback, "wants_top_k", 0))
         self.max_context = getattr(fallback, "max_context", None)
-        self.vocab_size = head.cfg.vocab_size
+        self._vocab_size = head.cfg.vocab_size
         self.feature: Feature | None = None
-        # rounds drafted by the head / by the fallback
-        self.head_rounds = 0
-        self.fallback_rounds = 0
+        # whether the last block with k > 0 came from the head (None: none drafted yet)
+        self.last_from_head: bool | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        """The ids q is taken over (the target's tokenizer_size once paired); the fallback's too."""
+        return self._vocab_size
+
+    @vocab_size.setter
+    def vocab_size(self, n: int) -> None:
+        self._vocab_size = n
+        if self.fallback is not None and hasattr(self.fallback, "vocab_size"):
+            self.fallback.vocab_size = n
 
     @classmethod
     def from_dir(cls, head_dir: str | Path, fallback: object | None, device: str = "cpu") -> FeatureDrafter:
@@ -185,11 +197,11 @@ class FeatureDrafter:
     @torch.no_grad()
     def propose(self, context: Sequence[int], k: int, cfg: SamplingConfig, seed: int) -> DraftBlock:
         if k > 0 and self.usable(context):
-            self.head_rounds += 1
+            self.last_from_head = True
             return self._draft(context, k, cfg, seed)
         if self.fallback is None or k <= 0:
             return DraftBlock(tokens=[], q_probs=[], kind=self.kind)
-        self.fallback_rounds += 1
+        self.last_from_head = False
         return self.fallback.propose(context, k, cfg, seed)  # type: ignore[attr-defined, no-any-return]
 
     def _draft(self, context: Sequence[int], k: int, cfg: SamplingConfig, seed: int) -> DraftBlock:
@@ -205,8 +217,10 @@ class FeatureDrafter:
         seen = torch.zeros(self.vocab_size, dtype=torch.bool)  # [vocab]
         seen[torch.as_tensor(list(context), dtype=torch.long)] = True
         full = torch.full((self.vocab_size,), float("-inf"))  # [vocab]
+        rows = head.out_ids < self.vocab_size  # [n_out] ids the tokenizer defines
+        ids = head.out_ids[rows].cpu()
         for i in range(k):
-            full[head.out_ids] = head.logits(s).float().cpu()  # [vocab]: -inf outside out_ids
+            full[ids] = head.logits(s)[rows].float().cpu()  # [vocab]: -inf outside out_ids
             q = process_logits(full[None], cfg, seen[None])[0].to(torch.float64)  # [vocab]
             pos = len(context) + i + 1
             y = int(q.argmax()) if cfg.greedy else sample_index(q, position_uniform(seed, pos, DRAFT_STREAM))

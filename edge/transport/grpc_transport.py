@@ -10,6 +10,7 @@ from typing import Any
 import grpc
 
 from shared.config import SamplingConfig
+from shared.features import ENCODINGS
 from shared.pb import verify_pb2 as pb
 from shared.pb import verify_pb2_grpc as pb_grpc
 from shared.protocol import (
@@ -17,6 +18,7 @@ from shared.protocol import (
     RoundMetrics,
     SessionInfo,
     SparseDist,
+    TargetFeature,
     VerifyRequest,
     VerifyResponse,
 )
@@ -49,13 +51,20 @@ def verify_response_from_pb(m: pb.VerifyResponse) -> VerifyResponse:
         target_dist=SparseDist(list(m.target_dist.ids), list(m.target_dist.probs)) if m.HasField("target_dist") else None,
         ctx_len=m.ctx_len, ctx_hash=m.ctx_hash, top_k_ids=[list(row.ids) for row in m.top_k_ids],
         metrics=RoundMetrics(alpha_mean=m.metrics.alpha_mean, la_over_k=m.metrics.la_over_k,
-                             prefill_ms=m.metrics.prefill_ms, queue_ms=m.metrics.queue_ms))
+                             prefill_ms=m.metrics.prefill_ms, queue_ms=m.metrics.queue_ms),
+        feature=feature_from_pb(m.feature) if m.HasField("feature") else None)
+
+
+def feature_from_pb(m: pb.TargetFeature) -> TargetFeature | None:
+    if m.encoding not in ENCODINGS:
+        return None
+    return TargetFeature(m.prefix_len, m.encoding, bytes(m.data), m.scale)
 
 
 def session_from_pb(m: pb.SessionInfo) -> SessionInfo:
     counters = json.loads(m.counters_json) if m.counters_json else {}
     return SessionInfo(ctx_id=m.ctx_id, ctx_len=m.ctx_len, ctx_hash=m.ctx_hash, vocab_size=m.vocab_size,
-                       counters=counters)
+                       counters=counters, feature=feature_from_pb(m.feature) if m.HasField("feature") else None)
 
 
 class GrpcTransport:
@@ -97,7 +106,7 @@ class GrpcTransport:
     def open_session(self, req: OpenSessionRequest, timeout: float) -> SessionInfo:
         msg = pb.OpenSessionRequest(
             prompt_ids=req.prompt_ids, seed=req.seed, correction=req.correction, max_new_tokens=req.max_new_tokens,
-            sampling_cfg=sampling_to_pb(req.sampling_cfg))
+            sampling_cfg=sampling_to_pb(req.sampling_cfg), feature_encoding=req.feature_encoding)
         return session_from_pb(self._call(self._stub.OpenSession, msg, timeout))
 
     def verify(self, req: VerifyRequest, timeout: float, sampling: SamplingConfig | None = None) -> VerifyResponse:
@@ -114,7 +123,8 @@ class GrpcTransport:
         return ModelInfo(model_id=m.model_id, vocab_size=m.vocab_size, eos_ids=list(m.eos_ids),
                          max_context=m.max_context, dtype=m.dtype, device=m.device,
                          tokenizer_fingerprint=m.tokenizer_fingerprint, max_k=m.max_k,
-                         tokenizer_size=m.tokenizer_size)
+                         tokenizer_size=m.tokenizer_size, feature_size=m.feature_size,
+                         feature_encodings=list(m.feature_encodings))
 
     def generate(self, prompt_ids: list[int], cfg: SamplingConfig, seed: int, max_new_tokens: int,
                  timeout: float) -> GenerateResult:

@@ -11,6 +11,7 @@ import httpx
 
 from shared.config import SamplingConfig
 from shared.errors import InvalidArgument
+from shared.features import feature_from_json
 from shared.protocol import (
     OpenSessionRequest,
     RoundMetrics,
@@ -49,12 +50,14 @@ def verify_response_from_json(d: dict[str, Any]) -> VerifyResponse:
         top_k_ids=[[int(i) for i in row] for row in d.get("top_k_ids") or []],
         metrics=RoundMetrics(**{k: float(m[k]) for k in ("alpha_mean", "la_over_k", "prefill_ms", "queue_ms")
                                 if k in m}),
+        feature=feature_from_json(d.get("feature")),
     )
 
 
 def session_from_json(d: dict[str, Any]) -> SessionInfo:
     return SessionInfo(ctx_id=str(d["ctx_id"]), ctx_len=int(d["ctx_len"]), ctx_hash=str(d["ctx_hash"]),
-                       vocab_size=int(d.get("vocab_size", 0)), counters=dict(d.get("counters") or {}))
+                       vocab_size=int(d.get("vocab_size", 0)), counters=dict(d.get("counters") or {}),
+                       feature=feature_from_json(d.get("feature")))
 
 
 class RestTransport:
@@ -108,6 +111,8 @@ class RestTransport:
     def open_session(self, req: OpenSessionRequest, timeout: float) -> SessionInfo:
         body = {"prompt_ids": req.prompt_ids, "sampling_cfg": req.sampling_cfg.to_dict(), "seed": req.seed,
                 "correction": req.correction, "max_new_tokens": req.max_new_tokens}
+        if req.feature_encoding:  # only when asked: an older cloud never sees the field
+            body["feature_encoding"] = req.feature_encoding
         return session_from_json(self._call("POST", "/v1/sessions", body, timeout))
 
     def verify(self, req: VerifyRequest, timeout: float, sampling: SamplingConfig | None = None) -> VerifyResponse:
@@ -129,7 +134,9 @@ class RestTransport:
                          eos_ids=[int(i) for i in d.get("eos_ids") or []], max_context=int(d.get("max_context") or 0),
                          dtype=str(d.get("dtype", "")), device=str(d.get("device", "")),
                          tokenizer_fingerprint=str(d.get("tokenizer_fingerprint", "")), max_k=int(d.get("max_k") or 0),
-                         tokenizer_size=int(d.get("tokenizer_size") or 0))
+                         tokenizer_size=int(d.get("tokenizer_size") or 0),
+                         feature_size=int(d.get("feature_size") or 0),
+                         feature_encodings=[str(e) for e in d.get("feature_encodings") or []])
 
     def generate(self, prompt_ids: list[int], cfg: SamplingConfig, seed: int, max_new_tokens: int,
                  timeout: float) -> GenerateResult:

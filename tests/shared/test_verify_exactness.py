@@ -68,8 +68,18 @@ def _tables() -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     # top-p / top-k truncated, through the shared processing itself: zeros on both sides
     topp_p = _normalised(process_logits(torch.randn(V, V, generator=g), SamplingConfig(top_p=0.8)))
     topp_q = _normalised(process_logits(torch.randn(V, V, generator=g), SamplingConfig(top_p=0.9, top_k=4)))
+    # a frequency-ranked output layer (FR-Spec; the feature-fed head's): the draft proposes from a fixed
+    # subset only, through the shared processing with -inf elsewhere (q = 0 there), and the target puts
+    # about half of its mass on the two ids the subset leaves out
+    left_out = torch.zeros(V, dtype=torch.bool)
+    left_out[:2] = True
+    red_p = _normalised(random_rows(g, V) + torch.where(left_out, 1.5, 0.0))
+    red_q = _normalised(process_logits(torch.randn(V, V, generator=g).masked_fill(left_out, float("-inf")),
+                                       SamplingConfig()))
+    assert bool((red_q[:, left_out] == 0).all()) and float(red_p[:, left_out].sum(-1).min()) > 0.4
     return {
         "random": (rand_p, rand_q),
+        "reduced": (red_p, red_q),
         "peaked": (peaked_p, peaked_q),
         "disjoint": (disj_p, disj_q),
         "top_p": (topp_p, topp_q),
@@ -109,8 +119,8 @@ class Case:
 # supports in split mode only (every draft is rejected and the residual is p: the dense path's
 # _residual is the same function, exercised by every other dense case)
 _FAMILIES: dict[Mode, list[tuple[str, int]]] = {
-    "dense": [("random", 2), ("peaked", 3), ("top_p", 2), ("equal", 1)],
-    "split": [("random", 2), ("peaked", 3), ("disjoint", 2), ("top_p", 2), ("near", 1)],
+    "dense": [("random", 2), ("peaked", 3), ("top_p", 2), ("equal", 1), ("reduced", 3)],
+    "split": [("random", 2), ("peaked", 3), ("disjoint", 2), ("top_p", 2), ("near", 1), ("reduced", 3)],
     "deterministic": [("det_argmax", 3), ("det_zero_mass", 2), ("det_map", 1)],
 }
 CASES = [Case(f, k, mode, 1_000_000 * (10 * m + i + 1))
@@ -148,6 +158,15 @@ def test_shortcut_correction_is_flagged_as_biased() -> None:
     (correction drawn from p_j instead of the residual) on the truncated pair, where it
     re-emits the rejected draft tokens too often."""
     first, both = _run(Case("top_p", 2, "split", 1_000_000 * 99 + 1), correction="shortcut", n=20_000)
+    assert first.pvalue < ALPHA and both.pvalue < ALPHA, (first, both)
+
+
+def test_shortcut_correction_with_a_reduced_vocabulary_draft_is_flagged_as_biased() -> None:
+    """The same test (0.001, N = 20,000) rejects correction="shortcut" for the reduced-vocabulary draft
+    (q = 0 on two ids that carry about half of the target's mass): drawn from p_j instead of the
+    residual, a correction re-emits the rejected draft token too often. The strict rule passes the same
+    pair in both dense and split modes (CASES)."""
+    first, both = _run(Case("reduced", 3, "split", 1_000_000 * 99 + 3), correction="shortcut", n=20_000)
     assert first.pvalue < ALPHA and both.pvalue < ALPHA, (first, both)
 
 
