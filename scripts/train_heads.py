@@ -267,7 +267,7 @@ def phase_train(work: Path, args: argparse.Namespace) -> None:
     head = new_head(work, args.n_out)
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.98))
-    state = {"step": 0, "seconds": 0.0, "log": []}
+    state: dict[str, Any] = {"step": 0, "seconds": 0.0, "log": []}
     if ck.exists():
         saved = torch.load(ck)
         head.load_state_dict(saved["head"])
