@@ -53,7 +53,8 @@ _FLAGS: dict[str, str] = {"cloud": "cloud_url", "grpc": "grpc_target", "api_key"
                           "ngram_order": "ngram_order",
                           "filler_top_k": "filler_top_k", "device": "device", "r_hard": "r_hard",
                           "hybrid": "hybrid", "route_key": "route_key", "k_policy": "k_policy",
-                          "draft_ahead": "draft_ahead", "max_body_bytes": "max_body_bytes"}
+                          "draft_ahead": "draft_ahead", "max_body_bytes": "max_body_bytes", "head": "head",
+                          "feature_encoding": "feature_encoding"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,8 +67,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--api-key", help="Bearer key for the cloud")
     g.add_argument("--route-key", help="routing key sent as X-Specsplit-Route (default: a random one per run); "
                                        "a load balancer hashing on it keeps the session on one replica")
-    g.add_argument("--draft", help="draft model directory or 'ngram'")
-    g.add_argument("--tokenizer", help="tokenizer directory (default: the draft's, or models/demo-*)")
+    g.add_argument("--draft", help="tokens-only draft: a model directory or 'ngram' (default "
+                                   "models/smollm2-135m-draft)")
+    g.add_argument("--head", help="feature-fed draft head directory, or 'none'; used whenever the cloud offers "
+                                  "the target's features (default models/smollm2-135m-head), --draft otherwise")
+    g.add_argument("--feature-encoding", choices=["float16", "int8"],
+                   help="how the cloud sends the feature (default float16: 1,152 bytes a round for SmolLM2)")
+    g.add_argument("--tokenizer", help="tokenizer directory (default: the draft's; with --draft ngram, "
+                                       "models/smollm2-135m-draft, SmolLM2-135M-Instruct's tokenizer)")
     g.add_argument("--mode", choices=["speculative", "edge_only", "cloud_only"])
     g.add_argument("--max-new-tokens", type=int)
     g.add_argument("--temperature", type=float, help="0 = greedy (default 1.0)")
@@ -146,10 +153,14 @@ class LiveText:
 
     def __init__(self, client: EdgeClient, out: TextIO, colour: bool) -> None:
         self.client, self.out, self.colour = client, out, colour
+        # special tokens (an answer's end-of-turn, e.g. <|im_end|>) end the text; they are not printed
+        self.hidden = {int(i) for i in getattr(getattr(client, "tokenizer", None), "all_special_ids", None) or []}
         self.ids: list[int] = []
         self.shown = ""
 
     def add(self, token_id: int, origin: str) -> None:
+        if token_id in self.hidden:
+            return
         self.ids.append(token_id)
         text = self.client.decode(self.ids)
         if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
@@ -241,8 +252,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # a server logs one line per request (INFO); a one-off generation only warnings unless -v
     setup_logging("info" if args.verbose or args.command == "serve" else "warning", args.log_format)
-    if not args.verbose:  # httpx writes a line per cloud call at INFO
+    if not args.verbose:  # httpx writes a line per cloud call at INFO; transformers a bar per model load
         logging.getLogger("httpx").setLevel(logging.WARNING)
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     try:
         return serve(args) if args.command == "serve" else generate(args)
     except ValidationError as e:

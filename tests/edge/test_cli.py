@@ -43,6 +43,19 @@ def test_live_text_colours_each_token_by_origin_only_on_a_terminal() -> None:
     assert plain.getvalue() == "abc"
 
 
+def test_live_text_does_not_print_special_tokens() -> None:
+    """An answer's end-of-turn token (the chat template's <|im_end|>) ends the text; it is not printed."""
+    class WithSpecials(Letters):
+        class tokenizer:  # noqa: N801
+            all_special_ids = [25]
+
+    out = io.StringIO()
+    live = LiveText(WithSpecials(), out, colour=False)  # type: ignore[arg-type]
+    for tok in (0, 1, 25):
+        live.add(tok, "bonus")
+    assert out.getvalue() == "ab"
+
+
 def test_round_log_has_one_line_per_round_with_the_guide_fields(make_client: Any, tmp_path: Path) -> None:
     client, _ = make_client(temperature=0, max_new_tokens=10)
     result = client.generate("x = 1\ny = 2\n")
