@@ -269,6 +269,12 @@ class Prefill:
         last = self.keep_last and self.done + len(chunk) == len(self.ids)
         return Row(self.slot, self.done, chunk, keep=1 if last else 0)
 
+    def unplan(self, pool: KVPool) -> None:
+        """Give the prefix-cache blocks back while nothing of this prefill has run (it plans again later)."""
+        if self.slot is not None and self.done == self.reused:
+            pool.release(self.slot)
+            self.slot, self.done, self.reused = None, 0, 0
+
     def advance(self, pool: KVPool, row: Row | None = None) -> bool:
         """After a forward of `row` (default: a chunk of `chunk` tokens): the chunk is cached; True when
         the whole prefill is."""
@@ -295,21 +301,31 @@ class DecodeState:
     kv_len: int = 0
     # prefix-cache salt
     salt: bytes = b""
+    # the slot holds only what the prefix cache gave it (nothing computed yet)
+    fresh: bool = False
 
     def plan(self, pool: KVPool, chunk: int) -> Row:
         """Feed ids[kv_len:] (the last token at least); a long prompt in chunks, logits only at the end."""
         if self.slot is None:
             self.slot = pool.allocate(self.salt)
             self.kv_len = pool.match_prefix(self.slot, self.ids, len(self.ids) - 1)
+            self.fresh = True
         c = min(self.kv_len, len(self.ids) - 1)
         todo = self.ids[c:]
         if len(todo) > chunk:
             return Row(self.slot, c, todo[:max(chunk, 1)], keep=0)
         return Row(self.slot, c, todo, keep=1)
 
+    def unplan(self, pool: KVPool) -> None:
+        """Give the prefix-cache blocks back while nothing of this generation has run (it plans again later)."""
+        if self.slot is not None and self.fresh:
+            pool.release(self.slot)
+            self.slot, self.kv_len, self.fresh = None, 0, False
+
     def step(self, pool: KVPool, row: Row, logits: torch.Tensor, cfg: SamplingConfig, seed: int) -> int | None:
         """After a forward: the token at position len(ids) + 1 (appended), or None after a prompt chunk."""
         assert self.slot is not None
+        self.fresh = False
         self.kv_len = row.past + len(row.ids)
         pool.set_length(self.slot, self.kv_len)
         if row.keep == 0:

@@ -87,6 +87,10 @@ class Job(Generic[T]):
     kind: str = ROUND
     # the API key's owner id (prefills are taken round-robin over owners)
     owner: str = ""
+    # give back what a first plan() took and nothing has used yet (prefix-cache blocks a new sequence
+    # matched): called when the job does not run in this forward after all, so blocks promised to rows
+    # already taken are not held by a job that waits; it plans again later
+    unplan: Callable[[], None] = lambda: None
 
 
 @dataclass
@@ -302,6 +306,13 @@ class Scheduler:
                 self._drop(job)
                 self._resolve(job, error=e)
                 continue
+            if self.blocks_available() < reserved:
+                # its plan took blocks promised to rows already in this forward (a new sequence matching
+                # cached prefix blocks): it gives them back and waits, so no forward lacks its blocks
+                job.unplan()
+                if self.blocks_available() < reserved:
+                    self.make_room(reserved - self.blocks_available())
+                continue
             if row is None:
                 self._drop(job)
                 try:
@@ -314,6 +325,7 @@ class Scheduler:
                 chunked.append(job)  # a long resync: after the running work, in the prefills' share
                 continue
             if batch and len(row.ids) > budget:
+                job.unplan()
                 continue  # waits for a later forward
             # a plan may have taken cached prefix blocks: count what is left now
             need, left = self.blocks_needed(row), self.blocks_available() - reserved
@@ -325,6 +337,8 @@ class Scheduler:
                     self._fail(job, ResourceExhausted(
                         f"the KV cache is full ({need} more blocks needed; no idle session or cached "
                         "block is left to evict); retry later", limit="kv_budget_bytes"))
+                else:
+                    job.unplan()
                 continue  # waits for a later forward
             reserved += need
             budget -= len(row.ids)

@@ -215,7 +215,8 @@ class VerifierService:
             if pre.slot is not None:
                 self.model.pool.crop(pre.slot, pre.done)
 
-        return Job(plan=plan, finish=finish, abort=abort, answer=lambda: spent[0], kind=PREFILL, owner=owner)
+        return Job(plan=plan, finish=finish, abort=abort, answer=lambda: spent[0], kind=PREFILL, owner=owner,
+                   unplan=lambda: pre.unplan(self.model.pool))
 
     def _make_room(self, blocks: int) -> None:
         """On the model thread, when a forward needs `blocks` more KV blocks than are left (cached prefix
@@ -431,7 +432,7 @@ class VerifierService:
                 self.model.pool.crop(st.slot, st.kv_len)
 
         return Job(plan=plan, finish=finish, abort=abort, key=f"generate-{id(st)}",
-                   kind=PREFILL if first else DECODE, owner=owner)
+                   kind=PREFILL if first else DECODE, owner=owner, unplan=lambda: st.unplan(self.model.pool))
 
     # --- housekeeping -------------------------------------------------------------------------
     def render_metrics(self) -> bytes:

@@ -255,3 +255,47 @@ def test_a_long_resync_runs_in_chunks_and_answers_exactly(
     resp = asyncio.run(main())
     assert (resp.accepted_len, resp.correction, resp.ctx_len) == (3, truth[3], len(resync) + 4)
     assert len(forwards) >= 5 and max(b.tokens for b in forwards) <= 16
+
+
+def test_an_open_that_matches_cached_blocks_cannot_take_the_blocks_a_round_was_promised(
+        make_service: Callable[..., VerifierService], text_ids: Callable[[int, int], list[int]],
+        tiny_target: Any, tiny_reference: CausalLM) -> None:
+    """The race of a tight budget, driven deterministically (both requests queued behind a held model
+    thread, then one forward is built): 8 blocks of 4 positions; two cached prefix blocks (a closed
+    session's 8-position prompt) are the only ones left while session A (6 blocks) sends a k = 3 round
+    that needs one more block, and an open whose prompt is wholly in the prefix cache arrives with it.
+    The open's prefix match must not take the block the round was promised: no forward fails for
+    memory, the round answers with the target's greedy token, and the pool stays within its budget."""
+    budget = 8 * 4 * tiny_target.kv_bytes_per_token
+    svc = make_service(kv_budget_bytes=budget, kv_block_size=4)
+    cached_prompt, a_prompt = text_ids(9, 1), text_ids(24, 2)
+    failed: list[int] = []
+    real_forward = svc.worker.forward
+
+    def counting(rows: list[Row]) -> list[torch.Tensor]:
+        try:
+            assert real_forward is not None
+            return real_forward(rows)
+        except Exception:
+            failed.append(len(rows))
+            raise
+
+    svc.worker.forward = counting
+
+    async def main() -> None:
+        p = await svc.open_session(OpenSessionRequest(cached_prompt, GREEDY), "")
+        svc.close_session(p.ctx_id, "")
+        a = await svc.open_session(OpenSessionRequest(a_prompt, GREEDY), "")
+        await asyncio.sleep(0.05)  # the closed session's slot is released on the model thread
+        m = svc.model.pool.manager
+        assert len(m.cached) == 2 and m.available() == 2
+        truth = greedy_continuation(tiny_reference, a_prompt, 4)
+        got = await gated(svc, [svc.verify(draft_request(a.ctx_id, a_prompt, truth[:3], q=1.0), "", 3),
+                                svc.open_session(OpenSessionRequest(cached_prompt, GREEDY), "")])
+        assert not any(isinstance(g, BaseException) for g in got), got
+        assert got[0].accepted_len == 3 and got[0].correction == truth[3]
+
+    asyncio.run(main())
+    assert failed == []
+    assert svc.model.pool.allocated_bytes <= budget
+    svc.model.pool.manager.check()
