@@ -160,3 +160,29 @@ def test_unexpected_failure_is_500_with_an_error_body(make_service: Callable[...
                                        "q_token_probs": [], "k": 0})
     assert r.status_code == 500
     assert r.json()["error"]["code"] == "internal" and "RuntimeError" in r.json()["error"]["message"]
+
+
+def test_a_failure_mid_stream_ends_with_an_error_event(make_service: Callable[..., VerifierService]) -> None:
+    """The forward fails (a device error, not a SpecSplitError) after two tokens of a streamed generate:
+    the stream ends with `event: error` and an internal error body naming its error_id, not a dropped
+    connection."""
+    svc = make_service()
+    real = svc.worker.forward
+    calls = [0]
+
+    def flaky(rows: Any) -> Any:
+        calls[0] += 1
+        if calls[0] > 2:
+            raise RuntimeError("device lost")
+        assert real is not None
+        return real(rows)
+
+    svc.worker.forward = flaky
+    with TestClient(create_app(svc)) as c:
+        with c.stream("POST", "/v1/generate", json={"prompt_ids": [5, 6, 7], "max_new_tokens": 8,
+                                                     "stream": True}) as r:
+            text = "".join(r.iter_text())
+    tokens = [line for line in text.splitlines() if line.startswith("data:") and "token_id" in line]
+    assert len(tokens) == 2 and "event: error" in text
+    body = json.loads(text.split("event: error\ndata: ", 1)[1].split("\n", 1)[0])
+    assert body["error"]["code"] == "internal" and body["error"]["error_id"]
