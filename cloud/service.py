@@ -220,15 +220,20 @@ class VerifierService:
 
     def _make_room(self, blocks: int) -> None:
         """On the model thread, when a forward needs `blocks` more KV blocks than are left (cached prefix
-        blocks already count as available): evict least recently used idle sessions until they fit.
-        Each answers 404 afterwards; its edge reopens it with the full context."""
+        blocks already count as available): evict least recently used idle sessions until they fit,
+        sparing those opened within `eviction_grace_s` that have not run a round yet (the work waits, or
+        answers 429, instead). Each evicted session answers 404 afterwards; its edge reopens it with the
+        full context."""
         pool = self.model.pool
         goal = pool.manager.available() + blocks
+        fresh_since = self.clock() - self.settings.eviction_grace_s
         for s in self.store.lru():
             if pool.manager.available() >= goal:
                 return
             if s.inflight > 0 or s.closed or s.slot is None:
                 continue
+            if s.counters.rounds == 0 and s.created > fresh_since:
+                continue  # just opened or reopened: evicting it now would only make its edge reopen again
             slot, s.slot = s.slot, None
             s.closed = True
             pool.release(slot)

@@ -51,6 +51,9 @@ class CloudSettings(BaseSettings):
     # KV cache bytes at most: the paged pool grows up to it and never past it; when its blocks run out,
     # unreferenced cached prefix blocks, then least recently used idle sessions are evicted, else 429
     kv_budget_bytes: int = Field(default=2 * 1024**3, gt=0)
+    # a session opened (or reopened) less than this long ago that has not run a round yet is never evicted
+    # for blocks: under overload new work waits or gets 429 rather than evicting sessions before they start
+    eviction_grace_s: float = Field(default=5.0, ge=0)
     # positions per KV block
     kv_block_size: int = Field(default=16, ge=1, le=1024)
     # reuse cached full KV blocks of a common prefix (system prompt, template) instead of recomputing them

@@ -8,7 +8,8 @@ Policy:
   cannot take every session (ResourceExhausted naming `max_sessions_per_key`).
 - `session_ttl_s`: a session idle that long is gone (NotFound on its next call).
 - `kv_budget_bytes`: the paged KV pool (shared/kvpool.py) is sized from it and never grows past
-  it. A session whose own cache would exceed the whole budget is refused here (ResourceExhausted).
+  it. A session whose own cache would exceed the whole budget can never fit: it is refused here with
+  InvalidArgument (422, `reason` "exceeds_kv_budget"), which a client must not retry.
   When a forward needs blocks that are not left, the model thread evicts the least recently used
   sessions with no request in flight (cloud/service.py `_make_room`) and hands them to `drop`.
 Every removal frees the cache and marks the session closed. Runs on the event loop only.
@@ -21,7 +22,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 
 from cloud.session import Session
-from shared.errors import NotFound, PermissionDenied, ResourceExhausted
+from shared.errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 
 # removal reasons, the `reason` label of the evictions metric
 TTL, KV_BUDGET, CLOSED = "ttl", "kv_budget", "closed"
@@ -86,11 +87,12 @@ class SessionStore:
         self._remove(self.get(ctx_id, owner), CLOSED)
 
     def make_room(self, need_bytes: int, session: Session | None = None) -> None:
-        """Refuse a context that could not fit even alone (ResourceExhausted); eviction for blocks is the
-        model thread's (`drop`)."""
+        """Refuse a context that could not fit even alone (InvalidArgument: retrying cannot help); eviction
+        for blocks is the model thread's (`drop`)."""
         if need_bytes > self.kv_budget_bytes:
-            raise ResourceExhausted(f"this context needs {need_bytes} bytes of KV cache, more than the "
-                                    f"whole budget ({self.kv_budget_bytes} bytes)", limit="kv_budget_bytes")
+            raise InvalidArgument(f"this context needs {need_bytes} bytes of KV cache, more than the whole budget "
+                                  f"({self.kv_budget_bytes} bytes, --kv-budget-bytes): it can never fit; shorten it "
+                                  "or raise the budget", limit="kv_budget_bytes", reason="exceeds_kv_budget")
 
     def lru(self) -> list[Session]:
         """Sessions, least recently used first."""

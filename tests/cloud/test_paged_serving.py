@@ -136,8 +136,8 @@ def test_shared_prefix_is_reused_within_a_key_and_answers_exactly(
 def test_when_blocks_run_out_the_least_recently_used_idle_session_goes(
         make_service: Callable[..., VerifierService], text_ids: Callable[[int, int], list[int]],
         tiny_target: Any, tiny_reference: CausalLM) -> None:
-    """A pool of 12 blocks of 4 positions: two 20-token sessions fit, a third evicts the least recently
-    used one (404), and the pool never holds more than the budget; the survivor answers exactly."""
+    """A pool of 12 blocks of 4 positions: two 20-token sessions fit (each has run a round), a third
+    evicts the least recently used one (404), and the pool never holds more than the budget; the survivor answers exactly."""
     budget = 12 * 4 * tiny_target.kv_bytes_per_token
     svc = make_service(kv_budget_bytes=budget, kv_block_size=4)
     p = [text_ids(20, i) for i in range(3)]
@@ -145,7 +145,8 @@ def test_when_blocks_run_out_the_least_recently_used_idle_session_goes(
     async def main() -> None:
         a = (await svc.open_session(OpenSessionRequest(p[0], GREEDY), "")).ctx_id
         b = (await svc.open_session(OpenSessionRequest(p[1], GREEDY), "")).ctx_id
-        await svc.verify(draft_request(a, p[0], [], q=1.0), "", 0)  # a is now more recent than b
+        await svc.verify(draft_request(b, p[1], [], q=1.0), "", 0)  # both have run a round (evictable) ...
+        await svc.verify(draft_request(a, p[0], [], q=1.0), "", 0)  # ... and a is now more recent than b
         c = (await svc.open_session(OpenSessionRequest(p[2], GREEDY), "")).ctx_id
         with pytest.raises(NotFound):
             await svc.verify(draft_request(b, p[1], [], q=1.0), "", 0)
@@ -299,3 +300,28 @@ def test_an_open_that_matches_cached_blocks_cannot_take_the_blocks_a_round_was_p
     assert failed == []
     assert svc.model.pool.allocated_bytes <= budget
     svc.model.pool.manager.check()
+
+
+def test_a_session_that_has_not_run_a_round_yet_is_not_evicted(
+        make_service: Callable[..., VerifierService], text_ids: Callable[[int, int], list[int]],
+        tiny_target: Any) -> None:
+    """12 blocks of 4 positions, two 20-token sessions opened and idle, no round yet: a third open finds
+    nothing it may evict and answers 429 (the two keep their caches); once one of them has run a round
+    it may go, and the third opens."""
+    budget = 12 * 4 * tiny_target.kv_bytes_per_token
+    svc = make_service(kv_budget_bytes=budget, kv_block_size=4)
+    p = [text_ids(20, i) for i in range(3)]
+
+    async def main() -> None:
+        a = (await svc.open_session(OpenSessionRequest(p[0], GREEDY), "")).ctx_id
+        b = (await svc.open_session(OpenSessionRequest(p[1], GREEDY), "")).ctx_id
+        with pytest.raises(ResourceExhausted):
+            await svc.open_session(OpenSessionRequest(p[2], GREEDY), "")
+        assert {svc.get_session(x, "").ctx_id for x in (a, b)} == {a, b}
+        await svc.verify(draft_request(a, p[0], [], q=1.0), "", 0)
+        await svc.open_session(OpenSessionRequest(p[2], GREEDY), "")  # a has run a round: a may go
+        with pytest.raises(NotFound):
+            svc.get_session(a, "")
+
+    asyncio.run(main())
+    assert svc.model.pool.allocated_bytes <= budget

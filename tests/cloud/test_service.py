@@ -159,7 +159,8 @@ def test_kv_budget_evicts_the_least_recently_used_session(make_service: Callable
     async def main() -> None:
         a = await open_(svc, prompt, 1)
         b = await open_(svc, prompt, 2)
-        await svc.verify(k0_request(a, prompt), "", 0)  # a is now more recently used than b
+        await svc.verify(k0_request(b, prompt), "", 0)  # both have run a round (a fresh one is spared) ...
+        await svc.verify(k0_request(a, prompt), "", 0)  # ... and a is now more recently used than b
         c = await open_(svc, prompt, 3)  # needs room: b goes
         with pytest.raises(NotFound):
             svc.get_session(b, "")
@@ -335,5 +336,21 @@ def test_replay_cache_keeps_residual_distributions_within_its_byte_limit(make_se
             await svc.verify(sent[0][0], "", 1)
         after = svc.get_session(cid, "")
         assert (after.ctx_len, after.ctx_hash) == (before.ctx_len, before.ctx_hash)
+
+    run(main())
+
+
+def test_a_context_larger_than_the_whole_budget_is_refused_as_never_fitting(
+        make_service: Callable[..., VerifierService], prompt: list[int], tiny_target: TargetModel) -> None:
+    """A prompt whose cache exceeds the whole KV budget answers 422 (not 429 with Retry-After: retrying
+    can never help), naming the limit; nothing is opened."""
+    svc = make_service(kv_budget_bytes=(len(prompt) - 2) * tiny_target.kv_bytes_per_token, kv_block_size=1)
+
+    async def main() -> None:
+        with pytest.raises(InvalidArgument) as e:
+            await svc.open_session(OpenSessionRequest(prompt, CFG), "")
+        assert e.value.http_status == 422 and e.value.retry_after_s is None
+        assert e.value.details["limit"] == "kv_budget_bytes" and "never fit" in e.value.message
+        assert len(svc.store) == 0
 
     run(main())

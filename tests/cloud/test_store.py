@@ -7,7 +7,7 @@ import pytest
 from cloud.session import Context, Session
 from cloud.store import SessionStore
 from shared.config import SamplingConfig
-from shared.errors import NotFound, PermissionDenied, ResourceExhausted
+from shared.errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 from tests.cloud.conftest import FakeClock
 
 
@@ -79,13 +79,15 @@ def test_lru_order_and_drop_of_an_evicted_session() -> None:
         st.get("b", "")
 
 
-def test_a_context_larger_than_the_whole_budget_is_refused() -> None:
+def test_a_context_larger_than_the_whole_budget_is_refused_as_never_fitting() -> None:
+    """422, not a retryable 429: no wait frees more than the whole budget."""
     clock = FakeClock()
     st, removed = store(clock, kv_budget_bytes=1000)
     st.add(session("a", 10, clock))
-    with pytest.raises(ResourceExhausted) as e:
+    with pytest.raises(InvalidArgument) as e:
         st.make_room(1001)
-    assert e.value.details["limit"] == "kv_budget_bytes" and removed == []
+    assert e.value.details["limit"] == "kv_budget_bytes" and e.value.details["reason"] == "exceeds_kv_budget"
+    assert removed == []
 
 
 def test_session_is_visible_only_to_its_owner() -> None:
