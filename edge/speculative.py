@@ -272,7 +272,7 @@ class SpeculativeRun:
 
     def _verify(self, block: DraftBlock, decision: GateDecision | None) -> VerifyResponse | None:
         """Send the round until an answer can be used; None after a timeout with fallback."""
-        attempt = recoveries = late = 0
+        attempt = recoveries = late = evicted = 0
         request_id = uuid.uuid4().hex[:16]  # kept across resends: the cloud answers a duplicate from its replay cache
         while True:
             if self.ctx_id is None:
@@ -293,8 +293,15 @@ class SpeculativeRun:
                     return None
                 attempt = self._backoff_or_raise(attempt, CloudTimeout("verify timed out, retries exhausted"))
                 continue
-            except NotFound:
+            except NotFound as e:
+                # evicted (or expired): reopen. A session evicted again right after its reopen means the
+                # cloud is short of memory: wait with the backoff before each further reopen, and after
+                # max_retries of those give up with the cloud's own 404
                 self.ctx_id = None
+                evicted += 1
+                if evicted > 1:
+                    attempt = self._backoff_or_raise(attempt, e)
+                    recoveries -= 1  # a reopen after a wait is not a resync loop
                 continue
             except ContextMismatch as e:
                 expected = e.details.get("expected_ctx_len")
@@ -316,7 +323,8 @@ class SpeculativeRun:
 
     def _recover(self, n: int, what: str) -> None:
         if n > self.policy.max_recoveries:
-            raise SpecSplitError(f"could not resynchronise with the cloud after {n - 1} attempts")
+            raise ContextMismatch(f"could not resynchronise with the cloud after {n - 1} attempts: its context "
+                                  "keeps disagreeing with the edge's")
         if what == "reopen":
             self.metrics.reopens += 1
             log.info("reopening the session with the full context (%d tokens)", len(self.S))

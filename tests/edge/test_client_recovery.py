@@ -117,6 +117,28 @@ def test_404_from_a_verify_reopens(make_client, fake_cloud: FakeCloud) -> None:
     assert r.token_ids == ref and r.metrics.reopens == 1
 
 
+def test_a_session_evicted_again_after_each_reopen_waits_and_goes_on(make_client, fake_cloud: FakeCloud) -> None:
+    """An overloaded cloud evicts the session right after each of 5 reopens (404 on the next verify, more
+    than max_recoveries = 4): the edge backs off before each further reopen instead of failing, and the
+    text is the target's."""
+    ref = reference(make_client)
+    client, clock = make_client(temperature=0, max_new_tokens=N)
+    fake_cloud.fail("verify", NotFound("evicted"), times=6)
+    r = client.generate(PROMPT)
+    assert r.token_ids == ref and r.metrics.reopens == 6
+    assert len(clock.sleeps) == 5 and clock.sleeps == sorted(clock.sleeps)
+
+
+def test_a_session_evicted_without_end_fails_with_the_clouds_404(make_client, fake_cloud: FakeCloud) -> None:
+    """Evicted after every reopen, always: after max_retries waits the edge gives up with the cloud's own
+    status (404 not_found), not an internal error."""
+    client, _ = make_client(temperature=0, max_new_tokens=N)
+    fake_cloud.fail("verify", NotFound("evicted"), times=100)
+    with pytest.raises(NotFound) as e:
+        client.generate(PROMPT)
+    assert e.value.http_status == 404
+
+
 def _tamper_after(fake_cloud: FakeCloud, gen, n: int, how) -> list[int]:  # type: ignore[no-untyped-def]
     out = []
     for tok in gen:
@@ -157,8 +179,9 @@ def test_cloud_with_other_content_is_reopened(make_client, fake_cloud: FakeCloud
 def test_409_storm_gives_up(make_client, fake_cloud: FakeCloud) -> None:
     client, _ = make_client(temperature=0, max_new_tokens=N)
     fake_cloud.fail("verify", ContextMismatch("no", expected_ctx_len=0), times=50)
-    with pytest.raises(Exception, match="resynchronise"):
+    with pytest.raises(ContextMismatch, match="resynchronise") as e:
         client.generate(PROMPT)
+    assert e.value.http_status == 409  # the cloud's status, not an internal error
 
 
 class ScriptedDrafter:
