@@ -249,8 +249,9 @@ def serving_lines(res: CapacityResults) -> list[str]:
              f"distinct / sharing their first {pre['shared_tokens']} tokens",
              f"{pre['distinct']['cloud_cpu_s']:.2f} / {pre['shared']['cloud_cpu_s']:.2f} s = {pre['cpu_ratio']:.1f}x "
              f"({pre['shared']['prefix_hit_tokens']:,.0f} positions from the cache)", ">= 4x"],
-            *[[f"head-of-line, `--max-batch-tokens {h['max_batch_tokens']}`: p50 latency of a session's k = 4 rounds "
-               f"while {h['opens']} 511-token opens arrive / idle",
+            *[[f"head-of-line, `--max-batch-tokens {h['max_batch_tokens']}`, `--max-prefill-tokens-with-rounds "
+               f"{h.get('prefill_share') or 'default'}`: p50 latency of a session's k = 4 rounds while {h['opens']} "
+               f"511-token opens arrive / idle (the opens took {h.get('burst_s', float('nan')):.1f} s)",
                f"{h['busy_p50_ms']:.1f} / {h['idle_p50_ms']:.1f} ms = {h['ratio_p50']:.1f}x (max {h['busy_max_ms']:.0f} "
                f"ms over {h['busy_rounds']} rounds)", "<= 3x"] for h in hol],
         ]), "",

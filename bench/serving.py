@@ -153,19 +153,25 @@ async def _rounds(http: httpx.AsyncClient, ctx_id: str, context: list[int], n: i
     return out
 
 
-def head_of_line_case(target: Path, progress: Any, budgets: tuple[int, ...] = (1024, 128), opens: int = 40,
+def head_of_line_case(target: Path, progress: Any, budgets: tuple[int, ...] = (1024,),
+                      shares: tuple[int | None, ...] = (None, 1024), opens: int = 40,
                       prompt: int = 511) -> list[dict[str, Any]]:
+    """Per (--max-batch-tokens, --max-prefill-tokens-with-rounds; None = the default) pair: round latency
+    idle and during the burst, and how long the burst of opens took (prefill throughput)."""
     results = []
-    for budget in budgets:
-        with CloudServer(target, startup_timeout_s=600.0, extra_args=["--max-sessions", "128", "--max-queue-depth", "256",
-                                             "--max-batch-tokens", str(budget)]) as cloud:
-            async def main(url: str = cloud.url, budget: int = budget) -> dict[str, Any]:
+    for budget, share in ((b, sh) for b in budgets for sh in shares):
+        flags = ["--max-sessions", "128", "--max-queue-depth", "256", "--max-batch-tokens", str(budget)]
+        if share is not None:
+            flags += ["--max-prefill-tokens-with-rounds", str(share)]
+        with CloudServer(target, startup_timeout_s=600.0, extra_args=flags) as cloud:
+            async def main(url: str = cloud.url, budget: int = budget, share: int | None = share) -> dict[str, Any]:
                 async with httpx.AsyncClient(base_url=url, timeout=600.0) as http:
                     context = ids(40, 1)
                     r = await http.post("/v1/sessions", json={"prompt_ids": context, "sampling_cfg": {"temperature": 0.0}})
                     ctx_id = r.json()["ctx_id"]
                     await _rounds(http, ctx_id, context, 3)  # warm-up
                     idle = await _rounds(http, ctx_id, context, 15)
+                    t_burst = time.perf_counter()
                     burst = [asyncio.ensure_future(http.post("/v1/sessions", json={"prompt_ids": ids(prompt, 300 + i)}))
                              for i in range(opens)]
                     await asyncio.sleep(0.05)
@@ -174,14 +180,17 @@ def head_of_line_case(target: Path, progress: Any, budgets: tuple[int, ...] = (1
                         busy += await _rounds(http, ctx_id, context, 1)
                     for b in burst:
                         (await b).raise_for_status()
+                    burst_s = time.perf_counter() - t_burst
                     opens_done = sum(1 for b in burst if b.done())
-                return {"max_batch_tokens": budget, "idle_p50_ms": statistics.median(idle),
+                return {"max_batch_tokens": budget, "prefill_share": share, "burst_s": burst_s,
+                        "idle_p50_ms": statistics.median(idle),
                         "busy_p50_ms": statistics.median(busy), "busy_max_ms": max(busy), "busy_rounds": len(busy),
                         "opens": opens_done, "ratio_p50": statistics.median(busy) / statistics.median(idle)}
             res = asyncio.run(main())
         results.append(res)
-        progress(f"serving head-of-line (--max-batch-tokens {budget}): round p50 {res['idle_p50_ms']:.1f} ms idle, "
-                 f"{res['busy_p50_ms']:.1f} ms during {opens} opens ({res['ratio_p50']:.1f}x)")
+        progress(f"serving head-of-line (--max-batch-tokens {budget}, --max-prefill-tokens-with-rounds "
+                 f"{share or 'default'}): round p50 {res['idle_p50_ms']:.1f} ms idle, {res['busy_p50_ms']:.1f} ms "
+                 f"during {opens} opens ({res['ratio_p50']:.1f}x); the opens took {res['burst_s']:.1f} s")
     return results
 
 
@@ -190,8 +199,15 @@ def run_serving(target: Path, progress: Any = lambda s: None) -> ServingResults:
                           head_of_line=head_of_line_case(target, progress))
 
 
-def main() -> None:  # python -m bench.serving: the three cases alone, JSON on stdout
-    res = run_serving(REPO / "models" / "demo-target", progress=print)
+def main() -> None:  # python -m bench.serving [head-of-line SHARE...]: the cases alone, JSON on stdout
+    import sys
+
+    target = REPO / "models" / "demo-target"
+    if sys.argv[1:2] == ["head-of-line"]:
+        shares = tuple(int(x) for x in sys.argv[2:]) or (1024, 512, 256, 128, 64, 32)
+        print(json.dumps(head_of_line_case(target, print, shares=shares), indent=1))
+        return
+    res = run_serving(target, progress=print)
     print(json.dumps(res.to_json(), indent=1))
 
 

@@ -260,8 +260,8 @@ async def _sse(events: AsyncIterator[GenerateEvent]) -> AsyncIterator[str]:
     except SpecSplitError as err:
         yield f"event: error\ndata: {json.dumps(err.to_body())}\n\n"
     except Exception as exc:  # noqa: BLE001 - any other failure is a 500 of its own, said in the stream
-        err = Internal.of(exc)
-        log.error("unexpected error %s in a generate stream", err.details["error_id"], exc_info=exc)
-        yield f"event: error\ndata: {json.dumps(err.to_body())}\n\n"
+        crash = Internal.of(exc)
+        log.error("unexpected error %s in a generate stream", crash.details["error_id"], exc_info=exc)
+        yield f"event: error\ndata: {json.dumps(crash.to_body())}\n\n"
     finally:
         await events.aclose()  # type: ignore[attr-defined]

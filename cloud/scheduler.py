@@ -11,8 +11,12 @@ decode steps. Whenever the model is free, the thread builds one forward under a 
 2. Prefills fill the rest of the budget: session opens and /v1/generate prompts, chunked to what is
    left. They are taken round-robin over API keys (the key whose prefill ran least recently first,
    each key's prefills in arrival order), so one key's burst of opens cannot starve another key's.
+   A forward that carries rounds or decode steps gives prefill chunks at most
+   `max_prefill_tokens_with_rounds` of its tokens, so such a forward stays small and the rounds in it
+   are answered quickly; a forward with no running work gives prefills the whole budget.
 So a round that arrives during a burst of prefills runs in the next forward: it waits at most for
-the forward in progress (one forward of at most `max_batch_tokens` tokens), never for the burst.
+the forward in progress (one forward of at most `max_batch_tokens` tokens), never for the burst, and
+the forward it rides in carries at most `max_prefill_tokens_with_rounds` prefill tokens.
 3. KV blocks: each row needs the blocks its new positions take (`blocks_needed`). When they are not
    free the thread asks for room (`make_room`: unreferenced cached prefix blocks go first, then the
    least recently used idle sessions, which answer 404 and are reopened by their edge). A job that
@@ -113,6 +117,8 @@ class Scheduler:
     clock: Callable[[], float]
     max_batch_size: int = 32
     max_batch_tokens: int = 1024
+    # prefill tokens at most in a forward that also carries rounds or decode steps
+    max_prefill_tokens_with_rounds: int = 1 << 30
     # longest wait before a forward for recently answered sessions' next rounds, ms (0: never wait)
     batch_wait_ms: float = 5.0
     torch_threads: int = 0
@@ -297,7 +303,10 @@ class Scheduler:
             yield from ((j, True) for j in chunked)
             yield from ((j, True) for j in ordered if j.kind == PREFILL)
 
+        running = 0  # tokens of rounds and decode steps in this forward
         for job, filling in candidates():
+            if filling and running and budget > 0:  # the prefills' share of a forward with running work
+                budget = min(budget, self.max_prefill_tokens_with_rounds - (self.max_batch_tokens - budget - running))
             if len(batch) >= self.max_batch_size or budget <= 0:
                 break
             try:
@@ -342,6 +351,7 @@ class Scheduler:
                 continue  # waits for a later forward
             reserved += need
             budget -= len(row.ids)
+            running += 0 if filling else len(row.ids)
             batch.append((job, row))
         if not batch:
             return

@@ -92,6 +92,7 @@ class VerifierService:
                                   max_sessions_per_owner=settings.sessions_per_key_limit())
         self.worker = Scheduler(settings.max_queue_depth, clock, max_batch_size=settings.max_batch_size,
                                 max_batch_tokens=settings.max_batch_tokens, batch_wait_ms=settings.batch_wait_ms,
+                                max_prefill_tokens_with_rounds=settings.max_prefill_tokens_with_rounds,
                                 torch_threads=settings.torch_threads,
                                 forward=lambda rows: self.model.forward(rows),
                                 on_batch=self._batched,

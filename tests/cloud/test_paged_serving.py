@@ -325,3 +325,45 @@ def test_a_session_that_has_not_run_a_round_yet_is_not_evicted(
 
     asyncio.run(main())
     assert svc.model.pool.allocated_bytes <= budget
+
+
+def test_a_forward_with_rounds_gives_prefills_only_their_share() -> None:
+    """The scheduler alone, a fake runner, a 256-token budget and a prefill share of 32: a 5-token round and
+    a 600-token prefill queued together run as the round plus 32 prefill tokens; the forwards after the
+    round give the prefill the whole budget (its throughput with no round running is unchanged)."""
+    calls: list[list[Row]] = []
+    gate = threading.Event()
+
+    def forward(rows: list[Row]) -> list[torch.Tensor]:
+        calls.append(rows)
+        return [torch.zeros(r.keep, 4) for r in rows]
+
+    sched = Scheduler(16, lambda: 0.0, forward=forward, max_batch_tokens=256, max_prefill_tokens_with_rounds=32,
+                      batch_wait_ms=0)
+    done = [0]
+
+    def plan(budget: int) -> Row:
+        return Row(1, done[0], [1] * min(budget, 600 - done[0]), 0)
+
+    def finish(_: object, __: float) -> float | Pending:
+        done[0] += len(next(r for r in calls[-1] if r.slot == 1).ids)
+        return 1.0 if done[0] >= 600 else PENDING
+
+    async def main() -> None:
+        blocker = asyncio.ensure_future(sched.run(gate.wait))
+        await asyncio.sleep(0.01)
+        jobs = [Job(plan=plan, finish=finish, kind=PREFILL),
+                Job(plan=lambda _: Row(2, 9, [3] * 5, 5), finish=lambda _, __: 3.0, kind=ROUND)]
+        futures = [asyncio.ensure_future(sched.submit(j)) for j in jobs]
+        while not all(any(q is j for q in list(sched._queue)) for j in jobs):
+            await asyncio.sleep(0.001)
+        gate.set()
+        await blocker
+        await asyncio.gather(*futures)
+
+    try:
+        asyncio.run(main())
+    finally:
+        sched.shutdown()
+    assert [(r.slot, len(r.ids)) for r in calls[0]] == [(2, 5), (1, 32)]
+    assert [len(c[0].ids) for c in calls[1:]] == [256, 256, 56]
