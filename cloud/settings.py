@@ -71,7 +71,7 @@ class CloudSettings(BaseSettings):
     max_batch_tokens: int = Field(default=1024, ge=16)
     # prefill tokens at most in a forward that also carries rounds or decode steps (their latency stays near
     # one small forward during a burst of opens); a forward without them gives prefills all max_batch_tokens
-    max_prefill_tokens_with_rounds: int = Field(default=128, ge=1)
+    max_prefill_tokens_with_rounds: int = Field(default=64, ge=1)
     # before a forward, wait at most this long (ms; and at most half the last forward's time) for the
     # next rounds of sessions answered within the last three forwards, so they share one forward; 0 = never
     batch_wait_ms: float = Field(default=5.0, ge=0, le=1000)
