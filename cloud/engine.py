@@ -88,6 +88,8 @@ def check_request(req: VerifyRequest, declared_k: int, lim: RoundLimits, session
         raise InvalidArgument(f"ctx_hash {req.ctx_hash!r} is not 16 lower-case hex digits")
     if not 0 <= req.return_top_k <= lim.max_return_top_k:
         raise InvalidArgument(f"return_top_k = {req.return_top_k} is not in [0, {lim.max_return_top_k}]")
+    if req.check_last and k == 0:
+        raise InvalidArgument("check_last needs at least one draft token")
     if d.hard_mask and (len(d.hard_mask) != k or any(h not in (0, 1) for h in d.hard_mask)):
         raise InvalidArgument("hard_mask must have k entries, each 0 or 1")
     if len(req.request_id) > 128:
@@ -115,7 +117,7 @@ def fingerprint(req: VerifyRequest) -> str:
     d = req.draft
     dists = None if d.q_dists is None else [(sd.ids, sd.probs) for sd in d.q_dists]
     body = (req.ctx_id, req.ctx_len, req.ctx_hash, req.append_ids, req.return_top_k, d.draft_tokens,
-            d.q_token_probs, d.draft_kind, dists, d.hard_mask)
+            d.q_token_probs, d.draft_kind, dists, d.hard_mask, req.check_last)
     return hashlib.sha256(repr(body).encode()).hexdigest()
 
 
@@ -190,7 +192,8 @@ def plan_round(session: Session, req: VerifyRequest, fp: str) -> RoundPlan | Ver
     L, k = req.ctx_len, len(req.draft.draft_tokens)
     new = ctx.cut_and_extend(m, req.append_ids)
     c = min(session.kv_len, m, L - 1)
-    return RoundPlan(new, c, Row(session.slot, c, list(new.ids[c:]) + req.draft.draft_tokens, keep=k + 1), fp)
+    fed = req.draft.draft_tokens[:-1] if req.check_last else req.draft.draft_tokens  # check_last: y_k is not run
+    return RoundPlan(new, c, Row(session.slot, c, list(new.ids[c:]) + fed, keep=len(fed) + 1), fp)
 
 
 def finish_round(model: TargetModel, session: Session, req: VerifyRequest, q_dense: torch.Tensor | None,
@@ -199,12 +202,13 @@ def finish_round(model: TargetModel, session: Session, req: VerifyRequest, q_den
     context and counters as they were; the caller's abort() crops the KV back to `plan.past`."""
     d, L, new = req.draft, req.ctx_len, plan.new
     k = len(d.draft_tokens)
+    fed = k - 1 if req.check_last else k  # drafts run through the target
     cfg = session.sampling_cfg
-    p = processed_probs(logits, cfg, new.ids, d.draft_tokens)  # [k + 1, vocab]
+    p = processed_probs(logits, cfg, new.ids, d.draft_tokens[:fed])  # [fed + 1, vocab]
     out = verify_round(p, d.draft_tokens, d.q_token_probs, seed=session.seed, ctx_len=L, greedy=cfg.greedy,
                        correction=session.correction,  # type: ignore[arg-type]
                        draft_kind=d.draft_kind,  # type: ignore[arg-type]
-                       q_dists=q_dense)
+                       q_dists=q_dense, check_last=req.check_last)
     la = out.accepted_len
     committed = d.draft_tokens[:la] + ([out.next_token] if out.next_token is not None else [])
     final = new.cut_and_extend(L, committed)
@@ -218,16 +222,18 @@ def finish_round(model: TargetModel, session: Session, req: VerifyRequest, q_den
     feature = None
     hidden = model.hidden_of(plan.row_run) if session.feature_encoding and plan.row_run is not None else None
     if hidden is not None:  # row la: the state after S' + y_1..y_La, which decides the next token
-        feature = encode_feature(hidden[la], session.feature_encoding, L + la)
+        row = min(la, fed)  # (check_last, all kept: the last state computed, after y_1..y_{k-1})
+        feature = encode_feature(hidden[row], session.feature_encoding, L + row)
     resp = VerifyResponse(
         accepted_len=la, correction=out.next_token, next_kind=out.next_kind, target_dist=target,
         ctx_len=len(final), ctx_hash=final.hash_at(len(final)), top_k_ids=top,
         metrics=RoundMetrics(alpha_mean=sum(out.alphas) / k if k else 0.0, la_over_k=la / k if k else 0.0,
                              prefill_ms=prefill_ms), feature=feature)
     # KV stays valid for S' + y_1..y_La: the last accepted draft token's KV was filled in by this
-    # forward (it was an input). The correction/bonus token has no KV yet; the next round feeds it
-    # as S[kv_len:]. For "residual", S ends at y_La and the edge's token arrives as append_ids.
-    session.set_kv_len(model.pool, L + la)
+    # forward (it was an input; with check_last y_k was not, so at most y_1..y_{k-1}). The correction/
+    # bonus token has no KV yet; the next round feeds it as S[kv_len:]. For "residual", S ends at y_La
+    # and the edge's token arrives as append_ids.
+    session.set_kv_len(model.pool, L + min(la, fed))
     session.context = final
     cnt = session.counters
     cnt.rounds, cnt.drafted, cnt.accepted = cnt.rounds + 1, cnt.drafted + k, cnt.accepted + la

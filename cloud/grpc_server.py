@@ -107,7 +107,8 @@ def verify_from_pb(m: pb.VerifyRequest) -> VerifyRequest:
     dists = [SparseDist(list(d.ids), list(d.probs)) for d in m.q_dists] if len(m.q_dists) else None
     draft = DraftProposal(list(m.draft_tokens), list(m.q_token_probs), m.draft_kind or "sampled", dists,
                           list(m.hard_mask) or None)
-    return VerifyRequest(m.ctx_id, m.ctx_len, m.ctx_hash, list(m.append_ids), draft, m.return_top_k, m.request_id)
+    return VerifyRequest(m.ctx_id, m.ctx_len, m.ctx_hash, list(m.append_ids), draft, m.return_top_k, m.request_id,
+                         m.check_last)
 
 
 def info_to_pb(i: SessionInfo) -> pb.SessionInfo:

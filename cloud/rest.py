@@ -98,6 +98,8 @@ class VerifyBody(BaseModel):
     request_id: Text = ""
     # optional: when sent it must equal the session's (422 otherwise)
     sampling_cfg: SamplingBody | None = None
+    # the last draft token is checked against p after the others instead of being run; no bonus
+    check_last: bool = False
 
     def check_counts(self, service: VerifierService) -> None:
         """The list lengths against k and the limits, before anything is converted."""
@@ -112,7 +114,7 @@ class VerifyBody(BaseModel):
         dists = None if self.q_dists is None else [SparseDist(d.ids, d.probs) for d in self.q_dists]
         draft = DraftProposal(self.draft_tokens, self.q_token_probs, self.draft_kind, dists, self.hard_mask)
         return VerifyRequest(self.ctx_id, self.ctx_len, self.ctx_hash, self.append_ids, draft,
-                             self.return_top_k, self.request_id)
+                             self.return_top_k, self.request_id, self.check_last)
 
 
 class GenerateBody(BaseModel):

@@ -54,7 +54,7 @@ _FLAGS: dict[str, str] = {"cloud": "cloud_url", "grpc": "grpc_target", "api_key"
                           "filler_top_k": "filler_top_k", "device": "device", "r_hard": "r_hard",
                           "hybrid": "hybrid", "route_key": "route_key", "k_policy": "k_policy",
                           "draft_ahead": "draft_ahead", "max_body_bytes": "max_body_bytes", "head": "head",
-                          "feature_encoding": "feature_encoding"}
+                          "feature_encoding": "feature_encoding", "check_last": "check_last"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--send-q-dists", action=argparse.BooleanOptionalAction, default=None,
                    help="send the draft's sparse q distributions")
     g.add_argument("--k", type=int, help="fixed k (default: chosen per round by --k-policy)")
+    g.add_argument("--check-last", action=argparse.BooleanOptionalAction, default=None,
+                   help="sampled sessions: one more draft token checked by the cloud in place of a bonus, so a "
+                        "seed gives one text whatever the rounds (default on)")
     g.add_argument("--k-policy", choices=["cost", "dynamic"],
                    help="cost: the k with the most tokens per second from measured costs (default); "
                         "dynamic: +1 / -1 on the last round's la/k")

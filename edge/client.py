@@ -119,6 +119,8 @@ class _Job:
     request_id: str | None = None
     # "cost" | "dynamic" (edge/kcontrol.py, edge/round_control.py)
     k_policy: str = "cost"
+    # draft with the feature-fed head when the cloud offers features
+    feature_fed: bool = True
     metrics: EdgeMetrics = field(default_factory=EdgeMetrics)
     rounds: list[RoundRecord] = field(default_factory=list)
     started: float = 0.0
@@ -246,23 +248,27 @@ class EdgeClient:
     def stream(self, prompt: str | Sequence[int], *, max_new_tokens: int | None = None, seed: int | None = None,
                sampling: SamplingConfig | None = None, mode: Mode | None = None,
                route_key: str | None = None, k_policy: str | None = None,
-               request_id: str | None = None) -> Generation:
+               request_id: str | None = None, feature_fed: bool = True) -> Generation:
         """Start a generation. `route_key` (default: the settings', else a fresh random key) goes with
         every cloud call of it, so a load balancer hashing on it keeps the session on one replica.
         `k_policy` overrides the settings' for this generation ("cost" | "dynamic"). `request_id`, when
-        given, goes with every call as X-Request-Id (the cloud logs and echoes it)."""
+        given, goes with every call as X-Request-Id (the cloud logs and echoes it). `feature_fed` False
+        drafts without the feature-fed head (whose q depends on where rounds ended, so a sampled text
+        of a seed would too)."""
         s = self.settings
         prompt_ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if not prompt_ids:
             raise InvalidArgument("the prompt has no tokens")
-        params = SessionParams(sampling=sampling or s.sampling(), seed=s.seed if seed is None else seed,
-                               correction=s.correction, send_q_dists=s.send_q_dists)
+        cfg = sampling or s.sampling()
+        # greedy text is the target's argmax whatever the rounds: the checked last draft is for sampling
+        params = SessionParams(sampling=cfg, seed=s.seed if seed is None else seed, correction=s.correction,
+                               send_q_dists=s.send_q_dists, check_last=s.check_last and not cfg.greedy)
         n_new = s.max_new_tokens if max_new_tokens is None else max_new_tokens
         if k_policy not in (None, "cost", "dynamic"):
             raise InvalidArgument(f"k_policy must be 'cost' or 'dynamic', got {k_policy!r}")
         job = _Job(prompt_ids, mode or s.mode, n_new, params, check_route_key(route_key or s.route_key or new_route_key()),
                    request_id=None if request_id is None else check_request_id(request_id),
-                   k_policy=k_policy or s.k_policy)
+                   k_policy=k_policy or s.k_policy, feature_fed=feature_fed)
         if job.mode != "cloud_only":  # load the draft model before the clock starts
             _ = self.drafter
         return Generation(self._run(job), lambda toks: self._finish(job, toks))
@@ -367,7 +373,7 @@ class EdgeClient:
         s = self.settings
         drafter = drafter or self.drafter
         info = self.model_info()
-        fed = self._feature_fed(info, drafter)
+        fed = self._feature_fed(info, drafter) if job.feature_fed else None
         if fed is not None:
             drafter = fed
             job.params = replace(job.params, feature_encoding=s.feature_encoding)

@@ -141,8 +141,10 @@ class DraftAhead:
             self.saved_per_hit = outcome.saved_ms if self._tries == 1 or self.saved_per_hit == 0 else (
                 (1 - w) * self.saved_per_hit + w * outcome.saved_ms)
 
-    def start(self, context: Sequence[int], block: DraftBlock, k_next: int) -> bool:
-        """Draft after context + block + the guess, in a worker, until `stop`; False when not started."""
+    def start(self, context: Sequence[int], block: DraftBlock, k_next: int, guess_next: bool = True) -> bool:
+        """Draft after context + block + the guess, in a worker, until `stop`; False when not started.
+        `guess_next` False (the block's last token is checked, no bonus follows): no guessed token, the
+        guess is that the whole block is kept."""
         if block.k == 0 or k_next <= 0 or not self.worth_it():
             return False
         sent = [int(t) for t in context] + list(block.tokens)
@@ -153,16 +155,17 @@ class DraftAhead:
                 return False
         self._stop.clear()
         self._ahead = _Ahead(context=sent, kv_before=self.model.kv_len, block=DraftBlock([], [], "sampled"))
-        self._thread = threading.Thread(target=self._work, args=(self._ahead, k_next), name="draft-ahead",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._work, args=(self._ahead, k_next, guess_next),
+                                        name="draft-ahead", daemon=True)
         self._thread.start()
         return True
 
-    def _work(self, ahead: _Ahead, k_next: int) -> None:
+    def _work(self, ahead: _Ahead, k_next: int, guess_next: bool = True) -> None:
         t0 = self.clock()
         try:
-            guess = self.drafter.propose(ahead.context, 1, self.cfg, self.seed)
-            ahead.context.append(guess.tokens[0])
+            if guess_next:
+                guess = self.drafter.propose(ahead.context, 1, self.cfg, self.seed)
+                ahead.context.append(guess.tokens[0])
             block = ahead.block
             while block.k < k_next and not self._stop.is_set():
                 one = self.drafter.propose(ahead.context + block.tokens, 1, self.cfg, self.seed)

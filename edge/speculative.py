@@ -80,6 +80,9 @@ class SessionParams:
     send_q_dists: bool = False
     # "" or the encoding of the target feature to ask for (a feature-fed drafter)
     feature_encoding: str = ""
+    # draft one token more and have the cloud check it instead of drawing a bonus (shared/verify.py):
+    # every position is decided alike, so a seed's text does not depend on the k schedule
+    check_last: bool = False
 
 
 class SpeculativeRun:
@@ -194,7 +197,9 @@ class SpeculativeRun:
 
     def step(self, remaining: int, max_context: int | None = None) -> list[tuple[int, Origin]]:
         """One round; `remaining` is the token budget left. Returns the committed (token, origin) pairs."""
-        k = max(0, min(self.k_ctl.k, remaining - 1))
+        # k drafts run through the target, plus the checked last one with check_last (no bonus then)
+        extra = int(self.params.check_last)
+        k = max(0, min(self.k_ctl.k + extra, remaining - 1 + extra))
         if max_context:
             k = max(0, min(k, max_context - len(self.S) - 1))
         t0 = self.clock()
@@ -214,7 +219,8 @@ class SpeculativeRun:
         up, down = self.transport.traffic.bytes_up, self.transport.traffic.bytes_down
         t1 = self.clock()
         calls_before = self.metrics.cloud_calls
-        if self.ahead is not None and block.k > 0 and self.ahead.start(self.S, block, max(self.k_ctl.k, 1)):
+        if self.ahead is not None and block.k > 0 and self.ahead.start(self.S, block, max(self.k_ctl.k, 1),
+                                                                       guess_next=not self.params.check_last):
             self.metrics.ahead_rounds += 1
         try:
             resp = self._verify(block, decision)
@@ -268,7 +274,8 @@ class SpeculativeRun:
             draft=DraftProposal(draft_tokens=list(block.tokens), q_token_probs=list(block.q_probs),
                                 draft_kind=block.kind, q_dists=q_dists,
                                 hard_mask=None if decision is None else decision.hard_mask),
-            return_top_k=self.drafter.wants_top_k, request_id=request_id)
+            return_top_k=self.drafter.wants_top_k, request_id=request_id,
+            check_last=self.params.check_last and block.k > 0)
 
     def _verify(self, block: DraftBlock, decision: GateDecision | None) -> VerifyResponse | None:
         """Send the round until an answer can be used; None after a timeout with fallback."""
@@ -343,6 +350,8 @@ class SpeculativeRun:
         la, kind = resp.accepted_len, resp.next_kind
         if kind == "bonus":
             ok = la == block.k and resp.correction is not None
+        elif kind == "none":  # check_last: every draft kept, nothing follows
+            ok = self.params.check_last and la == block.k > 0 and resp.correction is None
         elif kind == "correction":
             ok = 0 <= la < block.k and resp.correction is not None
         elif kind == "residual":
@@ -365,7 +374,7 @@ class SpeculativeRun:
             tok = sample_residual(resp.target_dist.ids, resp.target_dist.probs, block.q_full[la],
                                   self.params.seed, position=n_before + la + 1)
             out.append((tok, "residual"))
-        else:
+        elif resp.next_kind != "none":
             assert resp.correction is not None
             out.append((int(resp.correction), "bonus" if resp.next_kind == "bonus" else "correction"))
         self._extend([t for t, _ in out])
@@ -388,8 +397,9 @@ class SpeculativeRun:
         # drafting time per token is seen only after a verified round with drafts: otherwise the
         # drafter first caught up on tokens it never drafted (k = 0 rounds, local commits, the prompt)
         drafted_now = block.k - self._outcome.used if self._prev_drafted else 0
-        self.k_ctl.observe(RoundCosts(k=block.k, accepted_len=la, draft_ms=edge_ms, drafted_now=drafted_now,
-                                      exchange_ms=rtt_ms, cloud_ms=cloud_ms))
+        fed = block.k - 1 if self.params.check_last and block.k > 0 else block.k  # the checked last one is
+        self.k_ctl.observe(RoundCosts(k=fed, accepted_len=min(la, fed), draft_ms=edge_ms,  # the bonus's twin
+                                      drafted_now=drafted_now, exchange_ms=rtt_ms, cloud_ms=cloud_ms))
         self._prev_drafted = block.k > 0
         self._record(block.k, la, resp.next_kind, "cloud", len(out), edge_ms, rtt_ms, traffic, decision,
                      alpha=resp.metrics.alpha_mean, prefill=resp.metrics.prefill_ms, extra_calls=extra_calls,

@@ -120,6 +120,8 @@ class VerifyRequest:
     return_top_k: int = 0
     # client-chosen id, echoed in logs
     request_id: str = ""
+    # the last draft token is not run: it is checked against p after the others, and no bonus is drawn
+    check_last: bool = False
 
     @property
     def k(self) -> int:
@@ -142,9 +144,9 @@ class RoundMetrics:
 class VerifyResponse:
     # La, 0..k
     accepted_len: int
-    # the next token for "correction" / "bonus"; None for "residual"
+    # the next token for "correction" / "bonus"; None for "residual" and "none"
     correction: int | None
-    # "correction", "bonus" or "residual"
+    # "correction", "bonus", "residual", or "none" (check_last, every draft kept: nothing follows)
     next_kind: str
     # for "residual": processed p at the rejected position
     target_dist: SparseDist | None

@@ -13,6 +13,11 @@ Words, used the same way everywhere in the project:
     * shortcut                    -> sample p_j (fast, biased towards y_j's alternatives);
     * greedy                      -> argmax p_j.
 - bonus: when all k are accepted, one more token drawn from p_{k+1}.
+- checked last (`check_last`): the edge drafts y_k too and the forward runs only y_1..y_{k-1}, so
+  p_k is the distribution after them; y_k is accepted or corrected like the others and no bonus is
+  drawn (next kind "none" when all k are kept). Then every committed position is decided by the same
+  rule (draft from q, coin, residual), whatever the grouping of positions into rounds: with a draft
+  whose q depends on the text alone, the same seed gives the same text for any k schedule.
 
 Coins and samples come from `shared.rng` streams keyed by (seed, absolute position), position
 ctx_len + i for y_i, so the same request always gets the same answer.
@@ -32,7 +37,7 @@ from shared.rng import COIN, SAMPLE, position_uniform, sample_index
 
 Correction = Literal["strict", "shortcut"]
 DraftKind = Literal["sampled", "deterministic"]
-NextKind = Literal["correction", "bonus", "residual"]
+NextKind = Literal["correction", "bonus", "residual", "none"]
 _RESIDUAL_EPS = 1e-12  # below this total mass the residual is float noise: fall back to p
 
 
@@ -42,7 +47,8 @@ class VerifyOutcome:
     accepted_len: int
     # the token after the accepted prefix; None when the edge must draw the residual
     next_token: int | None
-    # "correction" (first rejection), "bonus" (all accepted) or "residual" (edge draws it)
+    # "correction" (first rejection), "bonus" (all accepted), "residual" (edge draws it), "none" (all
+    # accepted with check_last: nothing follows)
     next_kind: NextKind
     # for "residual": the support of the processed p_j, ids [m] and probs [m] (float64)
     target_ids: torch.Tensor | None = None
@@ -125,22 +131,27 @@ def sample_residual(target_ids: Sequence[int] | torch.Tensor, target_probs: Sequ
 
 def verify_round(p: torch.Tensor, draft_tokens: Sequence[int], q_probs: Sequence[float], *, seed: int,
                  ctx_len: int, greedy: bool = False, correction: Correction = "strict",
-                 draft_kind: DraftKind = "sampled", q_dists: torch.Tensor | None = None) -> VerifyOutcome:
+                 draft_kind: DraftKind = "sampled", q_dists: torch.Tensor | None = None,
+                 check_last: bool = False) -> VerifyOutcome:
     """Accept/reject k drafts against the processed target probabilities.
 
-    p: [k + 1, vocab] processed target distributions at positions ctx_len + 1 .. ctx_len + k + 1.
+    p: [k + 1, vocab] processed target distributions at positions ctx_len + 1 .. ctx_len + k + 1
+    ([k, vocab] with check_last: no bonus row).
     q_dists: optional [k, vocab] processed draft distributions (dense).
     """
     k = len(draft_tokens)
     vocab = p.size(-1)
-    if p.shape != (k + 1, vocab):
-        raise InvalidArgument(f"p has shape {tuple(p.shape)}, expected ({k + 1}, vocab)")
+    rows = k if check_last else k + 1
+    if check_last and k == 0:
+        raise InvalidArgument("check_last needs at least one draft token")
+    if p.shape != (rows, vocab):
+        raise InvalidArgument(f"p has shape {tuple(p.shape)}, expected ({rows}, vocab)")
     check_draft(draft_tokens, q_probs, vocab, draft_kind)
     ys = torch.as_tensor(list(draft_tokens), dtype=torch.long)  # [k]
     if q_dists is not None:
         _check_q_dists(q_dists, ys, q_probs, vocab)
         q_dists = q_dists.to(torch.float64)  # [k, vocab]
-    p = p.detach().to("cpu", torch.float64)  # [k + 1, vocab]
+    p = p.detach().to("cpu", torch.float64)  # [rows, vocab]
     if not (float(p.amin()) >= 0 and math.isfinite(float(p.sum()))):  # NaN fails the first test
         raise InvalidArgument("p must be finite and non-negative")
 
@@ -171,6 +182,8 @@ def verify_round(p: torch.Tensor, draft_tokens: Sequence[int], q_probs: Sequence
         support = torch.nonzero(p[i] > 0).squeeze(-1)  # [m]
         return VerifyOutcome(i, None, "residual", target_ids=support, target_probs=p[i, support], alphas=alphas)
 
+    if check_last:
+        return VerifyOutcome(k, None, "none", alphas=alphas)
     if greedy:
         return VerifyOutcome(k, int(p[k].argmax()), "bonus", alphas=alphas)
     bonus = sample_index(p[k], position_uniform(seed, ctx_len + k + 1, SAMPLE))

@@ -222,11 +222,14 @@ class OpenAIEngine:
         client = self.new_client()
         eos = set(self._info.eos_ids if self._info and self._info.eos_ids else [self.tokenizer.eos_token_id])
         text = StopText(req.stop, self.decode)
-        # a request's own seed promises the same text again: sampled text depends on where rounds end,
-        # so such requests take a k that does not depend on timing
-        policy = "dynamic" if req.seed is not None and not req.sampling.greedy else None
+        # a request's own seed promises the same text again. With the checked last draft (check_last, on
+        # by default) every position is decided alike whatever the k schedule, as long as the draft's q
+        # depends on the text alone: seeded sampled requests draft without the feature-fed head, whose q
+        # depends on where the last round ended; without check_last they take a k that ignores timing
+        seeded = req.seed is not None and not req.sampling.greedy
+        policy = "dynamic" if seeded and not self.settings.check_last else None
         gen = client.stream(req.prompt_ids, max_new_tokens=req.max_tokens, seed=seed, sampling=req.sampling,
-                            k_policy=policy, request_id=req.request_id or None)
+                            k_policy=policy, request_id=req.request_id or None, feature_fed=not seeded)
         clock = self.prometheus.token_clock(req.arrived)
         n, last = 0, None
         try:

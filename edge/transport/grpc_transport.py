@@ -41,7 +41,7 @@ def verify_request_to_pb(req: VerifyRequest, sampling: SamplingConfig | None = N
         draft_tokens=d.draft_tokens, q_token_probs=d.q_token_probs,
         q_dists=[pb.SparseDist(ids=q.ids, probs=q.probs) for q in d.q_dists or []],
         draft_kind=d.draft_kind, hard_mask=d.hard_mask or [], k=req.k, return_top_k=req.return_top_k,
-        request_id=req.request_id)
+        request_id=req.request_id, check_last=req.check_last)
 
 
 def verify_response_from_pb(m: pb.VerifyResponse) -> VerifyResponse:

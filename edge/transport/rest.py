@@ -28,7 +28,9 @@ from .errors import CloudTimeout, CloudUnavailable, error_from_body, error_from_
 
 def verify_request_json(req: VerifyRequest, sampling: SamplingConfig | None = None) -> dict[str, Any]:
     d = req.draft
-    extra = {} if sampling is None else {"sampling_cfg": sampling.to_dict()}
+    extra: dict[str, Any] = {} if sampling is None else {"sampling_cfg": sampling.to_dict()}
+    if req.check_last:  # only when asked: an older cloud never sees the field
+        extra["check_last"] = True
     return {**extra,
         "ctx_id": req.ctx_id, "ctx_len": req.ctx_len, "ctx_hash": req.ctx_hash, "append_ids": req.append_ids,
         "draft_tokens": d.draft_tokens, "q_token_probs": d.q_token_probs,

@@ -77,7 +77,7 @@ class TopIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("ctx_id", "ctx_len", "ctx_hash", "append_ids", "draft_tokens", "q_token_probs", "q_dists", "draft_kind", "hard_mask", "k", "return_top_k", "request_id", "sampling_cfg")
+    __slots__ = ("ctx_id", "ctx_len", "ctx_hash", "append_ids", "draft_tokens", "q_token_probs", "q_dists", "draft_kind", "hard_mask", "k", "return_top_k", "request_id", "sampling_cfg", "check_last")
     CTX_ID_FIELD_NUMBER: _ClassVar[int]
     CTX_LEN_FIELD_NUMBER: _ClassVar[int]
     CTX_HASH_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +91,7 @@ class VerifyRequest(_message.Message):
     RETURN_TOP_K_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_CFG_FIELD_NUMBER: _ClassVar[int]
+    CHECK_LAST_FIELD_NUMBER: _ClassVar[int]
     ctx_id: str
     ctx_len: int
     ctx_hash: str
@@ -104,7 +105,8 @@ class VerifyRequest(_message.Message):
     return_top_k: int
     request_id: str
     sampling_cfg: SamplingConfig
-    def __init__(self, ctx_id: _Optional[str] = ..., ctx_len: _Optional[int] = ..., ctx_hash: _Optional[str] = ..., append_ids: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., q_token_probs: _Optional[_Iterable[float]] = ..., q_dists: _Optional[_Iterable[_Union[SparseDist, _Mapping]]] = ..., draft_kind: _Optional[str] = ..., hard_mask: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., return_top_k: _Optional[int] = ..., request_id: _Optional[str] = ..., sampling_cfg: _Optional[_Union[SamplingConfig, _Mapping]] = ...) -> None: ...
+    check_last: bool
+    def __init__(self, ctx_id: _Optional[str] = ..., ctx_len: _Optional[int] = ..., ctx_hash: _Optional[str] = ..., append_ids: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., q_token_probs: _Optional[_Iterable[float]] = ..., q_dists: _Optional[_Iterable[_Union[SparseDist, _Mapping]]] = ..., draft_kind: _Optional[str] = ..., hard_mask: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., return_top_k: _Optional[int] = ..., request_id: _Optional[str] = ..., sampling_cfg: _Optional[_Union[SamplingConfig, _Mapping]] = ..., check_last: _Optional[bool] = ...) -> None: ...
 
 class RoundMetrics(_message.Message):
     __slots__ = ("alpha_mean", "la_over_k", "prefill_ms", "queue_ms")

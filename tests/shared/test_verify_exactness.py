@@ -10,7 +10,8 @@ from the extended context as the system would. Cells with expected count < 5 are
 Power: a total-variation error t gives non-centrality >= 4 N t^2 (toy_speculation.chi_square_gof);
 N is the smallest of 20,000, 25,000, 30,000 that detects t = 0.02 with probability >= 0.8 on the
 pair test (30,000 for the full 35 degrees of freedom: non-centrality 48, power 0.85), and each
-test asserts that power for its own degrees of freedom. The same test flags the known-biased
+test asserts that power for its own degrees of freedom. Cases marked check_last verify the last draft token against p_k instead of drawing a
+bonus (the rule sampled sessions use for seeded text independent of the rounds). The same test flags the known-biased
 variants (shortcut correction, a residual drawn without the draft's q) with p-values far below
 ALPHA.
 """
@@ -105,10 +106,12 @@ class Case:
     mode: Mode
     # verifier seeds are base_seed + run index
     base_seed: int
+    # the last draft token is checked against p_k instead of a bonus being drawn (shared/verify.py)
+    check_last: bool = False
 
     @property
     def id(self) -> str:
-        return f"{self.mode}-{self.family}-k{self.k}"
+        return f"{self.mode}-{self.family}-k{self.k}" + ("-checklast" if self.check_last else "")
 
     def pair(self) -> ToyPair:
         p, q = TABLES[self.family]
@@ -125,6 +128,11 @@ _FAMILIES: dict[Mode, list[tuple[str, int]]] = {
 }
 CASES = [Case(f, k, mode, 1_000_000 * (10 * m + i + 1))
          for m, (mode, fams) in enumerate(_FAMILIES.items()) for i, (f, k) in enumerate(fams)]
+# the checked last draft (a round of k = 1 is then one checked token: the pair's second token comes from
+# the next round, so both rounds are decided by the rule without a bonus)
+CASES += [Case(f, k, mode, 1_000_000 * (50 + i), check_last=True)
+          for i, (f, k, mode) in enumerate([("random", 1, "split"), ("peaked", 3, "dense"), ("reduced", 2, "split"),
+                                            ("det_argmax", 2, "deterministic")])]
 
 
 def _fits(pair: ToyPair, emitted: np.ndarray) -> tuple[GoodnessOfFit, GoodnessOfFit]:
@@ -138,7 +146,7 @@ def _run(case: Case, correction: Correction = "strict", residual_q: ResidualQ | 
     pair = case.pair()
     n = n or runs_needed(pair_law(pair))
     emitted = first_two_emitted(pair, n, case.base_seed, case.mode, draft_seed=case.base_seed, correction=correction,
-                                residual_q=residual_q)
+                                residual_q=residual_q, check_last=case.check_last)
     return _fits(pair, emitted)
 
 
@@ -167,6 +175,13 @@ def test_shortcut_correction_with_a_reduced_vocabulary_draft_is_flagged_as_biase
     residual, a correction re-emits the rejected draft token too often. The strict rule passes the same
     pair in both dense and split modes (CASES)."""
     first, both = _run(Case("reduced", 3, "split", 1_000_000 * 99 + 3), correction="shortcut", n=20_000)
+    assert first.pvalue < ALPHA and both.pvalue < ALPHA, (first, both)
+
+
+def test_shortcut_correction_with_the_checked_last_draft_is_flagged_as_biased() -> None:
+    """The same test (0.001, N = 20,000) rejects correction="shortcut" with check_last on the truncated pair."""
+    first, both = _run(Case("top_p", 2, "split", 1_000_000 * 99 + 4, check_last=True), correction="shortcut",
+                       n=20_000)
     assert first.pvalue < ALPHA and both.pvalue < ALPHA, (first, both)
 
 

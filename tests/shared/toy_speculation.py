@@ -86,10 +86,12 @@ class ToyPair:
 
 
 def speculative_round(pair: ToyPair, prev: int, ctx_len: int, seed: int, us: np.ndarray, mode: Mode,
-                      correction: Correction = "strict", residual_q: ResidualQ | None = None) -> list[int]:
+                      correction: Correction = "strict", residual_q: ResidualQ | None = None,
+                      check_last: bool = False) -> list[int]:
     """Draft k tokens after `prev`, verify them with shared.verify, return the emitted tokens.
 
-    Emitted = accepted drafts + the next token (correction, bonus, or residual drawn by the edge).
+    Emitted = accepted drafts + the next token (correction, bonus, or residual drawn by the edge; none
+    when check_last keeps every draft: the target's rows then stop at p_k).
     `us` ([k]) are the draft's own uniforms.
     """
     ys, qs, prevs = [], [], [prev]
@@ -100,11 +102,15 @@ def speculative_round(pair: ToyPair, prev: int, ctx_len: int, seed: int, us: np.
         prevs.append(y)
     key = tuple(prevs)
     p = pair.target_rows(key)  # [k + 1, V]
+    if check_last:
+        p = p[: pair.k]  # [k, V]: y_k is checked against p_k, not run
     q_dists = pair.draft_rows(key[:-1]) if mode == "dense" else None  # [k, V]
     kind: DraftKind = "deterministic" if mode == "deterministic" else "sampled"
     out = verify_round(p, ys, qs, seed=seed, ctx_len=ctx_len, correction=correction, draft_kind=kind,
-                       q_dists=q_dists)
+                       q_dists=q_dists, check_last=check_last)
     la = out.accepted_len
+    if out.next_kind == "none":
+        return ys
     if out.next_kind == "residual":
         assert mode == "split" and correction == "strict", (mode, correction)
         assert out.target_ids is not None and out.target_probs is not None
@@ -117,7 +123,8 @@ def speculative_round(pair: ToyPair, prev: int, ctx_len: int, seed: int, us: np.
 
 
 def first_two_emitted(pair: ToyPair, n: int, base_seed: int, mode: Mode, *, draft_seed: int = 0,
-                      correction: Correction = "strict", residual_q: ResidualQ | None = None) -> np.ndarray:
+                      correction: Correction = "strict", residual_q: ResidualQ | None = None,
+                      check_last: bool = False) -> np.ndarray:
     """The first two tokens emitted after the context, for n independent runs ([n, 2]).
 
     Run i uses verifier seed base_seed + i. A round that emits only one token (rejection at y_1)
@@ -127,10 +134,11 @@ def first_two_emitted(pair: ToyPair, n: int, base_seed: int, mode: Mode, *, draf
     out = np.empty((n, 2), dtype=np.int64)
     for i in range(n):
         seed = base_seed + i
-        emitted = speculative_round(pair, CONTEXT_LAST, CTX_LEN, seed, us[i, 0], mode, correction, residual_q)
+        emitted = speculative_round(pair, CONTEXT_LAST, CTX_LEN, seed, us[i, 0], mode, correction, residual_q,
+                                    check_last)
         if len(emitted) < 2:
             emitted += speculative_round(pair, emitted[-1], CTX_LEN + 1, seed, us[i, 1], mode, correction,
-                                         residual_q)
+                                         residual_q, check_last)
         out[i] = emitted[:2]
     return out
 
