@@ -189,7 +189,7 @@ def plan_round(session: Session, req: VerifyRequest, fp: str) -> RoundPlan | Ver
     cached = _replay(session, req, fp)
     if cached is not None:
         return cached
-    L, k = req.ctx_len, len(req.draft.draft_tokens)
+    L = req.ctx_len
     new = ctx.cut_and_extend(m, req.append_ids)
     c = min(session.kv_len, m, L - 1)
     fed = req.draft.draft_tokens[:-1] if req.check_last else req.draft.draft_tokens  # check_last: y_k is not run
