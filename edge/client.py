@@ -164,14 +164,16 @@ class EdgeClient:
 
     def __init__(self, settings: EdgeSettings | None = None, *, transport: Transport | None = None,
                  drafter: Drafter | None = None, tokenizer: Any = None, model_info: ModelInfo | None = None,
-                 clock: Callable[[], float] = time.perf_counter, sleep: Callable[[float], None] = time.sleep):
+                 clock: Callable[[], float] = time.perf_counter, sleep: Callable[[float], None] = time.sleep,
+                 head: Any = None):
         self.settings = settings or EdgeSettings()
         self._transport = transport
         self._drafter = drafter
         self._tokenizer = tokenizer
         # the cloud's model (GET /v1/model), asked for once unless given
         self._model_info = model_info
-        self._head: Any = None
+        # the feature-fed head (a FeatureHead; read-only, so one may serve many clients), loaded once unless given
+        self._head: Any = head
         self._head_warned = False
         self.clock = clock
         self.sleep = sleep

@@ -305,11 +305,67 @@ def phase_train(work: Path, args: argparse.Namespace) -> None:
             t_last = time.time()
 
 
+@torch.no_grad()
+def agreement_by_position(head: Any, recs: list[dict[str, Any]], k: int = 8) -> dict[str, Any]:
+    """Greedy drafting on the held-out answers, from every start position i as a round would: s_0 is the
+    target's state that chose answer token a_i (float16, as the cloud sends it), the head steps through a_i
+    and drafts a_{i+1}, a_{i+2}, ... Returns the agreement at draft position j given the drafts before it
+    agreed, and the mean tokens a greedy verify call at fixed k would commit (accepted + 1)."""
+    hits = torch.zeros(k)
+    tried = torch.zeros(k)
+    run_len: list[torch.Tensor] = []
+    for r in recs:
+        H = r["hidden"].float()  # [n, d]
+        A = torch.tensor(r["ids"][r["start"]:])  # [n]
+        n = H.shape[0]
+        if n <= 1:
+            continue
+        s = H[: n - 1]  # [m, d]: starts i = 0 .. n - 2
+        alive = torch.ones(n - 1, dtype=torch.bool)
+        run = torch.zeros(n - 1)
+        for j in range(1, k + 1):
+            idx = torch.arange(n - 1) + j  # the token drafted at position j from start i: a_{i+j}
+            ok_pos = idx < n
+            s = head.step(s, A[(idx - 1).clamp(max=n - 1)])
+            pred = head.out_ids[head.logits(s).argmax(-1)]  # [m]
+            good = (pred == A[idx.clamp(max=n - 1)]) & ok_pos
+            tried[j - 1] += float((alive & ok_pos).sum())
+            hits[j - 1] += float((alive & good).sum())
+            alive &= good
+            run += alive.float()
+        run_len.append(run)
+    runs = torch.cat(run_len)  # consecutive agreeing drafts from each start
+    return {"by_position": (hits / tried.clamp(min=1)).tolist(), "starts": int(runs.numel()),
+            "tokens_per_call": {kk: float(runs.clamp(max=kk).mean() + 1) for kk in (2, 4, 6, 8)}}
+
+
+def phase_export(work: Path, args: argparse.Namespace) -> None:
+    """The trained head into --out (bfloat16 weights, config) and report.json: agreement on the held-out answers."""
+    from edge.drafters.feature_head import FeatureHead
+    torch.set_num_threads(args.threads)
+    saved = torch.load(work / "head.pt")
+    head = new_head(work, args.n_out)
+    head.load_state_dict(saved["head"])
+    head.eval()
+    head.save(args.out)
+    head = FeatureHead.load(args.out)  # what the edge loads (bfloat16 weights, float32 compute)
+    report = {"train_positions": int(sum(r["hidden"].shape[0] for r in load_shards(work, "chat"))),
+              "eval_prompts": len(load_shards(work, "eval")), "steps": saved["state"]["step"],
+              "train_minutes": round(saved["state"]["seconds"] / 60, 1), "n_out": args.n_out,
+              "freq_coverage": phase_freq(work)["coverage"],
+              "eval": agreement_by_position(head, load_shards(work, "eval")),
+              "train_sample": agreement_by_position(head, load_shards(work, "chat")[:48]),
+              "args": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str))}}
+    (args.out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps(report["eval"], indent=1))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("phase", choices=["prompts", "answers", "eval", "freq", "train", "all"])
+    ap.add_argument("phase", choices=["prompts", "answers", "eval", "freq", "train", "export", "all"])
     ap.add_argument("--work", type=Path, required=True, help="data and checkpoints (outside the work tree)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=REPO / "models" / "smollm2-135m-head", help="where export writes")
     ap.add_argument("--gen-batch", type=int, default=32)
     ap.add_argument("--max-new", type=int, default=192)
     ap.add_argument("--train-prompts", type=int, default=4000)
@@ -332,8 +388,10 @@ def main(argv: list[str] | None = None) -> int:
         phase_answers(args.work, evals, "eval", args, sample_every=0)
     if args.phase in ("answers", "all"):
         phase_answers(args.work, train[:args.train_prompts], "chat", args, sample_every=4)
-    if args.phase == "train":
+    if args.phase in ("train", "all"):
         phase_train(args.work, args)
+    if args.phase in ("export", "all"):
+        phase_export(args.work, args)
     if args.phase == "freq":
         res = phase_freq(args.work)
         print({k: v for k, v in res.items() if k != "order"})

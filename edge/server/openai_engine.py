@@ -19,7 +19,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from shared.config import SamplingConfig
 from shared.errors import SpecSplitError
@@ -123,6 +123,8 @@ class OpenAIEngine:
         self.tokenizer = tokenizer
         self.prometheus = prometheus or EdgePrometheus.create()
         self._info: ModelInfo | None = None
+        # the feature-fed head, loaded once (new_client) and shared by every generation
+        self._head: Any = None
         self._info_lock = threading.Lock()
         # the fetch of the model info in flight: concurrent requests share its outcome instead of queueing
         self._info_fetch: Future[ModelInfo] | None = None
@@ -130,8 +132,13 @@ class OpenAIEngine:
     def new_client(self) -> EdgeClient:
         s = self.settings
         key = s.api_key.get_secret_value() if s.api_key else None
-        return EdgeClient(s, transport=make_transport(s.cloud_url, s.grpc_target, key),
-                          drafter=self.draft.for_generation(), tokenizer=self.tokenizer, model_info=self._info)
+        client = EdgeClient(s, transport=make_transport(s.cloud_url, s.grpc_target, key),
+                            drafter=self.draft.for_generation(), tokenizer=self.tokenizer, model_info=self._info,
+                            head=self._head)
+        if self._head is None and s.head != "none":  # loaded by the first client, shared by every later one
+            self._head = client.head()
+            client._head = self._head
+        return client
 
     def model_info(self) -> ModelInfo:
         """The cloud's model, asked for once (with the client's retries). Requests arriving while it is
