@@ -11,10 +11,17 @@ Phases (each skips what its output already holds, so a stopped run resumes where
             from the prompt's last to the answer's last, so the target's full distribution at any
             of those positions is `softmax(E h)` and needs no storage.
 3. eval     the same for the held-out prompts (greedy only): what every agreement figure is measured on.
-4. freq     the token frequencies of the target's answers: the frequency-ranked vocabulary.
-5. train    the feature-fed head (`edge/drafters/feature_head.py`) with the target frozen, by an
-            unrolled loss over `--unroll` drafted positions (see `train_feature_head`).
-6. export   the head into `--out`, with `report.json`: agreement by draft position on the eval set.
+4. freq     the token frequencies of the target's training answers (counts plus the target's expected
+            counts): the frequency-ranked output rows (FR-Spec) and their coverage of the held-out answers.
+5. labels   the target's top-32 ids over those rows and their log-probabilities at every stored position.
+6. train    the feature-fed head (`edge/drafters/feature_head.py`) with the target frozen (its output rows
+            and a projection of its embeddings, frozen), by an unrolled loss: from every position's state
+            the head steps `--unroll` times on the target's tokens, carrying its own states, and each step
+            is scored by cross-entropy over every output row against the target's top-32 and SmoothL1 to
+            the target's state there. Time-budgeted, checkpointed every 5 minutes (`head.pt`), resumed
+            by rerunning the same command.
+7. export   the head into `--out` (bfloat16 weights), with `report.json`: greedy agreement by draft
+            position and tokens per verify call at fixed k on the held-out answers.
 """
 
 from __future__ import annotations
@@ -99,7 +106,7 @@ def phase_answers(work: Path, prompts: list[str], name: str, args: argparse.Name
     eos = int(tok.eos_token_id)
     items = sorted(((chat_ids(tok, p), i) for i, p in enumerate(prompts)), key=lambda x: len(x[0]))
     bs = args.gen_batch
-    for b0 in range(0, len(items), bs):
+    for b0 in range(0, min(len(items), args.answer_shards * bs), bs):
         shard = work / f"{name}-{b0:05d}.pt"
         if shard.exists():
             continue
@@ -210,35 +217,30 @@ class Windows:
         return out
 
 
-def unrolled_loss(head: Any, bt: dict[str, torch.Tensor], unroll: int, feat_weight: float, decay: float,
-                  negatives: torch.Tensor) -> tuple[torch.Tensor, list[float]]:
+def unrolled_loss(head: Any, bt: dict[str, torch.Tensor], unroll: int, feat_weight: float, decay: float
+                  ) -> tuple[torch.Tensor, list[float]]:
     """Every window position i starts from the target's state s_0 = H[:, i]; the head steps `unroll` times
     on the target's tokens (as when the drafts before are accepted; the head's own states, never the
-    target's, are carried), and step j is scored against the target one position later: a sampled soft
-    cross-entropy (the target's top LABEL_K ids, renormalised, against those ids plus `negatives`, ids
-    shared by the batch) and SmoothL1 to the target's state H[:, i + j]. Returns the loss and, per step,
-    how often the head's best candidate is the target's top id."""
+    target's, are carried), and step j is scored against the target one position later: cross-entropy
+    of the head's distribution over every output row against the target's top LABEL_K ids (renormalised),
+    and SmoothL1 to the target's state H[:, i + j]. Returns the loss and, per step, how often the head's
+    argmax over every output row is the target's top id."""
     H, A, IX, LP, valid = bt["H"], bt["A"], bt["IX"], bt["LP"], bt["valid"]
     W = H.shape[1]
     n = W - unroll
     s = H[:, :n]  # [B, n, d]
-    neg_rows = head.out[negatives]  # [R, d]
     loss = H.new_zeros(())
     agree = []
     for j in range(1, unroll + 1):
         s = head.step(s, A[:, j - 1: n + j - 1])  # [B, n, d]
         ok = valid[:, j: n + j].float()  # [B, n]
         ix, lp = IX[:, j: n + j], LP[:, j: n + j]  # [B, n, K]
-        cand = torch.einsum("bnd,bnkd->bnk", s, head.out[ix])  # [B, n, K]
-        neg = s @ neg_rows.T  # [B, n, R]
-        neg = neg.masked_fill((ix[..., :, None] == negatives).any(-2), float("-inf"))  # a candidate counts once
-        logq = torch.log_softmax(torch.cat([cand, neg], -1), -1)[..., :LABEL_K]  # [B, n, K]
-        p = torch.softmax(lp, -1)  # [B, n, K]
-        ce = -(p * logq).sum(-1)  # [B, n]
+        logq = torch.log_softmax(head.logits(s), -1)  # [B, n, n_out]
+        ce = -(torch.softmax(lp, -1) * logq.gather(-1, ix)).sum(-1)  # [B, n]
         fl = torch.nn.functional.smooth_l1_loss(s, H[:, j: n + j], reduction="none").mean(-1)  # [B, n]
         loss = loss + decay ** (j - 1) * ((ce + feat_weight * fl) * ok).sum() / ok.sum().clamp(min=1)
         with torch.no_grad():
-            agree.append(float(((cand.argmax(-1) == 0).float() * ok).sum() / ok.sum().clamp(min=1)))
+            agree.append(float(((logq.argmax(-1) == ix[..., 0]).float() * ok).sum() / ok.sum().clamp(min=1)))
     return loss, agree
 
 
@@ -285,16 +287,14 @@ def phase_train(work: Path, args: argparse.Namespace) -> None:
         frac = (time.time() - t0) / budget
         for g in opt.param_groups:  # warm-up, then cosine to 10 %
             g["lr"] = args.lr * min(1.0, (state["step"] + 1) / 100) * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
-        negatives = torch.randint(0, args.n_out, (args.negatives,), generator=gen)
-        loss, agree = unrolled_loss(head, data.batch(args.batch, gen), args.unroll, args.feat_weight, args.decay,
-                                    negatives)
+        loss, agree = unrolled_loss(head, data.batch(args.batch, gen), args.unroll, args.feat_weight, args.decay)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         state["step"] += 1
         if state["step"] % args.log_every == 0:
-            state["log"].append({"step": state["step"], "loss": round(float(loss), 4),
+            state["log"].append({"step": state["step"], "loss": round(float(loss.detach()), 4),
                                  "agree": [round(a, 3) for a in agree]})
             print(f"[train] step {state['step']} loss {float(loss):.3f} agree {[round(a, 3) for a in agree]} "
                   f"{time.time() - t0:.0f} s", flush=True)
@@ -369,12 +369,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gen-batch", type=int, default=32)
     ap.add_argument("--max-new", type=int, default=192)
     ap.add_argument("--train-prompts", type=int, default=4000)
+    ap.add_argument("--answer-shards", type=int, default=1 << 30,
+                    help="stop the answers phase after this many shards (the shortest prompts first)")
     ap.add_argument("--n-out", type=int, default=16384, help="rows of the frequency-ranked output layer")
     ap.add_argument("--train-minutes", type=float, default=60)
     ap.add_argument("--batch", type=int, default=32, help="windows per step")
     ap.add_argument("--window", type=int, default=48, help="start positions per window")
     ap.add_argument("--unroll", type=int, default=6, help="drafted positions scored per start")
-    ap.add_argument("--negatives", type=int, default=1024, help="shared sampled ids per step")
     ap.add_argument("--log-every", type=int, default=20)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--feat-weight", type=float, default=1.0)
@@ -388,6 +389,8 @@ def main(argv: list[str] | None = None) -> int:
         phase_answers(args.work, evals, "eval", args, sample_every=0)
     if args.phase in ("answers", "all"):
         phase_answers(args.work, train[:args.train_prompts], "chat", args, sample_every=4)
+    if args.phase in ("freq", "train", "all"):
+        phase_labels(args.work, "chat", args.n_out, args.threads)
     if args.phase in ("train", "all"):
         phase_train(args.work, args)
     if args.phase in ("export", "all"):

@@ -1,8 +1,9 @@
 """The real default pair end to end: SmolLM2-135M-Instruct verifies the distilled draft's guesses.
 
-`scripts/setup.sh` converts the target into models/smollm2-135m-instruct (so CI has it); the draft
-models/smollm2-135m-draft is committed. For a chat prompt sent through the tokenizer's template, the
-greedy speculative text (model drafter and n-gram drafter, over REST and gRPC) must equal the
+`scripts/setup.sh` converts the target into models/smollm2-135m-instruct (so CI has it); the drafts
+models/smollm2-135m-head (feature-fed) and models/smollm2-135m-draft are committed. For a chat prompt
+sent through the tokenizer's template, the greedy speculative text (the feature-fed head, also across a
+reopen, the distilled draft and the n-gram drafter, over REST and gRPC) must equal the
 target's own greedy text (the cloud's POST /v1/generate) over 64 tokens, token for token, with no
 token committed unverified. A divergence is accepted only where the target's two candidates are a
 float tie (see test_edge_greedy.assert_equal_or_tie).
@@ -26,6 +27,7 @@ from tests.server import CloudProcess
 REPO = Path(__file__).resolve().parents[2]
 TARGET = REPO / "models" / "smollm2-135m-instruct"
 DRAFT = REPO / "models" / "smollm2-135m-draft"
+HEAD = REPO / "models" / "smollm2-135m-head"
 N_NEW = 64
 QUESTION = "Write a Python function that returns the n-th Fibonacci number."
 
@@ -70,20 +72,31 @@ def settings(cloud: CloudProcess, transport: str, **kw: Any) -> EdgeSettings:
 
 
 @pytest.mark.parametrize("transport", ["rest", "grpc"])
-@pytest.mark.parametrize("kind", ["model", "ngram"])
+@pytest.mark.parametrize("kind", ["head", "head-reopen", "model", "ngram"])
 def test_real_pair_greedy_speculative_equals_the_target(real_cloud: CloudProcess, real_tokenizer: Any,
                                                         references: dict[str, Any], kind: str,
                                                         transport: str) -> None:
+    """kind "head": the feature-fed head (the committed one) with the distilled draft as its fallback;
+    "head-reopen": the same with the session closed behind the edge's back before its 4th round."""
     from transformers import AutoModelForCausalLM
 
-    s = settings(real_cloud, transport)
+    from tests.e2e.test_feature_fed import ClosesOnce
+
+    if kind.startswith("head") and not HEAD.is_dir():
+        raise RuntimeError(f"{HEAD} is missing: it is committed with the repository")
+    s = settings(real_cloud, transport, head=str(HEAD) if kind.startswith("head") else "none", draft=str(DRAFT))
     ref = references["result"]
-    drafter = ModelDrafter(DRAFT) if kind == "model" else NGramDrafter(order=4)
-    spec = EdgeClient(s, drafter=drafter, tokenizer=real_tokenizer).generate(chat(real_tokenizer, QUESTION))
+    drafter = NGramDrafter(order=4) if kind == "ngram" else ModelDrafter(DRAFT)
+    transport_ = ClosesOnce(EdgeClient(s).transport) if kind == "head-reopen" else None
+    spec = EdgeClient(s, drafter=drafter, tokenizer=real_tokenizer, transport=transport_).generate(
+        chat(real_tokenizer, QUESTION))
     assert len(ref.token_ids) == N_NEW  # the answer is longer than 64 tokens: all 64 are compared
     if spec.token_ids != ref.token_ids:  # only then is the target loaded here, to tell a float tie
         target = AutoModelForCausalLM.from_pretrained(TARGET).eval()
         assert_equal_or_tie(spec.token_ids, ref.token_ids, spec.prompt_ids, target, s.sampling())
     assert spec.metrics.local_commits == 0 and spec.metrics.verify_calls >= 1
-    if kind == "model":  # a trained draft: some of its guesses are kept
+    if kind != "ngram":  # a trained draft: some of its guesses are kept
         assert spec.metrics.accepted > 0
+    if kind.startswith("head"):  # drafted from the cloud's features, a few hundred bytes each
+        assert spec.metrics.head_rounds >= spec.metrics.verify_calls - 2 and spec.metrics.feature_bytes > 0
+        assert (spec.metrics.reopens == 1) == (kind == "head-reopen")
