@@ -66,10 +66,17 @@ class Pending:
 PENDING = Pending()
 
 
+class Wait:
+    """`plan()` returns this when the job should sit this forward out (it stays queued, in its place)."""
+
+
+WAIT = Wait()
+
+
 @dataclass
 class Job(Generic[T]):
-    # the Row to run within a token budget (int), or None with `answer` set when it needs no forward
-    plan: Callable[[int], Row | None]
+    # the Row to run within a token budget (int), None with `answer` set when it needs no forward, or WAIT
+    plan: Callable[[int], Row | None | Wait]
     # applies the job's logits ([keep, vocab]) given the forward's wall time (ms); returns its result,
     # or PENDING for another forward
     finish: Callable[[torch.Tensor, float], T | Pending]
@@ -314,6 +321,8 @@ class Scheduler:
             except BaseException as e:  # noqa: BLE001 - that request's error alone
                 self._drop(job)
                 self._resolve(job, error=e)
+                continue
+            if isinstance(row, Wait):
                 continue
             if self.blocks_available() < reserved:
                 # its plan took blocks promised to rows already in this forward (a new sequence matching

@@ -32,7 +32,7 @@ from cloud.engine import (
 )
 from cloud.metrics import CloudMetrics
 from cloud.model import ModelInfo, TargetModel
-from cloud.scheduler import DECODE, PENDING, PREFILL, ROUND, BatchStats, Job, Pending, Scheduler
+from cloud.scheduler import DECODE, PENDING, PREFILL, ROUND, WAIT, BatchStats, Job, Pending, Scheduler, Wait
 from cloud.session import Context, Session
 from cloud.settings import CloudSettings
 from cloud.store import CLOSED, KV_BUDGET, SessionStore
@@ -101,6 +101,8 @@ class VerifierService:
                                 make_room=self._make_room)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._hits_seen = self._evicted_seen = 0
+        # prefills under way (model thread only): an open sharing a full block they are computing waits
+        self._prefilling: list[Prefill] = []
         self._keys = settings.api_key_values()
         self.ready = True
         # set at SIGTERM (cloud.app.drain): new sessions and generations are refused, verify is still served
@@ -193,6 +195,25 @@ class VerifierService:
         unless the operator shares them across keys."""
         return b"" if self.settings.share_prefix_across_keys else owner.encode()
 
+    def _shares_a_running_prefill(self, pre: Prefill) -> bool:
+        """Whether another prefill under way, under the same salt, is still computing a full block that
+        `pre` would need too: `pre` then waits and takes those blocks from the prefix cache instead of
+        computing them again."""
+        if not self.settings.prefix_cache:
+            return False
+        size = self.model.pool.block_size
+        for other in self._prefilling:
+            if other is pre or other.salt != pre.salt or other.slot is None:
+                continue
+            n = 0
+            for a, b in zip(pre.ids, other.ids, strict=False):
+                if a != b:
+                    break
+                n += 1
+            if n // size * size > other.done:  # a shared full block is not computed yet
+                return True
+        return False
+
     def _prefill_job(self, pre: Prefill, owner: str, encoding: str = "",
                      feature: list[TargetFeature] | None = None) -> Job[float]:
         """KV of a prompt's S[:-1] (all of S with `encoding`: then the last position's state goes into
@@ -200,9 +221,15 @@ class VerifierService:
         spent = [0.0]
         rows: list[Row] = []
 
-        def plan(budget: int) -> Row | None:
+        def plan(budget: int) -> Row | None | Wait:
+            if pre.slot is None:
+                if self._shares_a_running_prefill(pre):
+                    return WAIT
+                self._prefilling.append(pre)
             row = pre.plan(self.model.pool, budget)
             rows[:] = [row] if row is not None else []
+            if row is None:
+                self._forget_prefill(pre)
             return row
 
         def finish(_: object, ms: float) -> float | Pending:
@@ -210,14 +237,27 @@ class VerifierService:
             hidden = self.model.hidden_of(rows[0]) if encoding and rows[0].keep else None
             if hidden is not None and feature is not None:
                 feature[:] = [encode_feature(hidden[-1], encoding, len(pre.ids))]
-            return spent[0] if pre.advance(self.model.pool, rows[0]) else PENDING
+            if pre.advance(self.model.pool, rows[0]):
+                self._forget_prefill(pre)
+                return spent[0]
+            return PENDING
 
         def abort() -> None:
+            self._forget_prefill(pre)
             if pre.slot is not None:
                 self.model.pool.crop(pre.slot, pre.done)
 
+        def unplan() -> None:
+            pre.unplan(self.model.pool)
+            if pre.slot is None:
+                self._forget_prefill(pre)
+
         return Job(plan=plan, finish=finish, abort=abort, answer=lambda: spent[0], kind=PREFILL, owner=owner,
-                   unplan=lambda: pre.unplan(self.model.pool))
+                   unplan=unplan)
+
+    def _forget_prefill(self, pre: Prefill) -> None:
+        """`pre` is done, failed or gave its slot back: no open waits for it any more (model thread)."""
+        self._prefilling = [p for p in self._prefilling if p is not pre]
 
     def _make_room(self, blocks: int) -> None:
         """On the model thread, when a forward needs `blocks` more KV blocks than are left (cached prefix

@@ -367,3 +367,24 @@ def test_a_forward_with_rounds_gives_prefills_only_their_share() -> None:
         sched.shutdown()
     assert [(r.slot, len(r.ids)) for r in calls[0]] == [(2, 5), (1, 32)]
     assert [len(c[0].ids) for c in calls[1:]] == [256, 256, 56]
+
+
+def test_an_open_sharing_a_prefix_with_a_running_prefill_waits_for_its_blocks(
+        make_service: Callable[..., VerifierService], text_ids: Callable[[int, int], list[int]],
+        tiny_reference: CausalLM) -> None:
+    """Two opens queued together (one forward is built while both wait), their 25-token prompts sharing the
+    first 16 tokens (four blocks of 4): the second sits the first forward out and then takes the four
+    shared blocks from the prefix cache instead of computing them again; both answer exactly."""
+    svc = make_service(kv_block_size=4)
+    base = text_ids(30, 3)
+    a_prompt, b_prompt = base[:16] + text_ids(9, 4), base[:16] + text_ids(9, 5)
+
+    async def main() -> None:
+        got = await gated(svc, [svc.open_session(OpenSessionRequest(p, GREEDY), "") for p in (a_prompt, b_prompt)])
+        assert not any(isinstance(g, BaseException) for g in got), got
+        for info, p in zip(got, (a_prompt, b_prompt), strict=True):
+            resp = await svc.verify(draft_request(info.ctx_id, p, [], q=1.0), "", 0)
+            assert resp.correction == greedy_continuation(tiny_reference, p, 1)[0]
+
+    asyncio.run(main())
+    assert svc.model.pool.manager.hit_tokens == 16
