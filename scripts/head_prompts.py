@@ -10,18 +10,11 @@ from __future__ import annotations
 
 import random
 
-SUBJECTS = [
-    "photosynthesis", "the water cycle", "black holes", "how vaccines work", "the French Revolution",
-    "climate change", "the stock market", "machine learning", "the human heart", "volcanoes",
-    "the Roman Empire", "electric cars", "the internet", "DNA", "renewable energy", "the moon landing",
-    "honey bees", "earthquakes", "the immune system", "inflation", "the printing press", "rainbows",
-    "gravity", "the solar system", "recycling", "sleep", "coffee", "the Great Wall of China",
-    "democracy", "antibiotics", "plate tectonics", "the Renaissance", "cloud computing", "tides",
-    "the human brain", "dinosaurs", "electricity", "the ocean", "bread baking", "the Olympic Games",
-    "meditation", "compound interest", "rain forests", "the speed of light", "World War I", "jazz music",
-    "photography", "the periodic table", "nutrition", "bicycles", "chess", "the Amazon river",
-    "public speaking", "time management", "gardening", "the theory of evolution", "airplanes",
-    "the Industrial Revolution", "batteries", "glaciers", "the Silk Road", "smartphones",
+from distill_draft import CODE_TASKS as DISTILL_TASKS
+from distill_draft import TOPICS as DISTILL_TOPICS
+
+# the distillation's topics (scripts/distill_draft.py), then more
+SUBJECTS = [*DISTILL_TOPICS,
     "ancient Egypt", "the pyramids", "the Cold War", "nuclear power", "solar panels", "wind turbines",
     "the human skeleton", "digestion", "blood types", "bacteria", "viruses", "fungi", "coral reefs",
     "deserts", "the Arctic", "penguins", "whales", "elephants", "migration of birds", "butterflies",
@@ -38,31 +31,9 @@ SUBJECTS = [
     "the number zero", "infinity", "logic puzzles", "friendship", "habits", "motivation", "stress",
     "learning a language", "reading", "journaling", "volunteering", "city planning", "public transport",
 ]
-CODE_TASKS = [
-    "reverse a string", "check whether a number is prime", "merge two sorted lists",
-    "count the words in a text", "find the largest element of a list",
-    "remove duplicates from a list while keeping order", "compute the factorial of n",
-    "check whether a string is a palindrome", "flatten a nested list", "read a CSV file and print each row",
-    "sort a list of dictionaries by a key", "compute the greatest common divisor of two numbers",
-    "convert Celsius to Fahrenheit", "find the second smallest number in a list", "binary search a sorted list",
-    "count vowels in a string", "transpose a matrix", "compute the mean and median of a list",
-    "validate an email address with a regular expression", "return the intersection of two lists",
-    "capitalize the first letter of every word", "compute the sum of the digits of a number",
-    "find all anagrams of a word in a list", "implement a stack class", "implement a queue with two stacks",
-    "parse a JSON string and print its keys", "check whether brackets in a string are balanced",
-    "rotate a list by k positions", "compute the power set of a list", "convert a decimal number to binary",
-    "find the longest common prefix of a list of strings", "count the frequency of each character",
-    "generate the first n prime numbers", "compute the area of a circle", "parse a URL into its parts",
-    "chunk a list into pieces of size n", "compute a running average", "merge two dictionaries",
-    "find the missing number in a list from 1 to n", "check whether two strings are anagrams",
-    "implement bubble sort", "implement quicksort", "implement a linked list", "compute n choose k",
-    "write a decorator that times a function", "read a text file and count its lines",
-    "remove whitespace from both ends of every line", "compute the Levenshtein distance",
-    "return the most common element of a list", "group words by their first letter",
-    "simulate rolling two dice", "convert a Roman numeral to an integer", "compute compound interest",
-    "find the depth of a binary tree", "implement depth-first search on a graph",
-    "implement breadth-first search on a graph", "format a number with thousands separators",
-    "check whether a year is a leap year", "split a sentence into words and sort them",
+# the distillation's tasks (scripts/distill_draft.py) without the benchmark's own, then more
+CODE_TASKS = [*(("parse a URL into its parts" if t == "download nothing but parse a URL" else t)
+                for t in DISTILL_TASKS if t != "return the n-th Fibonacci number"),
     "implement a least-recently-used cache", "compute the dot product of two vectors",
     "find the longest word in a sentence", "shuffle a list", "validate a password's strength",
     "convert a string to title case", "compute the median of two sorted arrays", "implement merge sort",

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from fastapi.testclient import TestClient
 
 from cloud.model import TargetModel
+from cloud.rest import create_app
 from cloud.service import VerifierService
 from cloud.settings import CloudSettings
 from tests.cloud.reference import CausalLM, Drafter
@@ -59,3 +61,17 @@ def make_service(tiny_pair: tuple[Path, Path], tiny_target: TargetModel) -> Iter
     yield make
     for s in made:
         s.close()
+
+
+@pytest.fixture
+def client(make_service: Callable[..., VerifierService]) -> Iterator[Callable[..., TestClient]]:
+    """client(**settings) -> a TestClient on the REST app of make_service(**settings); closed after the test."""
+    clients: list[TestClient] = []
+
+    def make(**settings: Any) -> TestClient:
+        clients.append(TestClient(create_app(make_service(**settings))).__enter__())
+        return clients[-1]
+
+    yield make
+    for c in clients:
+        c.__exit__(None, None, None)

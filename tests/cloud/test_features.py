@@ -5,7 +5,7 @@ answers without it; a bad encoding is refused and changes nothing."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -14,26 +14,12 @@ from fastapi.testclient import TestClient
 
 from cloud.grpc_server import info_to_pb, response_to_pb
 from cloud.model import TargetModel
-from cloud.rest import create_app
 from cloud.service import VerifierService
 from shared.features import decode_feature, feature_from_json
 from shared.hashing import ctx_hash
 from shared.protocol import DraftProposal, OpenSessionRequest, TargetFeature, VerifyRequest
 
 PROMPT = [5, 17, 42, 8, 99, 23, 7]
-
-
-@pytest.fixture
-def client(make_service: Callable[..., VerifierService]) -> Iterator[Callable[..., TestClient]]:
-    clients: list[TestClient] = []
-
-    def make(**settings: Any) -> TestClient:
-        clients.append(TestClient(create_app(make_service(**settings))).__enter__())
-        return clients[-1]
-
-    yield make
-    for c in clients:
-        c.__exit__(None, None, None)
 
 
 @torch.inference_mode()

@@ -8,7 +8,7 @@ import asyncio
 import json
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -17,26 +17,12 @@ from fastapi.testclient import TestClient
 
 from cloud.grpc_server import start_grpc
 from cloud.logs import JsonFormatter
-from cloud.rest import create_app
 from cloud.service import VerifierService
 from shared.hashing import ctx_hash
 from shared.pb import verify_pb2 as pb
 from shared.pb import verify_pb2_grpc as pb_grpc
 from shared.request_id import RequestIdFilter
 from tests.ops.tools import promtool
-
-
-@pytest.fixture
-def client(make_service: Callable[..., VerifierService]) -> Iterator[Callable[..., TestClient]]:
-    clients: list[TestClient] = []
-
-    def make(**settings: Any) -> TestClient:
-        clients.append(TestClient(create_app(make_service(**settings))).__enter__())
-        return clients[-1]
-
-    yield make
-    for c in clients:
-        c.__exit__(None, None, None)
 
 
 @pytest.fixture

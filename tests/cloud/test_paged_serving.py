@@ -187,18 +187,40 @@ def test_a_job_that_cannot_get_its_blocks_even_alone_is_refused_with_429() -> No
     assert asked and all(len(rows) == 1 and len(rows[0].ids) == 4 for rows in calls)
 
 
-def test_decode_steps_and_rounds_go_first_and_prefills_fill_the_rest() -> None:
-    """The scheduler alone, with a fake runner and a 32-token budget: three 100-token prefills queued
-    before a decode step and a 5-token round; the first forward runs the decode step and the round,
-    then prefill chunks up to the budget."""
-    calls: list[list[Row]] = []
+def run_queued_together(jobs: list[Job[Any]], calls: list[list[Row]], **scheduler: Any) -> list[list[Row]]:
+    """The scheduler alone with a fake runner: every job queued while the model thread is held, then let go;
+    the rows of each forward go into `calls` (the jobs' finish() may read it) and are returned."""
     gate = threading.Event()
 
     def forward(rows: list[Row]) -> list[torch.Tensor]:
         calls.append(rows)
         return [torch.zeros(r.keep, 4) for r in rows]
 
-    sched = Scheduler(16, lambda: 0.0, forward=forward, max_batch_tokens=32, batch_wait_ms=0)
+    sched = Scheduler(16, lambda: 0.0, forward=forward, batch_wait_ms=0, **scheduler)
+
+    async def main() -> None:
+        blocker = asyncio.ensure_future(sched.run(gate.wait))
+        await asyncio.sleep(0.01)
+        futures = [asyncio.ensure_future(sched.submit(j)) for j in jobs]
+        # all queued while the blocker holds the model thread (it may or may not still be in the queue)
+        while not all(any(q is j for q in list(sched._queue)) for j in jobs):
+            await asyncio.sleep(0.001)
+        gate.set()
+        await blocker
+        await asyncio.gather(*futures)
+
+    try:
+        asyncio.run(main())
+    finally:
+        sched.shutdown()
+    return calls
+
+
+def test_decode_steps_and_rounds_go_first_and_prefills_fill_the_rest() -> None:
+    """The scheduler alone, with a fake runner and a 32-token budget: three 100-token prefills queued
+    before a decode step and a 5-token round; the first forward runs the decode step and the round,
+    then prefill chunks up to the budget."""
+    calls: list[list[Row]] = []
 
     def prefill(slot: int) -> Job[float]:
         done = [0]
@@ -212,28 +234,14 @@ def test_decode_steps_and_rounds_go_first_and_prefills_fill_the_rest() -> None:
 
         return Job(plan=plan, finish=finish, kind=PREFILL, owner=f"k{slot}")
 
-    async def main() -> None:
-        blocker = asyncio.ensure_future(sched.run(gate.wait))
-        await asyncio.sleep(0.01)
-        jobs = [*(prefill(i) for i in range(3)),
-                Job(plan=lambda _: Row(10, 7, [2], 1), finish=lambda _, __: 2.0, kind=DECODE),
-                Job(plan=lambda _: Row(11, 9, [3] * 5, 5), finish=lambda _, __: 3.0, kind=ROUND)]
-        futures = [asyncio.ensure_future(sched.submit(j)) for j in jobs]
-        # all five queued while the blocker holds the model thread (it may or may not still be in the queue)
-        while not all(any(q is j for q in list(sched._queue)) for j in jobs):
-            await asyncio.sleep(0.001)
-        gate.set()
-        await blocker
-        await asyncio.gather(*futures)
-
-    try:
-        asyncio.run(main())
-    finally:
-        sched.shutdown()
-    first = calls[0]
+    jobs = [*(prefill(i) for i in range(3)),
+            Job(plan=lambda _: Row(10, 7, [2], 1), finish=lambda _, __: 2.0, kind=DECODE),
+            Job(plan=lambda _: Row(11, 9, [3] * 5, 5), finish=lambda _, __: 3.0, kind=ROUND)]
+    got = run_queued_together(jobs, calls, max_batch_tokens=32)
+    first = got[0]
     assert [r.slot for r in first[:2]] == [10, 11]  # the decode step and the round, before any prefill
     assert sum(len(r.ids) for r in first) == 32 and all(r.keep == 0 for r in first[2:])
-    assert all(sum(len(r.ids) for r in c) <= 32 for c in calls)
+    assert all(sum(len(r.ids) for r in c) <= 32 for c in got)
 
 
 def test_a_long_resync_runs_in_chunks_and_answers_exactly(
@@ -332,14 +340,6 @@ def test_a_forward_with_rounds_gives_prefills_only_their_share() -> None:
     a 600-token prefill queued together run as the round plus 32 prefill tokens; the forwards after the
     round give the prefill the whole budget (its throughput with no round running is unchanged)."""
     calls: list[list[Row]] = []
-    gate = threading.Event()
-
-    def forward(rows: list[Row]) -> list[torch.Tensor]:
-        calls.append(rows)
-        return [torch.zeros(r.keep, 4) for r in rows]
-
-    sched = Scheduler(16, lambda: 0.0, forward=forward, max_batch_tokens=256, max_prefill_tokens_with_rounds=32,
-                      batch_wait_ms=0)
     done = [0]
 
     def plan(budget: int) -> Row:
@@ -349,22 +349,9 @@ def test_a_forward_with_rounds_gives_prefills_only_their_share() -> None:
         done[0] += len(next(r for r in calls[-1] if r.slot == 1).ids)
         return 1.0 if done[0] >= 600 else PENDING
 
-    async def main() -> None:
-        blocker = asyncio.ensure_future(sched.run(gate.wait))
-        await asyncio.sleep(0.01)
-        jobs = [Job(plan=plan, finish=finish, kind=PREFILL),
-                Job(plan=lambda _: Row(2, 9, [3] * 5, 5), finish=lambda _, __: 3.0, kind=ROUND)]
-        futures = [asyncio.ensure_future(sched.submit(j)) for j in jobs]
-        while not all(any(q is j for q in list(sched._queue)) for j in jobs):
-            await asyncio.sleep(0.001)
-        gate.set()
-        await blocker
-        await asyncio.gather(*futures)
-
-    try:
-        asyncio.run(main())
-    finally:
-        sched.shutdown()
+    jobs = [Job(plan=plan, finish=finish, kind=PREFILL),
+            Job(plan=lambda _: Row(2, 9, [3] * 5, 5), finish=lambda _, __: 3.0, kind=ROUND)]
+    run_queued_together(jobs, calls, max_batch_tokens=256, max_prefill_tokens_with_rounds=32)
     assert [(r.slot, len(r.ids)) for r in calls[0]] == [(2, 5), (1, 32)]
     assert [len(c[0].ids) for c in calls[1:]] == [256, 256, 56]
 

@@ -15,19 +15,6 @@ from cloud.service import VerifierService
 from shared.hashing import ctx_hash
 
 
-@pytest.fixture
-def client(make_service: Callable[..., VerifierService]) -> Iterator[Callable[..., TestClient]]:
-    clients: list[TestClient] = []
-
-    def make(**settings: Any) -> TestClient:
-        clients.append(TestClient(create_app(make_service(**settings))).__enter__())
-        return clients[-1]
-
-    yield make
-    for c in clients:
-        c.__exit__(None, None, None)
-
-
 def samples(c: TestClient) -> dict[tuple[str, tuple], float]:
     text = c.get("/metrics").text
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
