@@ -122,7 +122,8 @@ class GrpcClient:
         return {"model_id": m.model_id, "vocab_size": m.vocab_size, "eos_ids": list(m.eos_ids),
                 "max_context": m.max_context, "dtype": m.dtype, "device": m.device,
                 "tokenizer_fingerprint": m.tokenizer_fingerprint, "max_k": m.max_k,
-                "tokenizer_size": m.tokenizer_size}
+                "tokenizer_size": m.tokenizer_size, "feature_size": m.feature_size,
+                "feature_encodings": list(m.feature_encodings)}
 
     def shutdown(self) -> None:
         self.channel.close()
