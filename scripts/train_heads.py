@@ -293,6 +293,7 @@ def phase_train(work: Path, args: argparse.Namespace) -> None:
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         state["step"] += 1
+        state["args"] = {k: v for k, v in vars(args).items() if k != "phase" and isinstance(v, (int, float, str))}
         if state["step"] % args.log_every == 0:
             state["log"].append({"step": state["step"], "loss": round(float(loss.detach()), 4),
                                  "agree": [round(a, 3) for a in agree]})
@@ -355,7 +356,7 @@ def phase_export(work: Path, args: argparse.Namespace) -> None:
               "freq_coverage": phase_freq(work)["coverage"],
               "eval": agreement_by_position(head, load_shards(work, "eval")),
               "train_sample": agreement_by_position(head, load_shards(work, "chat")[:48]),
-              "args": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str))}}
+              "train_args": saved["state"].get("args", {})}  # what the training ran with
     (args.out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps(report["eval"], indent=1))
 
