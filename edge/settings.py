@@ -32,9 +32,9 @@ DEFAULT_HEAD = "smollm2-135m-head"
 
 
 def default_head() -> str:
-    """The repository's feature-fed head when it holds one, else "none"."""
-    path = REPO_ROOT / "models" / DEFAULT_HEAD
-    return str(path) if path.is_dir() else "none"
+    """No head by default yet: the committed one drafts worse than the distilled draft under the default
+    repetition penalty (BENCHMARKS.md, the real pair); pass --head models/smollm2-135m-head to use it."""
+    return "none"
 
 
 def default_draft() -> str:
