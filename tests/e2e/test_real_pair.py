@@ -98,5 +98,5 @@ def test_real_pair_greedy_speculative_equals_the_target(real_cloud: CloudProcess
     if kind != "ngram":  # a trained draft: some of its guesses are kept
         assert spec.metrics.accepted > 0
     if kind.startswith("head"):  # drafted from the cloud's features, a few hundred bytes each
-        assert spec.metrics.head_rounds >= spec.metrics.verify_calls - 2 and spec.metrics.feature_bytes > 0
+        assert spec.metrics.head_rounds > 0 and spec.metrics.fallback_rounds <= 1 and spec.metrics.feature_bytes > 0
         assert (spec.metrics.reopens == 1) == (kind == "head-reopen")

@@ -36,6 +36,7 @@ SCHEDULES: list[dict[str, Any]] = [
 def run(cloud: CloudProcess, tokenizer: Any, draft: Path, seed: int, transport: str = "rest", reopen: bool = False,
         **kw: Any) -> list[int]:
     where = {"cloud_url": cloud.http_url} if transport == "rest" else {"grpc_target": cloud.grpc_target}
+    kw.setdefault("check_last", True)
     s = EdgeSettings(temperature=1.0, top_p=0.9, max_new_tokens=N_NEW, seed=seed, stop_at_eos=False, head="none",
                      draft=str(draft), timeout_ms=60_000, **where, **kw)
     plain = EdgeClient(s, tokenizer=tokenizer)
