@@ -205,6 +205,8 @@ class VerifierService:
         for other in self._prefilling:
             if other is pre or other.salt != pre.salt or other.slot is None:
                 continue
+            if pre.ids[:size] != other.ids[:size]:  # no full block in common: the usual case, at a block's cost
+                continue
             n = 0
             for a, b in zip(pre.ids, other.ids, strict=False):
                 if a != b:
