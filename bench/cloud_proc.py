@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -15,9 +16,31 @@ from pathlib import Path
 import httpx
 
 REPO = Path(__file__).resolve().parent.parent
+# unseeded by any test's random.seed
+_PORTS = random.SystemRandom()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 def free_port() -> int:
+    """A loopback port free now, chosen below the kernel's ephemeral range: a port the kernel hands out
+    (bind to 0) can be taken by any outgoing connection before the child that was given it binds it,
+    or before a killed replica restarts on it."""
+    lo = _ephemeral_range()[0]
+    for _ in range(200):
+        port = _PORTS.randrange(max(1024, lo - 20_000), lo)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])

@@ -402,10 +402,24 @@ class _PagedView(Cache):
 
 _active = threading.local()
 _CONFIGS: weakref.WeakKeyDictionary[torch.nn.Module, list[Any]] = weakref.WeakKeyDictionary()
+_LOCKS: weakref.WeakKeyDictionary[torch.nn.Module, threading.RLock] = weakref.WeakKeyDictionary()
+_LOCKS_LOCK = threading.Lock()
+
+
+def exclusive(model: torch.nn.Module) -> threading.RLock:
+    """The lock of `model`'s weights: one forward at a time. The attention implementation (and the
+    train / eval mode) live on modules every thread shares (drafters forked from one model, in the
+    OpenAI server), so a forward switching them must not overlap another thread's forward."""
+    with _LOCKS_LOCK:
+        lock = _LOCKS.get(model)
+        if lock is None:
+            lock = _LOCKS[model] = threading.RLock()
+        return lock
 
 
 class _paged_attention:  # noqa: N801 - a context manager used as a function
-    """Select `paged_attention` for `model` during one forward, with `batch` as its input."""
+    """Select `paged_attention` for `model` during one forward, with `batch` as its input; holds the
+    model's lock (`exclusive`) meanwhile."""
 
     def __init__(self, model: torch.nn.Module, batch: _Batch) -> None:
         configs = _CONFIGS.get(model)
@@ -413,18 +427,22 @@ class _paged_attention:  # noqa: N801 - a context manager used as a function
             configs = list({id(c): c for c in (getattr(mod, "config", None) for mod in model.modules())
                             if c is not None and hasattr(c, "_attn_implementation")}.values())
             _CONFIGS[model] = configs
-        self.configs, self.batch = configs, batch
+        self.configs, self.batch, self.lock = configs, batch, exclusive(model)
 
     def __enter__(self) -> None:
+        self.lock.acquire()
         self.saved = [c._attn_implementation for c in self.configs]
         for c in self.configs:
             c._attn_implementation_internal = ATTENTION_NAME
         _active.batch = self.batch
 
     def __exit__(self, *exc: object) -> None:
-        for c, s in zip(self.configs, self.saved, strict=True):
-            c._attn_implementation_internal = s
-        _active.batch = None
+        try:
+            for c, s in zip(self.configs, self.saved, strict=True):
+                c._attn_implementation_internal = s
+            _active.batch = None
+        finally:
+            self.lock.release()
 
 
 def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -18,7 +18,7 @@ import torch
 
 from shared.config import SamplingConfig
 from shared.hf_model import check_rollback, load_causal_lm
-from shared.kvpool import KVPool, Row, UnsupportedModel, attention_layout
+from shared.kvpool import KVPool, Row, UnsupportedModel, attention_layout, exclusive
 from shared.rng import position_uniform, sample_index
 from shared.sampling import process_logits
 from shared.tokenizer_id import load_tokenizer, tokenizer_fingerprint
@@ -179,13 +179,14 @@ class ModelDrafter:
         x = torch.tensor([ids], dtype=torch.long, device=self.device)  # [1, n]
         rows = torch.arange(len(context) - 1, len(ids), device=self.device)  # [k]
         y = torch.as_tensor(list(tokens), dtype=torch.long, device=self.device)  # [k]
-        self.model.train()
-        try:
-            samples = torch.stack([
-                torch.softmax(self.model(input_ids=x).logits[0, rows].float(), -1)[torch.arange(len(y)), y]
-                for _ in range(self.mc_dropout_samples)])  # [passes, k]
-        finally:
-            self.model.eval()
+        with exclusive(self.model):  # train mode and plain attention for these passes only (forks share it)
+            self.model.train()
+            try:
+                samples = torch.stack([
+                    torch.softmax(self.model(input_ids=x).logits[0, rows].float(), -1)[torch.arange(len(y)), y]
+                    for _ in range(self.mc_dropout_samples)])  # [passes, k]
+            finally:
+                self.model.eval()
         return samples.var(0, unbiased=False).tolist()
 
     def observe(self, context: Sequence[int], draft: Sequence[int], top_k_ids: Sequence[Sequence[int]]) -> None:

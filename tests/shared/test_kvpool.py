@@ -135,3 +135,58 @@ def test_pool_sized_from_the_budget_never_grows_past_it(model: torch.nn.Module) 
     with pytest.raises(OutOfBlocks):
         pool.forward(model, [Row(t, 0, [1, 2], 1)])
     assert pool.length(t) == 0 and pool.length(s) == 40
+
+
+@torch.inference_mode()
+def test_forwards_of_one_model_from_two_threads_do_not_overlap_and_stay_exact(model: torch.nn.Module) -> None:
+    """Two threads run one set of weights through two pools (drafters forked from one model, as in
+    the OpenAI server). The attention implementation lives on the shared config: a forward of thread A
+    ending while B's is half-way used to switch B's remaining layers back to the plain implementation,
+    a wrong q. Driven deterministically: A's forward waits at its second layer until B's forward has
+    either reached its own second layer (overlap: the defect) or 0.5 s have passed; then A ends. No
+    overlap, and both logits equal each forward run alone."""
+    import threading
+
+    a_ids, b_ids = seqs(2, 12, seed=3)
+
+    def alone(ids: list[int]) -> torch.Tensor:
+        pool = new_pool(model)
+        (out,) = pool.forward(model, [Row(pool.allocate(), 0, ids, 4)])
+        return out
+
+    ref_a, ref_b = alone(a_ids), alone(b_ids)
+    pool_a, pool_b = new_pool(model), new_pool(model)
+    a_half, b_half = threading.Event(), threading.Event()
+    overlapped: list[bool] = []
+    got: dict[str, torch.Tensor] = {}
+
+    def at_second_layer(*_: object) -> None:
+        if threading.current_thread() is main:
+            a_half.set()
+            overlapped.append(b_half.wait(0.5))
+        else:
+            b_half.set()
+
+    def thread_b() -> None:
+        with torch.inference_mode():
+            (got["b"],) = pool_b.forward(model, [Row(pool_b.allocate(), 0, b_ids, 4)])
+
+    main = threading.current_thread()
+    layers = next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList))
+    hook = layers[1].register_forward_pre_hook(at_second_layer)
+    t = threading.Thread(target=thread_b)
+    try:
+        def start_b(*_: object) -> None:
+            if not t.is_alive() and not b_half.is_set():
+                t.start()
+        first = layers[0].register_forward_pre_hook(start_b)  # B starts once A's forward is under way
+        try:
+            (got["a"],) = pool_a.forward(model, [Row(pool_a.allocate(), 0, a_ids, 4)])
+        finally:
+            first.remove()
+        t.join(30)
+    finally:
+        hook.remove()
+    assert overlapped == [False]
+    assert (got["a"] - ref_a).abs().max() < TOL
+    assert (got["b"] - ref_b).abs().max() < TOL
