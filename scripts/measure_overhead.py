@@ -46,8 +46,8 @@ def _free_port() -> int:
 
 
 @contextmanager
-def local_cloud(model: Path, threads: int) -> Iterator[tuple[str, str]]:
-    """specsplit-cloud on free loopback ports until the block ends."""
+def local_cloud(model: Path, threads: int) -> Iterator[tuple[str, str, int]]:
+    """specsplit-cloud on free loopback ports until the block ends: (REST URL, gRPC target, pid)."""
     http, grpc_port = _free_port(), _free_port()
     exe = Path(sys.executable).parent / "specsplit-cloud"
     cmd = [str(exe) if exe.exists() else sys.executable, *([] if exe.exists() else ["-m", "cloud.cli"]),
@@ -66,7 +66,7 @@ def local_cloud(model: Path, threads: int) -> Iterator[tuple[str, str]]:
             except httpx.HTTPError:
                 pass
             time.sleep(0.1)
-        yield url, f"127.0.0.1:{grpc_port}"
+        yield url, f"127.0.0.1:{grpc_port}", proc.pid
     finally:
         proc.terminate()
         proc.wait(30)
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cloud and args.grpc:
         res = run(args.cloud, args.grpc)
     else:
-        with local_cloud(args.model, args.threads) as (url, target):
+        with local_cloud(args.model, args.threads) as (url, target, _):
             res = run(url, target)
 
     summary = {t: {m: {"p50": round(pct(v, 50), 3), "p95": round(pct(v, 95), 3)} for m, v in r.items()}
