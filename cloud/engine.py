@@ -34,7 +34,7 @@ from shared.features import encode_feature
 from shared.kvpool import KVPool, Row
 from shared.protocol import RoundMetrics, SparseDist, VerifyRequest, VerifyResponse
 from shared.rng import SAMPLE, position_uniform, sample_index
-from shared.sampling import processed_probs
+from shared.sampling import RowSampling, processed_probs
 from shared.verify import VerifyOutcome, check_draft, dense_from_sparse, verify_round
 
 HASH_RE = re.compile(r"[0-9a-f]{16}")
@@ -196,15 +196,26 @@ def plan_round(session: Session, req: VerifyRequest, fp: str) -> RoundPlan | Ver
     return RoundPlan(new, c, Row(session.slot, c, list(new.ids[c:]) + fed, keep=len(fed) + 1), fp)
 
 
+def round_sampling(session: Session, req: VerifyRequest, plan: RoundPlan) -> RowSampling:
+    """The processing of this round's kept logits: after S', then after each fed draft token."""
+    d = req.draft
+    fed = len(d.draft_tokens) - 1 if req.check_last else len(d.draft_tokens)  # drafts run through the target
+    return RowSampling(session.sampling_cfg, plan.new.ids, d.draft_tokens[:fed])
+
+
 def finish_round(model: TargetModel, session: Session, req: VerifyRequest, q_dense: torch.Tensor | None,
-                 plan: RoundPlan, logits: torch.Tensor, prefill_ms: float, replay_keep: int) -> RoundResult:
-    """The verify rule on this round's logits ([k + 1, vocab]), then the commit. A raised error leaves
-    context and counters as they were; the caller's abort() crops the KV back to `plan.past`."""
+                 plan: RoundPlan, logits: torch.Tensor, prefill_ms: float, replay_keep: int,
+                 p: torch.Tensor | None = None) -> RoundResult:
+    """The verify rule on this round's logits ([fed + 1, vocab]), then the commit. `p` is their processed
+    probabilities when the forward's rows were processed together (`round_sampling`). A raised error
+    leaves context and counters as they were; the caller's abort() crops the KV back to `plan.past`."""
     d, L, new = req.draft, req.ctx_len, plan.new
     k = len(d.draft_tokens)
     fed = k - 1 if req.check_last else k  # drafts run through the target
     cfg = session.sampling_cfg
-    p = processed_probs(logits, cfg, new.ids, d.draft_tokens[:fed])  # [fed + 1, vocab]
+    if p is None:
+        spec = round_sampling(session, req, plan)
+        p = processed_probs(logits, cfg, spec.context_ids, spec.draft_ids)  # [fed + 1, vocab]
     out = verify_round(p, d.draft_tokens, d.q_token_probs, seed=session.seed, ctx_len=L, greedy=cfg.greedy,
                        correction=session.correction,  # type: ignore[arg-type]
                        draft_kind=d.draft_kind,  # type: ignore[arg-type]
@@ -328,15 +339,18 @@ class DecodeState:
             pool.release(self.slot)
             self.slot, self.kv_len, self.fresh = None, 0, False
 
-    def step(self, pool: KVPool, row: Row, logits: torch.Tensor, cfg: SamplingConfig, seed: int) -> int | None:
-        """After a forward: the token at position len(ids) + 1 (appended), or None after a prompt chunk."""
+    def step(self, pool: KVPool, row: Row, logits: torch.Tensor, cfg: SamplingConfig, seed: int,
+             p: torch.Tensor | None = None) -> int | None:
+        """After a forward: the token at position len(ids) + 1 (appended), or None after a prompt chunk.
+        `p`: the logits' processed probabilities when the forward's rows were processed together."""
         assert self.slot is not None
         self.fresh = False
         self.kv_len = row.past + len(row.ids)
         pool.set_length(self.slot, self.kv_len)
         if row.keep == 0:
             return None
-        p = processed_probs(logits, cfg, self.ids)  # [1, vocab]
+        if p is None:
+            p = processed_probs(logits, cfg, self.ids)  # [1, vocab]
         tok = next_token(p[0], cfg, seed, len(self.ids) + 1)
         self.ids.append(tok)
         return tok

@@ -52,6 +52,7 @@ import torch
 
 from shared.errors import ResourceExhausted
 from shared.kvpool import Row
+from shared.sampling import RowSampling, process_rows
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -102,6 +103,10 @@ class Job(Generic[T]):
     # matched): called when the job does not run in this forward after all, so blocks promised to rows
     # already taken are not held by a job that waits; it plans again later
     unplan: Callable[[], None] = lambda: None
+    # the sampling processing its kept logits need (a verify row, a decode step), or None: run for every
+    # job of a forward at once (`process_rows`), and handed to `finish` as `p` (float64, on the CPU)
+    sampling: Callable[[Row], RowSampling | None] | None = None
+    p: torch.Tensor | None = None
 
 
 @dataclass
@@ -387,6 +392,7 @@ class Scheduler:
         real = sum(len(r.ids) for _, r in batch)
         padded = len(batch) * max(len(r.ids) for _, r in batch)
         self.on_batch(BatchStats(rows=len(batch), tokens=real, ms=ms, padded_tokens=padded, waits=waits))
+        self._process(batch, logits)
         for (job, _), out in zip(batch, logits, strict=True):
             try:
                 result = job.finish(out, ms)
@@ -399,6 +405,23 @@ class Scheduler:
             if job.key is not None:
                 self._answered[job.key] = time.monotonic()
             self._resolve(job, value=result)
+
+    @staticmethod
+    def _process(batch: list[tuple[Job[Any], Row]], logits: list[torch.Tensor]) -> None:
+        """The sampling processing of every row of the forward that needs it, as one tensor operation
+        per sampling config (rows then get the probabilities they would get alone). When it fails (a
+        row's logits are not finite), each job processes its own logits and fails alone."""
+        specs = [j.sampling(r) if j.sampling is not None and r.keep else None for j, r in batch]
+        for j, _ in batch:
+            j.p = None
+        if not any(specs):
+            return
+        try:
+            probs = process_rows(logits, specs)
+        except ValueError:
+            return
+        for (j, _), p in zip(batch, probs, strict=True):
+            j.p = p
 
     def _run_call(self, job: Job[Any]) -> None:
         job.started = self.clock()

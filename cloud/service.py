@@ -29,6 +29,7 @@ from cloud.engine import (
     fingerprint,
     finish_round,
     plan_round,
+    round_sampling,
 )
 from cloud.metrics import CloudMetrics
 from cloud.model import ModelInfo, TargetModel
@@ -41,6 +42,7 @@ from shared.errors import InvalidArgument, NotFound, Unauthenticated, Unavailabl
 from shared.features import ENCODINGS, encode_feature
 from shared.kvpool import Row
 from shared.protocol import OpenSessionRequest, SessionInfo, TargetFeature, VerifyRequest, VerifyResponse
+from shared.sampling import RowSampling
 
 log = logging.getLogger(__name__)
 round_log = logging.getLogger("specsplit.cloud.rounds")
@@ -394,14 +396,16 @@ class VerifierService:
                 spent[0] += ms
                 return PENDING
             return finish_round(self.model, s, req, q_dense, planned[0], logits, ms + spent[0],
-                                self.settings.replay_cache_size)
+                                self.settings.replay_cache_size, job.p)
 
         def abort() -> None:
             if planned:
                 s.set_kv_len(self.model.pool, min(s.kv_len, planned[0].past))
 
         spent = [0.0]
-        return Job(plan=plan, finish=finish, abort=abort, answer=answer, key=s.ctx_id, kind=ROUND, owner=s.owner)
+        job: Job[RoundResult] = Job(plan=plan, finish=finish, abort=abort, answer=answer, key=s.ctx_id, kind=ROUND,
+                                    owner=s.owner, sampling=lambda _: round_sampling(s, req, planned[0]))
+        return job
 
     def _log_round(self, req: VerifyRequest, resp: VerifyResponse, k: int, replayed: bool) -> None:
         m = resp.metrics
@@ -471,7 +475,7 @@ class VerifierService:
 
         def finish(logits: Any, ms: float) -> tuple[int, float] | Pending:
             spent[0] += ms
-            tok = st.step(self.model.pool, rows[0], logits, req.sampling_cfg, req.seed)
+            tok = st.step(self.model.pool, rows[0], logits, req.sampling_cfg, req.seed, job.p)
             return PENDING if tok is None else (tok, spent[0])
 
         def abort() -> None:
@@ -479,8 +483,11 @@ class VerifierService:
                 st.kv_len = min(st.kv_len, rows[0].past)
                 self.model.pool.crop(st.slot, st.kv_len)
 
-        return Job(plan=plan, finish=finish, abort=abort, key=f"generate-{id(st)}",
-                   kind=PREFILL if first else DECODE, owner=owner, unplan=lambda: st.unplan(self.model.pool))
+        job: Job[tuple[int, float]] = Job(
+            plan=plan, finish=finish, abort=abort, key=f"generate-{id(st)}", kind=PREFILL if first else DECODE,
+            owner=owner, unplan=lambda: st.unplan(self.model.pool),
+            sampling=lambda _: RowSampling(req.sampling_cfg, st.ids))
+        return job
 
     # --- housekeeping -------------------------------------------------------------------------
     def render_metrics(self) -> bytes:

@@ -6,7 +6,9 @@ top-p, softmax. Temperature 0 gives a one-hot distribution on the (penalised) ar
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -36,7 +38,9 @@ def process_logits(logits: torch.Tensor, cfg: SamplingConfig, seen: torch.Tensor
     x = logits.float()  # [n, vocab]
     if cfg.repetition_penalty != 1.0 and seen is not None:
         r = cfg.repetition_penalty
-        x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
+        cols = seen.any(0).nonzero().squeeze(-1)  # [c]: the tokens some row has seen (the rest are untouched)
+        sub = x.index_select(-1, cols)  # [n, c]
+        x = x.index_copy(-1, cols, torch.where(seen.index_select(-1, cols), torch.where(sub > 0, sub / r, sub * r), sub))
     if cfg.greedy:
         return torch.nn.functional.one_hot(x.argmax(-1), x.size(-1)).to(torch.float32)  # [n, vocab]
     x = x / cfg.temperature
@@ -102,3 +106,62 @@ def processed_probs(logits: torch.Tensor, cfg: SamplingConfig, context_ids: Sequ
     if cfg.repetition_penalty != 1.0:
         seen = presence_mask(context_ids, draft_ids, logits.size(-1), logits.device)
     return process_logits(logits, cfg, seen)
+
+
+@dataclass(frozen=True)
+class RowSampling:
+    """What `processed_probs` needs for one row of a forward: its config, the context before its first
+    kept position, and the draft ids fed after that context (one kept position each)."""
+    cfg: SamplingConfig
+    context_ids: Sequence[int]
+    draft_ids: Sequence[int] = ()
+
+
+def process_rows(logits: Sequence[torch.Tensor], rows: Sequence[RowSampling | None]) -> list[torch.Tensor | None]:
+    """`processed_probs` of many rows at once (a forward's verify rows and decode steps), as float64 on
+    the CPU: the rows that share a config run as one tensor operation over all their positions, with the
+    same operations per position as alone, so every row gets the probabilities it gets alone. Rows whose
+    entry is None are skipped (None). Raises ValueError when a row's probabilities are not finite and
+    non-negative."""
+    out: list[torch.Tensor | None] = [None] * len(rows)
+    groups: dict[SamplingConfig, list[int]] = {}
+    for i, r in enumerate(rows):
+        if r is not None:
+            groups.setdefault(r.cfg, []).append(i)
+    for cfg, idx in groups.items():
+        x = torch.cat([logits[i] for i in idx])  # [P, vocab]: every kept position of the group
+        seen = None
+        if cfg.repetition_penalty != 1.0:
+            seen = _presence_masks([rows[i] for i in idx], x.size(-1), x.device)  # type: ignore[misc]
+        p = process_logits(x, cfg, seen).to("cpu", torch.float64)  # [P, vocab]
+        if not (float(p.amin()) >= 0 and math.isfinite(float(p.sum()))):  # NaN fails the first test
+            raise ValueError("processed probabilities are not finite and non-negative")
+        start = 0
+        for i in idx:
+            n = logits[i].size(0)
+            out[i] = p[start: start + n]
+            start += n
+    return out
+
+
+def _presence_masks(rows: Sequence[RowSampling], vocab: int, device: torch.device) -> torch.Tensor:
+    """`presence_mask` of each row, stacked ([sum of (len(draft_ids) + 1), vocab]), built by two scatters."""
+    sizes = [len(r.draft_ids) + 1 for r in rows]
+    owner = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(sizes))  # [P]: row of each position
+    ctx = torch.zeros(len(rows), vocab, dtype=torch.bool)  # [R, vocab]
+    r_idx = [i for i, r in enumerate(rows) for _ in r.context_ids]
+    if r_idx:
+        t_idx = [int(t) for r in rows for t in r.context_ids]
+        ctx[torch.tensor(r_idx), torch.tensor(t_idx)] = True
+    mask = ctx[owner]  # [P, vocab]
+    pos: list[int] = []
+    tok: list[int] = []
+    start = 0
+    for r, n in zip(rows, sizes, strict=True):
+        for i, y in enumerate(r.draft_ids):  # y_{i+1} is seen by positions i + 1 .. n - 1 of its row
+            pos.extend(range(start + i + 1, start + n))
+            tok.extend([int(y)] * (n - i - 1))
+        start += n
+    if pos:
+        mask[torch.tensor(pos), torch.tensor(tok)] = True
+    return mask.to(device)

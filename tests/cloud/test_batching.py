@@ -19,10 +19,13 @@ from transformers import AutoTokenizer
 
 import cloud.service
 from cloud.model import TargetModel
+from cloud.rest import VerifyBody
 from cloud.service import GenerateRequest, VerifierService
 from shared.config import SamplingConfig
 from shared.errors import InvalidArgument, NotFound
+from shared.hashing import ctx_hash
 from shared.protocol import OpenSessionRequest, VerifyResponse
+from shared.sampling import processed_probs
 from tests.cloud.reference import CausalLM
 from tests.cloud.test_service import draft_request
 
@@ -227,3 +230,57 @@ def test_max_batch_size_one_runs_one_row_per_forward(make_service: Callable[...,
         assert n == rows  # every forward had one row
 
     asyncio.run(main())
+
+
+def test_sampled_rounds_in_one_forward_are_processed_together_as_they_would_be_alone(
+        make_service: Callable[..., VerifierService], prompts: list[list[int]],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Six sampled sessions with four sampling configs (penalty, top-p, top-k, temperature, greedy with
+    a penalty), different k, every round of all six in one forward over three steps: the scheduler
+    processes their logits as one tensor operation per config, and each round's p is bit for bit the
+    processing of its own logits alone (`processed_probs` over its context and fed drafts)."""
+    cfgs = [SamplingConfig(1.0, top_p=0.9, repetition_penalty=1.1), SamplingConfig(0.7),
+            SamplingConfig(1.0, top_p=0.9, repetition_penalty=1.1), SamplingConfig(1.2, top_k=8),
+            SamplingConfig(0.0, repetition_penalty=1.2), SamplingConfig(0.7)]
+    ks = [4, 2, 5, 3, 1, 6]
+    real = cloud.service.finish_round
+    checked: list[int] = []
+
+    def checking(model: TargetModel, s: Any, req: Any, q: Any, plan: Any, logits: torch.Tensor, *args: Any) -> Any:
+        *rest, p = args
+        fed = req.draft.draft_tokens
+        assert p is not None  # processed with the forward's other rows
+        assert torch.equal(p, processed_probs(logits, s.sampling_cfg, plan.new.ids, fed).double())
+        checked.append(len(fed))
+        return real(model, s, req, q, plan, logits, *rest, p)
+
+    monkeypatch.setattr(cloud.service, "finish_round", checking)
+    svc = make_service()
+
+    async def main() -> None:
+        ids = [(await svc.open_session(OpenSessionRequest(p, c, seed=i), "")).ctx_id
+               for i, (p, c) in enumerate(zip(prompts, cfgs, strict=True))]
+        ctx = [list(p) for p in prompts]
+        held = [len(p) for p in prompts]  # what the cloud holds of ctx (an edge-drawn token is sent next)
+        for step in range(3):
+            drafts = [[(7 * i + j + step) % 50 + 3 for j in range(k)] for i, k in enumerate(ks)]
+            before = histogram_count(svc, "batch_size")
+            answers = await gated(svc, [
+                svc.verify(VerifyBody(ctx_id=ids[i], ctx_len=len(ctx[i]), ctx_hash=ctx_hash(ctx[i]),
+                                      append_ids=ctx[i][held[i]:], draft_tokens=drafts[i],
+                                      q_token_probs=[0.3] * ks[i], k=ks[i]).to_request(), "", ks[i])
+                for i in range(len(ks))])
+            after = histogram_count(svc, "batch_size")
+            assert after[0] - before[0] == 1 and after[1] - before[1] == len(ks)  # one forward, all six rows
+            for i, r in enumerate(answers):
+                assert isinstance(r, VerifyResponse), r
+                ctx[i] += drafts[i][: r.accepted_len]
+                held[i] = len(ctx[i])
+                if r.correction is not None:
+                    ctx[i].append(r.correction)
+                    held[i] += 1
+                elif r.target_dist is not None:  # the edge's residual draw: any token of its support
+                    ctx[i].append(r.target_dist.ids[0])
+
+    asyncio.run(main())
+    assert checked == ks * 3

@@ -190,3 +190,31 @@ def test_top_p_from_the_head_keeps_the_same_set_as_a_full_sort() -> None:
         lowest = torch.where(_kept_in_sorted(sorted_p, top_p), sorted_p, torch.inf).min(-1, keepdim=True).values
         want = p.masked_fill(p < lowest, 0.0)
         assert torch.equal(_top_p(p, top_p), want / want.sum(-1, keepdim=True)), trial
+
+
+def test_rows_processed_together_get_exactly_what_they_get_alone() -> None:
+    """`process_rows` (a forward's verify rows and decode steps, one tensor operation per config) against
+    `processed_probs` row by row: 60 rows of 1-7 positions over four configs (penalty with context and
+    drafts, top-p with quarter-step logits so ties sit at the boundary, top-k, greedy), bit for bit."""
+    import random
+
+    from shared.sampling import RowSampling, process_rows
+
+    rng = random.Random(0)
+    g = torch.Generator().manual_seed(0)
+    cfgs = [SamplingConfig(), SamplingConfig(0.7, top_p=0.9, repetition_penalty=1.1),
+            SamplingConfig(0.0, repetition_penalty=1.3), SamplingConfig(1.3, top_p=0.5, top_k=20)]
+    logits, rows = [], []
+    for i in range(60):
+        n = rng.randint(0, 6)
+        logits.append((torch.randn(n + 1, V, generator=g) * 12).round() / 4)  # [n + 1, V]
+        rows.append(None if i % 7 == 0 else RowSampling(
+            rng.choice(cfgs), [rng.randrange(V) for _ in range(rng.randint(1, 40))],
+            [rng.randrange(V) for _ in range(n)]))
+    got = process_rows(logits, rows)
+    for x, r, p in zip(logits, rows, got, strict=True):
+        if r is None:
+            assert p is None
+            continue
+        assert p is not None and p.dtype == torch.float64
+        assert torch.equal(p, processed_probs(x, r.cfg, r.context_ids, r.draft_ids).double())
