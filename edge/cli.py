@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--k", type=int, help="fixed k (default: chosen per round by --k-policy)")
     g.add_argument("--check-last", action=argparse.BooleanOptionalAction, default=None,
                    help="sampled sessions: one more draft token checked by the cloud in place of a bonus, so a "
-                        "seed gives one text whatever the rounds (default off)")
+                        "seed gives one text whatever the rounds (default on)")
     g.add_argument("--k-policy", choices=["cost", "dynamic"],
                    help="cost: the k with the most tokens per second from measured costs (default); "
                         "dynamic: +1 / -1 on the last round's la/k")

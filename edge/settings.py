@@ -88,7 +88,7 @@ class EdgeSettings(BaseSettings):
     # (same forward, same expected tokens per round): every position is decided by the same rule, so with
     # a draft whose q depends on the text alone (the model draft, the n-gram) the same seed gives the same
     # text for any k schedule, drafting ahead, reopen or failover. Greedy text never depends on rounds
-    check_last: bool = False
+    check_last: bool = True
     # send the draft's sparse q distributions (the cloud draws the residual itself)
     send_q_dists: bool = False
     # stop after an end-of-sequence token
