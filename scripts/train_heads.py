@@ -217,14 +217,17 @@ class Windows:
         return out
 
 
-def unrolled_loss(head: Any, bt: dict[str, torch.Tensor], unroll: int, feat_weight: float, decay: float
-                  ) -> tuple[torch.Tensor, list[float]]:
+def unrolled_loss(head: Any, bt: dict[str, torch.Tensor], unroll: int, feat_weight: float, decay: float,
+                  logit_weight: float = 0.0) -> tuple[torch.Tensor, list[float]]:
     """Every window position i starts from the target's state s_0 = H[:, i]; the head steps `unroll` times
     on the target's tokens (as when the drafts before are accepted; the head's own states, never the
     target's, are carried), and step j is scored against the target one position later: cross-entropy
     of the head's distribution over every output row against the target's top LABEL_K ids (renormalised),
-    and SmoothL1 to the target's state H[:, i + j]. Returns the loss and, per step, how often the head's
-    argmax over every output row is the target's top id."""
+    SmoothL1 to the target's state H[:, i + j], and (`logit_weight`) SmoothL1 between the head's and the
+    target's raw logits at those ids: softmax forgets a shift of the logits, the repetition penalty does
+    not (it divides positive logits and multiplies negative ones), so a head whose logits match only up
+    to a shift drafts worse under the default penalty. Returns the loss and, per step, how often the
+    head's argmax over every output row is the target's top id."""
     H, A, IX, LP, valid = bt["H"], bt["A"], bt["IX"], bt["LP"], bt["valid"]
     W = H.shape[1]
     n = W - unroll
@@ -235,10 +238,17 @@ def unrolled_loss(head: Any, bt: dict[str, torch.Tensor], unroll: int, feat_weig
         s = head.step(s, A[:, j - 1: n + j - 1])  # [B, n, d]
         ok = valid[:, j: n + j].float()  # [B, n]
         ix, lp = IX[:, j: n + j], LP[:, j: n + j]  # [B, n, K]
-        logq = torch.log_softmax(head.logits(s), -1)  # [B, n, n_out]
+        raw = head.logits(s)  # [B, n, n_out]
+        logq = torch.log_softmax(raw, -1)  # [B, n, n_out]
         ce = -(torch.softmax(lp, -1) * logq.gather(-1, ix)).sum(-1)  # [B, n]
         fl = torch.nn.functional.smooth_l1_loss(s, H[:, j: n + j], reduction="none").mean(-1)  # [B, n]
-        loss = loss + decay ** (j - 1) * ((ce + feat_weight * fl) * ok).sum() / ok.sum().clamp(min=1)
+        term = ce + feat_weight * fl  # [B, n]
+        if logit_weight:
+            with torch.no_grad():
+                target_raw = head.logits(H[:, j: n + j]).gather(-1, ix)  # [B, n, K]: E h at the target's top ids
+            term = term + logit_weight * torch.nn.functional.smooth_l1_loss(
+                raw.gather(-1, ix), target_raw, reduction="none").mean(-1)
+        loss = loss + decay ** (j - 1) * (term * ok).sum() / ok.sum().clamp(min=1)
         with torch.no_grad():
             agree.append(float(((logq.argmax(-1) == ix[..., 0]).float() * ok).sum() / ok.sum().clamp(min=1)))
     return loss, agree
@@ -287,7 +297,8 @@ def phase_train(work: Path, args: argparse.Namespace) -> None:
         frac = (time.time() - t0) / budget
         for g in opt.param_groups:  # warm-up, then cosine to 10 %
             g["lr"] = args.lr * min(1.0, (state["step"] + 1) / 100) * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
-        loss, agree = unrolled_loss(head, data.batch(args.batch, gen), args.unroll, args.feat_weight, args.decay)
+        loss, agree = unrolled_loss(head, data.batch(args.batch, gen), args.unroll, args.feat_weight, args.decay,
+                                    args.logit_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -380,6 +391,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log-every", type=int, default=20)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--feat-weight", type=float, default=1.0)
+    ap.add_argument("--logit-weight", type=float, default=0.1,
+                    help="weight of SmoothL1 between the head's and the target's raw logits at the target's top ids")
     ap.add_argument("--decay", type=float, default=0.8, help="weight of unrolled step j: decay ** (j - 1)")
     args = ap.parse_args(argv)
     args.work.mkdir(parents=True, exist_ok=True)

@@ -89,3 +89,20 @@ def build_feature_head(target_dir: Path, out_dir: Path, n_out: int | None = None
             b.down.weight.normal_(std=0.02)
     head.save(out_dir)
     return out_dir
+
+
+def build_compact_draft(model_dir: Path, out_dir: Path, out_ids: torch.Tensor, rank: int | None = None) -> Path:
+    """The model in model_dir as a compact draft (edge/drafters/compact.py): its embedding as an SVD of
+    rank `rank` (full rank by default: the same table up to rounding), its output rows for `out_ids` only."""
+    from edge.drafters.compact import save_compact
+
+    model = tf.AutoModelForCausalLM.from_pretrained(model_dir)
+    embed = model.get_input_embeddings().weight.detach().float()  # [V, d]
+    u, s, vt = torch.linalg.svd(embed, full_matrices=False)
+    r = rank or embed.shape[1]
+    rows = model.get_output_embeddings().weight.detach().float()[out_ids]  # [n, d]
+    save_compact(model, out_ids, rows, u[:, :r] * s[:r], vt[:r], out_dir, dtype=torch.float32)
+    for f in Path(model_dir).iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            shutil.copy(f, out_dir / f.name)
+    return out_dir

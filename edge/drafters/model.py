@@ -25,6 +25,7 @@ from shared.tokenizer_id import load_tokenizer, tokenizer_fingerprint
 from shared.verify import DraftKind
 
 from .base import DraftBlock
+from .compact import is_compact, load_compact
 
 # rng stream of the edge's draft samples, apart from the cloud's COIN (0) and SAMPLE (1) streams
 DRAFT_STREAM = 2
@@ -64,11 +65,17 @@ class ModelDrafter:
         if not Path(model_dir).is_dir():
             raise UnsupportedModel(f"the draft model directory {model_dir} does not exist: pass --draft DIR (a local "
                                    "Hugging Face model directory; nothing is downloaded) or --draft ngram")
-        self.model = load_causal_lm(Path(model_dir), device, torch.float32)
+        # the ids of a compact draft's output rows (edge/drafters/compact.py); None: one row per id
+        self.out_ids: torch.Tensor | None = None
+        if is_compact(Path(model_dir)):
+            self.model, self.out_ids = load_compact(Path(model_dir), device, torch.float32)
+        else:
+            self.model = load_causal_lm(Path(model_dir), device, torch.float32)
         self.device = device
-        # rows of the draft's logits, and the ids q is taken over (the target's tokenizer_size once paired:
-        # rows past it are padding of the embedding table, never a token)
-        self.logit_rows = int(self.model.get_output_embeddings().weight.shape[0])
+        # the ids the draft speaks (its embedding's rows), and the ids q is taken over (the target's
+        # tokenizer_size once paired: rows past it are padding of the embedding table, never a token)
+        self.logit_rows = int(self.model.get_input_embeddings().weight.shape[0] if self.out_ids is not None
+                              else self.model.get_output_embeddings().weight.shape[0])
         self.vocab_size = self.logit_rows
         cfg = self.model.config.get_text_config()
         self.max_context: int | None = getattr(cfg, "n_positions", None) or getattr(
@@ -112,9 +119,17 @@ class ModelDrafter:
     def _feed(self, tokens: Sequence[int]) -> torch.Tensor:
         """Run `tokens` after `_ids` through the model, extending the cache; logits of the last ([vocab])."""
         row = Row(self._slot, len(self._ids), [int(t) for t in tokens], keep=1)
-        (logits,) = self._pool.forward(self.model, [row])  # [1, vocab]
+        (logits,) = self._pool.forward(self.model, [row])  # [1, rows]
         self._ids.extend(row.ids)
-        return logits[-1, : self.vocab_size]  # [vocab]: the tokenizer's ids only
+        return self._spread(logits[-1])  # [vocab]
+
+    def _spread(self, logits: torch.Tensor) -> torch.Tensor:
+        """The output rows' logits ([..., rows]) over the tokenizer's ids ([..., vocab]): -inf on ids a
+        compact draft has no row for, so q is 0 there."""
+        if self.out_ids is not None:
+            full = logits.new_full((*logits.shape[:-1], self.logit_rows), float("-inf"))  # [..., ids]
+            logits = full.index_copy(-1, self.out_ids, logits)
+        return logits[..., : self.vocab_size]
 
     def _sync(self, context: Sequence[int]) -> torch.Tensor:
         """Crop to the common prefix with `context`, feed the rest; logits after the whole context."""
@@ -183,7 +198,7 @@ class ModelDrafter:
             self.model.train()
             try:
                 samples = torch.stack([
-                    torch.softmax(self.model(input_ids=x).logits[0, rows].float(), -1)[torch.arange(len(y)), y]
+                    torch.softmax(self._spread(self.model(input_ids=x).logits[0, rows].float()), -1)[torch.arange(len(y)), y]
                     for _ in range(self.mc_dropout_samples)])  # [passes, k]
             finally:
                 self.model.eval()
