@@ -140,11 +140,18 @@ def target_tables() -> tuple[torch.Tensor, int]:
     return table, table.shape[0]
 
 
+def shard_names(work: Path, name: str) -> list[str]:
+    return sorted(f.name for f in work.glob(f"{name}-*.pt"))
+
+
 def phase_freq(work: Path) -> dict[str, Any]:
-    """Token counts of the target's training answers, and how much of the held-out answers the top N cover."""
+    """Token counts of the target's training answers, and how much of the held-out answers the top N cover
+    (counted again when the answers phase has added shards since)."""
     out = work / "freq.json"
     if out.exists():
-        return dict(json.loads(out.read_text()))
+        res = dict(json.loads(out.read_text()))
+        if res.get("shards", shard_names(work, "chat")) == shard_names(work, "chat"):
+            return res
     table, vocab = target_tables()
     counts = torch.zeros(vocab, dtype=torch.float64)
     for r in load_shards(work, "chat"):
@@ -159,7 +166,7 @@ def phase_freq(work: Path) -> dict[str, Any]:
     rank[order] = torch.arange(vocab)
     cover = {n: float((rank[ev] < n).float().mean()) for n in (2048, 4096, 8192, 12288, 16384, 24576, 32768)}
     res = {"train_tokens": int(counts.sum() / 2), "distinct": int((counts > 0).sum()), "eval_tokens": int(ev.numel()),
-           "coverage": cover, "order": order.tolist()}
+           "coverage": cover, "order": order.tolist(), "shards": shard_names(work, "chat")}
     out.write_text(json.dumps(res))
     return res
 
@@ -171,19 +178,27 @@ def phase_labels(work: Path, name: str, n_out: int, threads: int) -> None:
     """The target's top LABEL_K ids (indices into out_ids) and log-probabilities over out_ids at every
     stored position: computed once, so training never runs the whole output layer for its targets."""
     out = work / f"labels-{name}-{n_out}.pt"
+    freq = phase_freq(work)
+    made_from = {"shards": shard_names(work, name), "order": freq["order"][:n_out]}
     if out.exists():
-        return
+        held = torch.load(out)
+        if isinstance(held, dict) and held.get("made_from") == made_from:
+            return
     torch.set_num_threads(threads)
     table, _ = target_tables()
-    rows = table[torch.tensor(phase_freq(work)["order"][:n_out])]  # [N, d]
+    rows = table[torch.tensor(freq["order"][:n_out])]  # [N, d]
     labels = []
     t0 = time.time()
     for r in load_shards(work, name):
         lp = torch.log_softmax(r["hidden"].float() @ rows.T, -1)  # [n, N]
         val, ix = lp.topk(LABEL_K, -1)  # [n, K]
         labels.append({"ix": ix.int(), "lp": val.half()})
-    torch.save(labels, out)
+    torch.save({"made_from": made_from, "labels": labels}, out)
     print(f"[labels] {name}: {len(labels)} answers, {time.time() - t0:.0f} s", flush=True)
+
+
+def load_labels(work: Path, name: str, n_out: int) -> list[dict[str, torch.Tensor]]:
+    return list(torch.load(work / f"labels-{name}-{n_out}.pt")["labels"])
 
 
 class Windows:
@@ -286,8 +301,7 @@ def phase_train(work: Path, args: argparse.Namespace) -> None:
         opt.load_state_dict(saved["opt"])
         state = saved["state"]
     phase_labels(work, "chat", args.n_out, args.threads)
-    data = Windows(load_shards(work, "chat"), torch.load(work / f"labels-chat-{args.n_out}.pt"),
-                   args.window + args.unroll)
+    data = Windows(load_shards(work, "chat"), load_labels(work, "chat", args.n_out), args.window + args.unroll)
     print(f"[train] {len(data.hidden)} answers, {int(data.sizes.sum())} positions; from step {state['step']}",
           flush=True)
     gen = torch.Generator().manual_seed(1000 + state["step"])
@@ -372,9 +386,198 @@ def phase_export(work: Path, args: argparse.Namespace) -> None:
     print(json.dumps(report["eval"], indent=1))
 
 
+def new_draft(work: Path, layers: int, n_out: int, rank: int) -> tuple[Any, dict[str, torch.Tensor]]:
+    """The tokens-only draft cut from the target: its embedding (as a rank-`rank` PCA, frozen), its first
+    `layers` decoder layers and final norm, and its output rows for the `n_out` most frequent ids, all
+    but the embedding trainable. Returns the model and its compact tables (edge/drafters/compact.py)."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+    cfg = AutoConfig.from_pretrained(TARGET)
+    cfg.num_hidden_layers = layers
+    cfg.tie_word_embeddings = False
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
+    w = load_file(str(TARGET / "model.safetensors"))
+    keep = {k: v.float() for k, v in w.items()
+            if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
+    table = keep.pop("lm_head.weight", keep["model.embed_tokens.weight"])  # [V, d] (tied)
+    mean = table.mean(0)
+    _, sv, vt = torch.linalg.svd(table - mean, full_matrices=False)
+    lowrank = (table - mean) @ vt[:rank].T  # [V, r]
+    up = vt[:rank]  # [r, d]
+    keep["model.embed_tokens.weight"] = lowrank @ up + mean  # the embedding the edge rebuilds
+    ids = torch.tensor(phase_freq(work)["order"][:n_out])
+    model.load_state_dict(keep, strict=False)
+    model.set_output_embeddings(torch.nn.Linear(table.shape[1], n_out, bias=False))
+    with torch.no_grad():
+        model.get_output_embeddings().weight.copy_(table[ids])
+    model.get_input_embeddings().weight.requires_grad_(False)
+    # the mean folds into the low-rank factors: one more rank-one term
+    tables = {"lowrank": torch.cat([lowrank, torch.ones(lowrank.shape[0], 1)], 1), "up": torch.cat([up, mean[None]]),
+              "out_ids": ids}
+    return model, tables
+
+
+class Sequences:
+    """Training windows of whole texts (prompt and answer), scored at the answer's positions."""
+
+    def __init__(self, recs: list[dict[str, Any]], labels: list[dict[str, torch.Tensor]], width: int) -> None:
+        self.recs, self.labels, self.width = recs, labels, width
+        self.sizes = torch.tensor([len(r["ids"]) - r["start"] for r in recs], dtype=torch.float64)
+
+    def batch(self, b: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+        """ids [B, T]; H [B, T, d] (the target's state where scored); IX, LP [B, T, K]; scored [B, T]."""
+        w = self.width
+        d = self.recs[0]["hidden"].shape[1]
+        out = {"ids": torch.zeros(b, w, dtype=torch.long), "H": torch.zeros(b, w, d),
+               "IX": torch.zeros(b, w, LABEL_K, dtype=torch.long), "LP": torch.zeros(b, w, LABEL_K),
+               "scored": torch.zeros(b, w, dtype=torch.bool)}
+        for r, i in enumerate(torch.multinomial(self.sizes, b, replacement=True, generator=gen).tolist()):
+            rec, lab = self.recs[i], self.labels[i]
+            ids, first = rec["ids"], rec["start"] - 1  # position `first` + j predicts answer token j
+            n = rec["hidden"].shape[0]
+            # a window that ends inside the answer, with as much of the text before as fits
+            end = min(len(ids), first + 1 + int(torch.randint(1, n + 1, (1,), generator=gen)))
+            o = max(0, end - w)
+            m = end - o
+            out["ids"][r, :m] = torch.tensor(ids[o:end])
+            j0 = max(first, o)  # the first scored position
+            a, z = j0 - first, end - first  # answer rows a .. z - 1 sit at positions j0 .. end - 1
+            z = min(z, n)
+            out["H"][r, j0 - o: j0 - o + z - a] = rec["hidden"][a:z].float()
+            out["IX"][r, j0 - o: j0 - o + z - a] = lab["ix"][a:z].long()
+            out["LP"][r, j0 - o: j0 - o + z - a] = lab["lp"][a:z].float()
+            out["scored"][r, j0 - o: j0 - o + z - a] = True
+        return out
+
+
+def draft_loss(model: Any, target_rows: torch.Tensor, bt: dict[str, torch.Tensor], logit_weight: float
+               ) -> tuple[torch.Tensor, float]:
+    """Cross-entropy of the draft's distribution over its output rows against the target's top LABEL_K
+    (renormalised), plus SmoothL1 of its raw logits at those ids against the target's (E h); the draft's
+    greedy agreement with the target's top id."""
+    ok = bt["scored"]
+    logits = model(input_ids=bt["ids"]).logits  # [B, T, n_out]
+    lq = torch.log_softmax(logits, -1)
+    ce = -(torch.softmax(bt["LP"], -1) * lq.gather(-1, bt["IX"])).sum(-1)  # [B, T]
+    term = ce
+    if logit_weight:
+        with torch.no_grad():
+            want = torch.einsum("btkd,btd->btk", target_rows[bt["IX"]], bt["H"])  # [B, T, K]
+        term = term + logit_weight * torch.nn.functional.smooth_l1_loss(
+            logits.gather(-1, bt["IX"]), want, reduction="none").mean(-1)
+    okf = ok.float()
+    loss = (term * okf).sum() / okf.sum().clamp(min=1)
+    with torch.no_grad():
+        agree = float(((logits.argmax(-1) == bt["IX"][..., 0]).float() * okf).sum() / okf.sum().clamp(min=1))
+    return loss, agree
+
+
+def phase_draft_train(work: Path, args: argparse.Namespace) -> None:
+    """Time-budgeted like the head's; checkpoint `draft-L{layers}.pt`, resumed by rerunning the command."""
+    torch.set_num_threads(args.threads)
+    ck = work / f"draft-L{args.draft_layers}.pt"
+    model, _ = new_draft(work, args.draft_layers, args.n_out, args.draft_rank)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.draft_lr, weight_decay=0.0, betas=(0.9, 0.98))
+    state: dict[str, Any] = {"step": 0, "seconds": 0.0, "log": []}
+    if ck.exists():
+        saved = torch.load(ck)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        state = saved["state"]
+    phase_labels(work, "chat", args.n_out, args.threads)
+    table, _ = target_tables()
+    target_rows = table[torch.tensor(phase_freq(work)["order"][:args.n_out])]  # [n_out, d]
+    data = Sequences(load_shards(work, "chat"), load_labels(work, "chat", args.n_out), args.draft_window)
+    print(f"[draft] {args.draft_layers} layers, {len(data.recs)} answers, {int(data.sizes.sum())} positions; "
+          f"from step {state['step']}", flush=True)
+    gen = torch.Generator().manual_seed(2000 + state["step"])
+    budget = args.train_minutes * 60.0
+    t_last, t0 = time.time(), time.time() - state["seconds"]
+    while time.time() - t0 < budget:
+        frac = (time.time() - t0) / budget
+        for g in opt.param_groups:
+            g["lr"] = args.draft_lr * min(1.0, (state["step"] + 1) / 50) * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
+        loss, agree = draft_loss(model, target_rows, data.batch(args.draft_batch, gen), args.logit_weight)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        state["step"] += 1
+        state["args"] = {k: v for k, v in vars(args).items() if k != "phase" and isinstance(v, (int, float, str))}
+        if state["step"] % args.log_every == 0:
+            state["log"].append({"step": state["step"], "loss": round(float(loss.detach()), 4),
+                                 "agree": round(agree, 3)})
+            print(f"[draft] step {state['step']} loss {float(loss):.3f} agree {agree:.3f} {time.time() - t0:.0f} s",
+                  flush=True)
+        if time.time() - t_last > 300 or time.time() - t0 >= budget:
+            state["seconds"] = time.time() - t0
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "state": state}, ck.with_suffix(".tmp"))
+            ck.with_suffix(".tmp").rename(ck)
+            t_last = time.time()
+
+
+@torch.no_grad()
+def draft_agreement(drafter: Any, recs: list[dict[str, Any]], k: int = 8) -> dict[str, Any]:
+    """Greedy agreement of a tokens-only draft on the held-out answers, teacher-forced: while its greedy
+    drafts agree with the target's tokens its context is the target's text, so the run of agreeing
+    positions from a start is what a greedy verify call from there would accept. Returns the agreement
+    at draft position j given the drafts before it agreed, and the mean tokens per call at fixed k."""
+    hits, tried = torch.zeros(k), torch.zeros(k)
+    runs: list[torch.Tensor] = []
+    for r in recs:
+        ids, first = r["ids"], r["start"] - 1
+        if len(ids) - first < 2:
+            continue
+        logits = drafter.model(input_ids=torch.tensor([ids[:-1]])).logits[0, first:]  # [n, rows]
+        pred = drafter.out_ids[logits.argmax(-1)] if drafter.out_ids is not None else logits.argmax(-1)
+        good = (pred == torch.tensor(ids[first + 1:])).float()  # [n]
+        run = torch.zeros_like(good)  # run[i]: agreeing positions from start i
+        for i in range(good.numel() - 1, -1, -1):
+            run[i] = good[i] * (1 + (run[i + 1] if i + 1 < good.numel() else 0))
+        runs.append(run)
+        for j in range(1, k + 1):  # position j from start i is position i + j - 1, reached when run[i] >= j - 1
+            reach = run[: max(0, good.numel() - j + 1)] >= j - 1
+            tried[j - 1] += float(reach.sum())
+            hits[j - 1] += float((reach & (run[: reach.numel()] >= j)).sum())
+    allruns = torch.cat(runs)
+    return {"by_position": (hits / tried.clamp(min=1)).tolist(), "starts": int(allruns.numel()),
+            "tokens_per_call": {kk: float(allruns.clamp(max=kk).mean() + 1) for kk in (2, 4, 6, 8)}}
+
+
+def phase_draft_export(work: Path, args: argparse.Namespace) -> None:
+    """The trained draft into --draft-out as a compact directory (bfloat16), with the target's tokenizer
+    files and report.json (agreement on the held-out answers)."""
+    import shutil
+
+    from edge.drafters.compact import save_compact
+    from edge.drafters.model import ModelDrafter
+    torch.set_num_threads(args.threads)
+    saved = torch.load(work / f"draft-L{args.draft_layers}.pt")
+    model, tables = new_draft(work, args.draft_layers, args.n_out, args.draft_rank)
+    model.load_state_dict(saved["model"])
+    out = args.draft_out
+    save_compact(model.eval(), tables["out_ids"], model.get_output_embeddings().weight, tables["lowrank"],
+                 tables["up"], out)
+    for f in TARGET.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template", "generation_config")):
+            shutil.copy(f, out / f.name)
+    drafter = ModelDrafter(out)  # what the edge loads
+    report = {"layers": args.draft_layers, "embed_rank": args.draft_rank, "n_out": args.n_out,
+              "train_positions": int(sum(r["hidden"].shape[0] for r in load_shards(work, "chat"))),
+              "steps": saved["state"]["step"], "train_minutes": round(saved["state"]["seconds"] / 60, 1),
+              "eval": draft_agreement(drafter, load_shards(work, "eval")),
+              "train_sample": draft_agreement(drafter, load_shards(work, "chat")[:48]),
+              "train_args": saved["state"].get("args", {})}
+    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps(report["eval"], indent=1))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("phase", choices=["prompts", "answers", "eval", "freq", "train", "export", "all"])
+    ap.add_argument("phase", choices=["prompts", "answers", "eval", "freq", "train", "export", "draft-train",
+                                      "draft-export", "all"])
     ap.add_argument("--work", type=Path, required=True, help="data and checkpoints (outside the work tree)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=REPO / "models" / "smollm2-135m-head", help="where export writes")
@@ -394,6 +597,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--logit-weight", type=float, default=0.1,
                     help="weight of SmoothL1 between the head's and the target's raw logits at the target's top ids")
     ap.add_argument("--decay", type=float, default=0.8, help="weight of unrolled step j: decay ** (j - 1)")
+    ap.add_argument("--draft-layers", type=int, default=3, help="the target's first layers the tokens-only draft keeps")
+    ap.add_argument("--draft-rank", type=int, default=128, help="rank of the tokens-only draft's input embedding")
+    ap.add_argument("--draft-window", type=int, default=192, help="tokens per training window of the draft")
+    ap.add_argument("--draft-batch", type=int, default=8)
+    ap.add_argument("--draft-lr", type=float, default=3e-4)
+    ap.add_argument("--draft-out", type=Path, default=REPO / "models" / "smollm2-135m-draft")
     args = ap.parse_args(argv)
     args.work.mkdir(parents=True, exist_ok=True)
     from head_prompts import build_prompts
@@ -409,6 +618,10 @@ def main(argv: list[str] | None = None) -> int:
         phase_train(args.work, args)
     if args.phase in ("export", "all"):
         phase_export(args.work, args)
+    if args.phase in ("draft-train", "all"):
+        phase_draft_train(args.work, args)
+    if args.phase in ("draft-export", "all"):
+        phase_draft_export(args.work, args)
     if args.phase == "freq":
         res = phase_freq(args.work)
         print({k: v for k, v in res.items() if k != "order"})
