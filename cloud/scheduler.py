@@ -155,6 +155,9 @@ class Scheduler:
     # model thread only: the number of the last forward that ran a prefill of each owner, and forwards run
     _served: dict[str, int] = field(default_factory=dict)
     _forwards: int = 0
+    # futures to settle, by event loop, handed over once per forward (`_flush`; shutdown adds from its thread)
+    _settles: dict[asyncio.AbstractEventLoop, list[Callable[[], None]]] = field(default_factory=dict)
+    _settles_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="model", daemon=True)
@@ -230,6 +233,7 @@ class Scheduler:
             self._cv.notify()
         for job in dropped:
             self._resolve(job, error=RuntimeError("the model thread stopped"))
+        self._flush()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=30)
 
@@ -249,6 +253,7 @@ class Scheduler:
             self._await_stragglers()
             with torch.inference_mode():
                 self._step()
+            self._flush()
 
     def _await_stragglers(self) -> None:
         """Wait briefly for the next rounds of sessions answered within the last three forwards."""
@@ -433,8 +438,9 @@ class Scheduler:
             return
         self._resolve(job, value=value)
 
-    @staticmethod
-    def _resolve(job: Job[Any], value: Any = None, error: BaseException | None = None) -> None:
+    def _resolve(self, job: Job[Any], value: Any = None, error: BaseException | None = None) -> None:
+        """Settle the job's future on its event loop: queued, and handed over by `_flush` once per forward
+        (one wake-up of each loop for every answer of the forward, not one per answer)."""
         fut, loop = job.future, job.loop
         if fut is None or loop is None:
             return
@@ -447,5 +453,17 @@ class Scheduler:
             else:
                 fut.set_result(value)
 
-        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
-            loop.call_soon_threadsafe(settle)
+        with self._settles_lock:
+            self._settles.setdefault(loop, []).append(settle)
+
+    def _flush(self) -> None:
+        with self._settles_lock:
+            settles, self._settles = self._settles, {}
+        for loop, fns in settles.items():
+
+            def run(fns: list[Callable[[], None]] = fns) -> None:
+                for fn in fns:
+                    fn()
+
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+                loop.call_soon_threadsafe(run)
