@@ -125,6 +125,57 @@ def phase_answers(work: Path, prompts: list[str], name: str, args: argparse.Name
               f"({n / (time.time() - t0):.0f} tok/s), T={0.7 if sampled else 0}", flush=True)
 
 
+def held_out_sources() -> set[str]:
+    """Standard-library files whose text the benchmarks evaluate on (bench/prompts/code.jsonl)."""
+    held = set()
+    for line in (REPO / "bench" / "prompts" / "code.jsonl").read_text().splitlines():
+        src = json.loads(line).get("source", "")
+        if src.startswith("stdlib/"):
+            held.add(src.split()[0].removeprefix("stdlib/"))
+    return held
+
+
+@torch.inference_mode()
+def phase_text(work: Path, args: argparse.Namespace) -> None:
+    """The target teacher-forced over text that ships with Python (the standard library's source, whose
+    `pydoc_data/topics.py` holds its documentation), in chunks of `--text-chunk` tokens, 8 per forward:
+    each shard keeps the ids and the target's normed state at every position but the last, as the
+    answers' shards do (start = 1: hidden[i] sits at position i and predicts ids[i + 1]). Test
+    suites and the files the benchmarks evaluate on are left out."""
+    import os
+    import random
+    tok, model = load_target(args.threads)
+    root = Path(os.__file__).parent
+    held = held_out_sources()
+    files = sorted(f for f in root.rglob("*.py") if "test" not in f.relative_to(root).parts[0]
+                   and "site-packages" not in f.parts and str(f.relative_to(root)) not in held)
+    random.Random(7).shuffle(files)
+    chunks: list[list[int]] = []
+    w = args.text_chunk
+    for f in files:
+        try:
+            ids = tok(f.read_text(encoding="utf-8")).input_ids
+        except (UnicodeDecodeError, OSError):
+            continue
+        chunks.extend(ids[o:o + w] for o in range(0, len(ids) - w + 1, w))
+        if len(chunks) * w >= args.text_tokens:
+            break
+    bs = 8
+    for b0 in range(0, len(chunks), bs):
+        shard = work / f"text-{b0:05d}.pt"
+        if shard.exists():
+            continue
+        t0 = time.time()
+        x = torch.tensor(chunks[b0:b0 + bs])  # [B, w]
+        h = model.model(input_ids=x).last_hidden_state  # [B, w, d]: the output layer's input
+        recs = [{"ids": x[r].tolist(), "start": 1, "hidden": h[r, :-1].half().clone(), "temperature": -1.0,
+                 "prompt": None} for r in range(x.shape[0])]
+        tmp = shard.with_suffix(".tmp")
+        torch.save(recs, tmp)
+        tmp.rename(shard)
+        print(f"[text] {b0}: {x.numel()} tokens, {time.time() - t0:.1f} s", flush=True)
+
+
 def load_shards(work: Path, name: str) -> list[dict[str, Any]]:
     recs: list[dict[str, Any]] = []
     for f in sorted(work.glob(f"{name}-*.pt")):
@@ -199,6 +250,17 @@ def phase_labels(work: Path, name: str, n_out: int, threads: int) -> None:
 
 def load_labels(work: Path, name: str, n_out: int) -> list[dict[str, torch.Tensor]]:
     return list(torch.load(work / f"labels-{name}-{n_out}.pt")["labels"])
+
+
+def training_set(work: Path, args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[str, torch.Tensor]]]:
+    """The records and labels of every shard set in --data (the target's answers, Python's text)."""
+    recs: list[dict[str, Any]] = []
+    labels: list[dict[str, torch.Tensor]] = []
+    for name in args.data.split(","):
+        phase_labels(work, name, args.n_out, args.threads)
+        recs += load_shards(work, name)
+        labels += load_labels(work, name, args.n_out)
+    return recs, labels
 
 
 class Windows:
@@ -300,8 +362,7 @@ def phase_train(work: Path, args: argparse.Namespace) -> None:
         head.load_state_dict(saved["head"])
         opt.load_state_dict(saved["opt"])
         state = saved["state"]
-    phase_labels(work, "chat", args.n_out, args.threads)
-    data = Windows(load_shards(work, "chat"), load_labels(work, "chat", args.n_out), args.window + args.unroll)
+    data = Windows(*training_set(work, args), args.window + args.unroll)
     print(f"[train] {len(data.hidden)} answers, {int(data.sizes.sum())} positions; from step {state['step']}",
           flush=True)
     gen = torch.Generator().manual_seed(1000 + state["step"])
@@ -375,7 +436,8 @@ def phase_export(work: Path, args: argparse.Namespace) -> None:
     head.eval()
     head.save(args.out)
     head = FeatureHead.load(args.out)  # what the edge loads (bfloat16 weights, float32 compute)
-    report = {"train_positions": int(sum(r["hidden"].shape[0] for r in load_shards(work, "chat"))),
+    report = {"train_positions": {n: int(sum(r["hidden"].shape[0] for r in load_shards(work, n)))
+                                  for n in args.data.split(",")},
               "eval_prompts": len(load_shards(work, "eval")), "steps": saved["state"]["step"],
               "train_minutes": round(saved["state"]["seconds"] / 60, 1), "n_out": args.n_out,
               "freq_coverage": phase_freq(work)["coverage"],
@@ -486,10 +548,9 @@ def phase_draft_train(work: Path, args: argparse.Namespace) -> None:
         model.load_state_dict(saved["model"])
         opt.load_state_dict(saved["opt"])
         state = saved["state"]
-    phase_labels(work, "chat", args.n_out, args.threads)
+    data = Sequences(*training_set(work, args), args.draft_window)
     table, _ = target_tables()
     target_rows = table[torch.tensor(phase_freq(work)["order"][:args.n_out])]  # [n_out, d]
-    data = Sequences(load_shards(work, "chat"), load_labels(work, "chat", args.n_out), args.draft_window)
     print(f"[draft] {args.draft_layers} layers, {len(data.recs)} answers, {int(data.sizes.sum())} positions; "
           f"from step {state['step']}", flush=True)
     gen = torch.Generator().manual_seed(2000 + state["step"])
@@ -565,7 +626,8 @@ def phase_draft_export(work: Path, args: argparse.Namespace) -> None:
             shutil.copy(f, out / f.name)
     drafter = ModelDrafter(out)  # what the edge loads
     report = {"layers": args.draft_layers, "embed_rank": args.draft_rank, "n_out": args.n_out,
-              "train_positions": int(sum(r["hidden"].shape[0] for r in load_shards(work, "chat"))),
+              "train_positions": {n: int(sum(r["hidden"].shape[0] for r in load_shards(work, n)))
+                                  for n in args.data.split(",")},
               "steps": saved["state"]["step"], "train_minutes": round(saved["state"]["seconds"] / 60, 1),
               "eval": draft_agreement(drafter, load_shards(work, "eval")),
               "train_sample": draft_agreement(drafter, load_shards(work, "chat")[:48]),
@@ -576,8 +638,8 @@ def phase_draft_export(work: Path, args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("phase", choices=["prompts", "answers", "eval", "freq", "train", "export", "draft-train",
-                                      "draft-export", "all"])
+    ap.add_argument("phase", choices=["prompts", "answers", "eval", "text", "freq", "train", "export",
+                                      "draft-train", "draft-export", "all"])
     ap.add_argument("--work", type=Path, required=True, help="data and checkpoints (outside the work tree)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=REPO / "models" / "smollm2-135m-head", help="where export writes")
@@ -586,6 +648,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--train-prompts", type=int, default=4000)
     ap.add_argument("--answer-shards", type=int, default=1 << 30,
                     help="stop the answers phase after this many shards (the shortest prompts first)")
+    ap.add_argument("--text-tokens", type=int, default=800_000, help="teacher-forced tokens of Python's own text")
+    ap.add_argument("--text-chunk", type=int, default=256)
+    ap.add_argument("--data", default="chat", help="comma-separated shard sets to train on: chat, text")
     ap.add_argument("--n-out", type=int, default=16384, help="rows of the frequency-ranked output layer")
     ap.add_argument("--train-minutes", type=float, default=60)
     ap.add_argument("--batch", type=int, default=32, help="windows per step")
@@ -612,8 +677,11 @@ def main(argv: list[str] | None = None) -> int:
         phase_answers(args.work, evals, "eval", args, sample_every=0)
     if args.phase in ("answers", "all"):
         phase_answers(args.work, train[:args.train_prompts], "chat", args, sample_every=4)
+    if args.phase in ("text", "all"):
+        phase_text(args.work, args)
     if args.phase in ("freq", "train", "all"):
-        phase_labels(args.work, "chat", args.n_out, args.threads)
+        for name in args.data.split(","):
+            phase_labels(args.work, name, args.n_out, args.threads)
     if args.phase in ("train", "all"):
         phase_train(args.work, args)
     if args.phase in ("export", "all"):
