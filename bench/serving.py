@@ -11,6 +11,8 @@ process (REST, one torch thread) and reads only what a user could: its /metrics,
   against 16 sessions with distinct prompts (two fresh clouds, same flags).
 - head-of-line: the latency of a session's k = 4 verify rounds (sent one after another) while 40
   concurrent 511-token opens arrive, against the same rounds on the idle cloud; per token budget.
+- tight-budget (`python -m bench.serving tight-budget`): five real edges generating at once on a KV
+  budget of 24 blocks: texts against the target's own, 5xx and 429 answers, evictions, reopens.
 """
 
 from __future__ import annotations
@@ -194,6 +196,65 @@ def head_of_line_case(target: Path, progress: Any, budgets: tuple[int, ...] = (1
     return results
 
 
+def tight_budget_case(target: Path, progress: Any, blocks: int = 24, edges: int = 5, new_tokens: int = 48,
+                      draft: Path = REPO / "models" / "demo-draft") -> dict[str, Any]:
+    """`edges` real edge clients (greedy, the demo draft, REST, two API keys) generating at once against a
+    cloud whose KV budget holds `blocks` blocks, with prompts of 61-147 tokens: how many finish with the
+    target's own text (cloud_only on a cloud without a budget), and what the cloud answered meanwhile
+    (5xx and 429 answers, evictions) and the edges did (reopens)."""
+    import threading
+
+    from transformers import AutoTokenizer
+
+    from edge.client import EdgeClient
+    from edge.drafters import ModelDrafter
+    from edge.settings import EdgeSettings
+    from shared.kvpool import BLOCK_SIZE
+
+    tok = AutoTokenizer.from_pretrained(target)
+    texts = [json.loads(line)["text"] for line in (REPO / "bench" / "prompts" / "code.jsonl").read_text().splitlines()]
+    sizes = [61 + (147 - 61) * i // max(edges - 1, 1) for i in range(edges)]
+    prompts = [list(tok.encode(texts[i % len(texts)]))[:n] for i, n in enumerate(sizes)]
+    keys = ["tenant-a", "tenant-b"]
+    cfg = json.loads((target / "config.json").read_text())
+    per_token = 2 * cfg["n_layer"] * cfg["n_embd"] * 4  # K and V, every layer, float32 (the demo GPT-2)
+    base = dict(temperature=0.0, max_new_tokens=new_tokens, stop_at_eos=False, timeout_ms=120_000)
+    key_flags = [f for k in keys for f in ("--api-key", k)]
+    with CloudServer(target, extra_args=key_flags) as free:
+        want = [EdgeClient(EdgeSettings(cloud_url=free.url, mode="cloud_only", api_key=keys[i % 2], **base),
+                           tokenizer=tok).generate(p).token_ids for i, p in enumerate(prompts)]
+    flags = ["--kv-budget-bytes", str(blocks * BLOCK_SIZE * per_token), *key_flags]
+    results: list[Any] = [None] * edges
+    drafter = ModelDrafter(draft)
+    with CloudServer(target, extra_args=flags) as cloud:
+        def run(i: int) -> None:
+            c = EdgeClient(EdgeSettings(cloud_url=cloud.url, api_key=keys[i % 2], fixed_k=4, **base), tokenizer=tok,
+                           drafter=drafter.fork())
+            try:
+                results[i] = c.generate(prompts[i])
+            except Exception as e:  # noqa: BLE001 - the failure is the figure
+                results[i] = e
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(edges)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        m = metrics(httpx.Client(base_url=cloud.url))
+    statuses = {k: v for k, v in m.items() if k.startswith("specsplit_cloud_responses_total")}
+    res = {"blocks": blocks, "edges": edges, "prompt_tokens": sizes, "new_tokens": new_tokens,
+           "finished_exact": sum(not isinstance(r, Exception) and r.token_ids == w
+                                 for r, w in zip(results, want, strict=True)),
+           "failed": [f"{type(r).__name__}: {r}" for r in results if isinstance(r, Exception)],
+           "reopens": sum(r.metrics.reopens for r in results if not isinstance(r, Exception)),
+           "evictions": sum(v for k, v in m.items() if k.startswith("specsplit_cloud_evictions_total")),
+           "answers_5xx": sum(v for k, v in statuses.items() if 'status="5' in k),
+           "answers_429": sum(v for k, v in statuses.items() if 'status="429"' in k)}
+    progress(f"serving tight budget ({blocks} blocks, {edges} edges): {res['finished_exact']}/{edges} finished with "
+             f"the target's text; {res['answers_5xx']:.0f} 5xx, {res['answers_429']:.0f} 429, "
+             f"{res['evictions']:.0f} evictions, {res['reopens']} reopens")
+    return res
+
+
 def run_serving(target: Path, progress: Any = lambda s: None) -> ServingResults:
     return ServingResults(memory=memory_case(progress), prefix=prefix_case(target, progress),
                           head_of_line=head_of_line_case(target, progress))
@@ -203,6 +264,9 @@ def main() -> None:  # python -m bench.serving [head-of-line SHARE...]: the case
     import sys
 
     target = REPO / "models" / "demo-target"
+    if sys.argv[1:2] == ["tight-budget"]:
+        print(json.dumps(tight_budget_case(target, print), indent=1))
+        return
     if sys.argv[1:2] == ["head-of-line"]:
         shares = tuple(int(x) for x in sys.argv[2:]) or (1024, 512, 256, 128, 64, 32)
         print(json.dumps(head_of_line_case(target, print, shares=shares), indent=1))
