@@ -204,6 +204,7 @@ def tight_budget_case(target: Path, progress: Any, blocks: int = 24, edges: int 
     (5xx and 429 answers, evictions) and the edges did (reopens)."""
     import threading
 
+    from pydantic import SecretStr
     from transformers import AutoTokenizer
 
     from edge.client import EdgeClient
@@ -218,17 +219,19 @@ def tight_budget_case(target: Path, progress: Any, blocks: int = 24, edges: int 
     keys = ["tenant-a", "tenant-b"]
     cfg = json.loads((target / "config.json").read_text())
     per_token = 2 * cfg["n_layer"] * cfg["n_embd"] * 4  # K and V, every layer, float32 (the demo GPT-2)
-    base = dict(temperature=0.0, max_new_tokens=new_tokens, stop_at_eos=False, timeout_ms=120_000)
+    base: dict[str, Any] = {"temperature": 0.0, "max_new_tokens": new_tokens, "stop_at_eos": False,
+                            "timeout_ms": 120_000}
     key_flags = [f for k in keys for f in ("--api-key", k)]
     with CloudServer(target, extra_args=key_flags) as free:
-        want = [EdgeClient(EdgeSettings(cloud_url=free.url, mode="cloud_only", api_key=keys[i % 2], **base),
+        want = [EdgeClient(EdgeSettings(cloud_url=free.url, mode="cloud_only", api_key=SecretStr(keys[i % 2]),
+                                        **base),
                            tokenizer=tok).generate(p).token_ids for i, p in enumerate(prompts)]
     flags = ["--kv-budget-bytes", str(blocks * BLOCK_SIZE * per_token), *key_flags]
     results: list[Any] = [None] * edges
     drafter = ModelDrafter(draft)
     with CloudServer(target, extra_args=flags) as cloud:
         def run(i: int) -> None:
-            c = EdgeClient(EdgeSettings(cloud_url=cloud.url, api_key=keys[i % 2], fixed_k=4, **base), tokenizer=tok,
+            c = EdgeClient(EdgeSettings(cloud_url=cloud.url, api_key=SecretStr(keys[i % 2]), fixed_k=4, **base), tokenizer=tok,
                            drafter=drafter.fork())
             try:
                 results[i] = c.generate(prompts[i])
