@@ -1,0 +1,97 @@
+"""Replay the edge's feature-fed drafting over the target's own greedy answers, without a cloud.
+
+For each prompt the target (SmolLM2-135M-Instruct, in process) writes its greedy answer under the
+given repetition penalty, keeping its normed state at every position. Rounds of fixed k then run as
+they do live: the head (`FeatureDrafter`, the class the edge runs) gets the feature the cloud would
+send (the state after the last accepted draft, or after the prompt for the first round), steps through
+the correction and drafts k tokens, which are checked against the answer. Prints tokens per verify
+call and the first-position acceptance.
+
+    .venv/bin/python scripts/replay_head.py                          # six bench prompts, penalty 1.1
+    .venv/bin/python scripts/replay_head.py --penalty 1.0 --prompts eval --work /work/runs/heads
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from bench.real_pair import PROMPTS  # noqa: E402
+from edge.drafters.feature_head import FeatureDrafter, FeatureHead  # noqa: E402
+from shared.config import SamplingConfig  # noqa: E402
+from shared.sampling import processed_probs  # noqa: E402
+
+TARGET = REPO / "models" / "smollm2-135m-instruct"
+
+
+@torch.inference_mode()
+def answer(model: object, ids: list[int], n: int, cfg: SamplingConfig) -> tuple[list[int], list[torch.Tensor]]:
+    """The target's greedy continuation and its states: states[j] follows ids + answer[:j]."""
+    captured: list[torch.Tensor] = []
+    hook = model.lm_head.register_forward_pre_hook(lambda _m, a: captured.append(a[0]))  # type: ignore[attr-defined]
+    seq, states = list(ids), []
+    try:
+        for _ in range(n):
+            captured.clear()
+            logits = model(input_ids=torch.tensor([seq])).logits[0, -1:]  # type: ignore[operator]
+            states.append(captured[-1][0, -1].clone())
+            seq.append(int(processed_probs(logits, cfg, seq)[0].argmax()))
+    finally:
+        hook.remove()
+    return seq[len(ids):], states
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--head", type=Path, default=REPO / "models" / "smollm2-135m-head")
+    ap.add_argument("--penalty", type=float, default=1.1)
+    ap.add_argument("--prompts", choices=["bench", "eval"], default="bench")
+    ap.add_argument("--work", type=Path, help="train_heads.py's work directory (for --prompts eval)")
+    ap.add_argument("--n", type=int, default=6, help="prompts")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--k", type=int, default=6)
+    args = ap.parse_args(argv)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    torch.set_num_threads(2)
+    tok = AutoTokenizer.from_pretrained(TARGET)
+    model = AutoModelForCausalLM.from_pretrained(TARGET, dtype=torch.float32).eval()
+    if args.prompts == "eval":
+        if args.work is None:
+            raise SystemExit("replay_head: --prompts eval needs --work DIR (train_heads.py's prompts.json)")
+        prompts = json.loads((args.work / "prompts.json").read_text())["eval"][: args.n]
+    else:
+        prompts = PROMPTS[: args.n]
+    cfg = SamplingConfig(0.0, repetition_penalty=args.penalty)
+    drafter = FeatureDrafter(FeatureHead.load(args.head), None)
+    drafter.vocab_size = model.config.vocab_size
+    calls = tokens = first = 0
+    for prompt in prompts:
+        enc: Any = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                           tokenize=True)
+        ids = [int(t) for t in (enc["input_ids"] if hasattr(enc, "keys") else enc)]
+        ans, states = answer(model, ids, args.tokens, cfg)
+        done = anchor = 0  # committed answer tokens; the feature follows ids + ans[:anchor]
+        while done + args.k + 1 < len(ans):
+            drafter.set_feature(ids + ans[:anchor], states[anchor])
+            block = drafter.propose(ids + ans[:done], args.k, cfg, 0)
+            la = 0
+            while la < args.k and block.tokens[la] == ans[done + la]:
+                la += 1
+            calls, tokens, first = calls + 1, tokens + la + 1, first + (la > 0)
+            anchor = done + la  # the state after the accepted drafts decides the correction
+            done += la + 1
+    print(f"{args.prompts} prompts x {len(prompts)}, penalty {args.penalty}, k = {args.k}: {calls} verify calls, "
+          f"{tokens / calls:.2f} tokens per call, first-position acceptance {first / calls:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
