@@ -196,13 +196,13 @@ def shard_names(work: Path, name: str) -> list[str]:
 
 
 def phase_freq(work: Path) -> dict[str, Any]:
-    """Token counts of the target's training answers, and how much of the held-out answers the top N cover
-    (counted again when the answers phase has added shards since)."""
+    """Token counts of the target's training answers, and how much of the held-out answers the top N cover.
+    Counted once (the shards it counted are recorded): the ranking decides every head's and draft's
+    output rows, so checkpoints stay valid when the answers phase adds shards; delete freq.json to
+    count again (and train afresh)."""
     out = work / "freq.json"
     if out.exists():
-        res = dict(json.loads(out.read_text()))
-        if res.get("shards", shard_names(work, "chat")) == shard_names(work, "chat"):
-            return res
+        return dict(json.loads(out.read_text()))
     table, vocab = target_tables()
     counts = torch.zeros(vocab, dtype=torch.float64)
     for r in load_shards(work, "chat"):
