@@ -197,7 +197,7 @@ def head_of_line_case(target: Path, progress: Any, budgets: tuple[int, ...] = (1
 
 
 def tight_budget_case(target: Path, progress: Any, blocks: int = 24, edges: int = 5, new_tokens: int = 48,
-                      draft: Path = REPO / "models" / "demo-draft") -> dict[str, Any]:
+                      draft: Path = REPO / "models" / "demo-draft", extra: tuple[str, ...] = ()) -> dict[str, Any]:
     """`edges` real edge clients (greedy, the demo draft, REST, two API keys) generating at once against a
     cloud whose KV budget holds `blocks` blocks, with prompts of 61-147 tokens: how many finish with the
     target's own text (cloud_only on a cloud without a budget), and what the cloud answered meanwhile
@@ -226,7 +226,7 @@ def tight_budget_case(target: Path, progress: Any, blocks: int = 24, edges: int 
         want = [EdgeClient(EdgeSettings(cloud_url=free.url, mode="cloud_only", api_key=SecretStr(keys[i % 2]),
                                         **base),
                            tokenizer=tok).generate(p).token_ids for i, p in enumerate(prompts)]
-    flags = ["--kv-budget-bytes", str(blocks * BLOCK_SIZE * per_token), *key_flags]
+    flags = ["--kv-budget-bytes", str(blocks * BLOCK_SIZE * per_token), *key_flags, *extra]
     results: list[Any] = [None] * edges
     drafter = ModelDrafter(draft)
     with CloudServer(target, extra_args=flags) as cloud:
@@ -244,7 +244,7 @@ def tight_budget_case(target: Path, progress: Any, blocks: int = 24, edges: int 
             t.join()
         m = metrics(httpx.Client(base_url=cloud.url))
     statuses = {k: v for k, v in m.items() if k.startswith("specsplit_cloud_responses_total")}
-    res = {"blocks": blocks, "edges": edges, "prompt_tokens": sizes, "new_tokens": new_tokens,
+    res = {"blocks": blocks, "edges": edges, "prompt_tokens": sizes, "new_tokens": new_tokens, "flags": list(extra),
            "finished_exact": sum(not isinstance(r, Exception) and r.token_ids == w
                                  for r, w in zip(results, want, strict=True)),
            "failed": [f"{type(r).__name__}: {r}" for r in results if isinstance(r, Exception)],
@@ -252,7 +252,7 @@ def tight_budget_case(target: Path, progress: Any, blocks: int = 24, edges: int 
            "evictions": sum(v for k, v in m.items() if k.startswith("specsplit_cloud_evictions_total")),
            "answers_5xx": sum(v for k, v in statuses.items() if 'status="5' in k),
            "answers_429": sum(v for k, v in statuses.items() if 'status="429"' in k)}
-    progress(f"serving tight budget ({blocks} blocks, {edges} edges): {res['finished_exact']}/{edges} finished with "
+    progress(f"serving tight budget ({blocks} blocks, {edges} edges{', ' + ' '.join(extra) if extra else ''}): {res['finished_exact']}/{edges} finished with "
              f"the target's text; {res['answers_5xx']:.0f} 5xx, {res['answers_429']:.0f} 429, "
              f"{res['evictions']:.0f} evictions, {res['reopens']} reopens")
     return res
@@ -267,8 +267,8 @@ def main() -> None:  # python -m bench.serving [head-of-line SHARE...]: the case
     import sys
 
     target = REPO / "models" / "demo-target"
-    if sys.argv[1:2] == ["tight-budget"]:
-        print(json.dumps(tight_budget_case(target, print), indent=1))
+    if sys.argv[1:2] == ["tight-budget"]:  # then any specsplit-cloud flags, e.g. --eviction-active-s 0
+        print(json.dumps(tight_budget_case(target, print, extra=tuple(sys.argv[2:])), indent=1))
         return
     if sys.argv[1:2] == ["head-of-line"]:
         shares = tuple(int(x) for x in sys.argv[2:]) or (1024, 512, 256, 128, 64, 32)

@@ -19,9 +19,10 @@ the forward in progress (one forward of at most `max_batch_tokens` tokens), neve
 the forward it rides in carries at most `max_prefill_tokens_with_rounds` prefill tokens.
 3. KV blocks: each row needs the blocks its new positions take (`blocks_needed`). When they are not
    free the thread asks for room (`make_room`: unreferenced cached prefix blocks go first, then the
-   least recently used idle sessions, which answer 404 and are reopened by their edge). A job that
-   still does not fit waits for a later forward while other work runs, and is refused with
-   ResourceExhausted (429 + Retry-After) when it cannot fit even alone. A forward is never started
+   least recently used idle sessions, which answer 404 and are reopened by their edge; while the
+   forward already has rows, only sessions idle for a while). A job that still does not fit waits for
+   a later forward while other work runs, and is refused with ResourceExhausted (429 + Retry-After)
+   when it cannot fit even alone. A forward is never started
    without its blocks, so it never fails for memory and the pool never passes the budget.
 4. The forward runs every row; then each job's `finish()` applies its own result (the verify rule, a
    commit). An exception in one job's plan or finish fails that job alone; a failed forward fails
@@ -139,7 +140,9 @@ class Scheduler:
     # KV blocks a row needs / blocks a forward can still get / make room for n more blocks (evictions)
     blocks_needed: Callable[[Row], int] = lambda _: 0
     blocks_available: Callable[[], int] = lambda: 1 << 62
-    make_room: Callable[[int], None] = lambda _: None
+    # free this many KV blocks if it can; the flag says whether the forward already has rows (then only
+    # sessions idle for a while are evicted: the work that lacks blocks can wait for a later forward)
+    make_room: Callable[[int, bool], None] = lambda _, __: None
     # called on the model thread after every forward
     on_batch: Callable[[BatchStats], None] = lambda _: None
     # called on the model thread between batches (slot releases, from any thread)
@@ -339,7 +342,7 @@ class Scheduler:
                 # cached prefix blocks): it gives them back and waits, so no forward lacks its blocks
                 job.unplan()
                 if self.blocks_available() < reserved:
-                    self.make_room(reserved - self.blocks_available())
+                    self.make_room(reserved - self.blocks_available(), True)
                 continue
             if row is None:
                 self._drop(job)
@@ -358,7 +361,7 @@ class Scheduler:
             # a plan may have taken cached prefix blocks: count what is left now
             need, left = self.blocks_needed(row), self.blocks_available() - reserved
             if need > left:
-                self.make_room(need - left)
+                self.make_room(need - left, bool(batch))
                 left = self.blocks_available() - reserved
             if need > left:
                 if not batch:

@@ -263,15 +263,19 @@ class VerifierService:
         """`pre` is done, failed or gave its slot back: no open waits for it any more (model thread)."""
         self._prefilling = [p for p in self._prefilling if p is not pre]
 
-    def _make_room(self, blocks: int) -> None:
+    def _make_room(self, blocks: int, progressing: bool = False) -> None:
         """On the model thread, when a forward needs `blocks` more KV blocks than are left (cached prefix
         blocks already count as available): evict least recently used idle sessions until they fit,
-        sparing those opened within `eviction_grace_s` that have not run a round yet (the work waits, or
-        answers 429, instead). Each evicted session answers 404 afterwards; its edge reopens it with the
-        full context."""
+        sparing those opened within `eviction_grace_s` that have not run a round yet, and, while the
+        forward already has rows (`progressing`), those used within `eviction_active_s`: the work that
+        lacks blocks then waits for a later forward (or answers 429) while the others run, instead of
+        evicting a session whose edge is mid-generation. Each evicted session answers 404 afterwards;
+        its edge reopens it with the full context."""
         pool = self.model.pool
         goal = pool.manager.available() + blocks
-        fresh_since = self.clock() - self.settings.eviction_grace_s
+        now = self.clock()
+        fresh_since = now - self.settings.eviction_grace_s
+        active_since = now - self.settings.eviction_active_s if progressing else now + 1.0
         for s in self.store.lru():
             if pool.manager.available() >= goal:
                 return
@@ -279,6 +283,8 @@ class VerifierService:
                 continue
             if s.counters.rounds == 0 and s.created > fresh_since:
                 continue  # just opened or reopened: evicting it now would only make its edge reopen again
+            if s.last_used > active_since:
+                continue  # mid-generation, and this forward runs other work: the newcomer waits
             slot, s.slot = s.slot, None
             s.closed = True
             pool.release(slot)

@@ -170,7 +170,7 @@ def test_a_job_that_cannot_get_its_blocks_even_alone_is_refused_with_429() -> No
         return [torch.zeros(r.keep, 4) for r in rows]
 
     sched = Scheduler(8, lambda: 0.0, forward=forward, blocks_needed=lambda r: len(r.ids) // 4,
-                      blocks_available=lambda: 3, make_room=asked.append, batch_wait_ms=0)
+                      blocks_available=lambda: 3, make_room=lambda n, _: asked.append(n), batch_wait_ms=0)
 
     async def main() -> None:
         big = Job(plan=lambda _: Row(0, 0, [1] * 16, 0), finish=lambda _, __: 0.0, kind=PREFILL)
