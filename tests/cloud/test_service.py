@@ -171,6 +171,37 @@ def test_kv_budget_evicts_the_least_recently_used_session(make_service: Callable
     assert svc.metrics.evictions.labels(reason="kv_budget")._value.get() == 1
 
 
+def test_a_session_used_just_now_is_evicted_only_when_nothing_else_can_run(
+        make_service: Callable[..., VerifierService], prompt: list[int]) -> None:
+    """Two sessions that have run rounds: b idle for 10 s, a used 0.2 s ago. Asked for room while the
+    forward has other rows (`progressing`), the service evicts b and never a; asked for more than b
+    frees, it stops there (the job waits); asked with nothing else to run, a may go too."""
+    clock = FakeClock()
+    svc = make_service(clock=clock, kv_block_size=1, prefix_cache=False)
+
+    async def main() -> None:
+        a = await open_(svc, prompt, 1)
+        b = await open_(svc, prompt, 2)
+        await svc.verify(k0_request(b, prompt), "", 0)
+        clock.advance(10.0)
+        await svc.verify(k0_request(a, prompt), "", 0)
+        clock.advance(0.2)
+        pool = svc.model.pool
+        sa, sb = svc.store._sessions[a], svc.store._sessions[b]  # a look that does not count as a use
+        assert sa.slot is not None and sb.slot is not None
+        svc._make_room(pool.manager.available() + 10 ** 6, progressing=True)  # more than every session holds
+        assert sb.slot is None and sb.closed
+        assert sa.slot is not None  # a, used 0.2 s ago, is spared: the job that lacks blocks waits instead
+        svc._make_room(pool.manager.available() + 10 ** 6, progressing=False)
+        assert sa.slot is None  # nothing else to run: a goes too
+        await asyncio.sleep(0)  # the store drops them on the event loop
+        for x in (a, b):
+            with pytest.raises(NotFound):
+                svc.get_session(x, "")
+
+    run(main())
+
+
 def test_open_session_rejects_bad_prompts_and_settings(make_service: Callable[..., VerifierService],
                                                        prompt: list[int]) -> None:
     svc = make_service(max_prompt_len=8, max_sessions=1)
