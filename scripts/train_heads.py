@@ -31,6 +31,7 @@ import json
 import math
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -349,31 +350,29 @@ def new_head(work: Path, n_out: int) -> Any:
     return head
 
 
-def phase_train(work: Path, args: argparse.Namespace) -> None:
-    """Time-budgeted; checkpoint every few minutes (`head.pt`), resumed by rerunning the same command."""
-    torch.set_num_threads(args.threads)
-    ck = work / "head.pt"
-    head = new_head(work, args.n_out)
-    params = [p for p in head.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.98))
+def train_loop(tag: str, ck: Path, key: str, module: torch.nn.Module, lr: float, warmup: int,
+               args: argparse.Namespace, describe: str, seed: int,
+               loss_of: Callable[[torch.Generator], tuple[torch.Tensor, Any]]) -> None:
+    """AdamW on `module`'s trainable parameters for --train-minutes (warm-up, then cosine to 10 %),
+    checkpointed to `ck` (under `key`) every 5 minutes and at the end, resumed from it when it exists.
+    `loss_of(gen)` draws a batch and returns its loss and what to log (agreement)."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
     state: dict[str, Any] = {"step": 0, "seconds": 0.0, "log": []}
     if ck.exists():
         saved = torch.load(ck)
-        head.load_state_dict(saved["head"])
+        module.load_state_dict(saved[key])
         opt.load_state_dict(saved["opt"])
         state = saved["state"]
-    data = Windows(*training_set(work, args), args.window + args.unroll)
-    print(f"[train] {len(data.hidden)} answers, {int(data.sizes.sum())} positions; from step {state['step']}",
-          flush=True)
-    gen = torch.Generator().manual_seed(1000 + state["step"])
+    print(f"[{tag}] {describe}; from step {state['step']}", flush=True)
+    gen = torch.Generator().manual_seed(seed + state["step"])
     budget = args.train_minutes * 60.0
     t_last, t0 = time.time(), time.time() - state["seconds"]
     while time.time() - t0 < budget:
         frac = (time.time() - t0) / budget
-        for g in opt.param_groups:  # warm-up, then cosine to 10 %
-            g["lr"] = args.lr * min(1.0, (state["step"] + 1) / 100) * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
-        loss, agree = unrolled_loss(head, data.batch(args.batch, gen), args.unroll, args.feat_weight, args.decay,
-                                    args.logit_weight)
+        for g in opt.param_groups:
+            g["lr"] = lr * min(1.0, (state["step"] + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
+        loss, agree = loss_of(gen)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -381,15 +380,29 @@ def phase_train(work: Path, args: argparse.Namespace) -> None:
         state["step"] += 1
         state["args"] = {k: v for k, v in vars(args).items() if k != "phase" and isinstance(v, (int, float, str))}
         if state["step"] % args.log_every == 0:
-            state["log"].append({"step": state["step"], "loss": round(float(loss.detach()), 4),
-                                 "agree": [round(a, 3) for a in agree]})
-            print(f"[train] step {state['step']} loss {float(loss):.3f} agree {[round(a, 3) for a in agree]} "
-                  f"{time.time() - t0:.0f} s", flush=True)
+            state["log"].append({"step": state["step"], "loss": round(float(loss.detach()), 4), "agree": agree})
+            print(f"[{tag}] step {state['step']} loss {float(loss):.3f} agree {agree} {time.time() - t0:.0f} s",
+                  flush=True)
         if time.time() - t_last > 300 or time.time() - t0 >= budget:
             state["seconds"] = time.time() - t0
-            torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "state": state}, ck.with_suffix(".tmp"))
+            torch.save({key: module.state_dict(), "opt": opt.state_dict(), "state": state}, ck.with_suffix(".tmp"))
             ck.with_suffix(".tmp").rename(ck)
             t_last = time.time()
+
+
+def phase_train(work: Path, args: argparse.Namespace) -> None:
+    """Time-budgeted; checkpoint every few minutes (`head.pt`), resumed by rerunning the same command."""
+    torch.set_num_threads(args.threads)
+    head = new_head(work, args.n_out)
+    data = Windows(*training_set(work, args), args.window + args.unroll)
+
+    def loss_of(gen: torch.Generator) -> tuple[torch.Tensor, Any]:
+        loss, agree = unrolled_loss(head, data.batch(args.batch, gen), args.unroll, args.feat_weight, args.decay,
+                                    args.logit_weight)
+        return loss, [round(a, 3) for a in agree]
+
+    train_loop("train", work / "head.pt", "head", head, args.lr, 100, args, f"{len(data.hidden)} answers, "
+               f"{int(data.sizes.sum())} positions", 1000, loss_of)
 
 
 @torch.no_grad()
@@ -537,46 +550,19 @@ def draft_loss(model: Any, target_rows: torch.Tensor, bt: dict[str, torch.Tensor
 def phase_draft_train(work: Path, args: argparse.Namespace) -> None:
     """Time-budgeted like the head's; checkpoint `draft-L{layers}.pt`, resumed by rerunning the command."""
     torch.set_num_threads(args.threads)
-    ck = work / f"draft-L{args.draft_layers}.pt"
     model, _ = new_draft(work, args.draft_layers, args.n_out, args.draft_rank)
     model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=args.draft_lr, weight_decay=0.0, betas=(0.9, 0.98))
-    state: dict[str, Any] = {"step": 0, "seconds": 0.0, "log": []}
-    if ck.exists():
-        saved = torch.load(ck)
-        model.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["opt"])
-        state = saved["state"]
     data = Sequences(*training_set(work, args), args.draft_window)
     table, _ = target_tables()
     target_rows = table[torch.tensor(phase_freq(work)["order"][:args.n_out])]  # [n_out, d]
-    print(f"[draft] {args.draft_layers} layers, {len(data.recs)} answers, {int(data.sizes.sum())} positions; "
-          f"from step {state['step']}", flush=True)
-    gen = torch.Generator().manual_seed(2000 + state["step"])
-    budget = args.train_minutes * 60.0
-    t_last, t0 = time.time(), time.time() - state["seconds"]
-    while time.time() - t0 < budget:
-        frac = (time.time() - t0) / budget
-        for g in opt.param_groups:
-            g["lr"] = args.draft_lr * min(1.0, (state["step"] + 1) / 50) * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
+
+    def loss_of(gen: torch.Generator) -> tuple[torch.Tensor, Any]:
         loss, agree = draft_loss(model, target_rows, data.batch(args.draft_batch, gen), args.logit_weight)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        state["step"] += 1
-        state["args"] = {k: v for k, v in vars(args).items() if k != "phase" and isinstance(v, (int, float, str))}
-        if state["step"] % args.log_every == 0:
-            state["log"].append({"step": state["step"], "loss": round(float(loss.detach()), 4),
-                                 "agree": round(agree, 3)})
-            print(f"[draft] step {state['step']} loss {float(loss):.3f} agree {agree:.3f} {time.time() - t0:.0f} s",
-                  flush=True)
-        if time.time() - t_last > 300 or time.time() - t0 >= budget:
-            state["seconds"] = time.time() - t0
-            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "state": state}, ck.with_suffix(".tmp"))
-            ck.with_suffix(".tmp").rename(ck)
-            t_last = time.time()
+        return loss, round(agree, 3)
+
+    train_loop("draft", work / f"draft-L{args.draft_layers}.pt", "model", model, args.draft_lr, 50, args,
+               f"{args.draft_layers} layers, {len(data.recs)} answers, {int(data.sizes.sum())} positions", 2000,
+               loss_of)
 
 
 @torch.no_grad()
