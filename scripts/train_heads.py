@@ -177,10 +177,11 @@ def phase_text(work: Path, args: argparse.Namespace) -> None:
         print(f"[text] {b0}: {x.numel()} tokens, {time.time() - t0:.1f} s", flush=True)
 
 
-def load_shards(work: Path, name: str) -> list[dict[str, Any]]:
+def load_shards(work: Path, name: str, names: list[str] | None = None) -> list[dict[str, Any]]:
+    """The records of every shard of `name` (or of the shard files `names`), in shard order."""
     recs: list[dict[str, Any]] = []
-    for f in sorted(work.glob(f"{name}-*.pt")):
-        recs.extend(torch.load(f))
+    for f in names if names is not None else shard_names(work, name):
+        recs.extend(torch.load(work / f))
     return recs
 
 
@@ -226,12 +227,14 @@ def phase_freq(work: Path) -> dict[str, Any]:
 LABEL_K = 32  # the target's top ids kept per position (over out_ids)
 
 
-def phase_labels(work: Path, name: str, n_out: int, threads: int) -> None:
+def phase_labels(work: Path, name: str, n_out: int, threads: int, names: list[str] | None = None) -> None:
     """The target's top LABEL_K ids (indices into out_ids) and log-probabilities over out_ids at every
-    stored position: computed once, so training never runs the whole output layer for its targets."""
+    stored position of the shards `names` (all of `name`'s by default): computed once per shard set, so
+    training never runs the whole output layer for its targets."""
     out = work / f"labels-{name}-{n_out}.pt"
     freq = phase_freq(work)
-    made_from = {"shards": shard_names(work, name), "order": freq["order"][:n_out]}
+    names = shard_names(work, name) if names is None else names
+    made_from = {"shards": names, "order": freq["order"][:n_out]}
     if out.exists():
         held = torch.load(out)
         if isinstance(held, dict) and held.get("made_from") == made_from:
@@ -241,7 +244,7 @@ def phase_labels(work: Path, name: str, n_out: int, threads: int) -> None:
     rows = table[torch.tensor(freq["order"][:n_out])]  # [N, d]
     labels = []
     t0 = time.time()
-    for r in load_shards(work, name):
+    for r in load_shards(work, name, names):
         lp = torch.log_softmax(r["hidden"].float() @ rows.T, -1)  # [n, N]
         val, ix = lp.topk(LABEL_K, -1)  # [n, K]
         labels.append({"ix": ix.int(), "lp": val.half()})
@@ -258,9 +261,11 @@ def training_set(work: Path, args: argparse.Namespace) -> tuple[list[dict[str, A
     recs: list[dict[str, Any]] = []
     labels: list[dict[str, torch.Tensor]] = []
     for name in args.data.split(","):
-        phase_labels(work, name, args.n_out, args.threads)
-        recs += load_shards(work, name)
+        names = shard_names(work, name)  # the answers phase may add shards meanwhile
+        phase_labels(work, name, args.n_out, args.threads, names)
+        recs += load_shards(work, name, names)
         labels += load_labels(work, name, args.n_out)
+    assert len(recs) == len(labels)
     return recs, labels
 
 
