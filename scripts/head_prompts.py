@@ -81,3 +81,46 @@ def build_prompts(seed: int = 0, eval_size: int = 48) -> tuple[list[str], list[s
     train = [p for p in out["train"] if p not in BENCH_PROMPTS]
     assert not set(train) & set(evals)
     return train, evals
+
+
+DOC_TEMPLATES = [
+    "Explain what the Python function `{name}` does, with a short example.",
+    "What is `{name}` in Python's standard library for? {summary}",
+    "Write a Python function that does the same as `{name}`: {summary}",
+    "I read this in the docs of `{name}`: \"{summary}\" What does it mean?",
+]
+
+
+def doc_prompts(limit: int = 1500, seed: int = 3) -> list[str]:
+    """Chat prompts about the standard library's documented functions and classes (their docstrings'
+    first sentences), four templates; the files the benchmarks evaluate on are left out and no prompt
+    equals a benchmark or held-out prompt."""
+    import ast
+    import json
+    import os
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    held = {json.loads(line)["source"].split()[0].removeprefix("stdlib/")
+            for line in (repo / "bench" / "prompts" / "code.jsonl").read_text().splitlines()}
+    root = Path(os.__file__).parent
+    found: list[tuple[str, str]] = []
+    for path in sorted(root.glob("*.py")):
+        if path.name in held:
+            continue
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, OSError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and not node.name.startswith("_"):
+                doc = ast.get_docstring(node)
+                first = " ".join((doc or "").split("\n\n")[0].split())
+                if 30 <= len(first) <= 300:
+                    found.append((f"{path.stem}.{node.name}", first))
+    rng = random.Random(seed)
+    rng.shuffle(found)
+    from bench.real_pair import PROMPTS as BENCH_PROMPTS
+    _, evals = build_prompts()
+    out = [rng.choice(DOC_TEMPLATES).format(name=name, summary=summary) for name, summary in found[:limit]]
+    return [p for p in out if p not in BENCH_PROMPTS and p not in evals]

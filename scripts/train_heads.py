@@ -11,17 +11,23 @@ Phases (each skips what its output already holds, so a stopped run resumes where
             from the prompt's last to the answer's last, so the target's full distribution at any
             of those positions is `softmax(E h)` and needs no storage.
 3. eval     the same for the held-out prompts (greedy only): what every agreement figure is measured on.
+   doc-answers  the same for prompts about the standard library's documented functions (`docs` shards).
+   text     the target teacher-forced over Python's own text (`text` shards, same layout).
 4. freq     the token frequencies of the target's training answers (counts plus the target's expected
             counts): the frequency-ranked output rows (FR-Spec) and their coverage of the held-out answers.
-5. labels   the target's top-32 ids over those rows and their log-probabilities at every stored position.
+            Counted once: every head and draft trained later keeps these rows.
+5. labels   the target's top-32 ids over those rows and their log-probabilities at every stored position
+            of the shard sets trained on (`--data`), recomputed when a set has gained shards.
 6. train    the feature-fed head (`edge/drafters/feature_head.py`) with the target frozen (its output rows
             and a projection of its embeddings, frozen), by an unrolled loss: from every position's state
             the head steps `--unroll` times on the target's tokens, carrying its own states, and each step
-            is scored by cross-entropy over every output row against the target's top-32 and SmoothL1 to
-            the target's state there. Time-budgeted, checkpointed every 5 minutes (`head.pt`), resumed
-            by rerunning the same command.
+            is scored by cross-entropy over every output row against the target's top-32, SmoothL1 to
+            the target's state there, and SmoothL1 to the target's raw logits at its top-32 ids.
+            Time-budgeted, checkpointed every 5 minutes (`head.pt`), resumed by rerunning the command.
 7. export   the head into `--out` (bfloat16 weights), with `report.json`: greedy agreement by draft
             position and tokens per verify call at fixed k on the held-out answers.
+8. draft-train, draft-export  the tokens-only draft cut from the target (`new_draft`), distilled the same
+            way and exported as a compact directory (`edge/drafters/compact.py`) with its report.
 """
 
 from __future__ import annotations
@@ -629,7 +635,7 @@ def phase_draft_export(work: Path, args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("phase", choices=["prompts", "answers", "eval", "text", "freq", "train", "export",
+    ap.add_argument("phase", choices=["prompts", "answers", "doc-answers", "eval", "text", "freq", "train", "export",
                                       "draft-train", "draft-export", "all"])
     ap.add_argument("--work", type=Path, required=True, help="data and checkpoints (outside the work tree)")
     ap.add_argument("--threads", type=int, default=2)
@@ -639,9 +645,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--train-prompts", type=int, default=4000)
     ap.add_argument("--answer-shards", type=int, default=1 << 30,
                     help="stop the answers phase after this many shards (the shortest prompts first)")
+    ap.add_argument("--doc-prompts", type=int, default=1500, help="prompts about the standard library's docs")
     ap.add_argument("--text-tokens", type=int, default=800_000, help="teacher-forced tokens of Python's own text")
     ap.add_argument("--text-chunk", type=int, default=256)
-    ap.add_argument("--data", default="chat", help="comma-separated shard sets to train on: chat, text")
+    ap.add_argument("--data", default="chat", help="comma-separated shard sets to train on: chat, docs, text")
     ap.add_argument("--n-out", type=int, default=16384, help="rows of the frequency-ranked output layer")
     ap.add_argument("--train-minutes", type=float, default=60)
     ap.add_argument("--batch", type=int, default=32, help="windows per step")
@@ -668,6 +675,9 @@ def main(argv: list[str] | None = None) -> int:
         phase_answers(args.work, evals, "eval", args, sample_every=0)
     if args.phase in ("answers", "all"):
         phase_answers(args.work, train[:args.train_prompts], "chat", args, sample_every=4)
+    if args.phase in ("doc-answers", "all"):
+        from head_prompts import doc_prompts
+        phase_answers(args.work, doc_prompts(args.doc_prompts), "docs", args, sample_every=4)
     if args.phase in ("text", "all"):
         phase_text(args.work, args)
     if args.phase in ("freq", "train", "all"):
