@@ -4,7 +4,8 @@
 
 The target is SmolLM2-135M-Instruct (models/smollm2-135m-instruct, made by scripts/setup.sh); the drafts
 are the feature-fed head (models/smollm2-135m-head, fed the target's state by the cloud), the distilled
-tokens-only draft (models/smollm2-135m-draft) and the n-gram drafter. All measured in this run, cloud and
+tokens-only draft (models/smollm2-135m-draft), the tokens-only draft cut from the target when present
+(models/smollm2-135m-draft-from-target) and the n-gram drafter. All measured in this run, cloud and
 edge one torch thread each, on chat prompts no draft saw in training:
 1. costs: the target's forward time by new tokens per forward (1..17, KV cache, context ~200), and each
    draft's time per drafted token (its `propose` over 8 tokens, output layer included), against the
@@ -31,6 +32,8 @@ from bench.delay_proxy import DelayProxy
 
 TARGET = REPO / "models" / "smollm2-135m-instruct"
 DRAFT = REPO / "models" / "smollm2-135m-draft"
+# the tokens-only draft cut from the target (scripts/train_heads.py draft-export), measured when present
+CUT = REPO / "models" / "smollm2-135m-draft-from-target"
 HEAD = REPO / "models" / "smollm2-135m-head"
 KS = (2, 4, 6, 8)
 START, END = "<!-- real-pair:start -->", "<!-- real-pair:end -->"
@@ -93,6 +96,8 @@ def costs(target: Any, ctx: list[int]) -> dict[str, Any]:
     rows = {n: forward_ms(target, ctx, n) for n in NEW_TOKENS}
     model = ModelDrafter(DRAFT)
     drafts = {"distilled draft": draft_ms_per_token(model, ctx)}
+    if CUT.is_dir():
+        drafts["draft from the target"] = draft_ms_per_token(ModelDrafter(CUT), ctx)
     if HEAD.is_dir():
         head = FeatureDrafter(FeatureHead.load(HEAD), None)
         with torch.no_grad():
@@ -110,6 +115,7 @@ def run_session(settings: Any, tokenizer: Any, text: str) -> Any:
 
 DRAFTS: dict[str, dict[str, Any]] = {"feature-fed head": {"draft": str(DRAFT), "head": str(HEAD)},
           "distilled draft": {"draft": str(DRAFT), "head": "none"},
+          "draft from the target": {"draft": str(CUT), "head": "none"},
           "n-gram": {"draft": "ngram", "tokenizer": str(DRAFT), "head": "none"}}
 
 
@@ -119,7 +125,7 @@ def fixed_k(cloud_url: str, tokenizer: Any, n_new: int, prompts: list[str]) -> l
 
     rows = []
     for name, where in DRAFTS.items():
-        if name == "feature-fed head" and not HEAD.is_dir():
+        if (name == "feature-fed head" and not HEAD.is_dir()) or (name == "draft from the target" and not CUT.is_dir()):
             continue
         for temp, ks in ((0.0, KS), (0.7, (6,))):
             for k in ks:

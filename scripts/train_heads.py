@@ -665,7 +665,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draft-window", type=int, default=192, help="tokens per training window of the draft")
     ap.add_argument("--draft-batch", type=int, default=8)
     ap.add_argument("--draft-lr", type=float, default=3e-4)
-    ap.add_argument("--draft-out", type=Path, default=REPO / "models" / "smollm2-135m-draft")
+    ap.add_argument("--draft-out", type=Path, default=REPO / "models" / "smollm2-135m-draft-from-target")
     args = ap.parse_args(argv)
     args.work.mkdir(parents=True, exist_ok=True)
     from head_prompts import build_prompts
