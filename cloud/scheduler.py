@@ -418,15 +418,15 @@ class Scheduler:
     def _process(batch: list[tuple[Job[Any], Row]], logits: list[torch.Tensor]) -> None:
         """The sampling processing of every row of the forward that needs it, as one tensor operation
         per sampling config (rows then get the probabilities they would get alone). When it fails (a
-        row's logits are not finite), each job processes its own logits and fails alone."""
-        specs = [j.sampling(r) if j.sampling is not None and r.keep else None for j, r in batch]
+        row's logits are not finite, a broken spec), each job processes its own logits and fails alone."""
         for j, _ in batch:
             j.p = None
-        if not any(specs):
-            return
         try:
+            specs = [j.sampling(r) if j.sampling is not None and r.keep else None for j, r in batch]
+            if not any(specs):
+                return
             probs = process_rows(logits, specs)
-        except ValueError:
+        except Exception:  # noqa: BLE001 - the jobs' own finish() reports it, one by one
             return
         for (j, _), p in zip(batch, probs, strict=True):
             j.p = p

@@ -6,4 +6,4 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh dev,bench
 bash scripts/install_nginx.sh   # the replica tests run a real nginx
 bash scripts/install_prometheus.sh   # the ops tests run promtool and a real Prometheus
-exec .venv/bin/python -m pytest -q "$@"
+exec .venv/bin/python -m pytest -q --durations=25 "$@"
