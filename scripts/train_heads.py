@@ -364,7 +364,7 @@ def new_head(work: Path, n_out: int) -> Any:
 def train_loop(tag: str, ck: Path, key: str, module: torch.nn.Module, lr: float, warmup: int,
                args: argparse.Namespace, describe: str, seed: int,
                loss_of: Callable[[torch.Generator], tuple[torch.Tensor, Any]]) -> None:
-    """AdamW on `module`'s trainable parameters for --train-minutes (warm-up, then cosine to 10 %),
+    """AdamW on `module`'s trainable parameters for --train-minutes of steps (warm-up, then cosine to 10 %),
     checkpointed to `ck` (under `key`) every 5 minutes and at the end, resumed from it when it exists.
     `loss_of(gen)` draws a batch and returns its loss and what to log (agreement)."""
     params = [p for p in module.parameters() if p.requires_grad]
@@ -378,9 +378,10 @@ def train_loop(tag: str, ck: Path, key: str, module: torch.nn.Module, lr: float,
     print(f"[{tag}] {describe}; from step {state['step']}", flush=True)
     gen = torch.Generator().manual_seed(seed + state["step"])
     budget = args.train_minutes * 60.0
-    t_last, t0 = time.time(), time.time() - state["seconds"]
-    while time.time() - t0 < budget:
-        frac = (time.time() - t0) / budget
+    active, t_last = state["seconds"], time.time()  # seconds of steps; a paused one (SIGSTOP) counts 30 s at most
+    while active < budget:
+        t_step = time.time()
+        frac = active / budget
         for g in opt.param_groups:
             g["lr"] = lr * min(1.0, (state["step"] + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
         loss, agree = loss_of(gen)
@@ -389,13 +390,14 @@ def train_loop(tag: str, ck: Path, key: str, module: torch.nn.Module, lr: float,
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         state["step"] += 1
+        active += min(time.time() - t_step, 30.0)
         state["args"] = {k: v for k, v in vars(args).items() if k != "phase" and isinstance(v, (int, float, str))}
         if state["step"] % args.log_every == 0:
             state["log"].append({"step": state["step"], "loss": round(float(loss.detach()), 4), "agree": agree})
-            print(f"[{tag}] step {state['step']} loss {float(loss):.3f} agree {agree} {time.time() - t0:.0f} s",
+            print(f"[{tag}] step {state['step']} loss {float(loss):.3f} agree {agree} {active:.0f} s",
                   flush=True)
-        if time.time() - t_last > 300 or time.time() - t0 >= budget:
-            state["seconds"] = time.time() - t0
+        if time.time() - t_last > 300 or active >= budget:
+            state["seconds"] = active
             torch.save({key: module.state_dict(), "opt": opt.state_dict(), "state": state}, ck.with_suffix(".tmp"))
             ck.with_suffix(".tmp").rename(ck)
             t_last = time.time()
