@@ -224,6 +224,14 @@ def section(res: CapacityResults) -> list[str]:
     ]
 
 
+
+def stop_at(mem: dict[str, Any]) -> str:
+    """Where the memory case stopped: the first eviction, or the first 429 (sessions just opened are never
+    evicted, so a full pool refuses instead)."""
+    if mem.get("first_refusal_at"):
+        return f"first 429 (at session {mem['first_refusal_at']}: full, nothing it may evict)"
+    return f"first eviction (at session {mem['first_eviction_at']})"
+
 def serving_lines(res: CapacityResults) -> list[str]:
     """The serving-core cases (bench/serving.py), when this run has them."""
     sv = res.serving
@@ -237,7 +245,7 @@ def serving_lines(res: CapacityResults) -> list[str]:
         *table(["case", "measured", "aim"], [
             [f"memory: tiny long-context Llama ({mem['bytes_per_position']} B of KV per position), "
              f"`--kv-budget-bytes {mem['budget_bytes']}`: one 3,000-token session, then 60-token sessions until the "
-             f"first eviction (at session {mem['first_eviction_at']}); largest `specsplit_cloud_kv_pool_bytes`",
+             f"{stop_at(mem)}; largest `specsplit_cloud_kv_pool_bytes`",
              f"{mem['kv_pool_peak_bytes'] / MB:.2f} MiB ({mem['kv_pool_peak_bytes'] / mem['budget_bytes']:.2f}x the "
              "budget)", "<= 1x"],
             ["memory: most positions held by open sessions at once x bytes per position / budget",

@@ -120,40 +120,43 @@ DRAFTS: dict[str, dict[str, Any]] = {"feature-fed head": {"draft": str(DRAFT), "
 
 
 def fixed_k(cloud_url: str, tokenizer: Any, n_new: int, prompts: list[str]) -> list[dict[str, Any]]:
-    """Per draft: greedy at k in KS and T = 0.7 at k = 6, fixed k, no drafting ahead."""
+    """Per draft, fixed k, no drafting ahead: greedy at k in KS under the edge's default repetition penalty,
+    greedy at k = 6 without a penalty (pure greedy: the target's own argmax), and T = 0.7 at k = 6."""
     from edge.settings import EdgeSettings
 
+    penalty = EdgeSettings.model_fields["repetition_penalty"].default
+    cases = [(0.0, penalty, k) for k in KS] + [(0.0, 1.0, 6), (0.7, penalty, 6)]
     rows = []
     for name, where in DRAFTS.items():
         if (name == "feature-fed head" and not HEAD.is_dir()) or (name == "draft from the target" and not CUT.is_dir()):
             continue
-        for temp, ks in ((0.0, KS), (0.7, (6,))):
-            for k in ks:
-                # k drafts and a bonus (the standard round; the checked last draft is off here)
-                s = EdgeSettings(cloud_url=cloud_url, temperature=temp, max_new_tokens=n_new, seed=1, fixed_k=k,
-                                 draft_ahead=False, timeout_ms=120_000, stop_at_eos=False, check_last=False, **where)
-                tot: dict[str, Any] = {"emitted": 0, "verify": 0, "drafted": 0, "accepted": 0, "down": 0,
-                                       "pos_d": [0] * k, "pos_a": [0] * k, "feature": 0}
-                for text in prompts:
-                    m = run_session(s, tokenizer, text).metrics
-                    tot["emitted"] += m.emitted
-                    tot["verify"] += m.verify_calls
-                    tot["drafted"] += m.drafted
-                    tot["accepted"] += m.accepted
-                    tot["down"] += m.bytes_down
-                    tot["feature"] += m.feature_bytes
-                    for i in range(min(k, len(m.position_drafted))):
-                        tot["pos_d"][i] += m.position_drafted[i]
-                        tot["pos_a"][i] += m.position_accepted[i]
-                row = {"draft": name, "temperature": temp, "k": k,
-                       "tokens_per_call": tot["emitted"] / max(tot["verify"], 1),
-                       "acceptance": tot["accepted"] / max(tot["drafted"], 1),
-                       "by_position": [a / d if d else 0.0 for a, d in zip(tot["pos_a"], tot["pos_d"], strict=True)],
-                       "down_bytes_per_round": tot["down"] / max(tot["verify"], 1),
-                       "feature_bytes_per_round": tot["feature"] / max(tot["verify"], 1)}
-                rows.append(row)
-                print(f"real-pair: {name}, T={temp}, k={k}: {row['tokens_per_call']:.2f} tokens/call, "
-                      f"acceptance {row['acceptance']:.3f}", flush=True)
+        for temp, rep, k in cases:
+            # k drafts and a bonus (the standard round; the checked last draft is off here)
+            s = EdgeSettings(cloud_url=cloud_url, temperature=temp, max_new_tokens=n_new, seed=1, fixed_k=k,
+                             draft_ahead=False, timeout_ms=120_000, stop_at_eos=False, check_last=False,
+                             repetition_penalty=rep, **where)
+            tot: dict[str, Any] = {"emitted": 0, "verify": 0, "drafted": 0, "accepted": 0, "down": 0,
+                                   "pos_d": [0] * k, "pos_a": [0] * k, "feature": 0}
+            for text in prompts:
+                m = run_session(s, tokenizer, text).metrics
+                tot["emitted"] += m.emitted
+                tot["verify"] += m.verify_calls
+                tot["drafted"] += m.drafted
+                tot["accepted"] += m.accepted
+                tot["down"] += m.bytes_down
+                tot["feature"] += m.feature_bytes
+                for i in range(min(k, len(m.position_drafted))):
+                    tot["pos_d"][i] += m.position_drafted[i]
+                    tot["pos_a"][i] += m.position_accepted[i]
+            row = {"draft": name, "temperature": temp, "penalty": rep, "k": k,
+                   "tokens_per_call": tot["emitted"] / max(tot["verify"], 1),
+                   "acceptance": tot["accepted"] / max(tot["drafted"], 1),
+                   "by_position": [a / d if d else 0.0 for a, d in zip(tot["pos_a"], tot["pos_d"], strict=True)],
+                   "down_bytes_per_round": tot["down"] / max(tot["verify"], 1),
+                   "feature_bytes_per_round": tot["feature"] / max(tot["verify"], 1)}
+            rows.append(row)
+            print(f"real-pair: {name}, T={temp}, penalty {rep}, k={k}: {row['tokens_per_call']:.2f} tokens/call, "
+                  f"acceptance {row['acceptance']:.3f}", flush=True)
     return rows
 
 
@@ -193,12 +196,15 @@ def render(c: dict[str, Any], fk: list[dict[str, Any]], e2e: list[dict[str, Any]
              "| draft | ms per drafted token | target / draft per token (aim >= 8x) |", "|---|---|---|"]
     for name, ms in c["draft_ms"].items():
         lines.append(f"| {name} | {ms:.2f} | **{t1 / ms:.1f}x** |")
-    lines += ["", "### Speculation at fixed k (greedy unless said; no drafting ahead; the real cloud over REST)", "",
-              "| draft | k | T | tokens per verify call | acceptance | by draft position | downlink bytes per "
-              "round (feature) |", "|---|---|---|---|---|---|---|"]
+    lines += ["", "### Speculation at fixed k (no drafting ahead; the real cloud over REST)", "",
+              "T = 0 is greedy; the repetition penalty is applied alike to the draft's and the target's logits "
+              "(1.1 is the edge's default, 1.0 is none: the target's own argmax).", "",
+              "| draft | k | T | repetition penalty | tokens per verify call | acceptance | by draft position | "
+              "downlink bytes per round (feature) |", "|---|---|---|---|---|---|---|---|"]
     for r in fk:
         pos = " / ".join(f"{a:.2f}" for a in r["by_position"])
-        lines.append(f"| {r['draft']} | {r['k']} | {r['temperature']:g} | **{r['tokens_per_call']:.2f}** | "
+        lines.append(f"| {r['draft']} | {r['k']} | {r['temperature']:g} | {r.get('penalty', 1.1):g} | "
+                     f"**{r['tokens_per_call']:.2f}** | "
                      f"{r['acceptance']:.3f} | {pos} | {r['down_bytes_per_round']:.0f} "
                      f"({r['feature_bytes_per_round']:.0f}) |")
     lines += ["", "### One session end to end: the edge's defaults against cloud_only (greedy)", "",

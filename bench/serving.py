@@ -75,8 +75,11 @@ def ids(n: int, seed: int, vocab: int = 4096) -> list[int]:
     return [rng.randrange(1, vocab) for _ in range(n)]
 
 
-def open_session(http: httpx.Client, prompt: list[int]) -> str:
+def open_session(http: httpx.Client, prompt: list[int]) -> str | None:
+    """The new session's id, or None when the cloud is full (429: nothing it may evict)."""
     r = http.post("/v1/sessions", json={"prompt_ids": prompt, "sampling_cfg": {"temperature": 0.0}})
+    if r.status_code == 429:
+        return None
     r.raise_for_status()
     return str(r.json()["ctx_id"])
 
@@ -93,8 +96,9 @@ def memory_case(progress: Any, budget: int = 16 * MIB) -> dict[str, Any]:
         open_session(http, ids(3000, 0))
         n = 1
         evicted = 0.0
-        while True:
-            open_session(http, ids(60, n))
+        refused = False
+        while True:  # until the first eviction, or the first 429 (sessions just opened are not evicted)
+            refused = open_session(http, ids(60, n)) is None
             n += 1
             m = metrics(http)
             pool_peak = max(pool_peak, m.get("specsplit_cloud_kv_pool_bytes", 0.0))
@@ -103,10 +107,11 @@ def memory_case(progress: Any, budget: int = 16 * MIB) -> dict[str, Any]:
                 out["after_101_sessions"] = {"kv_pool_bytes": m["specsplit_cloud_kv_pool_bytes"],
                                              "sessions_kv_bytes": m["specsplit_cloud_kv_bytes"],
                                              "blocks_used": m.get('specsplit_cloud_kv_blocks{state="used"}')}
-            if evicted or n > 2000:
+            if evicted or refused or n > 2000:
                 break
             held_peak = max(held_peak, m["specsplit_cloud_kv_bytes"])
-        out.update(sessions_opened=n, first_eviction_at=n if evicted else None, kv_pool_peak_bytes=pool_peak,
+        out.update(sessions_opened=n, first_eviction_at=n if evicted else None,
+                   first_refusal_at=n if refused and not evicted else None, kv_pool_peak_bytes=pool_peak,
                    most_positions_held=int(held_peak // bpp), usable_share=held_peak / budget)
     shutil.rmtree(tmp, ignore_errors=True)
     progress(f"serving memory: pool peak {pool_peak / MIB:.2f} MiB of {budget / MIB:.0f} MiB, "
