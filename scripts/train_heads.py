@@ -364,8 +364,9 @@ def new_head(work: Path, n_out: int) -> Any:
 def train_loop(tag: str, ck: Path, key: str, module: torch.nn.Module, lr: float, warmup: int,
                args: argparse.Namespace, describe: str, seed: int,
                loss_of: Callable[[torch.Generator], tuple[torch.Tensor, Any]]) -> None:
-    """AdamW on `module`'s trainable parameters for --train-minutes of steps (warm-up, then cosine to 10 %),
-    checkpointed to `ck` (under `key`) every 5 minutes and at the end, resumed from it when it exists.
+    """AdamW on `module`'s trainable parameters for --train-steps, or --train-minutes of steps (warm-up,
+    then cosine to 10 %), checkpointed to `ck` (under `key`) every 5 minutes and at the end, resumed from
+    it when it exists.
     `loss_of(gen)` draws a batch and returns its loss and what to log (agreement)."""
     params = [p for p in module.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
@@ -379,9 +380,13 @@ def train_loop(tag: str, ck: Path, key: str, module: torch.nn.Module, lr: float,
     gen = torch.Generator().manual_seed(seed + state["step"])
     budget = args.train_minutes * 60.0
     active, t_last = state["seconds"], time.time()  # seconds of steps; a paused one (SIGSTOP) counts 30 s at most
-    while active < budget:
+
+    def done() -> float:  # the share of the budget spent: --train-steps when given, else --train-minutes
+        return state["step"] / args.train_steps if args.train_steps else active / budget
+
+    while done() < 1.0:
         t_step = time.time()
-        frac = active / budget
+        frac = done()
         for g in opt.param_groups:
             g["lr"] = lr * min(1.0, (state["step"] + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
         loss, agree = loss_of(gen)
@@ -394,9 +399,9 @@ def train_loop(tag: str, ck: Path, key: str, module: torch.nn.Module, lr: float,
         state["args"] = {k: v for k, v in vars(args).items() if k != "phase" and isinstance(v, (int, float, str))}
         if state["step"] % args.log_every == 0:
             state["log"].append({"step": state["step"], "loss": round(float(loss.detach()), 4), "agree": agree})
-            print(f"[{tag}] step {state['step']} loss {float(loss):.3f} agree {agree} {active:.0f} s",
+            print(f"[{tag}] step {state['step']} loss {float(loss.detach()):.3f} agree {agree} {active:.0f} s",
                   flush=True)
-        if time.time() - t_last > 300 or active >= budget:
+        if time.time() - t_last > 300 or done() >= 1.0:
             state["seconds"] = active
             torch.save({key: module.state_dict(), "opt": opt.state_dict(), "state": state}, ck.with_suffix(".tmp"))
             ck.with_suffix(".tmp").rename(ck)
@@ -653,6 +658,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data", default="chat", help="comma-separated shard sets to train on: chat, docs, text")
     ap.add_argument("--n-out", type=int, default=16384, help="rows of the frequency-ranked output layer")
     ap.add_argument("--train-minutes", type=float, default=60)
+    ap.add_argument("--train-steps", type=int, default=0,
+                    help="budget in steps instead of minutes (a machine shared with other work slows steps, not this)")
     ap.add_argument("--batch", type=int, default=32, help="windows per step")
     ap.add_argument("--window", type=int, default=48, help="start positions per window")
     ap.add_argument("--unroll", type=int, default=6, help="drafted positions scored per start")
