@@ -9,10 +9,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+import time
 
 from pydantic import ValidationError
 
 from cloud.settings import CloudSettings
+
+# seconds a tensor-parallel worker that cannot start waits before it exits, so rank 0's one line is printed
+REFUSAL_WAIT_S = 5.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -103,6 +107,8 @@ def _main_tensor_parallel(settings: CloudSettings) -> int:
     except (OSError, ValueError) as e:
         if first:  # every rank refuses alike; one line says why
             print(f"specsplit-cloud: cannot start: {e}", file=sys.stderr)
+        else:  # torchrun stops the group when the first rank exits: rank 0 says it first
+            time.sleep(REFUSAL_WAIT_S)
         return 2
     if not first:
         if settings.torch_threads:

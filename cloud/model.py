@@ -89,7 +89,13 @@ class TargetModel:
         self._hidden: dict[int, torch.Tensor] = {}
         if self.feature_size:
             head.register_forward_pre_hook(lambda _m, args: self._captured.append(args[0]))
+        # bytes of this process's weights (its shard under tensor parallelism)
+        self.weight_bytes = sum(_local(p).numel() * p.element_size() for p in self.model.parameters())
         log.info("target loaded: %s", self.info)
+        if group is not None:
+            log.info("tensor-parallel rank memory", extra={"fields": {
+                "event": "rank_memory", "rank": group.rank, "weight_bytes": self.weight_bytes,
+                "kv_bytes_per_token": self.kv_bytes_per_token}})
 
     def use_pool(self, kv_budget_bytes: int | None, block_size: int = BLOCK_SIZE, prefix_cache: bool = True) -> None:
         """A fresh, empty pool with these limits (each service starts with its own); rank 0 of a
@@ -157,3 +163,9 @@ class TargetModel:
     def healthy(self) -> bool:
         """False once a tensor-parallel rank is lost (always True in one process)."""
         return self.group is None or self.group.lost() is None
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter (a DTensor's local shard, else the tensor)."""
+    to_local = getattr(p, "to_local", None)
+    return to_local() if callable(to_local) else p

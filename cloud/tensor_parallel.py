@@ -77,9 +77,13 @@ def check_splits(config: Any, n: int) -> None:
     inner = int(getattr(cfg, "intermediate_size", 0) or 0)
     common = math.gcd(math.gcd(heads, kv), inner)
     if heads == 0 or common % n:
-        works = [d for d in range(1, common + 1) if common % d == 0]
+        works = ", ".join(str(d) for d in range(1, common + 1) if common % d == 0)
+        if math.gcd(heads, kv) % n == 0:  # the heads split, the MLP does not
+            raise UnsupportedModel(f"model type {name!r}: {heads} attention heads, {kv} KV heads and an MLP width "
+                                   f"of {inner} do not all split over {n} ranks; --nproc-per-node must divide them: "
+                                   f"{works}")
         raise UnsupportedModel(f"model type {name!r}: {heads} attention heads and {kv} KV heads do not split over "
-                               f"{n} ranks; --nproc-per-node must divide both: {', '.join(map(str, works))}")
+                               f"{n} ranks; --nproc-per-node must divide both: {works}")
 
 
 @dataclass
