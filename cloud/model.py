@@ -149,8 +149,14 @@ class TargetModel:
                 raise Unavailable(f"this verifier lost a tensor-parallel rank ({lost}) and is restarting: retry "
                                   "(elsewhere)")
             plan = self.pool.plan(rows)
-            self.group.send(Op("forward", plan=plan))
-            out = self.pool.run(self.model, plan)
+            try:
+                self.group.send(Op("forward", plan=plan))
+                out = self.pool.run(self.model, plan)
+            except BaseException as e:
+                # the ranks' collectives may be out of step now: this group cannot serve any more
+                self.group.fail(f"a forward failed on rank 0 ({type(e).__name__}: {e})")
+                raise Unavailable("this verifier lost a tensor-parallel rank and is restarting: retry "
+                                  "(elsewhere)") from e
         self.pool.commit(rows)
         return out
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -119,6 +120,8 @@ class TensorGroup:
         self._seen: dict[int, tuple[int, float]] = {r: (-1, time.monotonic()) for r in self._watch}
         self._stop = threading.Event()
         threading.Thread(target=self._beat, name="tp-heartbeat", daemon=True).start()
+        if self.rank == 0:
+            threading.Thread(target=self._keep_alive, name="tp-idle", daemon=True).start()
         log.info("tensor-parallel rank %d of %d (%s)", self.rank, self.size, backend)
 
     # --- ops --------------------------------------------------------------------------------
@@ -155,18 +158,29 @@ class TensorGroup:
                     if count != self._seen[r][0]:
                         self._seen[r] = (count, now)
             except Exception as e:  # noqa: BLE001 - the store went away with torchrun's agent
-                self._fail(f"torchrun's store is gone ({type(e).__name__})")
+                self.fail(f"torchrun's store is gone ({type(e).__name__})")
                 continue
             stale = [r for r in self._watch if now - self._seen[r][1] > STALE_S]
             if stale:
-                self._fail(f"tensor-parallel rank {stale[0]} has not answered for {STALE_S:g} s")
-            elif self.rank == 0 and now - self._last_op > IDLE_S and self.lock.acquire(blocking=False):
+                self.fail(f"tensor-parallel rank {stale[0]} has not answered for {STALE_S:g} s")
+
+    def _keep_alive(self) -> None:
+        """Rank 0: `idle` to the workers after IDLE_S without an op (its own thread: a broadcast to a
+        dead rank may block, and the heartbeats must go on meanwhile)."""
+        while not self._stop.wait(IDLE_S / 4):
+            if self._lost is not None or time.monotonic() - self._last_op <= IDLE_S:
+                continue
+            if self.lock.acquire(blocking=False):  # else a forward is under way: no need
                 try:
                     self.send(Op("idle"))
+                except Exception as e:  # noqa: BLE001 - a rank is gone
+                    self.fail(f"a broadcast to the tensor-parallel ranks failed ({type(e).__name__})")
                 finally:
                     self.lock.release()
 
-    def _fail(self, why: str) -> None:
+    def fail(self, why: str) -> None:
+        """This group cannot serve any more: rank 0 turns unready and exits EXIT_GRACE_S later; another
+        rank exits at once."""
         if self._lost is not None:
             return
         self._lost = why
@@ -184,7 +198,11 @@ def _heartbeat_store() -> dist.Store:
 
 
 def serve_worker(model: Any, group: TensorGroup) -> int:
-    """Ranks > 0: mirror rank 0's ops on the local shard of `model` (a TargetModel) until `stop`."""
+    """Ranks > 0: mirror rank 0's ops on the local shard of `model` (a TargetModel) until `stop`.
+    SIGTERM and SIGINT (torchrun passes them to every rank) are ignored: rank 0 drains, then sends
+    `stop`; a worker whose rank 0 is gone exits by its heartbeat."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
     while True:
         op = group.receive()
         if op.kind == "forward":

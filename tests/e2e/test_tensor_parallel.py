@@ -34,10 +34,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import pytest
 import torch
 import transformers as tf
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from edge.client import EdgeClient
 from edge.drafters import ModelDrafter, NGramDrafter
@@ -53,6 +55,7 @@ N_BIASED = 150
 # the exactness test's processing (the target's top five then have probabilities 0.28 .. 0.14)
 CFG = SamplingConfig(temperature=1.0, top_p=1.0, top_k=5, repetition_penalty=1.3)
 P_THRESHOLD = 1e-3
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 # seconds within which /readyz must report a lost rank
 READY_WITHIN_S = 5.0
 PROMPTS = ["def add(a, b):\n    return a + b\n", "The river that runs through the old town",
@@ -299,6 +302,12 @@ def wait_unready(c: TorchrunCloud, since: float, gone_ok: bool = False) -> None:
         assert gone_ok
         return
     assert r.status_code == 503 and r.headers["retry-after"]
+    if not gone_ok:  # gRPC health follows within a poll
+        with grpc.insecure_channel(c.grpc_target) as ch:
+            check = health_pb2_grpc.HealthStub(ch).Check
+            while check(health_pb2.HealthCheckRequest(service=""), timeout=2.0).status != NOT_SERVING:
+                assert time.monotonic() - since < READY_WITHIN_S + 1, "gRPC health still SERVING"
+                time.sleep(0.1)
 
 
 def test_a_killed_rank_makes_the_verifier_unready_and_the_group_exit(target_dir: Path) -> None:
