@@ -14,7 +14,8 @@ loopback (gloo).
 - The reference of the greedy text is the target's own greedy decoding in this process (the
   speculative text of one process equals it: tests/e2e/test_edge_greedy.py).
 - Prefix sharing (a second session with the same prompt reuses the first's full blocks) and an
-  eviction (a small per-rank --kv-budget-bytes) at N = 2.
+  eviction (a small per-rank --kv-budget-bytes) at N = 2; every N = 2 test prefills in chunks of
+  at most 32 tokens (--max-batch-tokens).
 - A worker rank killed (SIGKILL) or stopped (SIGSTOP): /readyz answers 503 within 5 s, calls get
   503 with Retry-After, and the group exits non-zero.
 - A head count that does not split over N is refused at start with one line.
@@ -135,7 +136,9 @@ BUDGET = str(16 * 16 * 2 * 3 * 32 * 4)
 
 @pytest.fixture(scope="module")
 def two(target_dir: Path) -> Iterator[TorchrunCloud]:
-    with serve(target_dir, 2, "--kv-budget-bytes", BUDGET, "--eviction-grace-s", "0") as c:
+    # prompts longer than 32 tokens are prefilled in chunks
+    with serve(target_dir, 2, "--kv-budget-bytes", BUDGET, "--eviction-grace-s", "0",
+               "--max-batch-tokens", "32") as c:
         yield c
 
 
