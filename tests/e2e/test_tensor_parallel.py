@@ -327,10 +327,12 @@ def test_a_stopped_rank_makes_the_verifier_unready_and_rank_0_exit(two: Torchrun
     (status 3); torchrun's agent then stops the group (it waits 30 s before it kills a stopped process)."""
     worker = two.ranks()[1]
     os.kill(worker, signal.SIGSTOP)
-    t0 = time.monotonic()
-    wait_unready(two, t0)
-    while 0 in two.ranks():
-        assert time.monotonic() - t0 < 15, "rank 0 did not exit"
-        time.sleep(0.2)
-    os.kill(worker, signal.SIGKILL)
+    try:
+        t0 = time.monotonic()
+        wait_unready(two, t0)
+        while 0 in two.ranks():
+            assert time.monotonic() - t0 < 15, "rank 0 did not exit"
+            time.sleep(0.2)
+    finally:
+        os.kill(worker, signal.SIGKILL)  # whatever happened: a stopped process outlives its torchrun
     assert two.proc is not None and two.proc.wait(30) != 0
