@@ -57,10 +57,12 @@ def cloud_command() -> list[str]:
 
 class CloudServer:
     """`specsplit-cloud --model DIR --device DEV` with `torch_threads` model threads, log in a temp file;
-    `extra_args` are appended to the command line (e.g. `--dtype bfloat16`, `--max-batch-size 1`)."""
+    `extra_args` are appended to the command line (e.g. `--dtype bfloat16`, `--max-batch-size 1`);
+    `ranks` > 1 launches it under `torchrun --nproc-per-node ranks` (tensor-parallel verification)."""
 
     def __init__(self, model_dir: Path, device: str = "cpu", torch_threads: int = 1,
-                 startup_timeout_s: float = 120.0, extra_args: list[str] | None = None) -> None:
+                 startup_timeout_s: float = 120.0, extra_args: list[str] | None = None, ranks: int = 1) -> None:
+        self.ranks = ranks
         self.model_dir = Path(model_dir)
         self.device = device
         self.torch_threads = torch_threads
@@ -88,6 +90,10 @@ class CloudServer:
         cmd = [*cloud_command(), "--model", str(self.model_dir), "--host", "127.0.0.1",
                "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port), "--device", self.device,
                "--torch-threads", str(self.torch_threads), "--log-level", "warning", *self.extra_args]
+        if self.ranks > 1:
+            torchrun = Path(sys.executable).parent / "torchrun"
+            cmd = [str(torchrun) if torchrun.exists() else "torchrun", "--nproc-per-node", str(self.ranks),
+                   "--standalone", "--no-python", *cmd]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)

@@ -7,6 +7,7 @@ write BENCHMARKS.md plus its PNG figures.
     specsplit-bench --only capacity      # the cloud capacity section alone (a few minutes)
     specsplit-bench --only network       # speculation over 0-100 ms round trips alone (about 15 minutes)
     specsplit-bench --only real-pair     # SmolLM2-135M-Instruct + its distilled draft (about 10 minutes)
+    specsplit-bench --only tp            # the target over 1, 2, 3 tensor-parallel ranks (--target; a few minutes)
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plots", type=Path, default=None,
                    help="figure folder (default bench/plots next to the report's repository, or OUT's folder/plots)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="the cloud's torch device")
-    p.add_argument("--target", type=Path, default=REPO / "models" / "demo-target", help="target model directory")
+    p.add_argument("--target", type=Path, default=None,
+                   help="target model directory (default models/demo-target; --only tp: models/smollm2-135m-instruct)")
     p.add_argument("--draft", type=Path, default=REPO / "models" / "demo-draft", help="draft model directory")
     p.add_argument("--repeats", type=int, default=None, help="repeat every case this many times")
     p.add_argument("--edge-threads", type=int, default=1, help="torch threads of each edge worker (default 1)")
@@ -44,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip later repeats that would end the run after this many seconds "
                         "(default 570 for the full run, none with --quick; 0 = no budget)")
     p.add_argument("--from-json", type=Path, default=None, help="re-render the report from a results.json")
-    p.add_argument("--only", choices=["capacity", "network", "real-pair"], default=None,
+    p.add_argument("--only", choices=["capacity", "network", "real-pair", "tp"], default=None,
                    help="run only this section and splice it into OUT and the results JSON")
     p.add_argument("--skip-capacity", action="store_true", help="full run without the cloud capacity section")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
@@ -193,6 +195,12 @@ def main(argv: list[str] | None = None) -> int:
         from bench.real_pair import run as run_real_pair
 
         return run_real_pair(args.out, command)
+    if args.only == "tp":  # the target split over 1, 2, 3 tensor-parallel ranks (bench/tensor_parallel.py)
+        from bench.tensor_parallel import TARGET as TP_TARGET
+        from bench.tensor_parallel import run as run_tp
+
+        return run_tp(args.out, command, args.target or TP_TARGET, n_new=8 if args.quick else 64)
+    args.target = args.target or REPO / "models" / "demo-target"
     if not args.from_json:
         for name in ("target", "draft"):
             if not (getattr(args, name) / "config.json").is_file():

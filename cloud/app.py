@@ -5,6 +5,7 @@ health NOT_SERVING), new sessions are refused with 503 / UNAVAILABLE and `Retry-
 verify, get and close are still served. The process waits up to `shutdown_grace_s` for its open
 sessions to close and its rounds to finish (a second signal cuts the wait short), then both servers
 stop, giving calls still in flight `ROUND_FINISH_S` to complete, and the model worker stops.
+Under tensor parallelism a lost rank turns both readiness signals off too (cloud/tensor_parallel.py).
 """
 
 from __future__ import annotations
@@ -57,6 +58,14 @@ async def drain(service: VerifierService, health: health_aio.HealthServicer, gra
                                           "queue_depth": service.worker.depth}})
 
 
+async def watch_ranks(service: VerifierService, health: health_aio.HealthServicer) -> None:
+    """Tensor parallelism: gRPC health turns NOT_SERVING once a rank is lost (REST /readyz asks at each call)."""
+    while service.model.healthy():
+        await asyncio.sleep(DRAIN_POLL_S * 4)
+    for name in ("", SERVICE_NAME):
+        await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+
 async def serve(service: VerifierService) -> None:
     st = service.settings
     sock = bind_tcp(st.host, st.http_port, "REST", "--http-port")  # exclusive; a port in use stops here
@@ -77,6 +86,7 @@ async def serve(service: VerifierService) -> None:
         loop.add_signal_handler(sig, on_signal)
     http_task = asyncio.create_task(http.serve(sockets=[sock]))
     sweeper = asyncio.create_task(service.sweep_forever())
+    ranks = asyncio.create_task(watch_ranks(service, health)) if getattr(service.model, "group", None) else None
     stopper = asyncio.create_task(stop.wait())
     while not http.started and not http_task.done():
         await asyncio.sleep(0.01)
@@ -93,7 +103,8 @@ async def serve(service: VerifierService) -> None:
     await grpc_server.stop(ROUND_FINISH_S)
     with contextlib.suppress(asyncio.CancelledError):
         await http_task
-    for t in (sweeper, stopper):
-        t.cancel()
+    for t in (sweeper, stopper, ranks):
+        if t is not None:
+            t.cancel()
     service.close()
     log.info("stopped", extra={"fields": {"event": "stopped"}})

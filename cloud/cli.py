@@ -1,14 +1,22 @@
-"""`specsplit-cloud`: the verifier process. Every setting is a flag (overrides SPECSPLIT_CLOUD_*)."""
+"""`specsplit-cloud`: the verifier process. Every setting is a flag (overrides SPECSPLIT_CLOUD_*).
+
+Launched by `torchrun --nproc-per-node N --no-python specsplit-cloud ...` it is one verifier whose
+target is split over N ranks (cloud/tensor_parallel.py): rank 0 serves, the others run its forwards.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import sys
+import time
 
 from pydantic import ValidationError
 
 from cloud.settings import CloudSettings
+
+# seconds a tensor-parallel worker that cannot start waits before it exits, so rank 0's one line is printed
+REFUSAL_WAIT_S = 5.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,7 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     from cloud.logs import setup_logging
     from cloud.ports import PortInUse, check_ports_free
     from cloud.service import VerifierService
+    from cloud.tensor_parallel import world_size
 
+    if world_size() > 1:
+        return _main_tensor_parallel(settings)
     try:
         check_ports_free(settings.host, settings.http_port, settings.grpc_port)  # before the model load
     except OSError as e:
@@ -65,6 +76,55 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         print(f"specsplit-cloud: cannot serve: {e}", file=sys.stderr)
         return 2 if isinstance(e, PortInUse) else 1
+    return 0
+
+
+def _main_tensor_parallel(settings: CloudSettings) -> int:
+    """One rank of a torchrun group: rank 0 serves, the others mirror its forwards."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from cloud.app import serve
+    from cloud.logs import setup_logging
+    from cloud.model import TargetModel
+    from cloud.ports import PortInUse, check_ports_free
+    from cloud.service import VerifierService
+    from cloud.tensor_parallel import TensorGroup, serve_worker
+
+    first = int(os.environ.get("RANK", "0")) == 0
+    if first:
+        try:
+            check_ports_free(settings.host, settings.http_port, settings.grpc_port)  # before the model load
+        except OSError as e:
+            print(f"specsplit-cloud: cannot start: {e}", file=sys.stderr)
+            return 2
+    setup_logging(settings.log_level)
+    group = TensorGroup(settings.device)
+    try:
+        model = TargetModel(settings.model, settings.device, settings.dtype, group=group)
+    except (OSError, ValueError) as e:
+        if first:  # every rank refuses alike; one line says why
+            print(f"specsplit-cloud: cannot start: {e}", file=sys.stderr)
+        else:  # torchrun stops the group when the first rank exits: rank 0 says it first
+            time.sleep(REFUSAL_WAIT_S)
+        return 2
+    if not first:
+        if settings.torch_threads:
+            torch.set_num_threads(settings.torch_threads)
+        code = serve_worker(model, group)
+        dist.destroy_process_group()
+        return code
+    try:
+        service = VerifierService(settings, model)
+        asyncio.run(serve(service))
+    except (OSError, ValueError) as e:
+        print(f"specsplit-cloud: cannot serve: {e}", file=sys.stderr)
+        return 2 if isinstance(e, PortInUse) else 1
+    finally:
+        group.stop()
+    dist.destroy_process_group()
     return 0
 
 

@@ -18,19 +18,28 @@ Start-up refuses, with one line, what cannot be served exactly: a model whose la
 recurrent or convolution state (no rollback by position), a directory without a tokenizer, and
 any architecture whose batched, cropped forward does not reproduce its own plain forward
 (`check_rollback`, run once at load on a short random sequence).
+
+Under tensor parallelism (`group`, cloud/tensor_parallel.py) every rank builds the same TargetModel
+from its shard of the weights; on rank 0 `forward` and `use_pool` send each op to the other ranks
+before running it, and the other ranks run what they receive (`run_plan`, `use_pool`).
 """
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
+from shared.errors import Unavailable
 from shared.hf_model import DTYPES, check_rollback, eos_ids, load_causal_lm
-from shared.kvpool import BLOCK_SIZE, KVPool, Row, UnsupportedModel, attention_layout
+from shared.kvpool import BLOCK_SIZE, ForwardPlan, KVPool, Row, UnsupportedModel, attention_layout
 from shared.protocol import ModelInfo
 from shared.tokenizer_id import load_tokenizer, tokenizer_fingerprint
+
+if TYPE_CHECKING:
+    from cloud.tensor_parallel import TensorGroup
 
 log = logging.getLogger(__name__)
 
@@ -39,11 +48,21 @@ class TargetModel:
     """A Hugging Face causal LM in eval mode, its facts, and the KV pool of every session."""
 
     def __init__(self, model_dir: Path, device: str = "cpu", dtype: str = "float32", *,
-                 kv_budget_bytes: int | None = None, block_size: int = BLOCK_SIZE, prefix_cache: bool = True) -> None:
+                 kv_budget_bytes: int | None = None, block_size: int = BLOCK_SIZE, prefix_cache: bool = True,
+                 group: TensorGroup | None = None) -> None:
+        # the tensor-parallel group this rank belongs to (None: the whole model in this process)
+        self.group = group
+        if group is not None:
+            from transformers import AutoConfig
+
+            from cloud.tensor_parallel import check_splits
+
+            check_splits(AutoConfig.from_pretrained(model_dir), group.size)
+            device = group.device
         self.device = torch.device(device)
         torch_dtype = DTYPES[dtype]
         tokenizer = load_tokenizer(model_dir)
-        self.model = load_causal_lm(model_dir, device, torch_dtype)
+        self.model = load_causal_lm(model_dir, device, torch_dtype, tensor_parallel=group is not None)
         cfg = self.model.config.get_text_config()
         n_ctx = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or 2048
         vocab = int(self.model.get_output_embeddings().weight.shape[0])
@@ -52,7 +71,8 @@ class TargetModel:
         self.info = ModelInfo(
             model_id=model_dir.resolve().name, vocab_size=vocab, eos_ids=eos_ids(self.model),
             max_context=int(n_ctx), dtype=dtype, device=str(self.device),
-            tokenizer_fingerprint=tokenizer_fingerprint(tokenizer), tokenizer_size=self.support)
+            tokenizer_fingerprint=tokenizer_fingerprint(tokenizer), tokenizer_size=self.support,
+            tensor_parallel=group.size if group is not None else 1)
         self.pool = KVPool(attention_layout(self.model.config), int(n_ctx), self.device, torch_dtype,
                            budget_bytes=kv_budget_bytes, block_size=block_size, prefix_cache=prefix_cache)
         try:
@@ -69,10 +89,22 @@ class TargetModel:
         self._hidden: dict[int, torch.Tensor] = {}
         if self.feature_size:
             head.register_forward_pre_hook(lambda _m, args: self._captured.append(args[0]))
+        # bytes of this process's weights (its shard under tensor parallelism)
+        self.weight_bytes = sum(_local(p).numel() * p.element_size() for p in self.model.parameters())
         log.info("target loaded: %s", self.info)
+        if group is not None:
+            log.info("tensor-parallel rank memory", extra={"fields": {
+                "event": "rank_memory", "rank": group.rank, "weight_bytes": self.weight_bytes,
+                "kv_bytes_per_token": self.kv_bytes_per_token}})
 
     def use_pool(self, kv_budget_bytes: int | None, block_size: int = BLOCK_SIZE, prefix_cache: bool = True) -> None:
-        """A fresh, empty pool with these limits (each service starts with its own)."""
+        """A fresh, empty pool with these limits (each service starts with its own); rank 0 of a
+        tensor-parallel group has every rank do the same."""
+        if self.group is not None and self.group.rank == 0:
+            from cloud.tensor_parallel import Op
+
+            with self.group.lock:
+                self.group.send(Op("use_pool", pool=(kv_budget_bytes, block_size, prefix_cache)))
         pool = KVPool(self.pool.layout, self.pool.max_positions, self.device, self.pool.dtype,
                       budget_bytes=kv_budget_bytes, block_size=block_size, prefix_cache=prefix_cache)
         try:
@@ -87,7 +119,10 @@ class TargetModel:
         the columns of the tokenizer's ids only. Each row's sequence then holds its ids' KV; the caller crops
         back what it does not keep."""
         self._captured.clear()
-        out = self.pool.forward(self.model, rows)
+        if self.group is None:
+            out = self.pool.forward(self.model, rows)
+        else:
+            out = self._forward_everywhere(rows)
         if self.support < self.info.vocab_size:
             out = [x[:, : self.support] for x in out]  # [keep, support]
         self._hidden = {}
@@ -102,3 +137,41 @@ class TargetModel:
     def hidden_of(self, row: Row) -> torch.Tensor | None:
         """The output layer's input at `row`'s kept positions in the last forward ([keep, d]), or None."""
         return self._hidden.get(id(row))
+
+    def _forward_everywhere(self, rows: list[Row]) -> list[torch.Tensor]:
+        """Rank 0 of a tensor-parallel group: plan here, send the plan, run it on every rank."""
+        from cloud.tensor_parallel import Op
+
+        assert self.group is not None
+        with self.group.lock:
+            lost = self.group.lost()
+            if lost is not None:
+                raise Unavailable(f"this verifier lost a tensor-parallel rank ({lost}) and is restarting: retry "
+                                  "(elsewhere)")
+            plan = self.pool.plan(rows)
+            try:
+                self.group.send(Op("forward", plan=plan))
+                out = self.pool.run(self.model, plan)
+            except BaseException as e:
+                # the ranks' collectives may be out of step now: this group cannot serve any more
+                self.group.fail(f"a forward failed on rank 0 ({type(e).__name__}: {e})")
+                raise Unavailable("this verifier lost a tensor-parallel rank and is restarting: retry "
+                                  "(elsewhere)") from e
+        self.pool.commit(rows)
+        return out
+
+    @torch.inference_mode()
+    def run_plan(self, plan: ForwardPlan) -> None:
+        """Ranks > 0 of a tensor-parallel group: run rank 0's plan on this rank's shard (output discarded)."""
+        self.pool.run(self.model, plan)
+        self._captured.clear()
+
+    def healthy(self) -> bool:
+        """False once a tensor-parallel rank is lost (always True in one process)."""
+        return self.group is None or self.group.lost() is None
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter (a DTensor's local shard, else the tensor)."""
+    to_local = getattr(p, "to_local", None)
+    return to_local() if callable(to_local) else p

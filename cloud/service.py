@@ -106,7 +106,7 @@ class VerifierService:
         # prefills under way (model thread only): an open sharing a full block they are computing waits
         self._prefilling: list[Prefill] = []
         self._keys = settings.api_key_values()
-        self.ready = True
+        self._ready = True
         # set at SIGTERM (cloud.app.drain): new sessions and generations are refused, verify is still served
         self.draining = False
 
@@ -114,6 +114,15 @@ class VerifierService:
     def load(cls, settings: CloudSettings, **kw) -> VerifierService:  # type: ignore[no-untyped-def]
         model = TargetModel(settings.model, settings.device, settings.dtype)  # the service sizes its pool
         return cls(settings, model, **kw)
+
+    @property
+    def ready(self) -> bool:
+        """Serving (/readyz 200): not draining, and no tensor-parallel rank lost."""
+        return self._ready and self.model.healthy()
+
+    @ready.setter
+    def ready(self, value: bool) -> None:
+        self._ready = value
 
     # --- auth ---------------------------------------------------------------------------------
     def authenticate(self, key: str | None) -> str:
@@ -191,6 +200,11 @@ class VerifierService:
     def _refuse_when_draining(self, what: str) -> None:
         if self.draining:
             raise Unavailable(f"this replica is shutting down and takes no new {what}: retry (elsewhere)")
+        self._refuse_when_unhealthy()
+
+    def _refuse_when_unhealthy(self) -> None:
+        if not self.model.healthy():
+            raise Unavailable("this verifier lost a tensor-parallel rank and is restarting: retry (elsewhere)")
 
     def _salt(self, owner: str) -> bytes:
         """The prefix-cache salt of an owner's sequences: blocks are shared within one API key only,
@@ -340,6 +354,7 @@ class VerifierService:
     # --- verify -------------------------------------------------------------------------------
     async def verify(self, req: VerifyRequest, owner: str, declared_k: int,
                      sampling_cfg: SamplingConfig | None = None) -> VerifyResponse:
+        self._refuse_when_unhealthy()
         s = self._session(req.ctx_id, owner)
         q_dense = check_request(req, declared_k, self.limits, s.sampling_cfg, sampling_cfg)
         k = len(req.draft.draft_tokens)

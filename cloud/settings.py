@@ -49,7 +49,8 @@ class CloudSettings(BaseSettings):
     # a session idle this long expires (404 afterwards)
     session_ttl_s: float = Field(default=600.0, gt=0)
     # KV cache bytes at most: the paged pool grows up to it and never past it; when its blocks run out,
-    # unreferenced cached prefix blocks, then least recently used idle sessions are evicted, else 429
+    # unreferenced cached prefix blocks, then least recently used idle sessions are evicted, else 429.
+    # Under tensor parallelism (torchrun) it is per rank: each rank's pool holds its share of the KV heads
     kv_budget_bytes: int = Field(default=2 * 1024**3, gt=0)
     # a session opened (or reopened) less than this long ago that has not run a round yet is never evicted
     # for blocks: under overload new work waits or gets 429 rather than evicting sessions before they start

@@ -32,8 +32,9 @@ def eos_ids(model: torch.nn.Module) -> list[int]:
     return out
 
 
-def load_causal_lm(model_dir: Path, device: str, dtype: torch.dtype) -> Any:
-    """A causal LM in eval mode whose attention takes explicit masks (sdpa, else eager)."""
+def load_causal_lm(model_dir: Path, device: str, dtype: torch.dtype, *, tensor_parallel: bool = False) -> Any:
+    """A causal LM in eval mode whose attention takes explicit masks (sdpa, else eager). With
+    `tensor_parallel` (torch.distributed initialized) this rank's shard of the model's tensor plan."""
     if not Path(model_dir).is_dir():  # never a hub download: every model here is a local directory
         raise UnsupportedModel(f"no model directory {model_dir}: it does not exist")
     try:
@@ -42,9 +43,14 @@ def load_causal_lm(model_dir: Path, device: str, dtype: torch.dtype) -> Any:
         raise UnsupportedModel(f"cannot read the model config in {model_dir}: {str(e).splitlines()[0]}") from None
     attention_layout(config)  # refuse recurrent models before loading their weights
     model = None
+    extra: dict[str, Any] = {}
+    if tensor_parallel:
+        from transformers.distributed import DistributedConfig
+
+        extra["distributed_config"] = DistributedConfig(tp_plan="auto")
     for impl in ("sdpa", "eager"):
         try:
-            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=impl)
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=impl, **extra)
             break
         except ValueError as e:
             if impl == "eager":

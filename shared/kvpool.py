@@ -156,10 +156,11 @@ class KVPool:
             self.blocks = BlockManager(self.block_size, self.budget_bytes // block_bytes, self.prefix_cache)
         self._fit()
 
-    def _fit(self) -> None:
-        """Make the tensors hold every block the manager has (growth copies what exists)."""
+    def _fit(self, capacity: int | None = None) -> None:
+        """Make the tensors hold `capacity` blocks (default: every block the manager has); growth
+        copies what exists."""
         assert self.blocks is not None
-        rows = self.blocks.capacity * self.block_size
+        rows = (self.blocks.capacity if capacity is None else capacity) * self.block_size
         if self.keys and self.keys[0].shape[1] >= rows:
             return
         with torch.inference_mode(False):  # normal tensors: writable in and outside inference mode
@@ -216,44 +217,67 @@ class KVPool:
     def forward(self, model: torch.nn.Module, rows: list[Row]) -> list[torch.Tensor]:
         """Run every row in one flattened forward; returns each row's logits for its last `keep` ids
         ([keep, vocab], float32). Afterwards each sequence holds the KV of its row's ids (length
-        past + len(ids)); the caller crops back what it does not keep (`set_length`)."""
+        past + len(ids)); the caller crops back what it does not keep (`set_length`).
+
+        Three steps: `plan` (the block manager's work), `run` (the tensors' work) and `commit`. One
+        process runs them back to back; under tensor parallelism (cloud/tensor_parallel.py) rank 0
+        plans and commits, and every rank runs rank 0's plan on its own share of the KV heads."""
         if not rows:
             return []
         self.prepare(model)
+        out = self.run(model, self.plan(rows))
+        self.commit(rows)
+        return out
+
+    def plan(self, rows: list[Row]) -> ForwardPlan:
+        """Give every row its blocks (copy-on-write of a shared partial block included) and resolve
+        the forward's inputs, slot mapping and attention calls; OutOfBlocks when they do not fit."""
         m = self.manager
         if len({r.slot for r in rows}) != len(rows):
             raise ValueError("a sequence appears twice in one forward")
         need = sum(self.blocks_needed(r) for r in rows)
         if need > m.available():
             raise OutOfBlocks(f"this forward needs {need} KV blocks, {m.available()} are left")
+        copies = []
         for r in rows:
             copy = m.prepare_write(r.slot, r.past, len(r.ids))
-            self._fit()
-            if copy is not None:  # copy-on-write of a shared partial block
-                src = torch.arange(copy[0] * self.block_size, (copy[0] + 1) * self.block_size, device=self.device)
-                dst = src + (copy[1] - copy[0]) * self.block_size
-                for t in (*self.keys, *self.values):
-                    t[:, dst] = t[:, src]
-        batch = _Batch.build(self, rows)
+            if copy is not None:
+                copies.append(copy)
         starts = [0]
         for r in rows:
             starts.append(starts[-1] + len(r.ids))
         want = [starts[b] + t for b, r in enumerate(rows) for t in range(len(r.ids) - r.keep, len(r.ids))]
-        keep_idx = torch.tensor(want or [0], dtype=torch.long, device=self.device)  # [P]
+        return ForwardPlan(m.capacity, copies, _Batch.build(self, rows), torch.tensor(want or [0], dtype=torch.long),
+                           [r.keep for r in rows])
+
+    def run(self, model: torch.nn.Module, plan: ForwardPlan) -> list[torch.Tensor]:
+        """The model over a plan (this pool must have the planning pool's blocks and layout): grow the
+        tensors, copy the shared blocks written into, write the new K/V, attend; each row's logits."""
+        self._fit(plan.capacity)
+        for src_block, dst_block in plan.copies:  # copy-on-write of a shared partial block
+            src = torch.arange(src_block * self.block_size, (src_block + 1) * self.block_size, device=self.device)
+            dst = src + (dst_block - src_block) * self.block_size
+            for t in (*self.keys, *self.values):
+                t[:, dst] = t[:, src]
+        batch = plan.batch.to(self.device)
+        keep_idx = plan.keep.to(self.device)  # [P]
         view = _PagedView(self, batch)
         dummy = torch.zeros(1, 1, 1, 1, dtype=torch.bool, device=self.device)  # masks are built per row
         masks: Any = {FULL: dummy, SLIDING: dummy} if self.layout.by_type else dummy
-        with _paged_attention(model, batch):
+        with _paged_attention(model, self, batch):
             out = model(input_ids=batch.ids, position_ids=batch.positions, attention_mask=masks,
                         past_key_values=view, use_cache=True, logits_to_keep=keep_idx)
-        for r in rows:
-            m.extend(r.slot, list(r.ids))
         logits = out.logits[0]  # [P, vocab]
         result, i = [], 0
-        for r in rows:
-            result.append(logits[i: i + r.keep].float())  # [keep, vocab]
-            i += r.keep
+        for keep in plan.keeps:
+            result.append(logits[i: i + keep].float())  # [keep, vocab]
+            i += keep
         return result
+
+    def commit(self, rows: list[Row]) -> None:
+        """After `run`: each row's sequence holds its ids (length past + len(ids))."""
+        for r in rows:
+            self.manager.extend(r.slot, list(r.ids))
 
 
 # rows with at most this many new tokens (verify rows, decode steps) share one attention call per layer
@@ -278,6 +302,10 @@ class _Group:
     dst: torch.Tensor
     shape: tuple[int, int, int]  # G, N, W
 
+    def to(self, dev: torch.device) -> _Group:
+        return _Group(self.keys.to(dev), self.queries.to(dev), self.mask.to(dev), self.src.to(dev),
+                      self.dst.to(dev), self.shape)
+
 
 @dataclass
 class _Single:
@@ -286,6 +314,9 @@ class _Single:
     start: int
     n: int
     mask: torch.Tensor | None  # [n, W]
+
+    def to(self, dev: torch.device) -> _Single:
+        return _Single(self.keys.to(dev), self.start, self.n, None if self.mask is None else self.mask.to(dev))
 
 
 def _row_mask(past: int, n: int, lo: int, w: int, window: int | None) -> torch.Tensor:
@@ -301,7 +332,6 @@ def _row_mask(past: int, n: int, lo: int, w: int, window: int | None) -> torch.T
 @dataclass
 class _Batch:
     """The flattened batch of one forward: inputs, the write slot mapping, per-kind read plans."""
-    pool: KVPool
     # [1, T] token ids and positions of every row's tokens, row after row
     ids: torch.Tensor
     positions: torch.Tensor
@@ -312,7 +342,7 @@ class _Batch:
 
     @classmethod
     def build(cls, pool: KVPool, rows: list[Row]) -> _Batch:
-        m, dev = pool.manager, pool.device
+        m, dev = pool.manager, torch.device("cpu")  # built on the CPU: `to` moves it to the pool's device
         ids: list[int] = []
         pos: list[int] = []
         write: list[int] = []
@@ -331,7 +361,7 @@ class _Batch:
                 lo = 0 if w is None else max(0, r.past - w + 1)
                 if n > SHORT_ROW:
                     keys = torch.tensor(m.slots(r.slot, lo, end), dtype=torch.long, device=dev)
-                    calls.append(_Single(keys, start, n, _row_mask(r.past, n, lo, end - lo, w).to(dev)))
+                    calls.append(_Single(keys, start, n, _row_mask(r.past, n, lo, end - lo, w)))
                 else:
                     short.append((end - lo, n, lo, r, start))
             short.sort(key=lambda t: t[0])
@@ -347,8 +377,29 @@ class _Batch:
                 calls.append(_group(m, group, w, dev))
             read[w] = calls
         p = torch.tensor(pos, dtype=torch.long).clamp(max=pool.max_positions - 1)
-        return cls(pool, torch.tensor([ids], dtype=torch.long, device=dev), p[None].to(dev),
-                   torch.tensor(write, dtype=torch.long, device=dev), read)
+        return cls(torch.tensor([ids], dtype=torch.long), p[None], torch.tensor(write, dtype=torch.long), read)
+
+    def to(self, dev: torch.device) -> _Batch:
+        if dev.type == "cpu":
+            return self
+        return _Batch(self.ids.to(dev), self.positions.to(dev), self.write.to(dev),
+                      {w: [c.to(dev) for c in calls] for w, calls in self.read.items()})
+
+
+@dataclass
+class ForwardPlan:
+    """One forward as the block manager resolved it: what a pool with the same blocks needs to run it
+    (tensor-parallel ranks run the plan rank 0 made). Its tensors are on the CPU."""
+    # blocks the KV tensors must hold
+    capacity: int
+    # copy-on-write of shared partial blocks, in order: (source block, destination block)
+    copies: list[tuple[int, int]]
+    # inputs, slot mapping and attention calls
+    batch: _Batch
+    # [P] flat indices (in the batch's T tokens) of the tokens whose logits are kept
+    keep: torch.Tensor
+    # per row, how many of those P are its (its `keep`)
+    keeps: list[int]
 
 
 def _group(m: BlockManager, rows: list[tuple[int, int, int, Row, int]], window: int | None,
@@ -371,7 +422,7 @@ def _group(m: BlockManager, rows: list[tuple[int, int, int, Row, int]], window: 
     def t(x: list[int]) -> torch.Tensor:
         return torch.tensor(x, dtype=torch.long, device=dev)
 
-    return _Group(t(keys), t(queries), mask.to(dev), t(src), t(dst), (G, N, W))
+    return _Group(t(keys), t(queries), mask, t(src), t(dst), (G, N, W))
 
 
 class _PagedView(Cache):
@@ -418,29 +469,29 @@ def exclusive(model: torch.nn.Module) -> threading.RLock:
 
 
 class _paged_attention:  # noqa: N801 - a context manager used as a function
-    """Select `paged_attention` for `model` during one forward, with `batch` as its input; holds the
-    model's lock (`exclusive`) meanwhile."""
+    """Select `paged_attention` for `model` during one forward, with `pool` and `batch` as its input;
+    holds the model's lock (`exclusive`) meanwhile."""
 
-    def __init__(self, model: torch.nn.Module, batch: _Batch) -> None:
+    def __init__(self, model: torch.nn.Module, pool: KVPool, batch: _Batch) -> None:
         configs = _CONFIGS.get(model)
         if configs is None:  # every distinct config object its modules read the implementation from
             configs = list({id(c): c for c in (getattr(mod, "config", None) for mod in model.modules())
                             if c is not None and hasattr(c, "_attn_implementation")}.values())
             _CONFIGS[model] = configs
-        self.configs, self.batch, self.lock = configs, batch, exclusive(model)
+        self.configs, self.pool, self.batch, self.lock = configs, pool, batch, exclusive(model)
 
     def __enter__(self) -> None:
         self.lock.acquire()
         self.saved = [c._attn_implementation for c in self.configs]
         for c in self.configs:
             c._attn_implementation_internal = ATTENTION_NAME
-        _active.batch = self.batch
+        _active.batch, _active.pool = self.batch, self.pool
 
     def __exit__(self, *exc: object) -> None:
         try:
             for c, s in zip(self.configs, self.saved, strict=True):
                 c._attn_implementation_internal = s
-            _active.batch = None
+            _active.batch = _active.pool = None
         finally:
             self.lock.release()
 
@@ -451,7 +502,7 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     """Attention of each row's queries ([1, Hq, T, D]) over that row's own cached keys (see the module
     docstring); returns [1, T, Hq, D] like transformers' sdpa."""
     batch: _Batch = _active.batch
-    pool = batch.pool
+    pool: KVPool = _active.pool
     layer = int(module.layer_idx)  # type: ignore[arg-type]
     k_pool, v_pool = pool.keys[layer], pool.values[layer]  # [H, rows, D]
     q_all = query[0]  # [Hq, T, D]

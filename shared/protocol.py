@@ -74,6 +74,8 @@ class ModelInfo:
     feature_size: int = 0
     # the encodings it offers ("float16", "int8")
     feature_encodings: list[str] = field(default_factory=list)
+    # ranks the target is split over by tensor parallelism (1: one process; 0 = an older cloud)
+    tensor_parallel: int = 1
 
 
 @dataclass

@@ -138,7 +138,8 @@ class RestTransport:
                          tokenizer_fingerprint=str(d.get("tokenizer_fingerprint", "")), max_k=int(d.get("max_k") or 0),
                          tokenizer_size=int(d.get("tokenizer_size") or 0),
                          feature_size=int(d.get("feature_size") or 0),
-                         feature_encodings=[str(e) for e in d.get("feature_encodings") or []])
+                         feature_encodings=[str(e) for e in d.get("feature_encodings") or []],
+                         tensor_parallel=int(d.get("tensor_parallel") or 0))
 
     def generate(self, prompt_ids: list[int], cfg: SamplingConfig, seed: int, max_new_tokens: int,
                  timeout: float) -> GenerateResult:

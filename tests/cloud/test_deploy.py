@@ -135,3 +135,14 @@ def torch_pin_of_pyproject() -> str:
     pin = re.search(r'"(torch==[0-9.]+)"', (REPO / "pyproject.toml").read_text())
     assert pin is not None
     return pin.group(1)
+
+
+def test_compose_tensor_parallel_service_is_rank_0_of_a_torchrun_group(compose: dict[str, Any]) -> None:
+    tp = compose["services"]["cloud-tp"]
+    entry = tp["entrypoint"]
+    assert entry[0] == "torchrun" and entry[-1] == "specsplit-cloud" and "--no-python" in entry
+    assert int(entry[entry.index("--nproc-per-node") + 1]) == 2
+    assert tp["profiles"] == ["tp"] and "/readyz" in " ".join(tp["healthcheck"]["test"])
+    env = tp["environment"]
+    published = {int(p.split(":")[-1]) for p in tp["ports"]}
+    assert published == {int(env["SPECSPLIT_CLOUD_HTTP_PORT"]), int(env["SPECSPLIT_CLOUD_GRPC_PORT"])}

@@ -182,3 +182,28 @@ def test_dockerignore_keeps_the_context_small_and_the_copied_paths_in() -> None:
             assert src not in ignored and not any(src.startswith(i.rstrip("/") + "/") for i in ignored
                                                   if not i.startswith("!")), f"{src} is copied but ignored"
             assert (REPO / src).exists(), src
+
+
+def tp_docs() -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all((DEPLOY / "k8s" / "cloud-tp.yaml").read_text()) if d]
+
+
+def test_the_tensor_parallel_group_validates_and_meets_at_pod_0() -> None:
+    """deploy/k8s/cloud-tp.yaml: a StatefulSet of torchrun nodes, a headless Service that publishes
+    pods before they are ready (the rendezvous), and a Service that sends traffic to pod 0 (rank 0)."""
+    docs = tp_docs()
+    for d in docs:
+        validate(d)
+    sts = next(d for d in docs if d["kind"] == "StatefulSet")
+    headless = next(d for d in docs if d["kind"] == "Service" and d["spec"].get("clusterIP") == "None")
+    served = next(d for d in docs if d["kind"] == "Service" and d is not headless)
+    assert sts["spec"]["serviceName"] == headless["metadata"]["name"] and headless["spec"]["publishNotReadyAddresses"]
+    (c,) = sts["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e for e in c["env"]}
+    assert int(env["NODES"]["value"]) == sts["spec"]["replicas"]
+    assert "pod-index" in env["NODE_RANK"]["valueFrom"]["fieldRef"]["fieldPath"]
+    run = " ".join(c["args"])
+    master = f"{sts['metadata']['name']}-0.{headless['metadata']['name']}"
+    assert "torchrun" in run and f"--master-addr {master}" in run and run.endswith("--no-python specsplit-cloud")
+    assert served["spec"]["selector"]["apps.kubernetes.io/pod-index"] == "0"
+    assert c["readinessProbe"]["httpGet"]["path"] == "/readyz" and "livenessProbe" not in c

@@ -1,0 +1,215 @@
+"""Tensor-parallel verification: one verifier whose target is split over the ranks `torchrun` starts.
+
+    torchrun --nproc-per-node N --no-python specsplit-cloud --model DIR ...
+
+Every rank loads the target with transformers' own tensor plan (the model's `base_model_tp_plan`:
+attention heads and MLP columns split over the ranks, the output layer gathered), so the weights and
+the activations are sharded by transformers' collectives; this module adds one collective of its own,
+the broadcast of what every rank must do next. Without torchrun (no WORLD_SIZE, or 1) none of it runs.
+
+Roles. Rank 0 is the verifier of one process: REST, gRPC, the scheduler, the sessions and the block
+manager. Each forward is planned there (`KVPool.plan`: blocks, copy-on-write pairs, the flattened
+batch), then the plan goes to every rank (`Op`, by `broadcast_object_list`) and every rank runs it
+(`KVPool.run`) on its own share of the KV heads, so the block tables are the same everywhere and only
+rank 0 keeps the (full, gathered) logits: verify, residual and sampling run once, there. Ranks > 0
+run `serve_worker`: receive an op, run it, discard the output, until `stop`. The start-up (load,
+`prepare`, `check_rollback`, seeded) runs alike on every rank without messages.
+
+Memory. Each rank's KV pool holds its own KV heads, so `--kv-budget-bytes` is per rank; the block
+count (budget // bytes of one block of the local heads) is the same on every rank because the heads
+split evenly (`check_splits`), and rank 0's pool size is sent with `use_pool`.
+
+Failure. Every rank bumps a counter in torchrun's store every `BEAT_S` from a thread; rank 0 watches
+the workers' counters and each worker rank 0's. A counter that has not moved for `STALE_S` (a rank
+that died, hangs or was stopped) makes rank 0 unready (`/readyz` 503; new calls and forwards answer
+503 with Retry-After) and, `EXIT_GRACE_S` later, exit with status 3, so torchrun tears the group
+down and an orchestrator restarts it; a worker that loses rank 0 exits at once. Collectives of the
+process group time out after `COLLECTIVE_TIMEOUT_S`; an idle rank 0 sends `idle` every `IDLE_S` so
+a waiting worker never reaches that timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shared.kvpool import ForwardPlan, UnsupportedModel
+
+log = logging.getLogger(__name__)
+# seconds between two heartbeats of a rank
+BEAT_S = 0.5
+# a rank whose heartbeat has not moved for this long is lost
+STALE_S = 2.5
+# seconds rank 0 stays up (unready, answering 503) after losing a rank, then it exits
+EXIT_GRACE_S = 3.0
+# exit status of a rank that lost another
+EXIT_RANK_LOST = 3
+# timeout of one collective (a forward's all-reduce waits at most this long for the slowest rank)
+COLLECTIVE_TIMEOUT_S = 60.0
+# an idle rank 0 sends `idle` this often, so workers waiting for the next op never time out
+IDLE_S = 10.0
+
+
+def world_size(env: dict[str, str] | None = None) -> int:
+    """The number of ranks torchrun started (1 without torchrun)."""
+    return int((os.environ if env is None else env).get("WORLD_SIZE", "1") or 1)
+
+
+def check_splits(config: Any, n: int) -> None:
+    """UnsupportedModel (one line) unless `config`'s architecture has a tensor plan and its heads split
+    over `n` ranks."""
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    name = getattr(cfg, "model_type", "?")
+    if not getattr(cfg, "base_model_tp_plan", None):
+        raise UnsupportedModel(f"model type {name!r} has no tensor-parallel plan in transformers; serve it from one "
+                               "process (without torchrun)")
+    heads = int(getattr(cfg, "num_attention_heads", 0) or 0)
+    kv = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    inner = int(getattr(cfg, "intermediate_size", 0) or 0)
+    common = math.gcd(math.gcd(heads, kv), inner)
+    if heads == 0 or common % n:
+        works = ", ".join(str(d) for d in range(1, common + 1) if common % d == 0)
+        if math.gcd(heads, kv) % n == 0:  # the heads split, the MLP does not
+            raise UnsupportedModel(f"model type {name!r}: {heads} attention heads, {kv} KV heads and an MLP width "
+                                   f"of {inner} do not all split over {n} ranks; --nproc-per-node must divide them: "
+                                   f"{works}")
+        raise UnsupportedModel(f"model type {name!r}: {heads} attention heads and {kv} KV heads do not split over "
+                               f"{n} ranks; --nproc-per-node must divide both: {works}")
+
+
+@dataclass
+class Op:
+    """What every rank does next (rank 0 sends it, workers mirror it)."""
+    # "forward" (run `plan`), "use_pool" (a fresh pool: `pool` = (budget bytes, block size, prefix cache)),
+    # "idle" (nothing: keeps the workers' wait under the collective timeout), "stop"
+    kind: str
+    plan: ForwardPlan | None = None
+    pool: tuple[int | None, int, bool] | None = None
+
+
+class TensorGroup:
+    """This process's place in the group: rank, size, the op broadcast, heartbeats and health."""
+
+    def __init__(self, device: str = "cpu") -> None:
+        self.rank, self.size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        # every rank uses its own GPU: "cuda" (or "cuda:K") becomes cuda:LOCAL_RANK
+        self.device = f"cuda:{local}" if device.startswith("cuda") else device
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(local)
+        dist.init_process_group(backend, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        # held by whoever uses the process group (a forward: plan, broadcast and run), so an idle op
+        # never interleaves its broadcast with a forward's collectives
+        self.lock = threading.Lock()
+        self._last_op = time.monotonic()
+        self._lost: str | None = None
+        self._store = _heartbeat_store()
+        # ranks this one watches, and when each one's counter last moved
+        self._watch = [r for r in range(1, self.size)] if self.rank == 0 else [0]
+        self._seen: dict[int, tuple[int, float]] = {r: (-1, time.monotonic()) for r in self._watch}
+        self._stop = threading.Event()
+        threading.Thread(target=self._beat, name="tp-heartbeat", daemon=True).start()
+        if self.rank == 0:
+            threading.Thread(target=self._keep_alive, name="tp-idle", daemon=True).start()
+        log.info("tensor-parallel rank %d of %d (%s)", self.rank, self.size, backend)
+
+    # --- ops --------------------------------------------------------------------------------
+    def send(self, op: Op) -> None:
+        """Rank 0: every worker receives `op` (the caller holds `lock` when it then runs collectives)."""
+        dist.broadcast_object_list([op], src=0)
+        self._last_op = time.monotonic()
+
+    def receive(self) -> Op:
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]  # type: ignore[no-any-return]
+
+    def stop(self) -> None:
+        """Rank 0 at shutdown: the workers leave their loop."""
+        self._stop.set()
+        if self._lost is None:
+            with self.lock:
+                self.send(Op("stop"))
+
+    # --- health -----------------------------------------------------------------------------
+    def lost(self) -> str | None:
+        """Why this group cannot serve (a rank stopped beating), or None."""
+        return self._lost
+
+    def _beat(self) -> None:
+        key = f"specsplit/beat/{self.rank}"
+        while not self._stop.wait(BEAT_S):
+            now = time.monotonic()
+            try:
+                self._store.add(key, 1)
+                for r in self._watch:
+                    count = self._store.add(f"specsplit/beat/{r}", 0)
+                    if count != self._seen[r][0]:
+                        self._seen[r] = (count, now)
+            except Exception as e:  # noqa: BLE001 - the store went away with torchrun's agent
+                self.fail(f"torchrun's store is gone ({type(e).__name__})")
+                continue
+            stale = [r for r in self._watch if now - self._seen[r][1] > STALE_S]
+            if stale:
+                self.fail(f"tensor-parallel rank {stale[0]} has not answered for {STALE_S:g} s")
+
+    def _keep_alive(self) -> None:
+        """Rank 0: `idle` to the workers after IDLE_S without an op (its own thread: a broadcast to a
+        dead rank may block, and the heartbeats must go on meanwhile)."""
+        while not self._stop.wait(IDLE_S / 4):
+            if self._lost is not None or time.monotonic() - self._last_op <= IDLE_S:
+                continue
+            if self.lock.acquire(blocking=False):  # else a forward is under way: no need
+                try:
+                    self.send(Op("idle"))
+                except Exception as e:  # noqa: BLE001 - a rank is gone
+                    self.fail(f"a broadcast to the tensor-parallel ranks failed ({type(e).__name__})")
+                finally:
+                    self.lock.release()
+
+    def fail(self, why: str) -> None:
+        """This group cannot serve any more: rank 0 turns unready and exits EXIT_GRACE_S later; another
+        rank exits at once."""
+        if self._lost is not None:
+            return
+        self._lost = why
+        if self.rank != 0:
+            log.error("%s: this rank exits", why)
+            os._exit(EXIT_RANK_LOST)
+        log.error("%s: unready; exiting in %g s", why, EXIT_GRACE_S)
+        threading.Timer(EXIT_GRACE_S, os._exit, (EXIT_RANK_LOST,)).start()
+
+
+def _heartbeat_store() -> dist.Store:
+    """A client of torchrun's store (MASTER_ADDR:MASTER_PORT), apart from the process group's."""
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=timedelta(seconds=STALE_S))
+
+
+def serve_worker(model: Any, group: TensorGroup) -> int:
+    """Ranks > 0: mirror rank 0's ops on the local shard of `model` (a TargetModel) until `stop`.
+    SIGTERM and SIGINT (torchrun passes them to every rank) are ignored: rank 0 drains, then sends
+    `stop`; a worker whose rank 0 is gone exits by its heartbeat."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    while True:
+        op = group.receive()
+        if op.kind == "forward":
+            assert op.plan is not None
+            model.run_plan(op.plan)
+        elif op.kind == "use_pool":
+            assert op.pool is not None
+            model.use_pool(*op.pool)
+        elif op.kind == "stop":
+            return 0
