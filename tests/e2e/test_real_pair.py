@@ -100,3 +100,32 @@ def test_real_pair_greedy_speculative_equals_the_target(real_cloud: CloudProcess
     if kind.startswith("head"):  # drafted from the cloud's features, a few hundred bytes each
         assert spec.metrics.head_rounds > 0 and spec.metrics.fallback_rounds <= 1 and spec.metrics.feature_bytes > 0
         assert (spec.metrics.reopens == 1) == (kind == "head-reopen")
+
+
+def test_real_target_split_over_three_ranks_gives_the_same_text(real_tokenizer: Any,
+                                                                references: dict[str, Any]) -> None:
+    """SmolLM2-135M-Instruct under `torchrun --nproc-per-node 3` (9 attention heads and 3 KV heads split
+    3 ways): the feature-fed head's greedy speculative text over REST equals the one-process target's
+    own over 64 tokens, and no rank holds more than a third of the weights plus 10 % (each rank's
+    `rank_memory` log line against the size of model.safetensors)."""
+    import httpx
+
+    from bench.tensor_parallel import rank_memory
+    from tests.e2e.test_tensor_parallel import TorchrunCloud
+
+    with TorchrunCloud(TARGET, 3) as three:
+        assert httpx.get(three.http_url + "/v1/model").json()["tensor_parallel"] == 3
+        s = settings(three, "rest", head=str(HEAD), draft=str(DRAFT))
+        spec = EdgeClient(s, drafter=ModelDrafter(DRAFT), tokenizer=real_tokenizer).generate(
+            chat(real_tokenizer, QUESTION))
+        memory = rank_memory(three.log_path.read_text(errors="replace"))
+    ref = references["result"]
+    if spec.token_ids != ref.token_ids:  # only then is the target loaded here, to tell a float tie
+        from transformers import AutoModelForCausalLM
+
+        target = AutoModelForCausalLM.from_pretrained(TARGET).eval()
+        assert_equal_or_tie(spec.token_ids, ref.token_ids, spec.prompt_ids, target, s.sampling())
+    assert spec.metrics.local_commits == 0 and spec.metrics.head_rounds > 0
+    whole = (TARGET / "model.safetensors").stat().st_size  # float32 weights and a small header
+    assert sorted(memory) == [0, 1, 2], memory
+    assert all(m["weight_bytes"] <= (1 / 3 + 0.1) * whole for m in memory.values()), (memory, whole)
