@@ -55,6 +55,16 @@ def cloud_command() -> list[str]:
     return [found] if found else [sys.executable, "-m", "cloud.cli"]
 
 
+def under_torchrun(cmd: list[str], ranks: int) -> list[str]:
+    """`cmd` as one tensor-parallel group of `ranks` local processes (`torchrun --standalone`: its own free
+    rendezvous port); `cmd` itself for one rank."""
+    if ranks <= 1:
+        return cmd
+    torchrun = Path(sys.executable).parent / "torchrun"
+    return [str(torchrun) if torchrun.exists() else "torchrun", "--nproc-per-node", str(ranks), "--standalone",
+            "--no-python", *cmd]
+
+
 class CloudServer:
     """`specsplit-cloud --model DIR --device DEV` with `torch_threads` model threads, log in a temp file;
     `extra_args` are appended to the command line (e.g. `--dtype bfloat16`, `--max-batch-size 1`);
@@ -90,10 +100,7 @@ class CloudServer:
         cmd = [*cloud_command(), "--model", str(self.model_dir), "--host", "127.0.0.1",
                "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port), "--device", self.device,
                "--torch-threads", str(self.torch_threads), "--log-level", "warning", *self.extra_args]
-        if self.ranks > 1:
-            torchrun = Path(sys.executable).parent / "torchrun"
-            cmd = [str(torchrun) if torchrun.exists() else "torchrun", "--nproc-per-node", str(self.ranks),
-                   "--standalone", "--no-python", *cmd]
+        cmd = under_torchrun(cmd, self.ranks)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)

@@ -32,7 +32,7 @@ from typing import Any
 
 import httpx
 
-from bench.cloud_proc import cloud_command, free_port
+from bench.cloud_proc import cloud_command, free_port, under_torchrun
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_TARGET = REPO / "models" / "demo-target"
@@ -218,9 +218,10 @@ class Replica:
     it back on the same ports with no sessions."""
 
     def __init__(self, model_dir: Path, index: int, runtime_dir: Path, extra_args: Sequence[str] = (),
-                 torch_threads: int = 1) -> None:
+                 torch_threads: int = 1, ranks: int = 1) -> None:
         self.model_dir, self.index, self.extra_args = Path(model_dir), index, tuple(extra_args)
         self.torch_threads = torch_threads
+        self.ranks = ranks  # > 1: a tensor-parallel group under torchrun
         self.http_port = free_port()
         self.grpc_port = free_port()
         while self.grpc_port == self.http_port:
@@ -244,6 +245,7 @@ class Replica:
         cmd = [*cloud_command(), "--model", str(self.model_dir), "--host", "127.0.0.1",
                "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port),
                "--torch-threads", str(self.torch_threads), *self.extra_args]
+        cmd = under_torchrun(cmd, self.ranks)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
@@ -371,6 +373,8 @@ class ClusterConfig:
     grpc_port: int = 0
     # how long nginx leaves a failed replica alone (nginx time syntax)
     fail_timeout: str = FAIL_TIMEOUT
+    # tensor-parallel ranks of each replica (a shorter tuple: the rest have 1)
+    ranks: tuple[int, ...] = ()
 
 
 class Cluster:
@@ -380,8 +384,8 @@ class Cluster:
         self.config = config
         self.runtime_dir = Path(tempfile.mkdtemp(prefix="specsplit-cluster-"))
         self.runtime_dir.chmod(0o755)  # nginx workers may run as another user than the master
-        self.replicas = [Replica(config.model_dir, i + 1, self.runtime_dir, config.replica_args, config.torch_threads)
-                         for i in range(config.replicas)]
+        self.replicas = [Replica(config.model_dir, i + 1, self.runtime_dir, config.replica_args, config.torch_threads,
+                                 config.ranks[i] if i < len(config.ranks) else 1) for i in range(config.replicas)]
         self.nginx = Nginx(self.runtime_dir, [r.addresses[0] for r in self.replicas],
                            [r.addresses[1] for r in self.replicas], config.http_port, config.grpc_port,
                            config.fail_timeout)

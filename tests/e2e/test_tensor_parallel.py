@@ -19,6 +19,8 @@ loopback (gloo).
 - A worker rank killed (SIGKILL) or stopped (SIGSTOP): /readyz answers 503 within 5 s, calls get
   503 with Retry-After, and the group exits non-zero.
 - A head count that does not split over N is refused at start with one line.
+- Behind a real nginx, a generation on a group that loses a rank fails over to another replica and
+  its greedy text is still the target's.
 """
 
 from __future__ import annotations
@@ -94,18 +96,23 @@ class TorchrunCloud(CloudProcess):
 
     def ranks(self) -> dict[int, int]:
         """rank -> pid of the group's processes."""
-        import psutil
-
         assert self.proc is not None
-        out = {}
-        for child in psutil.Process(self.proc.pid).children(recursive=True):
-            try:
-                env = child.environ()
-            except psutil.Error:
-                continue
-            if "RANK" in env:
-                out[int(env["RANK"])] = child.pid
-        return out
+        return ranks_of(self.proc.pid)
+
+
+def ranks_of(pid: int) -> dict[int, int]:
+    """rank -> pid of the processes of the torchrun group whose agent is `pid`."""
+    import psutil
+
+    out = {}
+    for child in psutil.Process(pid).children(recursive=True):
+        try:
+            env = child.environ()
+        except psutil.Error:
+            continue
+        if "RANK" in env:
+            out[int(env["RANK"])] = child.pid
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -320,6 +327,39 @@ def test_a_killed_rank_makes_the_verifier_unready_and_the_group_exit(target_dir:
         os.kill(c.ranks()[1], signal.SIGKILL)
         wait_unready(c, time.monotonic(), gone_ok=True)
         assert c.proc is not None and c.proc.wait(30) != 0
+
+
+def test_behind_nginx_the_edge_fails_over_from_a_group_that_loses_a_rank(target_dir: Path, tok: Any,
+                                                                         reference: dict[str, list[int]]) -> None:
+    """Two replicas behind a real nginx: a group of two ranks and one process. A greedy generation whose
+    routing key nginx sends to the group is paused mid-way and the group's worker rank is SIGKILLed
+    (torchrun then stops rank 0): the edge reopens on the other replica with its committed context, and
+    its text equals the target's own, with no token committed unverified."""
+    from bench.cluster import Cluster, ClusterConfig, nginx_binary
+    from tests.e2e.replicas import PausedRuns, edge_client
+
+    nginx_binary()  # scripts/test.sh installs it; a clear error otherwise
+    prompt = PROMPTS[0]
+    same = {"repetition_penalty": 1.0, "stop_at_eos": False}
+    with Cluster(ClusterConfig(replicas=2, model_dir=target_dir, ranks=(2,), fail_timeout="30s")) as cluster:
+        group = cluster.replicas[0]
+        for i in range(64):  # a routing key nginx sends to the group
+            key, since = f"tp-failover-{i}", cluster.nginx.access_log_size()
+            edge_client(cluster, "rest", tok, NGramDrafter(order=3), max_new_tokens=2, **same).generate(
+                prompt, route_key=key)
+            if cluster.holder_of(key, since) is group:
+                break
+        else:
+            pytest.fail("no routing key of 64 went to the group")
+        client = edge_client(cluster, "rest", tok, NGramDrafter(order=3), max_new_tokens=N_NEW, **same)
+        runs = PausedRuns(6, {"greedy": lambda: client.stream(prompt, route_key=key)})
+        runs.wait_paused()
+        assert group.proc is not None
+        os.kill(ranks_of(group.proc.pid)[1], signal.SIGKILL)
+        result = runs.finish()["greedy"]
+        assert group.proc.wait(30) != 0
+    assert result.token_ids == reference[prompt]
+    assert result.metrics.reopens >= 1 and result.metrics.local_commits == 0
 
 
 def test_a_stopped_rank_makes_the_verifier_unready_and_rank_0_exit(two: TorchrunCloud) -> None:
