@@ -73,7 +73,9 @@ def nginx_conf(rest_servers: Sequence[str], grpc_servers: Sequence[str], rest_li
         lines = "\n".join(f"        server {s} max_fails={MAX_FAILS} fail_timeout={fail_timeout};" for s in servers)
         return (f"    upstream {name} {{\n"
                 f"        # the routing key of a generation picks its replica; on a failure, the next on the ring\n"
-                f"        hash $http_x_specsplit_route consistent;\n{lines}\n        keepalive 32;\n    }}\n")
+                f"        hash $http_x_specsplit_route consistent;\n{lines}\n        keepalive 32;\n"
+                f"        # below the cloud's --keep-alive-s (75): nginx, not the replica, closes an idle pooled connection\n"
+                f"        keepalive_timeout 60s;\n    }}\n")
 
     head = "\n".join(["# specsplit: verifier replicas behind nginx, sessions kept on their replica by the routing",
                       "# key (X-Specsplit-Route / x-specsplit-route). Rendered by bench/cluster.py (nginx_conf).",

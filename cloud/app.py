@@ -66,14 +66,19 @@ async def watch_ranks(service: VerifierService, health: health_aio.HealthService
         await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
 
+def rest_config(service: VerifierService) -> uvicorn.Config:
+    """The REST server's configuration (its socket comes from `bind_tcp`)."""
+    st = service.settings
+    return uvicorn.Config(create_app(service), host=st.host, port=st.http_port, log_config=None, access_log=False,
+                          lifespan="off", timeout_graceful_shutdown=ROUND_FINISH_S,
+                          limit_concurrency=st.max_connections, timeout_keep_alive=st.keep_alive_s)
+
+
 async def serve(service: VerifierService) -> None:
     st = service.settings
     sock = bind_tcp(st.host, st.http_port, "REST", "--http-port")  # exclusive; a port in use stops here
     grpc_server, grpc_port, health = await start_grpc(service, st.host, st.grpc_port)
-    cfg = uvicorn.Config(create_app(service), host=st.host, port=st.http_port, log_config=None,
-                         access_log=False, lifespan="off", timeout_graceful_shutdown=ROUND_FINISH_S,
-                         limit_concurrency=st.max_connections)
-    http = _Uvicorn(cfg)
+    http = _Uvicorn(rest_config(service))
     stop, hurry = asyncio.Event(), asyncio.Event()
 
     def on_signal() -> None:

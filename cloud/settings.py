@@ -99,6 +99,10 @@ class CloudSettings(BaseSettings):
     # REST connections and requests at once (uvicorn limit_concurrency); beyond it new requests get a
     # plain 503. Bounds what slow or idle connections can hold; put a proxy with header timeouts in front
     max_connections: int = Field(default=512, ge=1)
+    # an idle REST keep-alive connection is closed after this long (seconds). Keep it above the idle timeout
+    # of any proxy's pooled connections (nginx's upstream keepalive_timeout, 60 s): a backend that closes
+    # first races the proxy's next request on that connection, which the proxy counts as the replica failing
+    keep_alive_s: float = Field(default=75.0, gt=0)
     # at SIGTERM, the drain waits at most this long (seconds) for open sessions to close and rounds to finish
     shutdown_grace_s: float = Field(default=2.0, ge=0)
     # logging level of the process

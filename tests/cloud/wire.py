@@ -123,7 +123,7 @@ class GrpcClient:
                 "max_context": m.max_context, "dtype": m.dtype, "device": m.device,
                 "tokenizer_fingerprint": m.tokenizer_fingerprint, "max_k": m.max_k,
                 "tokenizer_size": m.tokenizer_size, "feature_size": m.feature_size,
-                "feature_encodings": list(m.feature_encodings)}
+                "feature_encodings": list(m.feature_encodings), "tensor_parallel": m.tensor_parallel}
 
     def shutdown(self) -> None:
         self.channel.close()

@@ -209,7 +209,8 @@ def test_sigterm_drains_a_replica(cluster: Cluster, tokenizer: Any, draft_model:
 
     for name, r in runs.finish().items():
         assert r.token_ids == greedy_text[prompt], name
-        assert r.metrics.reopens == 0, name
+        assert r.metrics.reopens == 0, (name, [(e["time"], e["uri"], e["status"], e["upstream"], e["upstream_status"])
+                                               for e in cluster.nginx.access_log(since) if e["route"] == key])
     assert x.alive()  # the idle session keeps it draining
 
     newcomer = edge_client(cluster, "rest", tokenizer, NGramDrafter(), max_new_tokens=N_NEW).generate(
