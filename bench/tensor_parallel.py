@@ -3,7 +3,10 @@
     specsplit-bench --only tp [--target DIR] [--out BENCHMARKS.md]
 
 For each N the cloud runs under `torchrun --nproc-per-node N` (N = 1: the plain process); an N its
-target's heads do not split over is reported as refused. Measured per N:
+target's heads do not split over is reported as refused (SmolLM2-135M's 9 heads and 3 KV heads split
+over 1 and 3 ranks, not 2). So N = 2 is measured too, a second target follows: the target's twin with
+6 attention heads and 6 KV heads (same width, layers and vocabulary; random weights, built in a
+temporary directory), which splits over 1, 2 and 3. Measured per target and N:
 1. per-rank memory: weight bytes of each rank's shard (the ranks log them at start) and KV bytes per
    rank for the same sessions (the pool's bytes after them; every rank holds the same blocks);
 2. tokens/s of one session at a time, greedy, 64 tokens per prompt: cloud_only (the cloud's own
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -27,6 +31,7 @@ from bench.cloud_proc import REPO, CloudServer
 
 TARGET = REPO / "models" / "smollm2-135m-instruct"
 RANKS = (1, 2, 3)
+TWIN = "twin-6-heads"
 START, END = "<!-- tp:start -->", "<!-- tp:end -->"
 PROMPTS = ["def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
            "The three most important things to pack for a hiking trip are"]
@@ -53,12 +58,27 @@ def metric(url: str, name: str) -> float:
     return 0.0
 
 
+def splittable_twin(target: Path, out: Path, heads: int = 6) -> Path:
+    """`target`'s architecture with `heads` attention and KV heads (the same hidden width), random
+    weights (seed 0), and `target`'s tokenizer: a model of the same size that splits over 2 and 3."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    cfg = AutoConfig.from_pretrained(target)
+    cfg.num_attention_heads = cfg.num_key_value_heads = heads
+    cfg.head_dim = cfg.hidden_size // heads
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
+    AutoTokenizer.from_pretrained(target).save_pretrained(out)
+    return out
+
+
 def measure(target: Path, n: int, n_new: int, tokenizer: Any) -> dict[str, Any]:
     from edge.client import EdgeClient
     from edge.drafters import NGramDrafter
     from edge.settings import EdgeSettings
 
-    row: dict[str, Any] = {"ranks": n}
+    row: dict[str, Any] = {"ranks": n, "target": target.name}
     cloud = CloudServer(target, torch_threads=1, ranks=n, extra_args=["--log-level", "info"])
     try:
         cloud.start()
@@ -94,25 +114,28 @@ def measure(target: Path, n: int, n_new: int, tokenizer: Any) -> dict[str, Any]:
     return row
 
 
-def render(rows: list[dict[str, Any]], target: Path, command: str, n_new: int, load: str) -> str:
-    base = next((r for r in rows if r["ranks"] == 1 and "refused" not in r), None)
+def render(rows: list[dict[str, Any]], command: str, n_new: int, load: str) -> str:
     lines = [START, "## A target larger than one device: tensor-parallel ranks", "",
-             f"Command: `{command}` (target `{target.name}`, float32, {len(PROMPTS)} prompts x {n_new} tokens, "
-             f"greedy, one session at a time; {load}). This machine has 2 CPU cores: the ranks share them and "
+             f"Command: `{command}` (float32, {len(PROMPTS)} prompts x {n_new} tokens, greedy, one session at a "
+             f"time; {load}). `{TWIN}`: the first target's twin with 6 attention and 6 KV heads (random weights), "
+             "so that N = 2 is measured too. This machine has 2 CPU cores: the ranks share them and "
              "each layer adds two gloo all-reduces, so more ranks do not speed anything up here; the point is the "
              "memory per rank. GPU (NCCL) figures are unmeasured.", "",
-             "| ranks | weights per rank | of N = 1 | KV bytes per rank | of N = 1 | cloud_only tok/s | "
-             "speculative tok/s |", "|---|---|---|---|---|---|---|"]
+             "| target | ranks | weights per rank | of N = 1 | KV bytes per rank | of N = 1 | cloud_only tok/s | "
+             "speculative tok/s |", "|---|---|---|---|---|---|---|---|"]
+    over = []
     for r in rows:
         if "refused" in r:
-            lines.append(f"| {r['ranks']} | refused: {r['refused']} | | | | | |")
+            lines.append(f"| {r['target']} | {r['ranks']} | refused: {r['refused']} | | | | | |")
             continue
+        base = next((b for b in rows if b["target"] == r["target"] and b["ranks"] == 1 and "refused" not in b), None)
         w = f"{r['weight_bytes'] / base['weight_bytes']:.2f}" if base else "-"
         kv = f"{r['kv_bytes'] / base['kv_bytes']:.2f}" if base and base["kv_bytes"] else "-"
-        lines.append(f"| {r['ranks']} | {r['weight_bytes'] / 2**20:.1f} MiB | {w} | {r['kv_bytes'] / 2**20:.2f} MiB | "
-                     f"{kv} | {r['cloud_only_tokens_per_s']:.2f} | {r['speculative_tokens_per_s']:.2f} |")
-    over = [r for r in rows if "refused" not in r and base and r["weight_bytes"] > 1.01 * base["weight_bytes"]
-            / r["ranks"]]
+        lines.append(f"| {r['target']} | {r['ranks']} | {r['weight_bytes'] / 2**20:.1f} MiB | {w} | "
+                     f"{r['kv_bytes'] / 2**20:.2f} MiB | {kv} | {r['cloud_only_tokens_per_s']:.2f} | "
+                     f"{r['speculative_tokens_per_s']:.2f} |")
+        if base and r["weight_bytes"] > 1.01 * base["weight_bytes"] / r["ranks"]:
+            over.append(r)
     if over:  # said only when measured
         lines += ["", "Weights per rank above 1/N: what the tensor plan keeps whole on every rank (embeddings, "
                   "norms; the output layer where it is tied to the embeddings)."]
@@ -130,8 +153,11 @@ def run(out: Path, command: str, target: Path = TARGET, n_new: int = 64, ranks: 
     load = f"load average {os.getloadavg()[0]:.2f} at the start"
     tokenizer = AutoTokenizer.from_pretrained(target)
     rows = [measure(target, n, n_new, tokenizer) for n in ranks]
+    with tempfile.TemporaryDirectory(prefix="specsplit-tp-") as tmp:
+        twin = splittable_twin(target, Path(tmp) / TWIN)
+        rows += [measure(twin, n, n_new, tokenizer) for n in ranks]
     load += f", {os.getloadavg()[0]:.2f} at the end"
-    text = render(rows, target, command, n_new, load)
+    text = render(rows, command, n_new, load)
     path = splice_tp(text, out)
     print(text)
     print(f"wrote the tp section into {path}")

@@ -17,13 +17,19 @@ def test_rank_memory_reads_every_ranks_line() -> None:
 
 
 def test_section_names_refusals_and_ratios_and_is_spliced_in_place(tmp_path: Path) -> None:
-    rows = [{"ranks": 1, "weight_bytes": 4 << 20, "kv_bytes": 1 << 20, "cloud_only_tokens_per_s": 10.0,
+    rows = [{"target": "x", "ranks": 1, "weight_bytes": 4 << 20, "kv_bytes": 1 << 20, "cloud_only_tokens_per_s": 10.0,
              "speculative_tokens_per_s": 12.0},
-            {"ranks": 2, "refused": "9 attention heads and 3 KV heads do not split over 2 ranks"},
-            {"ranks": 3, "weight_bytes": 1.5 * (1 << 20), "kv_bytes": (1 << 20) / 3, "cloud_only_tokens_per_s": 5.0,
-             "speculative_tokens_per_s": 6.0}]
-    text = render(rows, Path("models/x"), "specsplit-bench --only tp", 64, "load 1.0")
-    assert "| 2 | refused: 9 attention heads" in text and "| 3 | 1.5 MiB | 0.38 |" in text and "| 0.33 |" in text
+            {"target": "x", "ranks": 2, "refused": "9 attention heads and 3 KV heads do not split over 2 ranks"},
+            {"target": "x", "ranks": 3, "weight_bytes": 1.5 * (1 << 20), "kv_bytes": (1 << 20) / 3,
+             "cloud_only_tokens_per_s": 5.0, "speculative_tokens_per_s": 6.0},
+            {"target": "twin", "ranks": 1, "weight_bytes": 8 << 20, "kv_bytes": 2 << 20,
+             "cloud_only_tokens_per_s": 10.0, "speculative_tokens_per_s": 12.0},
+            {"target": "twin", "ranks": 2, "weight_bytes": 4 << 20, "kv_bytes": 1 << 20,
+             "cloud_only_tokens_per_s": 10.0, "speculative_tokens_per_s": 12.0}]
+    text = render(rows, "specsplit-bench --only tp", 64, "load 1.0")
+    assert "| x | 2 | refused: 9 attention heads" in text and "| x | 3 | 1.5 MiB | 0.38 |" in text
+    assert "| 0.33 |" in text and "| twin | 2 | 4.0 MiB | 0.50 | 1.00 MiB | 0.50 |" in text  # each against its own N = 1
+    assert "above 1/N" in text  # x at 3 ranks holds 0.38 > 1/3
     assert "2 CPU cores" in text and "unmeasured" in text
     out = tmp_path / "B.md"
     out.write_text("# Report\n\nbefore\n")
