@@ -102,7 +102,7 @@ class CloudSettings(BaseSettings):
     # an idle REST keep-alive connection is closed after this long (seconds). Keep it above the idle timeout
     # of any proxy's pooled connections (nginx's upstream keepalive_timeout, 60 s): a backend that closes
     # first races the proxy's next request on that connection, which the proxy counts as the replica failing
-    keep_alive_s: float = Field(default=75.0, gt=0)
+    keep_alive_s: int = Field(default=75, ge=1)
     # at SIGTERM, the drain waits at most this long (seconds) for open sessions to close and rounds to finish
     shutdown_grace_s: float = Field(default=2.0, ge=0)
     # logging level of the process
