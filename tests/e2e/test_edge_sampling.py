@@ -45,16 +45,21 @@ PROMPT = "The quick brown fox"
 @pytest.fixture(scope="module")
 def expected(tiny_pair: tuple[Path, Path], tokenizer: Any) -> dict[tuple[int, int], float]:
     """The target's exact probability of every (t1, t2) pair after the prompt."""
+    return exact_pair_probs(tiny_pair[0], tokenizer.encode(PROMPT), CFG)
+
+
+def exact_pair_probs(model_dir: Path, ids: list[int], cfg: SamplingConfig) -> dict[tuple[int, int], float]:
+    """The exact probability, under `cfg`'s processing, of every pair (t1, t2) the model at `model_dir`
+    can sample after `ids`."""
     from transformers import AutoModelForCausalLM
 
-    target = AutoModelForCausalLM.from_pretrained(tiny_pair[0]).eval()
-    ids = tokenizer.encode(PROMPT)
+    target = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    out = {}
     with torch.no_grad():
-        p1 = processed_probs(target(input_ids=torch.tensor([ids])).logits[0, -1:], CFG, ids)[0]  # [vocab]
-        out = {}
+        p1 = processed_probs(target(input_ids=torch.tensor([ids])).logits[0, -1:], cfg, ids)[0]  # [vocab]
         for t1 in p1.nonzero().squeeze(-1).tolist():
             ctx = ids + [t1]
-            p2 = processed_probs(target(input_ids=torch.tensor([ctx])).logits[0, -1:], CFG, ctx)[0]  # [vocab]
+            p2 = processed_probs(target(input_ids=torch.tensor([ctx])).logits[0, -1:], cfg, ctx)[0]  # [vocab]
             for t2 in p2.nonzero().squeeze(-1).tolist():
                 out[(t1, t2)] = float(p1[t1]) * float(p2[t2])
     return out

@@ -49,7 +49,7 @@ from edge.drafters import ModelDrafter, NGramDrafter
 from edge.settings import EdgeSettings
 from shared.config import SamplingConfig
 from tests import tiny_models
-from tests.e2e.test_edge_sampling import chi_square_pvalue
+from tests.e2e.test_edge_sampling import chi_square_pvalue, exact_pair_probs
 from tests.server import CloudProcess
 
 N_NEW = 64
@@ -249,19 +249,7 @@ def first_pairs(cloud: CloudProcess, tok: Any, drafter: ModelDrafter, seeds: ran
 
 def exact_pairs(model_dir: Path, tok: Any) -> dict[tuple[int, int], float]:
     """The target's exact probability of every (t1, t2) pair after the prompt."""
-    from shared.sampling import processed_probs
-
-    target = tf.AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    ids = tok.encode(PROMPTS[1])
-    out = {}
-    with torch.no_grad():
-        p1 = processed_probs(target(input_ids=torch.tensor([ids])).logits[0, -1:], CFG, ids)[0]  # [vocab]
-        for t1 in p1.nonzero().squeeze(-1).tolist():
-            ctx = ids + [t1]
-            p2 = processed_probs(target(input_ids=torch.tensor([ctx])).logits[0, -1:], CFG, ctx)[0]  # [vocab]
-            for t2 in p2.nonzero().squeeze(-1).tolist():
-                out[(t1, t2)] = float(p1[t1]) * float(p2[t2])
-    return out
+    return exact_pair_probs(model_dir, tok.encode(PROMPTS[1]), CFG)
 
 
 def test_sampling_at_two_ranks_is_exact(two: TorchrunCloud, target_dir: Path, draft_dir: Path, tok: Any) -> None:
