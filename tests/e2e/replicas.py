@@ -6,9 +6,14 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import grpc
+import httpx
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.cluster import Cluster, Replica, is_session_call, last_upstream
 from edge.client import EdgeClient, GenerationResult
@@ -98,12 +103,30 @@ def wait_ready(cluster: Cluster, at_least: int) -> None:
 
 
 def settle(cluster: Cluster, fail_timeout_s: float) -> None:
-    """Every running replica ready and nginx's failure marks expired: no replica joins or leaves the
-    ring during the next case, so a key keeps its replica."""
+    """Every running replica ready and back in nginx's good books: no replica joins or leaves the ring
+    during the next case, so a key keeps its replica.
+
+    Waiting out the failure marks is not enough. A replica nginx marked failed (killed in an earlier case,
+    then restarted) is, once `fail_timeout` has passed, given one request as a probe, and until that probe
+    has answered, nginx sends every other request that hashes to it to the next replica on the ring: two
+    generations opening together with one key can land on two replicas. So each running replica answers
+    a call through nginx (REST and gRPC, random routing keys) before the case starts."""
     for r in cluster.replicas:
         if r.alive():
             r.wait_ready()
     time.sleep(fail_timeout_s)
+    since = cluster.nginx.access_log_size()
+    want = {a for r in cluster.replicas if r.alive() for a in r.addresses}
+    with grpc.insecure_channel(cluster.nginx.grpc_target) as ch:
+        health = health_pb2_grpc.HealthStub(ch)
+        for _ in range(400):
+            seen = {last_upstream(e) for e in cluster.nginx.access_log(since) if e["upstream"]}
+            if want <= seen:
+                return
+            key = uuid.uuid4().hex
+            httpx.get(cluster.nginx.http_url + "/healthz", headers={"X-Specsplit-Route": key}, timeout=10)
+            health.Check(health_pb2.HealthCheckRequest(service=""), metadata=(("x-specsplit-route", key),), timeout=10)
+    raise AssertionError(f"replicas {sorted(want - seen)} never answered through nginx")
 
 
 __all__ = ["PausedRuns", "edge_client", "holder_of", "is_session_call", "keep_two_alive", "last_upstream",
