@@ -62,14 +62,16 @@ def forward_ms(model: Any, ctx: list[int], n_new: int, repeats: int = 7) -> floa
     """Median ms of one forward over n_new tokens after ctx is cached (the cache is cropped back each time)."""
     from transformers import DynamicCache
 
+    from shared.kvpool import cache_kwarg
+
     with torch.no_grad():
         cache = DynamicCache()
-        model(input_ids=torch.tensor([ctx]), past_key_values=cache, use_cache=True)
+        model(input_ids=torch.tensor([ctx]), use_cache=True, **{cache_kwarg(model): cache})
         new = torch.tensor([ctx[-n_new:]])  # [1, n_new]: any ids; the cost depends on the count only
         times = []
         for _ in range(repeats):
             t0 = time.perf_counter()
-            model(input_ids=new, past_key_values=cache, use_cache=True)
+            model(input_ids=new, use_cache=True, **{cache_kwarg(model): cache})
             times.append((time.perf_counter() - t0) * 1000)
             cache.crop(-n_new)  # remove the n_new tokens just added
     return statistics.median(times)

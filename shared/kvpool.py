@@ -34,6 +34,8 @@ Falcon-H1, Qwen3-Next) cannot be rolled back by position and are refused by `att
 
 from __future__ import annotations
 
+import functools
+import inspect
 import threading
 import weakref
 from dataclasses import dataclass
@@ -46,6 +48,24 @@ from shared.blocks import BlockManager, OutOfBlocks
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 
+
+
+def cache_kwarg(model: Any) -> str:
+    """The keyword a model's forward takes its KV cache by: `cache` from transformers 5.24 on,
+    `past_key_values` before (the old name still works there, with a deprecation warning)."""
+    forward = type(model).forward
+    return _cache_kwarg(forward)
+
+
+@functools.cache
+def _cache_kwarg(forward: Any) -> str:
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+
+
+def cache_of(out: Any) -> Any:
+    """The KV cache a forward returned, under either name (see `cache_kwarg`)."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
 
 class UnsupportedModel(ValueError):
     """A model directory that cannot be used: no rollback by position, no tokenizer, an unreadable
@@ -134,8 +154,8 @@ class KVPool:
             return
         dev = next(model.parameters()).device  # type: ignore[attr-defined]
         out = model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=dev), use_cache=True,
-                    past_key_values=DynamicCache(config=model.config))  # type: ignore[operator, arg-type]
-        layers = out.past_key_values.layers
+                    **{cache_kwarg(model): DynamicCache(config=model.config)})  # type: ignore[operator, arg-type]
+        layers = cache_of(out).layers
         self._shapes = [(int(la.keys.shape[1]), int(la.keys.shape[3]), int(la.values.shape[3])) for la in layers]
         size = torch.tensor([], dtype=self.dtype).element_size()
         self.bytes_per_position = sum(h * (dk + dv) for h, dk, dv in self._shapes) * size
@@ -266,7 +286,7 @@ class KVPool:
         masks: Any = {FULL: dummy, SLIDING: dummy} if self.layout.by_type else dummy
         with _paged_attention(model, self, batch):
             out = model(input_ids=batch.ids, position_ids=batch.positions, attention_mask=masks,
-                        past_key_values=view, use_cache=True, logits_to_keep=keep_idx)
+                        use_cache=True, logits_to_keep=keep_idx, **{cache_kwarg(model): view})
         logits = out.logits[0]  # [P, vocab]
         result, i = [], 0
         for keep in plan.keeps:
