@@ -49,7 +49,6 @@ from shared.blocks import BlockManager, OutOfBlocks
 FULL, SLIDING = "full_attention", "sliding_attention"
 
 
-
 def cache_kwarg(model: Any) -> str:
     """The keyword a model's forward takes its KV cache by: `cache` from transformers 5.24 on,
     `past_key_values` before (the old name still works there, with a deprecation warning)."""
@@ -66,6 +65,7 @@ def cache_of(out: Any) -> Any:
     """The KV cache a forward returned, under either name (see `cache_kwarg`)."""
     cache = getattr(out, "cache", None)
     return cache if cache is not None else out.past_key_values
+
 
 class UnsupportedModel(ValueError):
     """A model directory that cannot be used: no rollback by position, no tokenizer, an unreadable
