@@ -54,16 +54,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from cloud.app import serve
     from cloud.logs import setup_logging
-    from cloud.ports import PortInUse, check_ports_free
+    from cloud.ports import PortInUse
     from cloud.service import VerifierService
     from cloud.tensor_parallel import world_size
 
     if world_size() > 1:
         return _main_tensor_parallel(settings)
-    try:
-        check_ports_free(settings.host, settings.http_port, settings.grpc_port)  # before the model load
-    except OSError as e:
-        print(f"specsplit-cloud: cannot start: {e}", file=sys.stderr)
+    if not _ports_free(settings):
         return 2
     setup_logging(settings.log_level)
     try:
@@ -79,6 +76,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _ports_free(settings: CloudSettings) -> bool:
+    """Both ports free, checked before the model load; else one line on stderr."""
+    from cloud.ports import check_ports_free
+
+    try:
+        check_ports_free(settings.host, settings.http_port, settings.grpc_port)
+    except OSError as e:
+        print(f"specsplit-cloud: cannot start: {e}", file=sys.stderr)
+        return False
+    return True
+
+
 def _main_tensor_parallel(settings: CloudSettings) -> int:
     """One rank of a torchrun group: rank 0 serves, the others mirror its forwards."""
     import os
@@ -89,17 +98,13 @@ def _main_tensor_parallel(settings: CloudSettings) -> int:
     from cloud.app import serve
     from cloud.logs import setup_logging
     from cloud.model import TargetModel
-    from cloud.ports import PortInUse, check_ports_free
+    from cloud.ports import PortInUse
     from cloud.service import VerifierService
     from cloud.tensor_parallel import TensorGroup, serve_worker
 
     first = int(os.environ.get("RANK", "0")) == 0
-    if first:
-        try:
-            check_ports_free(settings.host, settings.http_port, settings.grpc_port)  # before the model load
-        except OSError as e:
-            print(f"specsplit-cloud: cannot start: {e}", file=sys.stderr)
-            return 2
+    if first and not _ports_free(settings):
+        return 2
     setup_logging(settings.log_level)
     group = TensorGroup(settings.device)
     try:
