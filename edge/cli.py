@@ -69,8 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
                                        "a load balancer hashing on it keeps the session on one replica")
     g.add_argument("--draft", help="tokens-only draft: a model directory or 'ngram' (default "
                                    "models/smollm2-135m-draft)")
-    g.add_argument("--head", help="feature-fed draft head directory (models/smollm2-135m-head), or 'none' (the "
-                                  "default); used whenever the cloud offers the target's features, --draft otherwise")
+    g.add_argument("--head", help="feature-fed draft head directory, or 'none' (default models/smollm2-135m-head); "
+                                  "used whenever the cloud offers features that match it, --draft otherwise")
     g.add_argument("--feature-encoding", choices=["float16", "int8"],
                    help="how the cloud sends the feature (default float16: 1,152 bytes a round for SmolLM2)")
     g.add_argument("--tokenizer", help="tokenizer directory (default: the draft's; with --draft ngram, "

@@ -26,7 +26,7 @@ from .kcontrol import CostModelK
 from .metrics import CommittedToken, EdgeMetrics, Origin, RoundRecord
 from .pairing import check_pairing, fit_drafter
 from .round_control import KController
-from .settings import EdgeSettings, Mode
+from .settings import EdgeSettings, Mode, default_head
 from .speculative import RecoveryPolicy, SessionParams, SpeculativeRun
 from .transport.base import ModelInfo, Transport, check_route_key, new_route_key
 from .transport.errors import CloudTimeout, is_retryable, retry_delay
@@ -365,9 +365,11 @@ class EdgeClient:
                 return FeatureDrafter(self._head, drafter)
             if not self._head_warned:
                 self._head_warned = True
-                log.warning("the feature-fed head %s was trained on another target (width %d, tokenizer %s; the "
-                            "cloud's: %d, %s): drafting without it", self.settings.head, cfg.hidden_size,
-                            cfg.tokenizer_fingerprint, info.feature_size, info.tokenizer_fingerprint)
+                quiet = self.settings.head == default_head()  # the default head meets other targets silently
+                (log.info if quiet else log.warning)(
+                    "the feature-fed head %s was trained on another target (width %d, tokenizer %s; the cloud's: "
+                    "%d, %s): drafting without it", self.settings.head, cfg.hidden_size, cfg.tokenizer_fingerprint,
+                    info.feature_size, info.tokenizer_fingerprint)
         return None
 
     def _speculative(self, job: _Job, drafter: Drafter | None = None, origin_map: dict[str, Origin] | None = None,

@@ -32,9 +32,9 @@ DEFAULT_HEAD = "smollm2-135m-head"
 
 
 def default_head() -> str:
-    """No head by default yet: the committed one drafts worse than the distilled draft under the default
-    repetition penalty (BENCHMARKS.md, the real pair); pass --head models/smollm2-135m-head to use it."""
-    return "none"
+    """The real pair's head when the repository holds it, else "none" (the draft alone). The edge uses it
+    only with a cloud whose features match it (hidden size and tokenizer fingerprint)."""
+    return str(REPO_ROOT / "models" / DEFAULT_HEAD) if (REPO_ROOT / "models" / DEFAULT_HEAD).is_dir() else "none"
 
 
 def default_draft() -> str:
