@@ -1,9 +1,10 @@
-"""The real default pair end to end: SmolLM2-135M-Instruct verifies the distilled draft's guesses.
+"""The real default pair end to end: SmolLM2-135M-Instruct verifies its drafts' guesses.
 
 `scripts/setup.sh` converts the target into models/smollm2-135m-instruct (so CI has it); the drafts
-models/smollm2-135m-head (feature-fed) and models/smollm2-135m-draft are committed. For a chat prompt
-sent through the tokenizer's template, the greedy speculative text (the feature-fed head, also across a
-reopen, the distilled draft and the n-gram drafter, over REST and gRPC) must equal the
+models/smollm2-135m-head (feature-fed), models/smollm2-135m-draft (distilled) and
+models/smollm2-135m-draft-from-target (cut from the target) are committed. For a chat prompt sent
+through the tokenizer's template, the greedy speculative text (the feature-fed head, also across a
+reopen, each tokens-only draft and the n-gram drafter, over REST and gRPC) must equal the
 target's own greedy text (the cloud's POST /v1/generate) over 64 tokens, token for token, with no
 token committed unverified. A divergence is accepted only where the target's two candidates are a
 float tie (see test_edge_greedy.assert_equal_or_tie).
@@ -28,6 +29,7 @@ REPO = Path(__file__).resolve().parents[2]
 TARGET = REPO / "models" / "smollm2-135m-instruct"
 DRAFT = REPO / "models" / "smollm2-135m-draft"
 HEAD = REPO / "models" / "smollm2-135m-head"
+CUT = REPO / "models" / "smollm2-135m-draft-from-target"
 N_NEW = 64
 QUESTION = "Write a Python function that returns the n-th Fibonacci number."
 
@@ -72,21 +74,24 @@ def settings(cloud: CloudProcess, transport: str, **kw: Any) -> EdgeSettings:
 
 
 @pytest.mark.parametrize("transport", ["rest", "grpc"])
-@pytest.mark.parametrize("kind", ["head", "head-reopen", "model", "ngram"])
+@pytest.mark.parametrize("kind", ["head", "head-reopen", "model", "cut", "ngram"])
 def test_real_pair_greedy_speculative_equals_the_target(real_cloud: CloudProcess, real_tokenizer: Any,
                                                         references: dict[str, Any], kind: str,
                                                         transport: str) -> None:
     """kind "head": the feature-fed head (the committed one) with the distilled draft as its fallback;
-    "head-reopen": the same with the session closed behind the edge's back before its 4th round."""
+    "head-reopen": the same with the session closed behind the edge's back before its 4th round; "model":
+    the distilled draft; "cut": the tokens-only draft cut from the target (a compact directory)."""
     from transformers import AutoModelForCausalLM
 
     from tests.e2e.test_feature_fed import ClosesOnce
 
     if kind.startswith("head") and not HEAD.is_dir():
         raise RuntimeError(f"{HEAD} is missing: it is committed with the repository")
+    if kind == "cut" and not CUT.is_dir():
+        raise RuntimeError(f"{CUT} is missing: it is committed with the repository")
     s = settings(real_cloud, transport, head=str(HEAD) if kind.startswith("head") else "none", draft=str(DRAFT))
     ref = references["result"]
-    drafter = NGramDrafter(order=4) if kind == "ngram" else ModelDrafter(DRAFT)
+    drafter = NGramDrafter(order=4) if kind == "ngram" else ModelDrafter(CUT if kind == "cut" else DRAFT)
     transport_ = ClosesOnce(EdgeClient(s).transport) if kind == "head-reopen" else None
     spec = EdgeClient(s, drafter=drafter, tokenizer=real_tokenizer, transport=transport_).generate(
         chat(real_tokenizer, QUESTION))
