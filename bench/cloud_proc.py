@@ -18,6 +18,7 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 # unseeded by any test's random.seed
 _PORTS = random.SystemRandom()
+_GIVEN: set[int] = set()  # every port free_port has handed out in this process
 
 
 def _ephemeral_range() -> tuple[int, int]:
@@ -35,11 +36,14 @@ def free_port() -> int:
     lo = _ephemeral_range()[0]
     for _ in range(200):
         port = _PORTS.randrange(max(1024, lo - 20_000), lo)
+        if port in _GIVEN:  # handed out already: its child may not have bound it yet
+            continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
+            _GIVEN.add(port)
             return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
