@@ -115,7 +115,8 @@ def run_session(settings: Any, tokenizer: Any, text: str) -> Any:
     return EdgeClient(settings, tokenizer=tokenizer).generate(chat_ids(tokenizer, text))
 
 
-DRAFTS: dict[str, dict[str, Any]] = {"feature-fed head": {"draft": str(DRAFT), "head": str(HEAD)},
+DRAFTS: dict[str, dict[str, Any]] = {"feature-fed head": {"draft": str(CUT if CUT.is_dir() else DRAFT),
+                                                          "head": str(HEAD)},
           "distilled draft": {"draft": str(DRAFT), "head": "none"},
           "draft from the target": {"draft": str(CUT), "head": "none"},
           "n-gram": {"draft": "ngram", "tokenizer": str(DRAFT), "head": "none"}}

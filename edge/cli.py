@@ -68,13 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--route-key", help="routing key sent as X-Specsplit-Route (default: a random one per run); "
                                        "a load balancer hashing on it keeps the session on one replica")
     g.add_argument("--draft", help="tokens-only draft: a model directory or 'ngram' (default "
-                                   "models/smollm2-135m-draft)")
+                                   "models/smollm2-135m-draft-from-target)")
     g.add_argument("--head", help="feature-fed draft head directory, or 'none' (default models/smollm2-135m-head); "
                                   "used whenever the cloud offers features that match it, --draft otherwise")
     g.add_argument("--feature-encoding", choices=["float16", "int8"],
                    help="how the cloud sends the feature (default float16: 1,152 bytes a round for SmolLM2)")
     g.add_argument("--tokenizer", help="tokenizer directory (default: the draft's; with --draft ngram, "
-                                       "models/smollm2-135m-draft, SmolLM2-135M-Instruct's tokenizer)")
+                                       "models/smollm2-135m-draft-from-target, SmolLM2-135M-Instruct's tokenizer)")
     g.add_argument("--mode", choices=["speculative", "edge_only", "cloud_only"])
     g.add_argument("--max-new-tokens", type=int)
     g.add_argument("--temperature", type=float, help="0 = greedy (default 1.0)")

@@ -78,7 +78,8 @@ def settings(cloud: CloudProcess, transport: str, **kw: Any) -> EdgeSettings:
 def test_real_pair_greedy_speculative_equals_the_target(real_cloud: CloudProcess, real_tokenizer: Any,
                                                         references: dict[str, Any], kind: str,
                                                         transport: str) -> None:
-    """kind "head": the feature-fed head (the committed one) with the distilled draft as its fallback;
+    """kind "head": the feature-fed head (the committed one) with the draft cut from the target as its fallback
+    (the edge's defaults);
     "head-reopen": the same with the session closed behind the edge's back before its 4th round; "model":
     the distilled draft; "cut": the tokens-only draft cut from the target (a compact directory)."""
     from transformers import AutoModelForCausalLM
@@ -89,9 +90,10 @@ def test_real_pair_greedy_speculative_equals_the_target(real_cloud: CloudProcess
         raise RuntimeError(f"{HEAD} is missing: it is committed with the repository")
     if kind == "cut" and not CUT.is_dir():
         raise RuntimeError(f"{CUT} is missing: it is committed with the repository")
-    s = settings(real_cloud, transport, head=str(HEAD) if kind.startswith("head") else "none", draft=str(DRAFT))
+    tokens_only = DRAFT if kind == "model" else CUT
+    s = settings(real_cloud, transport, head=str(HEAD) if kind.startswith("head") else "none", draft=str(tokens_only))
     ref = references["result"]
-    drafter = NGramDrafter(order=4) if kind == "ngram" else ModelDrafter(CUT if kind == "cut" else DRAFT)
+    drafter = NGramDrafter(order=4) if kind == "ngram" else ModelDrafter(tokens_only)
     transport_ = ClosesOnce(EdgeClient(s).transport) if kind == "head-reopen" else None
     spec = EdgeClient(s, drafter=drafter, tokenizer=real_tokenizer, transport=transport_).generate(
         chat(real_tokenizer, QUESTION))
@@ -120,8 +122,8 @@ def test_real_target_split_over_three_ranks_gives_the_same_text(real_tokenizer: 
 
     with TorchrunCloud(TARGET, 3) as three:
         assert httpx.get(three.http_url + "/v1/model").json()["tensor_parallel"] == 3
-        s = settings(three, "rest", head=str(HEAD), draft=str(DRAFT))
-        spec = EdgeClient(s, drafter=ModelDrafter(DRAFT), tokenizer=real_tokenizer).generate(
+        s = settings(three, "rest", head=str(HEAD), draft=str(CUT))
+        spec = EdgeClient(s, drafter=ModelDrafter(CUT), tokenizer=real_tokenizer).generate(
             chat(real_tokenizer, QUESTION))
         memory = rank_memory(three.log_path.read_text(errors="replace"))
     ref = references["result"]
