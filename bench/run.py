@@ -6,7 +6,7 @@ write BENCHMARKS.md plus its PNG figures.
     specsplit-bench --from-json bench/plots/results.json          # re-render from raw results
     specsplit-bench --only capacity      # the cloud capacity section alone (a few minutes)
     specsplit-bench --only network       # speculation over 0-100 ms round trips alone (about 15 minutes)
-    specsplit-bench --only real-pair     # SmolLM2-135M-Instruct + its distilled draft (about 10 minutes)
+    specsplit-bench --only real-pair     # SmolLM2-135M-Instruct and its drafts (about 15 minutes)
     specsplit-bench --only tp            # the target over 1, 2, 3 tensor-parallel ranks (--target; a few minutes)
 """
 
