@@ -115,11 +115,14 @@ def run_session(settings: Any, tokenizer: Any, text: str) -> Any:
     return EdgeClient(settings, tokenizer=tokenizer).generate(chat_ids(tokenizer, text))
 
 
-DRAFTS: dict[str, dict[str, Any]] = {"feature-fed head": {"draft": str(CUT if CUT.is_dir() else DRAFT),
-                                                          "head": str(HEAD)},
-          "distilled draft": {"draft": str(DRAFT), "head": "none"},
-          "draft from the target": {"draft": str(CUT), "head": "none"},
-          "n-gram": {"draft": "ngram", "tokenizer": str(DRAFT), "head": "none"}}
+def drafts() -> dict[str, dict[str, Any]]:
+    """The settings of each draft measured; the head falls back on the edge's default tokens-only draft."""
+    from edge.settings import default_draft
+
+    return {"feature-fed head": {"draft": default_draft(), "head": str(HEAD)},
+            "distilled draft": {"draft": str(DRAFT), "head": "none"},
+            "draft from the target": {"draft": str(CUT), "head": "none"},
+            "n-gram": {"draft": "ngram", "tokenizer": str(DRAFT), "head": "none"}}
 
 
 def fixed_k(cloud_url: str, tokenizer: Any, n_new: int, prompts: list[str]) -> list[dict[str, Any]]:
@@ -130,7 +133,7 @@ def fixed_k(cloud_url: str, tokenizer: Any, n_new: int, prompts: list[str]) -> l
     penalty = EdgeSettings.model_fields["repetition_penalty"].default
     cases = [(0.0, penalty, k) for k in KS] + [(0.0, 1.0, 6), (0.7, penalty, 6)]
     rows = []
-    for name, where in DRAFTS.items():
+    for name, where in drafts().items():
         if (name == "feature-fed head" and not HEAD.is_dir()) or (name == "draft from the target" and not CUT.is_dir()):
             continue
         for temp, rep, k in cases:
