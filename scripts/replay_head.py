@@ -5,10 +5,13 @@ given repetition penalty, keeping its normed state at every position. Rounds of 
 they do live: the head (`FeatureDrafter`, the class the edge runs) gets the feature the cloud would
 send (the state after the last accepted draft, or after the prompt for the first round), steps through
 the correction and drafts k tokens, which are checked against the answer. Prints tokens per verify
-call and the first-position acceptance.
+call and the first-position acceptance; with --breakdown also, teacher-forced at every answer position
+(the head steps from the state before it), how often the head's raw argmax is the target's, and how often
+the repetition penalty, applied alike to both, turns a match into a miss or a miss into a match.
 
     .venv/bin/python scripts/replay_head.py                          # six bench prompts, penalty 1.1
     .venv/bin/python scripts/replay_head.py --penalty 1.0 --prompts eval --work /work/runs/heads
+    .venv/bin/python scripts/replay_head.py --breakdown                # what the penalty does to a match
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n", type=int, default=6, help="prompts")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--k", type=int, default=6)
+    ap.add_argument("--breakdown", action="store_true", help="also the penalty's effect on first positions")
     args = ap.parse_args(argv)
     from transformers import AutoModelForCausalLM, AutoTokenizer
     torch.set_num_threads(2)
@@ -73,11 +77,14 @@ def main(argv: list[str] | None = None) -> int:
     drafter = FeatureDrafter(FeatureHead.load(args.head), None)
     drafter.vocab_size = model.config.vocab_size
     calls = tokens = first = 0
+    split = {"raw match": 0, "match -> miss": 0, "miss -> match": 0, "positions": 0}
     for prompt in prompts:
         enc: Any = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                            tokenize=True)
         ids = [int(t) for t in (enc["input_ids"] if hasattr(enc, "keys") else enc)]
         ans, states = answer(model, ids, args.tokens, cfg)
+        if args.breakdown:
+            penalty_split(drafter.head, model.lm_head.weight, ids, ans, states, cfg, split)
         done = anchor = 0  # committed answer tokens; the feature follows ids + ans[:anchor]
         while done + args.k + 1 < len(ans):
             drafter.set_feature(ids + ans[:anchor], states[anchor])
@@ -90,7 +97,30 @@ def main(argv: list[str] | None = None) -> int:
             done += la + 1
     print(f"{args.prompts} prompts x {len(prompts)}, penalty {args.penalty}, k = {args.k}: {calls} verify calls, "
           f"{tokens / calls:.2f} tokens per call, first-position acceptance {first / calls:.2f}")
+    if args.breakdown:
+        n = max(split.pop("positions"), 1)
+        print("teacher-forced over the answers (" + str(n) + " positions): "
+              + ", ".join(f"{name} {count / n:.3f}" for name, count in split.items()))
     return 0
+
+
+@torch.inference_mode()
+def penalty_split(head: FeatureHead, out_weight: torch.Tensor, ids: list[int], ans: list[int],
+                  states: list[torch.Tensor], cfg: SamplingConfig, split: dict[str, int]) -> None:
+    """At each answer position i + 1: the head steps from the target's state before it through ans[i];
+    counts raw-argmax agreement with the target, and the matches the penalty breaks or makes."""
+    for i in range(len(ans) - 1):
+        s = head.step(states[i].float(), torch.tensor(ans[i]))
+        head_raw = torch.full((out_weight.shape[0],), float("-inf"))  # [vocab]
+        head_raw[head.out_ids] = head.logits(s).float()
+        target_raw = states[i + 1].float() @ out_weight.T  # [vocab]
+        seen = ids + ans[: i + 1]
+        raw_match = int(head_raw.argmax()) == int(target_raw.argmax())
+        pen_match = int(processed_probs(head_raw[None], cfg, seen)[0].argmax()) == ans[i + 1]
+        split["positions"] += 1
+        split["raw match"] += raw_match
+        split["match -> miss"] += raw_match and not pen_match
+        split["miss -> match"] += pen_match and not raw_match
 
 
 if __name__ == "__main__":
