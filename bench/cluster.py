@@ -359,6 +359,17 @@ class Nginx:
             lines = f.read().decode(errors="replace").splitlines()
         return [json.loads(line) for line in lines if line.strip()]
 
+    def session_calls(self, since: int, expect: int, timeout_s: float = 10.0) -> list[dict[str, str]]:
+        """The session calls logged from byte `since`, once `expect` of them are there (or `timeout_s` has
+        passed). nginx writes a record after the answer has gone out, so a client can hold the answer to its
+        last call before that call's record exists."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            calls = [e for e in self.access_log(since) if is_session_call(e)]
+            if len(calls) >= expect or time.monotonic() > deadline:
+                return calls
+            time.sleep(0.05)
+
 
 @dataclass
 class ClusterConfig:

@@ -32,7 +32,6 @@ from tests.e2e.replicas import (
     PausedRuns,
     edge_client,
     holder_of,
-    is_session_call,
     keep_two_alive,
     last_upstream,
     opens_logged,
@@ -116,7 +115,7 @@ def test_sixteen_generations_spread_over_three_replicas(cluster: Cluster, tokeni
         assert r.token_ids == greedy_text[PROMPTS[i % len(PROMPTS)]], i
         assert r.metrics.reopens == 0
     assert len({r.route_key for r in results.values()}) == 16
-    calls = [e for e in cluster.nginx.access_log(since) if is_session_call(e)]
+    calls = cluster.nginx.session_calls(since, sum(r.metrics.cloud_calls for r in results.values()))
     for r in results.values():  # affinity: every call of a generation answered by one replica
         mine = [e for e in calls if e["route"] == r.route_key]
         assert len(mine) == r.metrics.cloud_calls
@@ -161,7 +160,7 @@ def test_killing_the_replica_that_holds_the_sessions(cluster: Cluster, tokenizer
     for name, r in results.items():
         assert r.metrics.reopens >= 1 and r.metrics.local_commits == 0, name
         assert r.route_key == key
-    calls = [e for e in cluster.nginx.access_log(since) if is_session_call(e)]
+    calls = cluster.nginx.session_calls(since, sum(r.metrics.cloud_calls for r in results.values()))
     assert {e["route"] for e in calls} == {key}
     assert len(calls) == sum(r.metrics.cloud_calls for r in results.values())
     after_kill = [e for e in calls if e["status"] == "200"][-3:]  # the three closes
