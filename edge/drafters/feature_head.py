@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from shared.config import SamplingConfig
+from shared.hf_model import store_weights_for_few_rows
 from shared.rng import position_uniform, sample_index
 from shared.sampling import process_logits
 from shared.verify import DraftKind
@@ -122,7 +123,9 @@ class FeatureHead(nn.Module):
         head = cls(cfg)
         state = {k: (v.float() if v.is_floating_point() else v) for k, v in load_file(str(head_dir / WEIGHTS_NAME)).items()}
         head.load_state_dict(state)
-        return head.to(device).eval()
+        head = head.to(device).eval()
+        store_weights_for_few_rows(head, also=(head.out,))
+        return head
 
 
 def is_feature_head(path: str | Path) -> bool:
