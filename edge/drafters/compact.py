@@ -37,9 +37,11 @@ def load_compact(model_dir: Path, device: str, dtype: torch.dtype) -> tuple[Any,
     """(the model in eval mode with its n-row output layer, the ids of those rows [n])."""
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
     model_dir = Path(model_dir)
     config = AutoConfig.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    with no_init_weights():  # every weight is read below: a random start would only cost time
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     missing, unexpected = model.load_state_dict(load_file(str(model_dir / "model.safetensors")), strict=False)
     if unexpected or set(missing) - set(TABLES):
         raise UnsupportedModel(f"{model_dir}: model.safetensors does not fit its config (missing "
