@@ -90,7 +90,8 @@ class TargetModel:
         if self.feature_size:
             head.register_forward_pre_hook(lambda _m, args: self._captured.append(args[0]))
         # bytes of this process's weights (its shard under tensor parallelism)
-        self.weight_bytes = sum(_local(p).numel() * p.element_size() for p in self.model.parameters())
+        self.weight_bytes = sum(_local(p).numel() * p.element_size() for p in self.model.parameters()) + \
+            getattr(self.model, "packed_copy_bytes", 0)
         log.info("target loaded: %s", self.info)
         if group is not None:
             log.info("tensor-parallel rank memory", extra={"fields": {

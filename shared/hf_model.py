@@ -15,29 +15,12 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from shared.cpu_weights import pack_weights
 from shared.kvpool import KVPool, Row, UnsupportedModel, attention_layout
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # check_rollback: largest |batched - plain| logit difference allowed, relative to 1 + max |logit|
 ROLLBACK_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.1, torch.float16: 0.05}
-
-
-def store_weights_for_few_rows(module: torch.nn.Module, also: tuple[torch.nn.Parameter, ...] = ()) -> int:
-    """Keep each float32 Linear weight on the CPU as the transpose of a contiguous [in, out] tensor: the same
-    values and shape, another memory order. Decoding multiplies 1 to 8 rows by each weight; MKL does 1 to 3
-    rows 1.3-1.8x faster in this order (SmolLM2-135M's output layer, one thread: 3.9 against 7.0 ms for one
-    row, 8.5 against 14.5 for two; a whole forward of one new token 29 against 38 ms), and longer inputs at
-    the same speed. Tied tables stay tied; an embedding lookup reads the strided rows. Returns how many
-    weights were stored so (`also`: more [out, in] weights, used as `x @ w.T`). Not applied under tensor
-    parallelism (its shards are placed by their plan)."""
-    n = 0
-    weights = [m.weight for m in module.modules() if isinstance(m, torch.nn.Linear)] + list(also)
-    for w in weights:
-        if (isinstance(w, torch.nn.Parameter) and w.device.type == "cpu" and w.dtype == torch.float32
-                and w.dim() == 2 and w.is_contiguous()):
-            w.data = w.data.t().contiguous().t()
-            n += 1
-    return n
 
 
 def eos_ids(model: torch.nn.Module) -> list[int]:
@@ -75,8 +58,8 @@ def load_causal_lm(model_dir: Path, device: str, dtype: torch.dtype, *, tensor_p
                 raise UnsupportedModel(f"cannot load {model_dir}: {str(e).splitlines()[0]}") from None
     assert model is not None
     model.to(torch.device(device))  # type: ignore[arg-type]
-    if not tensor_parallel:
-        store_weights_for_few_rows(model)
+    # bytes of the packed copies of tied weights (shared/cpu_weights.py); shards are placed by their plan
+    setattr(model, "packed_copy_bytes", 0 if tensor_parallel else pack_weights(model))  # noqa: B010
     return model.eval()
 
 

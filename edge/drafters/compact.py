@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from shared.hf_model import store_weights_for_few_rows
+from shared.cpu_weights import pack_weights
 from shared.kvpool import UnsupportedModel
 
 COMPACT = "compact.safetensors"
@@ -62,7 +62,7 @@ def load_compact(model_dir: Path, device: str, dtype: torch.dtype) -> tuple[Any,
         head.weight.copy_(rows)
     model.set_output_embeddings(head)
     model.to(torch.device(device))
-    store_weights_for_few_rows(model)
+    pack_weights(model)  # its output rows are its own: no copy
     return model.eval(), ids.to(device)
 
 

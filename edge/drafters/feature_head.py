@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from shared.config import SamplingConfig
-from shared.hf_model import store_weights_for_few_rows
+from shared.cpu_weights import linear, pack_weights, packed_parameter
 from shared.rng import position_uniform, sample_index
 from shared.sampling import process_logits
 from shared.verify import DraftKind
@@ -105,7 +105,7 @@ class FeatureHead(nn.Module):
 
     def logits(self, s: torch.Tensor) -> torch.Tensor:
         """Logits over `out_ids` ([..., n_out])."""
-        return s @ self.out.T
+        return linear(s, self.out)
 
     def save(self, out_dir: Path) -> None:
         from safetensors.torch import save_file
@@ -124,7 +124,8 @@ class FeatureHead(nn.Module):
         state = {k: (v.float() if v.is_floating_point() else v) for k, v in load_file(str(head_dir / WEIGHTS_NAME)).items()}
         head.load_state_dict(state)
         head = head.to(device).eval()
-        store_weights_for_few_rows(head, also=(head.out,))
+        pack_weights(head)
+        head.out = packed_parameter(head.out)
         return head
 
 
