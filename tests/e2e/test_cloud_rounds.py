@@ -111,12 +111,32 @@ def test_retried_round_is_idempotent(client: RestClient | GrpcClient, drafter: D
     assert client.get(ctx_id)["counters"]["replayed"] == 1
 
 
-def test_round_replayed_after_the_edge_timed_out(client: RestClient | GrpcClient, cloud_server: CloudProcess,
-                                                 drafter: Drafter, target: CausalLM,
-                                                 tokenizer) -> None:  # type: ignore[no-untyped-def]
+@pytest.fixture(scope="module")
+def heavy_forward_cloud(demo_target_dir: Path) -> Iterator[CloudProcess]:
+    """The demo target with rounds riding in forwards that carry up to 1,024 prefill tokens. Under a burst
+    of long opens a round then waits for the forward in flight and rides in a whole prefill forward, so
+    it takes longer than 50 ms whenever it arrives. (With the default 64 it rides in a small forward and
+    may be answered within 50 ms, if it arrives as a prefill forward ends.)"""
+    with CloudProcess(demo_target_dir, extra_args=("--max-prefill-tokens-with-rounds", "1024")) as c:
+        yield c
+
+
+@pytest.fixture(params=["rest", "grpc"])
+def heavy_client(request: pytest.FixtureRequest, heavy_forward_cloud: CloudProcess,
+                 ) -> Iterator[RestClient | GrpcClient]:
+    c = RestClient(heavy_forward_cloud.http_url) if request.param == "rest" \
+        else GrpcClient(heavy_forward_cloud.grpc_target)
+    yield c
+    c.shutdown()
+
+
+def test_round_replayed_after_the_edge_timed_out(heavy_client: RestClient | GrpcClient,
+                                                 heavy_forward_cloud: CloudProcess, drafter: Drafter,
+                                                 target: CausalLM, tokenizer) -> None:  # type: ignore[no-untyped-def]
     """The model is kept busy (~0.6 s of long prefills queued first), the edge gives up on its round
     after 50 ms; the server still applies it; the edge's retry (same request_id) gets the same answer
     without a second application, and the session goes on exactly like the reference."""
+    client, cloud_server = heavy_client, heavy_forward_cloud
     cfg = SamplingConfig(1.0, 0.9, 0, 1.1)
     prompt = encode(tokenizer, "class Stack:\n    def push(self, x):")
     ctx_id, edge, _ = run_rounds(client, drafter, target, prompt, cfg, seed=5, rounds=1)
