@@ -3,15 +3,15 @@
 Decoding multiplies a few rows by every weight: one token of cloud_only, the k + 1 tokens of a verify,
 one token of a draft step. torch's Linear calls MKL's sgemm on the CPU, which takes about as long per
 row for 2 or 3 rows as for one. oneDNN, given a weight once in its own blocked order, multiplies 1 to 9
-rows in about the time of one (SmolLM2-135M's 49,152 x 576 output layer, one thread: 3.7 ms for 1 row,
-3.3 for 3, 4.5 for 8; MKL 7.0, 21.2, 13.7), and a whole prompt faster too. `pack_weights` reorders each
-float32 Linear weight of a model once, at load, and has the Linear call oneDNN with it. The values are the
-same; their sums are taken in another order (SmolLM2's logits within 1e-4 of MKL's), as between any two
-batch shapes. A weight a Linear shares with another module (an output layer tied to the input
-embedding, whose lookups need the plain rows) is packed as a copy: `pack_weights` returns those bytes.
-Without oneDNN, weights are kept as the transpose of a contiguous [in, out] tensor instead, which MKL
-multiplies by 1 to 3 rows 1.3-1.8x faster than in the file's order. Inference only: a packed weight has
-no gradient.
+rows in not much more than the time of one, and a whole prompt faster too (SmolLM2-135M on one thread, a
+forward of 1 / 3 / 9 new tokens: BENCHMARKS.md "The real pair", `specsplit-bench --only real-pair`, times
+both in one run). `pack_weights` reorders each float32 Linear weight of a model once, at load, and has
+the Linear call oneDNN with it. The values are the same; their sums are taken in another order (logits
+within 1e-4 of the plain Linear's, tests/shared/test_cpu_weights.py), as between any two batch shapes. A
+weight a Linear shares with another module (an output layer tied to the input embedding, whose lookups
+need the plain rows) is packed as a copy: `pack_weights` returns those bytes. Without oneDNN, weights
+are kept as the transpose of a contiguous [in, out] tensor instead, an order in which MKL multiplies one
+to three rows faster than in the file's. Inference only: a packed weight has no gradient.
 """
 
 from __future__ import annotations
@@ -64,12 +64,12 @@ def pack_weights(module: torch.nn.Module) -> int:
     copies made for weights shared with other modules (0 when none is). Without oneDNN, transposes them."""
     others = {id(p) for m in module.modules() if not isinstance(m, torch.nn.Linear)
               for p in m.parameters(recurse=False)}
-    extra = 0
+    extra, can_pack = 0, packing_available()
     for m in module.modules():
         if not (isinstance(m, torch.nn.Linear) and _eligible(m.weight)):
             continue
         w = m.weight
-        if not packing_available():
+        if not can_pack:
             w.data = w.data.t().contiguous().t()
             continue
         if id(w) in others:  # tied: the other module reads the plain rows
