@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench.runner import Runner, RunResults
     from bench.stats import analyse
 
-    if args.only == "real-pair":  # SmolLM2-135M-Instruct and its distilled draft (bench/real_pair.py)
+    if args.only == "real-pair":  # SmolLM2-135M-Instruct and its drafts (bench/real_pair.py)
         from bench.real_pair import run as run_real_pair
 
         return run_real_pair(args.out, command)
