@@ -35,6 +35,7 @@ from shared.kvpool import KVPool, Row
 from shared.protocol import RoundMetrics, SparseDist, VerifyRequest, VerifyResponse
 from shared.rng import SAMPLE, position_uniform, sample_index
 from shared.sampling import RowSampling, processed_probs
+from shared.tree import TreeOutcome, check_tree, depths, verify_tree
 from shared.verify import VerifyOutcome, check_draft, dense_from_sparse, verify_round
 
 HASH_RE = re.compile(r"[0-9a-f]{16}")
@@ -50,6 +51,8 @@ class RoundLimits:
     max_context: int
     # rows of the logits: valid ids are [0, vocab_size)
     vocab_size: int
+    # most nodes of a token tree (0: chains only)
+    max_tree_nodes: int = 0
 
 
 @dataclass
@@ -57,7 +60,7 @@ class RoundResult:
     # the answer (metrics.queue_ms is the caller's to fill)
     response: VerifyResponse
     # the verify rule's full outcome (alphas for logs and metrics); None when replayed
-    outcome: VerifyOutcome | None
+    outcome: VerifyOutcome | TreeOutcome | None
     # answered from the replay cache: no forward, context unchanged
     replayed: bool = False
 
@@ -75,7 +78,15 @@ def check_request(req: VerifyRequest, declared_k: int, lim: RoundLimits, session
     k = len(d.draft_tokens)
     if declared_k != k:
         raise InvalidArgument(f"k = {declared_k} but len(draft_tokens) = {k}")
-    if k > lim.max_k:
+    tree = d.tree_parents is not None
+    if tree:
+        if k > lim.max_tree_nodes:
+            raise InvalidArgument(f"a tree of {k} nodes exceeds the limit max_tree_nodes = {lim.max_tree_nodes}",
+                                  limit="max_tree_nodes")
+        if req.check_last or d.q_dists is not None:
+            raise InvalidArgument("a token tree takes neither check_last nor q_dists (its rule needs no q)")
+        check_tree(d.tree_parents, d.draft_tokens)  # type: ignore[arg-type]
+    elif k > lim.max_k:
         raise InvalidArgument(f"k = {k} exceeds the limit max_k = {lim.max_k}")
     if sampling_cfg is not None and sampling_cfg != session_cfg:
         raise InvalidArgument("sampling_cfg differs from the session's", session_sampling_cfg=session_cfg.to_dict())
@@ -117,7 +128,7 @@ def fingerprint(req: VerifyRequest) -> str:
     d = req.draft
     dists = None if d.q_dists is None else [(sd.ids, sd.probs) for sd in d.q_dists]
     body = (req.ctx_id, req.ctx_len, req.ctx_hash, req.append_ids, req.return_top_k, d.draft_tokens,
-            d.q_token_probs, d.draft_kind, dists, d.hard_mask, req.check_last)
+            d.q_token_probs, d.draft_kind, dists, d.hard_mask, req.check_last, d.tree_parents)
     return hashlib.sha256(repr(body).encode()).hexdigest()
 
 
@@ -165,6 +176,8 @@ class RoundPlan:
     fed: int = 0
     # the verify row as it ran (its kept positions' hidden states give the feature)
     row_run: Row | None = None
+    # a tree round: the tree's parents (shared/tree.py)
+    tree: list[int] | None = None
 
     def next_row(self, budget: int) -> Row:
         """The next forward of this round: a chunk of S' (keep = 0) while the rest does not fit in
@@ -175,7 +188,7 @@ class RoundPlan:
         rest = list(self.new.ids[fed:])
         if len(rest) + len(drafts) > budget and len(rest) > 1:
             return Row(r.slot, fed, rest[: max(1, min(budget, len(rest) - 1))], keep=0)
-        self.row_run = Row(r.slot, fed, rest + drafts, keep=r.keep)
+        self.row_run = Row(r.slot, fed, rest + drafts, keep=r.keep, tree=r.tree, tree_base=r.tree_base)
         return self.row_run
 
 
@@ -193,14 +206,17 @@ def plan_round(session: Session, req: VerifyRequest, fp: str) -> RoundPlan | Ver
     new = ctx.cut_and_extend(m, req.append_ids)
     c = min(session.kv_len, m, L - 1)
     fed = req.draft.draft_tokens[:-1] if req.check_last else req.draft.draft_tokens  # check_last: y_k is not run
-    return RoundPlan(new, c, Row(session.slot, c, list(new.ids[c:]) + fed, keep=len(fed) + 1), fp)
+    tree = req.draft.tree_parents
+    row = Row(session.slot, c, list(new.ids[c:]) + fed, keep=len(fed) + 1,  # a tree's nodes are stored after S'
+              tree=None if tree is None else tuple(tree), tree_base=L)
+    return RoundPlan(new, c, row, fp, tree=tree)
 
 
 def round_sampling(session: Session, req: VerifyRequest, plan: RoundPlan) -> RowSampling:
     """The processing of this round's kept logits: after S', then after each fed draft token."""
     d = req.draft
     fed = len(d.draft_tokens) - 1 if req.check_last else len(d.draft_tokens)  # drafts run through the target
-    return RowSampling(session.sampling_cfg, plan.new.ids, d.draft_tokens[:fed])
+    return RowSampling(session.sampling_cfg, plan.new.ids, d.draft_tokens[:fed], plan.tree)
 
 
 def finish_round(model: TargetModel, session: Session, req: VerifyRequest, q_dense: torch.Tensor | None,
@@ -215,7 +231,9 @@ def finish_round(model: TargetModel, session: Session, req: VerifyRequest, q_den
     cfg = session.sampling_cfg
     if p is None:
         spec = round_sampling(session, req, plan)
-        p = processed_probs(logits, cfg, spec.context_ids, spec.draft_ids)  # [fed + 1, vocab]
+        p = processed_probs(logits, cfg, spec.context_ids, spec.draft_ids, spec.parents)  # [fed + 1, vocab]
+    if plan.tree is not None:
+        return _finish_tree(model, session, req, plan, logits, p, prefill_ms, replay_keep)
     out = verify_round(p, d.draft_tokens, d.q_token_probs, seed=session.seed, ctx_len=L, greedy=cfg.greedy,
                        correction=session.correction,  # type: ignore[arg-type]
                        draft_kind=d.draft_kind,  # type: ignore[arg-type]
@@ -249,6 +267,45 @@ def finish_round(model: TargetModel, session: Session, req: VerifyRequest, q_den
     cnt = session.counters
     cnt.rounds, cnt.drafted, cnt.accepted = cnt.rounds + 1, cnt.drafted + k, cnt.accepted + la
     cnt.emitted += len(committed)
+    cnt.prefill_ms += prefill_ms
+    session.remember(req.request_id, plan.fp, resp, replay_keep)
+    return RoundResult(resp, out)
+
+
+def _finish_tree(model: TargetModel, session: Session, req: VerifyRequest, plan: RoundPlan, logits: torch.Tensor,
+                 p: torch.Tensor, prefill_ms: float, replay_keep: int) -> RoundResult:
+    """`finish_round` for a token tree: walk it (shared/tree.py), keep the accepted path's KV at the positions
+    it now holds, drop every other node's."""
+    d, L, new, tree = req.draft, req.ctx_len, plan.new, plan.tree
+    assert tree is not None and plan.row_run is not None
+    out = verify_tree(p, d.draft_tokens, tree, d.q_token_probs, seed=session.seed, ctx_len=L,
+                      greedy=session.sampling_cfg.greedy, correction=session.correction)
+    la, k = len(out.path), len(d.draft_tokens)
+    path_tokens = [d.draft_tokens[j] for j in out.path]
+    final = new.cut_and_extend(L, path_tokens + [out.next_token])
+    rows = [0] + [j + 1 for j in out.path]  # kept logit rows: after S', then after each accepted node
+    top: list[list[int]] = []
+    if req.return_top_k:
+        top = logits[rows].topk(min(req.return_top_k, logits.size(-1)), dim=-1).indices.tolist()
+    feature = None
+    hidden = model.hidden_of(plan.row_run) if session.feature_encoding else None
+    if hidden is not None:  # the state after S' + the path, which decides the next token
+        feature = encode_feature(hidden[rows[-1]], session.feature_encoding, L + la)
+    depth = max(depths(tree), default=0)
+    resp = VerifyResponse(
+        accepted_len=la, correction=out.next_token, next_kind=out.next_kind, target_dist=None,
+        ctx_len=len(final), ctx_hash=final.hash_at(len(final)), top_k_ids=top,
+        metrics=RoundMetrics(alpha_mean=sum(out.alphas) / k if k else 0.0, la_over_k=la / depth if depth else 0.0,
+                             prefill_ms=prefill_ms), feature=feature, accepted_nodes=list(out.path))
+    # The nodes' KV sits at storage offsets L + j, computed at positions L + depth(j) - 1: the path's nodes
+    # move to offsets L .. L + la - 1 (their own positions), the rest is cropped. The next token has no KV yet.
+    assert session.slot is not None
+    model.keep_path(session.slot, L, out.path, path_tokens)
+    session.set_kv_len(model.pool, L + la)
+    session.context = final
+    cnt = session.counters
+    cnt.rounds, cnt.drafted, cnt.accepted = cnt.rounds + 1, cnt.drafted + k, cnt.accepted + la
+    cnt.emitted += la + 1
     cnt.prefill_ms += prefill_ms
     session.remember(req.request_id, plan.fp, resp, replay_keep)
     return RoundResult(resp, out)

@@ -106,7 +106,7 @@ def feature_to_pb(f: TargetFeature) -> pb.TargetFeature:
 def verify_from_pb(m: pb.VerifyRequest) -> VerifyRequest:
     dists = [SparseDist(list(d.ids), list(d.probs)) for d in m.q_dists] if len(m.q_dists) else None
     draft = DraftProposal(list(m.draft_tokens), list(m.q_token_probs), m.draft_kind or "sampled", dists,
-                          list(m.hard_mask) or None)
+                          list(m.hard_mask) or None, list(m.tree_parents) if m.tree else None)
     return VerifyRequest(m.ctx_id, m.ctx_len, m.ctx_hash, list(m.append_ids), draft, m.return_top_k, m.request_id,
                          m.check_last)
 
@@ -129,6 +129,8 @@ def response_to_pb(r: VerifyResponse) -> pb.VerifyResponse:
         out.target_dist.CopyFrom(pb.SparseDist(ids=r.target_dist.ids, probs=r.target_dist.probs))
     if r.feature is not None:
         out.feature.CopyFrom(feature_to_pb(r.feature))
+    if r.accepted_nodes is not None:
+        out.accepted_nodes.extend(r.accepted_nodes)
     return out
 
 
@@ -137,7 +139,8 @@ def check_verify_pb(m: pb.VerifyRequest, service: VerifierService) -> None:
     lim = service.limits
     check_verify_counts(declared_k=m.k, n_draft=len(m.draft_tokens), n_q=len(m.q_token_probs),
                         n_dists=len(m.q_dists) or None, n_hard=len(m.hard_mask), n_append=len(m.append_ids),
-                        max_k=lim.max_k, max_context=lim.max_context)
+                        max_k=lim.max_k, max_context=lim.max_context,
+                        n_parents=len(m.tree_parents) if m.tree else None, max_tree_nodes=lim.max_tree_nodes)
     check_dist_sizes(((len(d.ids), len(d.probs)) for d in m.q_dists), lim.vocab_size)
 
 

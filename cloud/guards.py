@@ -22,14 +22,22 @@ def bearer_key(authorization: str | None) -> str | None:
 
 
 def check_verify_counts(*, declared_k: int, n_draft: int, n_q: int, n_dists: int | None, n_hard: int,
-                        n_append: int, max_k: int, max_context: int) -> None:
+                        n_append: int, max_k: int, max_context: int, n_parents: int | None = None,
+                        max_tree_nodes: int = 0) -> None:
     """InvalidArgument unless the lists of a verify round have the lengths k and the limits allow.
 
-    n_dists: len(q_dists), None when q_dists is not sent; n_hard: len(hard_mask), 0 when not sent.
+    n_dists: len(q_dists), None when q_dists is not sent; n_hard: len(hard_mask), 0 when not sent;
+    n_parents: len(tree_parents), None for a chain.
     """
     if declared_k != n_draft:
         raise InvalidArgument(f"k = {declared_k} but len(draft_tokens) = {n_draft}")
-    if n_draft > max_k:
+    if n_parents is not None:
+        if n_parents != n_draft:
+            raise InvalidArgument(f"len(tree_parents) = {n_parents} but k = {n_draft}")
+        if n_draft > max_tree_nodes:
+            raise InvalidArgument(f"a tree of {n_draft} nodes exceeds the limit max_tree_nodes = {max_tree_nodes}",
+                                  limit="max_tree_nodes")
+    elif n_draft > max_k:
         raise InvalidArgument(f"k = {n_draft} exceeds the limit max_k = {max_k}", limit="max_k")
     if n_q != n_draft:
         raise InvalidArgument(f"len(q_token_probs) = {n_q} but k = {n_draft}")

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
+from shared.tree import TreeOutcome
 from shared.verify import VerifyOutcome
 
 PREFIX = "specsplit_cloud_"
@@ -160,7 +161,7 @@ class CloudMetrics:
         m.kv_budget_bytes.set(kv_budget_bytes)
         return m
 
-    def record_round(self, out: VerifyOutcome, k: int, prefill_ms: float, queue_ms: float) -> None:
+    def record_round(self, out: VerifyOutcome | TreeOutcome, k: int, prefill_ms: float, queue_ms: float) -> None:
         la = out.accepted_len
         self.rounds.inc()
         self.drafted.inc(k)

@@ -135,6 +135,19 @@ class TargetModel:
         self._captured.clear()
         return out
 
+    def keep_path(self, slot: int, start: int, src: list[int], tokens: list[int]) -> None:
+        """A token tree's accepted path moves to the positions it holds (`KVPool.keep_path`); every rank of a
+        tensor-parallel group moves the same rows of its share of the KV heads."""
+        if self.group is None:
+            self.pool.keep_path(slot, start, src, tokens)
+            return
+        from cloud.tensor_parallel import Op
+
+        with self.group.lock:
+            moves = self.pool.keep_path(slot, start, src, tokens)
+            if moves:
+                self.group.send(Op("move", moves=moves))
+
     def hidden_of(self, row: Row) -> torch.Tensor | None:
         """The output layer's input at `row`'s kept positions in the last forward ([keep, d]), or None."""
         return self._hidden.get(id(row))

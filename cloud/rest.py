@@ -100,6 +100,8 @@ class VerifyBody(BaseModel):
     sampling_cfg: SamplingBody | None = None
     # the last draft token is checked against p after the others instead of being run; no bonus
     check_last: bool = False
+    # a token tree: each draft token's parent (-1: the committed context); absent: a chain
+    tree_parents: Annotated[list[StrictInt], KList] | None = None
 
     def check_counts(self, service: VerifierService) -> None:
         """The list lengths against k and the limits, before anything is converted."""
@@ -107,12 +109,15 @@ class VerifyBody(BaseModel):
         check_verify_counts(declared_k=self.k, n_draft=len(self.draft_tokens), n_q=len(self.q_token_probs),
                             n_dists=None if self.q_dists is None else len(self.q_dists),
                             n_hard=len(self.hard_mask or ()), n_append=len(self.append_ids), max_k=lim.max_k,
-                            max_context=lim.max_context)
+                            max_context=lim.max_context,
+                            n_parents=None if self.tree_parents is None else len(self.tree_parents),
+                            max_tree_nodes=lim.max_tree_nodes)
         check_dist_sizes(((len(d.ids), len(d.probs)) for d in self.q_dists or ()), lim.vocab_size)
 
     def to_request(self) -> VerifyRequest:
         dists = None if self.q_dists is None else [SparseDist(d.ids, d.probs) for d in self.q_dists]
-        draft = DraftProposal(self.draft_tokens, self.q_token_probs, self.draft_kind, dists, self.hard_mask)
+        draft = DraftProposal(self.draft_tokens, self.q_token_probs, self.draft_kind, dists, self.hard_mask,
+                              self.tree_parents)
         return VerifyRequest(self.ctx_id, self.ctx_len, self.ctx_hash, self.append_ids, draft,
                              self.return_top_k, self.request_id, self.check_last)
 
@@ -131,7 +136,7 @@ def create_app(service: VerifierService) -> FastAPI:
     app = FastAPI(title="specsplit cloud verifier", version="1",
                   description="Edge-cloud speculative decoding: the wire contract of docs/PROTOCOL.md.")
     app.router.route_class = CheckedRoute
-    app.state.max_json_objects = service.settings.max_k + OBJECT_SLACK
+    app.state.max_json_objects = max(service.settings.max_k, service.settings.max_tree_nodes) + OBJECT_SLACK
     app.add_middleware(BodyLimit, max_bytes=service.settings.max_body_bytes, on_error=service.count_error)
     app.add_middleware(KeyFirst, authenticate=service.authenticate, on_error=service.count_error,
                        protect_metrics=service.settings.metrics_auth)

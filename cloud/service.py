@@ -82,13 +82,14 @@ class VerifierService:
         self.settings, self.model, self.clock, self.new_id = settings, model, clock, new_id
         model.use_pool(settings.kv_budget_bytes, settings.kv_block_size, settings.prefix_cache)
         offer = settings.features and model.feature_size > 0
-        self.info: ModelInfo = replace(model.info, max_k=settings.max_k,
+        self.info: ModelInfo = replace(model.info, max_k=settings.max_k, max_tree_nodes=settings.max_tree_nodes,
                                        feature_size=model.feature_size if offer else 0,
                                        feature_encodings=list(ENCODINGS) if offer else [])
         self.prompt_limit = settings.prompt_limit(model.info.max_context)
         self.limits = RoundLimits(max_k=settings.max_k, max_return_top_k=settings.max_return_top_k,
-                                  max_context=model.info.max_context, vocab_size=model.support)
-        self.metrics = CloudMetrics.create(settings.max_k, settings.kv_budget_bytes)
+                                  max_context=model.info.max_context, vocab_size=model.support,
+                                  max_tree_nodes=settings.max_tree_nodes)
+        self.metrics = CloudMetrics.create(max(settings.max_k, settings.max_tree_nodes), settings.kv_budget_bytes)
         self.store = SessionStore(max_sessions=settings.max_sessions, ttl_s=settings.session_ttl_s,
                                   kv_budget_bytes=settings.kv_budget_bytes, clock=clock, on_remove=self._removed,
                                   max_sessions_per_owner=settings.sessions_per_key_limit())

@@ -71,6 +71,8 @@ class CloudSettings(BaseSettings):
     features: bool = True
     # largest k (draft tokens per round) accepted
     max_k: int = Field(default=16, ge=0, le=256)
+    # most nodes of a token tree a round may carry (0: chains only; advertised in /v1/model)
+    max_tree_nodes: int = Field(default=64, ge=0, le=256)
     # sessions (rows) in one batched forward at most; 1 = one session per forward (no batching)
     max_batch_size: int = Field(default=32, ge=1)
     # real tokens in one forward at most (rounds and decode steps first, prefill chunks fill the rest)

@@ -91,10 +91,12 @@ def check_splits(config: Any, n: int) -> None:
 class Op:
     """What every rank does next (rank 0 sends it, workers mirror it)."""
     # "forward" (run `plan`), "use_pool" (a fresh pool: `pool` = (budget bytes, block size, prefix cache)),
+    # "move" (copy KV pool rows: a token tree's accepted path, `moves` = (source, destination) rows),
     # "idle" (nothing: keeps the workers' wait under the collective timeout), "stop"
     kind: str
     plan: ForwardPlan | None = None
     pool: tuple[int | None, int, bool] | None = None
+    moves: list[tuple[int, int]] | None = None
 
 
 class TensorGroup:
@@ -211,5 +213,8 @@ def serve_worker(model: Any, group: TensorGroup) -> int:
         elif op.kind == "use_pool":
             assert op.pool is not None
             model.use_pool(*op.pool)
+        elif op.kind == "move":
+            assert op.moves is not None
+            model.pool.move_rows(op.moves)
         elif op.kind == "stop":
             return 0

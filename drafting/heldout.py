@@ -32,8 +32,7 @@ def _jsonl_texts(path: Path) -> Iterable[str]:
         for key in ("prompt", "text", "question"):
             if isinstance(row.get(key), str):
                 yield row[key]
-        for turn in row.get("turns", []):
-            yield turn
+        yield from row.get("turns", [])
 
 
 def evaluation_texts(specbench_file: Path | None = None) -> list[str]:

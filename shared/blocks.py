@@ -210,6 +210,13 @@ class BlockManager:
         s.length += len(tokens)
         assert s.length <= len(s.table) * self.size
 
+    def rewrite(self, sid: int, start: int, tokens: list[int]) -> None:
+        """Positions start .. start + len(tokens) - 1 now hold the KV of `tokens` (a tree's path moved
+        there); none of them may be in a block the prefix cache keys."""
+        s = self.seqs[sid]
+        assert start + len(tokens) <= s.length and len(s.chain) * self.size <= start
+        s.tokens[start: start + len(tokens)] = tokens
+
     def set_length(self, sid: int, n: int) -> None:
         """The caller keeps the first n positions (a crop when n is shorter) and the full blocks among
         them enter the prefix cache."""

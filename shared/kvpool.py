@@ -120,6 +120,26 @@ class Row:
     ids: list[int]
     # logits wanted for the last `keep` ids (0: none, e.g. a prefill)
     keep: int
+    # a token tree (shared/tree.py) stored from offset `tree_base` of the sequence on: the parents of all
+    # its nodes so far (node j at offset tree_base + j; -1: the positions before tree_base), this row's ids
+    # among them. A node sits at position tree_base - 1 + its depth and sees the positions before tree_base
+    # and its own ancestors only. None: every token is a chain (storage offset = position).
+    tree: tuple[int, ...] | None = None
+    tree_base: int = 0
+
+    def positions(self) -> list[int]:
+        """Each token's position (its storage offset is past + t either way)."""
+        return [_position(s, self.tree_base, self._depths()) for s in range(self.past, self.past + len(self.ids))]
+
+    def _depths(self) -> list[int]:
+        depth: list[int] = []
+        for par in self.tree or ():
+            depth.append(1 if par < 0 else depth[par] + 1)
+        return depth
+
+
+def _position(offset: int, base: int, depth: list[int]) -> int:
+    return offset if offset < base or not depth else base - 1 + depth[offset - base]
 
 
 # KV block size in positions (see BENCHMARKS.md, "Block size")
@@ -222,6 +242,27 @@ class KVPool:
     def match_prefix(self, slot: int, ids: list[int], limit: int) -> int:
         """Reuse cached blocks for the start of `ids` (at most `limit` positions); returns how many."""
         return self.manager.match_prefix(slot, ids, limit)
+
+    def keep_path(self, slot: int, start: int, src: list[int], tokens: list[int]) -> list[tuple[int, int]]:
+        """A tree's accepted path: the KV stored at offsets `src` (after `start`) moves to offsets 0, 1, ...
+        (the positions the path holds, at which its keys were computed), and the sequence's tokens there
+        become `tokens`. Returns the pool-row moves (a tensor-parallel rank applies them with `move_rows`);
+        the caller then sets the length."""
+        m = self.manager
+        rows = [(m.slots(slot, start + a, start + a + 1)[0], m.slots(slot, start + i, start + i + 1)[0])
+                for i, a in enumerate(src) if a != i]
+        m.rewrite(slot, start, tokens)
+        self.move_rows(rows)
+        return rows
+
+    def move_rows(self, moves: list[tuple[int, int]]) -> None:
+        """Copy pool rows (source, destination) on every layer; all sources are read before any write."""
+        if not moves:
+            return
+        src = torch.tensor([a for a, _ in moves], dtype=torch.long, device=self.device)
+        dst = torch.tensor([b for _, b in moves], dtype=torch.long, device=self.device)
+        for t in (*self.keys, *self.values):
+            t.index_copy_(1, dst, t.index_select(1, src))
 
     def blocks_needed(self, row: Row) -> int:
         m = self.manager
@@ -339,11 +380,29 @@ class _Single:
         return _Single(self.keys.to(dev), self.start, self.n, None if self.mask is None else self.mask.to(dev))
 
 
-def _row_mask(past: int, n: int, lo: int, w: int, window: int | None) -> torch.Tensor:
-    """[n, w] True where query t (position past + t) may see key j (position lo + j)."""
-    qp = torch.arange(past, past + n)[:, None]  # [n, 1]
-    kp = torch.arange(lo, lo + w)[None, :]  # [1, W]
-    seen = kp <= qp
+def _row_mask(r: Row, lo: int, w: int, window: int | None) -> torch.Tensor:
+    """[n, w] True where query t of row r (offset past + t) may see key j (offset lo + j): by position
+    (causal, and within the window on sliding layers); a tree node's keys only to the node's descendants."""
+    n = len(r.ids)
+    if r.tree is None:
+        qp = torch.arange(r.past, r.past + n)[:, None]  # [n, 1]
+        kp = torch.arange(lo, lo + w)[None, :]  # [1, W]
+        seen = kp <= qp
+    else:
+        depth, base = r._depths(), r.tree_base
+        qp = torch.tensor([_position(s, base, depth) for s in range(r.past, r.past + n)])[:, None]  # [n, 1]
+        kp = torch.tensor([_position(s, base, depth) for s in range(lo, lo + w)])[None, :]  # [1, W]
+        seen = kp <= qp
+        anc = torch.zeros(len(depth), len(depth), dtype=torch.bool)  # [N, N]: node j' is j or an ancestor of j
+        for j, par in enumerate(r.tree):
+            if par >= 0:
+                anc[j] = anc[par]
+            anc[j, j] = True
+        q_node = [s - base for s in range(r.past, r.past + n)]
+        k_from = max(0, base - lo)  # the first key that is a tree node
+        for t, j in enumerate(q_node):
+            if j >= 0:
+                seen[t, k_from:] = anc[j, lo + k_from - base: lo + w - base]
     if window is not None:
         seen &= (qp - kp) < window
     return seen
@@ -370,7 +429,7 @@ class _Batch:
         for r in rows:
             starts.append(len(ids))
             ids.extend(r.ids)
-            pos.extend(range(r.past, r.past + len(r.ids)))
+            pos.extend(r.positions())
             write.extend(m.slots(r.slot, r.past, r.past + len(r.ids)))
         read: dict[int | None, list[_Group | _Single]] = {}
         for w in pool.layout.kinds:
@@ -378,10 +437,11 @@ class _Batch:
             short = []
             for r, start in zip(rows, starts, strict=True):
                 end, n = r.past + len(r.ids), len(r.ids)
-                lo = 0 if w is None else max(0, r.past - w + 1)
+                first = r.past if r.tree is None else min(r.positions())  # the row's lowest query position
+                lo = 0 if w is None else max(0, first - w + 1)
                 if n > SHORT_ROW:
                     keys = torch.tensor(m.slots(r.slot, lo, end), dtype=torch.long, device=dev)
-                    calls.append(_Single(keys, start, n, _row_mask(r.past, n, lo, end - lo, w)))
+                    calls.append(_Single(keys, start, n, _row_mask(r, lo, end - lo, w)))
                 else:
                     short.append((end - lo, n, lo, r, start))
             short.sort(key=lambda t: t[0])
@@ -434,7 +494,7 @@ def _group(m: BlockManager, rows: list[tuple[int, int, int, Row, int]], window: 
         slots = m.slots(r.slot, lo, lo + w)
         keys.extend(slots + [slots[0]] * (W - w))
         queries.extend(list(range(start, start + n)) + [start] * (N - n))
-        mask[g, 0, :n, :w] = _row_mask(r.past, n, lo, w, window)
+        mask[g, 0, :n, :w] = _row_mask(r, lo, w, window)
         mask[g, 0, n:, 0] = True  # padded queries see one key (no empty softmax); their output is dropped
         src.extend(range(g * N, g * N + n))
         dst.extend(range(start, start + n))

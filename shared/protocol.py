@@ -76,6 +76,8 @@ class ModelInfo:
     feature_encodings: list[str] = field(default_factory=list)
     # ranks the target is split over by tensor parallelism (1: one process; 0 = an older cloud)
     tensor_parallel: int = 1
+    # most nodes a token tree may have (0: this cloud verifies chains only)
+    max_tree_nodes: int = 0
 
 
 @dataclass
@@ -106,6 +108,9 @@ class DraftProposal:
     q_dists: list[SparseDist] | None = None
     # optional gating signal per draft token (logged)
     hard_mask: list[int] | None = None
+    # a token tree (shared/tree.py): per draft token, its parent's index (-1: the committed context);
+    # None: a chain. A tree is verified by draw-and-match and needs no q_dists.
+    tree_parents: list[int] | None = None
 
 
 @dataclass
@@ -160,3 +165,5 @@ class VerifyResponse:
     metrics: RoundMetrics = field(default_factory=RoundMetrics)
     # for a session that asked for features: the state at the position that decides the next token
     feature: TargetFeature | None = None
+    # a tree round: the accepted nodes, root to leaf (accepted_len of them); None for a chain
+    accepted_nodes: list[int] | None = None

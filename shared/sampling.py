@@ -16,18 +16,28 @@ from shared.config import SamplingConfig
 
 
 def presence_mask(context_ids: Sequence[int], draft_ids: Sequence[int], vocab: int,
-                  device: torch.device | str = "cpu") -> torch.Tensor:
+                  device: torch.device | str = "cpu", parents: Sequence[int] | None = None) -> torch.Tensor:
     """Which tokens are in the context of each of the len(draft_ids) + 1 positions.
 
-    Row i is for the distribution of the token after context + draft_ids[:i].
+    Row i is for the distribution of the token after context + draft_ids[:i]; for a tree (`parents`,
+    shared/tree.py) row j + 1 is after context + node j's path.
     """
     n = len(draft_ids) + 1
     mask = torch.zeros(n, vocab, dtype=torch.bool, device=device)  # [n, vocab]
     if len(context_ids):
         mask[:, torch.as_tensor(list(context_ids), dtype=torch.long, device=device)] = True
-    for i, tok in enumerate(draft_ids):
-        mask[i + 1 :, int(tok)] = True
+    for row, tok in _seen_drafts(draft_ids, parents):
+        mask[row, tok] = True
     return mask
+
+
+def _seen_drafts(draft_ids: Sequence[int], parents: Sequence[int] | None) -> list[tuple[int, int]]:
+    """(row, token) for every draft token a row's context holds beyond the shared context."""
+    if parents is None:
+        n = len(draft_ids) + 1
+        return [(row, int(y)) for i, y in enumerate(draft_ids) for row in range(i + 1, n)]
+    from shared.tree import paths
+    return [(j + 1, int(draft_ids[a])) for j, path in enumerate(paths(parents)) for a in path]
 
 
 def process_logits(logits: torch.Tensor, cfg: SamplingConfig, seen: torch.Tensor | None = None) -> torch.Tensor:
@@ -97,14 +107,15 @@ def _kept_in_sorted(sorted_p: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def processed_probs(logits: torch.Tensor, cfg: SamplingConfig, context_ids: Sequence[int],
-                    draft_ids: Sequence[int] = ()) -> torch.Tensor:
-    """`process_logits` for the len(draft_ids) + 1 rows after context, context + y_1, ...
+                    draft_ids: Sequence[int] = (), parents: Sequence[int] | None = None) -> torch.Tensor:
+    """`process_logits` for the len(draft_ids) + 1 rows after context, context + y_1, ... (for a tree,
+    `parents`: after context, then after each node's path).
 
     logits: [len(draft_ids) + 1, vocab]; returns probabilities of the same shape.
     """
     seen = None
     if cfg.repetition_penalty != 1.0:
-        seen = presence_mask(context_ids, draft_ids, logits.size(-1), logits.device)
+        seen = presence_mask(context_ids, draft_ids, logits.size(-1), logits.device, parents)
     return process_logits(logits, cfg, seen)
 
 
@@ -115,6 +126,8 @@ class RowSampling:
     cfg: SamplingConfig
     context_ids: Sequence[int]
     draft_ids: Sequence[int] = ()
+    # a token tree's parents (shared/tree.py); None: the drafts are a chain
+    parents: Sequence[int] | None = None
 
 
 def process_rows(logits: Sequence[torch.Tensor], rows: Sequence[RowSampling | None]) -> list[torch.Tensor | None]:
@@ -158,9 +171,9 @@ def _presence_masks(rows: Sequence[RowSampling], vocab: int, device: torch.devic
     tok: list[int] = []
     start = 0
     for r, n in zip(rows, sizes, strict=True):
-        for i, y in enumerate(r.draft_ids):  # y_{i+1} is seen by positions i + 1 .. n - 1 of its row
-            pos.extend(range(start + i + 1, start + n))
-            tok.extend([int(y)] * (n - i - 1))
+        for row, y in _seen_drafts(r.draft_ids, r.parents):
+            pos.append(start + row)
+            tok.append(y)
         start += n
     if pos:
         mask[torch.tensor(pos), torch.tensor(tok)] = True

@@ -41,7 +41,8 @@ def verify_request_to_pb(req: VerifyRequest, sampling: SamplingConfig | None = N
         draft_tokens=d.draft_tokens, q_token_probs=d.q_token_probs,
         q_dists=[pb.SparseDist(ids=q.ids, probs=q.probs) for q in d.q_dists or []],
         draft_kind=d.draft_kind, hard_mask=d.hard_mask or [], k=req.k, return_top_k=req.return_top_k,
-        request_id=req.request_id, check_last=req.check_last)
+        request_id=req.request_id, check_last=req.check_last, tree=d.tree_parents is not None,
+        tree_parents=d.tree_parents or [])
 
 
 def verify_response_from_pb(m: pb.VerifyResponse) -> VerifyResponse:
@@ -52,7 +53,8 @@ def verify_response_from_pb(m: pb.VerifyResponse) -> VerifyResponse:
         ctx_len=m.ctx_len, ctx_hash=m.ctx_hash, top_k_ids=[list(row.ids) for row in m.top_k_ids],
         metrics=RoundMetrics(alpha_mean=m.metrics.alpha_mean, la_over_k=m.metrics.la_over_k,
                              prefill_ms=m.metrics.prefill_ms, queue_ms=m.metrics.queue_ms),
-        feature=feature_from_pb(m.feature) if m.HasField("feature") else None)
+        feature=feature_from_pb(m.feature) if m.HasField("feature") else None,
+        accepted_nodes=list(m.accepted_nodes))
 
 
 def feature_from_pb(m: pb.TargetFeature) -> TargetFeature | None:
@@ -124,7 +126,8 @@ class GrpcTransport:
                          max_context=m.max_context, dtype=m.dtype, device=m.device,
                          tokenizer_fingerprint=m.tokenizer_fingerprint, max_k=m.max_k,
                          tokenizer_size=m.tokenizer_size, feature_size=m.feature_size,
-                         feature_encodings=list(m.feature_encodings), tensor_parallel=m.tensor_parallel)
+                         feature_encodings=list(m.feature_encodings), tensor_parallel=m.tensor_parallel,
+                         max_tree_nodes=m.max_tree_nodes)
 
     def generate(self, prompt_ids: list[int], cfg: SamplingConfig, seed: int, max_new_tokens: int,
                  timeout: float) -> GenerateResult:

@@ -31,6 +31,8 @@ def verify_request_json(req: VerifyRequest, sampling: SamplingConfig | None = No
     extra: dict[str, Any] = {} if sampling is None else {"sampling_cfg": sampling.to_dict()}
     if req.check_last:  # only when asked: an older cloud never sees the field
         extra["check_last"] = True
+    if d.tree_parents is not None:
+        extra["tree_parents"] = d.tree_parents
     return {**extra,
         "ctx_id": req.ctx_id, "ctx_len": req.ctx_len, "ctx_hash": req.ctx_hash, "append_ids": req.append_ids,
         "draft_tokens": d.draft_tokens, "q_token_probs": d.q_token_probs,
@@ -53,6 +55,7 @@ def verify_response_from_json(d: dict[str, Any]) -> VerifyResponse:
         metrics=RoundMetrics(**{k: float(m[k]) for k in ("alpha_mean", "la_over_k", "prefill_ms", "queue_ms")
                                 if k in m}),
         feature=feature_from_json(d.get("feature")),
+        accepted_nodes=None if d.get("accepted_nodes") is None else [int(j) for j in d["accepted_nodes"]],
     )
 
 
@@ -139,6 +142,7 @@ class RestTransport:
                          tokenizer_size=int(d.get("tokenizer_size") or 0),
                          feature_size=int(d.get("feature_size") or 0),
                          feature_encodings=[str(e) for e in d.get("feature_encodings") or []],
+                         max_tree_nodes=int(d.get("max_tree_nodes") or 0),
                          tensor_parallel=int(d.get("tensor_parallel") or 0))
 
     def generate(self, prompt_ids: list[int], cfg: SamplingConfig, seed: int, max_new_tokens: int,

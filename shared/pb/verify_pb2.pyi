@@ -77,7 +77,7 @@ class TopIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("ctx_id", "ctx_len", "ctx_hash", "append_ids", "draft_tokens", "q_token_probs", "q_dists", "draft_kind", "hard_mask", "k", "return_top_k", "request_id", "sampling_cfg", "check_last")
+    __slots__ = ("ctx_id", "ctx_len", "ctx_hash", "append_ids", "draft_tokens", "q_token_probs", "q_dists", "draft_kind", "hard_mask", "k", "return_top_k", "request_id", "sampling_cfg", "check_last", "tree", "tree_parents")
     CTX_ID_FIELD_NUMBER: _ClassVar[int]
     CTX_LEN_FIELD_NUMBER: _ClassVar[int]
     CTX_HASH_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +92,8 @@ class VerifyRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_CFG_FIELD_NUMBER: _ClassVar[int]
     CHECK_LAST_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
+    TREE_PARENTS_FIELD_NUMBER: _ClassVar[int]
     ctx_id: str
     ctx_len: int
     ctx_hash: str
@@ -106,7 +108,9 @@ class VerifyRequest(_message.Message):
     request_id: str
     sampling_cfg: SamplingConfig
     check_last: bool
-    def __init__(self, ctx_id: _Optional[str] = ..., ctx_len: _Optional[int] = ..., ctx_hash: _Optional[str] = ..., append_ids: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., q_token_probs: _Optional[_Iterable[float]] = ..., q_dists: _Optional[_Iterable[_Union[SparseDist, _Mapping]]] = ..., draft_kind: _Optional[str] = ..., hard_mask: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., return_top_k: _Optional[int] = ..., request_id: _Optional[str] = ..., sampling_cfg: _Optional[_Union[SamplingConfig, _Mapping]] = ..., check_last: _Optional[bool] = ...) -> None: ...
+    tree: bool
+    tree_parents: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ctx_id: _Optional[str] = ..., ctx_len: _Optional[int] = ..., ctx_hash: _Optional[str] = ..., append_ids: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., q_token_probs: _Optional[_Iterable[float]] = ..., q_dists: _Optional[_Iterable[_Union[SparseDist, _Mapping]]] = ..., draft_kind: _Optional[str] = ..., hard_mask: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., return_top_k: _Optional[int] = ..., request_id: _Optional[str] = ..., sampling_cfg: _Optional[_Union[SamplingConfig, _Mapping]] = ..., check_last: _Optional[bool] = ..., tree: _Optional[bool] = ..., tree_parents: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RoundMetrics(_message.Message):
     __slots__ = ("alpha_mean", "la_over_k", "prefill_ms", "queue_ms")
@@ -121,7 +125,7 @@ class RoundMetrics(_message.Message):
     def __init__(self, alpha_mean: _Optional[float] = ..., la_over_k: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("accepted_len", "correction", "next_kind", "target_dist", "ctx_len", "ctx_hash", "top_k_ids", "metrics", "feature")
+    __slots__ = ("accepted_len", "correction", "next_kind", "target_dist", "ctx_len", "ctx_hash", "top_k_ids", "metrics", "feature", "accepted_nodes")
     ACCEPTED_LEN_FIELD_NUMBER: _ClassVar[int]
     CORRECTION_FIELD_NUMBER: _ClassVar[int]
     NEXT_KIND_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +135,7 @@ class VerifyResponse(_message.Message):
     TOP_K_IDS_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
     FEATURE_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_NODES_FIELD_NUMBER: _ClassVar[int]
     accepted_len: int
     correction: int
     next_kind: str
@@ -140,7 +145,8 @@ class VerifyResponse(_message.Message):
     top_k_ids: _containers.RepeatedCompositeFieldContainer[TopIds]
     metrics: RoundMetrics
     feature: TargetFeature
-    def __init__(self, accepted_len: _Optional[int] = ..., correction: _Optional[int] = ..., next_kind: _Optional[str] = ..., target_dist: _Optional[_Union[SparseDist, _Mapping]] = ..., ctx_len: _Optional[int] = ..., ctx_hash: _Optional[str] = ..., top_k_ids: _Optional[_Iterable[_Union[TopIds, _Mapping]]] = ..., metrics: _Optional[_Union[RoundMetrics, _Mapping]] = ..., feature: _Optional[_Union[TargetFeature, _Mapping]] = ...) -> None: ...
+    accepted_nodes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, accepted_len: _Optional[int] = ..., correction: _Optional[int] = ..., next_kind: _Optional[str] = ..., target_dist: _Optional[_Union[SparseDist, _Mapping]] = ..., ctx_len: _Optional[int] = ..., ctx_hash: _Optional[str] = ..., top_k_ids: _Optional[_Iterable[_Union[TopIds, _Mapping]]] = ..., metrics: _Optional[_Union[RoundMetrics, _Mapping]] = ..., feature: _Optional[_Union[TargetFeature, _Mapping]] = ..., accepted_nodes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GetSessionRequest(_message.Message):
     __slots__ = ("ctx_id",)
@@ -165,7 +171,7 @@ class GetModelRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_id", "vocab_size", "eos_ids", "max_context", "dtype", "device", "tokenizer_fingerprint", "max_k", "tokenizer_size", "feature_size", "feature_encodings", "tensor_parallel")
+    __slots__ = ("model_id", "vocab_size", "eos_ids", "max_context", "dtype", "device", "tokenizer_fingerprint", "max_k", "tokenizer_size", "feature_size", "feature_encodings", "tensor_parallel", "max_tree_nodes")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     EOS_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -178,6 +184,7 @@ class ModelInfo(_message.Message):
     FEATURE_SIZE_FIELD_NUMBER: _ClassVar[int]
     FEATURE_ENCODINGS_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_FIELD_NUMBER: _ClassVar[int]
+    MAX_TREE_NODES_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     vocab_size: int
     eos_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -190,4 +197,5 @@ class ModelInfo(_message.Message):
     feature_size: int
     feature_encodings: _containers.RepeatedScalarFieldContainer[str]
     tensor_parallel: int
-    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_ids: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_k: _Optional[int] = ..., tokenizer_size: _Optional[int] = ..., feature_size: _Optional[int] = ..., feature_encodings: _Optional[_Iterable[str]] = ..., tensor_parallel: _Optional[int] = ...) -> None: ...
+    max_tree_nodes: int
+    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_ids: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_k: _Optional[int] = ..., tokenizer_size: _Optional[int] = ..., feature_size: _Optional[int] = ..., feature_encodings: _Optional[_Iterable[str]] = ..., tensor_parallel: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ...) -> None: ...
