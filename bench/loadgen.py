@@ -135,7 +135,8 @@ async def replay_speculative(stub: VerifierStub, trace: Trace, index: int, sessi
     run = TextRun(session, index, 0, start - t0, 0.0)
     cfg = pb.SamplingConfig(**sampling)  # type: ignore[arg-type]
     open_req = pb.OpenSessionRequest(prompt_ids=trace.prompt_ids, sampling_cfg=cfg, seed=trace.seed,
-                                     correction="strict", max_new_tokens=len(trace.token_ids))
+                                     correction="strict", max_new_tokens=len(trace.token_ids),
+                                     feature_encoding=trace.feature_encoding)
     held = 0
     ctx_id = ""
     try:
@@ -148,7 +149,8 @@ async def replay_speculative(stub: VerifierStub, trace: Trace, index: int, sessi
             req = pb.VerifyRequest(ctx_id=ctx_id, ctx_len=r.ctx_len, ctx_hash=r.ctx_hash, append_ids=r.append_ids,
                                    draft_tokens=r.draft_tokens, q_token_probs=r.q_token_probs,
                                    draft_kind=r.draft_kind, k=len(r.draft_tokens), return_top_k=r.return_top_k,
-                                   request_id=f"{session}-{index}-{i}")
+                                   request_id=f"{session}-{index}-{i}", tree=r.tree_parents is not None,
+                                   tree_parents=r.tree_parents or [])
             t_req = time.perf_counter()
             answer = await stub.Verify(req, timeout=CALL_TIMEOUT_S)
             run.round_ms.append((time.perf_counter() - t_req) * 1000.0)

@@ -10,10 +10,12 @@ edge one torch thread each, on chat prompts no draft saw in training:
 1. costs: the target's forward time by new tokens per forward (1..17, KV cache, context ~200), and each
    draft's time per drafted token (its `propose` over 8 tokens, output layer included), against the
    target's per-token time at batch 1.
-2. speculation at fixed k (greedy, no drafting ahead, the real cloud over REST): tokens per verify call
-   at k = 2, 4, 6, 8, acceptance by draft position at k = 6, acceptance at T = 0.7 (k = 6), downlink
-   bytes per round.
-3. end to end: one session, the edge's defaults against cloud_only (the cloud's own streamed
+2. speculation at a fixed shape (no drafting ahead, the real cloud over REST): tokens per verify call for
+   chains of k = 2, 4, 6, 8 and token trees of 4 to 32 nodes (greedy), acceptance by draft position (by
+   depth for trees), chains and trees at T = 0.7, uplink and downlink bytes per round.
+3. Spec-Bench (bench/specbench/questions.jsonl, 5 questions in each of 6 categories): tokens per verify
+   call by category, the head's chain of k = 6 against its trees (the edge's automatic node count), greedy.
+4. end to end: one session, the edge's defaults against cloud_only (the cloud's own streamed
    /v1/generate), greedy, at 0 / 10 / 50 ms round trip (a delay proxy).
 The section is spliced into OUT between the real-pair markers.
 """
@@ -48,7 +50,11 @@ PROMPTS = [
     "Write a Python function that checks whether a list is sorted.",
     "Why do leaves change colour in autumn?",
 ]
-NEW_TOKENS = (1, 2, 3, 5, 9, 17)
+NEW_TOKENS = (1, 2, 3, 5, 9, 17, 25, 33)
+# token trees measured at a fixed node count (greedy), and at T = 0.7
+TREES = (4, 8, 16, 32)
+TREE_T07 = 16
+SPECBENCH = REPO / "bench" / "specbench" / "questions.jsonl"
 RTTS_MS = (0, 10, 50)
 
 
@@ -129,43 +135,78 @@ def drafts() -> dict[str, dict[str, Any]]:
 
 
 def fixed_k(cloud_url: str, tokenizer: Any, n_new: int, prompts: list[str]) -> list[dict[str, Any]]:
-    """Per draft, fixed k, no drafting ahead: greedy at k in KS under the edge's default repetition penalty,
-    greedy at k = 6 without a penalty (pure greedy: the target's own argmax), and T = 0.7 at k = 6."""
+    """Per draft, a fixed shape, no drafting ahead: greedy chains at k in KS and trees of TREES nodes under the
+    edge's default repetition penalty, greedy at k = 6 without a penalty (pure greedy: the target's own
+    argmax), and T = 0.7 at k = 6 and with trees of TREE_T07 nodes. Shapes: ("chain", k) or ("tree", n)."""
     from edge.settings import EdgeSettings
 
     penalty = EdgeSettings.model_fields["repetition_penalty"].default
-    cases = [(0.0, penalty, k) for k in KS] + [(0.0, 1.0, 6), (0.7, penalty, 6)]
+    cases = ([(0.0, penalty, "chain", k) for k in KS] + [(0.0, penalty, "tree", n) for n in TREES]
+             + [(0.0, 1.0, "chain", 6), (0.7, penalty, "chain", 6), (0.7, penalty, "tree", TREE_T07)])
     rows = []
     for name, where in drafts().items():
         if (name == "feature-fed head" and not HEAD.is_dir()) or (name == "draft from the target" and not CUT.is_dir()):
             continue
-        for temp, rep, k in cases:
-            # k drafts and a bonus (the standard round; the checked last draft is off here)
-            s = EdgeSettings(cloud_url=cloud_url, temperature=temp, max_new_tokens=n_new, seed=1, fixed_k=k,
+        for temp, rep, shape, k in cases:
+            if shape == "tree" and name == "n-gram":  # the n-gram drafter grows no trees
+                continue
+            # k drafts and a bonus (the standard round; the checked last draft is off here), or a tree of k nodes
+            fixed: dict[str, Any] = {"fixed_k": k, "tree": "off"} if shape == "chain" else {"tree": str(k), "tree_max_nodes": k}
+            s = EdgeSettings(cloud_url=cloud_url, temperature=temp, max_new_tokens=n_new, seed=1,
                              draft_ahead=False, timeout_ms=120_000, stop_at_eos=False, check_last=False,
-                             repetition_penalty=rep, **where)
-            tot: dict[str, Any] = {"emitted": 0, "verify": 0, "drafted": 0, "accepted": 0, "down": 0,
-                                   "pos_d": [0] * k, "pos_a": [0] * k, "feature": 0}
-            for text in prompts:
-                m = run_session(s, tokenizer, text).metrics
-                tot["emitted"] += m.emitted
-                tot["verify"] += m.verify_calls
-                tot["drafted"] += m.drafted
-                tot["accepted"] += m.accepted
-                tot["down"] += m.bytes_down
-                tot["feature"] += m.feature_bytes
-                for i in range(min(k, len(m.position_drafted))):
-                    tot["pos_d"][i] += m.position_drafted[i]
-                    tot["pos_a"][i] += m.position_accepted[i]
-            row = {"draft": name, "temperature": temp, "penalty": rep, "k": k,
-                   "tokens_per_call": tot["emitted"] / max(tot["verify"], 1),
-                   "acceptance": tot["accepted"] / max(tot["drafted"], 1),
-                   "by_position": [a / d if d else 0.0 for a, d in zip(tot["pos_a"], tot["pos_d"], strict=True)],
-                   "down_bytes_per_round": tot["down"] / max(tot["verify"], 1),
-                   "feature_bytes_per_round": tot["feature"] / max(tot["verify"], 1)}
-            rows.append(row)
-            print(f"real-pair: {name}, T={temp}, penalty {rep}, k={k}: {row['tokens_per_call']:.2f} tokens/call, "
-                  f"acceptance {row['acceptance']:.3f}", flush=True)
+                             repetition_penalty=rep, **fixed, **where)
+            rows.append(measure(s, tokenizer, prompts, {"draft": name, "temperature": temp, "penalty": rep,
+                                                        "shape": shape, "k": k}))
+            r = rows[-1]
+            print(f"real-pair: {name}, T={temp}, penalty {rep}, {shape} {k}: {r['tokens_per_call']:.2f} tokens/call, "
+                  f"acceptance {r['acceptance']:.3f}", flush=True)
+    return rows
+
+
+def measure(s: Any, tokenizer: Any, prompts: list[str], row: dict[str, Any]) -> dict[str, Any]:
+    """Totals of one setting over the prompts: tokens per verify call, acceptance, by position (depth), bytes."""
+    tot: dict[str, Any] = {"emitted": 0, "verify": 0, "drafted": 0, "accepted": 0, "down": 0, "up": 0,
+                           "pos_d": [], "pos_a": [], "feature": 0, "nodes": 0}
+    for text in prompts:
+        m = run_session(s, tokenizer, text).metrics
+        for key, v in (("emitted", m.emitted), ("verify", m.verify_calls), ("drafted", m.drafted),
+                       ("accepted", m.accepted), ("down", m.bytes_down), ("up", m.bytes_up),
+                       ("feature", m.feature_bytes), ("nodes", m.tree_nodes)):
+            tot[key] += v
+        for i, (d, a) in enumerate(zip(m.position_drafted, m.position_accepted, strict=True)):
+            if i == len(tot["pos_d"]):
+                tot["pos_d"].append(0)
+                tot["pos_a"].append(0)
+            tot["pos_d"][i] += d
+            tot["pos_a"][i] += a
+    calls = max(tot["verify"], 1)
+    return {**row, "tokens_per_call": tot["emitted"] / calls,
+            "acceptance": tot["accepted"] / max(tot["drafted"], 1),
+            "by_position": [a / d if d else 0.0 for a, d in zip(tot["pos_a"], tot["pos_d"], strict=True)][:8],
+            "down_bytes_per_round": tot["down"] / calls, "up_bytes_per_round": tot["up"] / calls,
+            "feature_bytes_per_round": tot["feature"] / calls, "nodes_per_round": tot["nodes"] / calls}
+
+
+def specbench(cloud_url: str, tokenizer: Any, n_new: int) -> list[dict[str, Any]]:
+    """Tokens per verify call on the Spec-Bench subset by category: the head's chain of k = 6 against its
+    automatic trees (greedy, the edge's default penalty, no drafting ahead)."""
+    import json
+
+    from edge.settings import EdgeSettings, default_draft
+
+    questions = [json.loads(line) for line in SPECBENCH.read_text().splitlines() if line.strip()]
+    by_cat: dict[str, list[str]] = {}
+    for q in questions:
+        by_cat.setdefault(q["category"], []).append(q["turns"][0])
+    rows = []
+    shapes: list[tuple[str, dict[str, Any]]] = [("chain", {"fixed_k": 6, "tree": "off"}), ("tree", {"tree": "auto"})]
+    for shape, fixed in shapes:
+        s = EdgeSettings(cloud_url=cloud_url, temperature=0, max_new_tokens=n_new, seed=1, draft_ahead=False,
+                         timeout_ms=120_000, stop_at_eos=False, check_last=False, draft=default_draft(),
+                         head=str(HEAD), **fixed)
+        for cat, texts in by_cat.items():
+            rows.append(measure(s, tokenizer, texts, {"category": cat, "shape": shape, "prompts": len(texts)}))
+            print(f"real-pair: spec-bench {cat}, {shape}: {rows[-1]['tokens_per_call']:.2f} tokens/call", flush=True)
     return rows
 
 
@@ -204,7 +245,7 @@ def end_to_end(cloud: Any, tokenizer: Any, n_new: int, prompts: list[str]) -> li
 
 
 def render(c: dict[str, Any], fk: list[dict[str, Any]], e2e: list[dict[str, Any]], command: str, n_new: int,
-           prompts: int, load: str) -> str:
+           prompts: int, load: str, sb: list[dict[str, Any]] | None = None) -> str:
     t1, plain = c["target_ms"][1], c["target_ms_plain"]
     lines = [START, "## The real pair: SmolLM2-135M-Instruct and its drafts", "",
              f"Command: `{command}` (cloud and edge on this 2-core CPU, one torch thread each, float32; {load}). "
@@ -219,17 +260,32 @@ def render(c: dict[str, Any], fk: list[dict[str, Any]], e2e: list[dict[str, Any]
              "", "| draft | ms per drafted token | target / draft per token (aim >= 8x) |", "|---|---|---|"]
     for name, ms in c["draft_ms"].items():
         lines.append(f"| {name} | {ms:.2f} | **{t1 / ms:.1f}x** |")
-    lines += ["", "### Speculation at fixed k (no drafting ahead; the real cloud over REST)", "",
+    lines += ["", "### Speculation at a fixed shape: chains of k drafts, token trees of n nodes (no drafting ahead; "
+              "the real cloud over REST)", "",
               "T = 0 is greedy; the repetition penalty is applied alike to the draft's and the target's logits "
-              "(1.1 is the edge's default, 1.0 is none: the target's own argmax).", "",
-              "| draft | k | T | repetition penalty | tokens per verify call | acceptance | by draft position | "
-              "downlink bytes per round (feature) |", "|---|---|---|---|---|---|---|---|"]
+              "(1.1 is the edge's default, 1.0 is none: the target's own argmax). A chain's acceptance is accepted "
+              "over drafted tokens; a tree's is accepted over nodes sent. By position: the share of rounds that "
+              "reached a draft position (a tree depth) and accepted it.", "",
+              "| draft | shape | T | repetition penalty | tokens per verify call | acceptance | by position (depth) | "
+              "uplink bytes per round | downlink bytes per round (feature) |", "|---|---|---|---|---|---|---|---|---|"]
     for r in fk:
         pos = " / ".join(f"{a:.2f}" for a in r["by_position"])
-        lines.append(f"| {r['draft']} | {r['k']} | {r['temperature']:g} | {r.get('penalty', 1.1):g} | "
+        shape = f"chain k = {r['k']}" if r.get("shape", "chain") == "chain" else f"tree of {r['k']}"
+        lines.append(f"| {r['draft']} | {shape} | {r['temperature']:g} | {r.get('penalty', 1.1):g} | "
                      f"**{r['tokens_per_call']:.2f}** | "
-                     f"{r['acceptance']:.3f} | {pos} | {r['down_bytes_per_round']:.0f} "
-                     f"({r['feature_bytes_per_round']:.0f}) |")
+                     f"{r['acceptance']:.3f} | {pos} | {r.get('up_bytes_per_round', 0):.0f} | "
+                     f"{r['down_bytes_per_round']:.0f} ({r['feature_bytes_per_round']:.0f}) |")
+    if sb:
+        cats = list(dict.fromkeys(r["category"] for r in sb))
+        sb_cell = {(r["category"], r["shape"]): r for r in sb}
+        lines += ["", "### Spec-Bench subset by category (the head, greedy, 5 questions each, "
+                  "`bench/specbench/`)", "",
+                  "| category | chain k = 6: tokens per verify call | trees (automatic size): tokens per verify call "
+                  "(aim >= 2.0) | nodes per round |", "|---|---|---|---|"]
+        for cat in cats:
+            ch, tr = sb_cell[(cat, "chain")], sb_cell[(cat, "tree")]
+            lines.append(f"| {cat} | {ch['tokens_per_call']:.2f} | **{tr['tokens_per_call']:.2f}** | "
+                         f"{tr['nodes_per_round']:.1f} |")
     lines += ["", "### One session end to end: the edge's defaults against cloud_only (greedy)", "",
               "Decode tokens/s: the tokens after the first over the time after the first, summed over the prompts "
               "(`end_to_end` in `bench/real_pair.py`); one client per mode and RTT with its drafts loaded before "
@@ -275,8 +331,9 @@ def run(out: Path, command: str, n_new: int = 64, prompts: int = 4) -> int:
     chosen = PROMPTS[:prompts]
     with CloudServer(TARGET, torch_threads=1) as cloud:
         fk = fixed_k(cloud.url, tokenizer, n_new, chosen)
+        sb = specbench(cloud.url, tokenizer, n_new)
         e2e = end_to_end(cloud, tokenizer, n_new, chosen)
     load += f", {os.getloadavg()[0]:.2f} at the end"
-    path = splice(render(c, fk, e2e, command, n_new, len(chosen), load), out)
+    path = splice(render(c, fk, e2e, command, n_new, len(chosen), load, sb), out)
     print(f"wrote the real-pair section into {path}")
     return 0

@@ -60,6 +60,8 @@ class TraceRound:
     next_kind: str
     answer_ctx_len: int
     answer_ctx_hash: str
+    # a token tree round: each node's parent (PROTOCOL.md, "Token trees"); None for a chain
+    tree_parents: list[int] | None = None
 
     @property
     def tokens(self) -> int:
@@ -77,6 +79,8 @@ class Trace:
     prompt_ids: list[int]
     token_ids: list[int]
     rounds: list[TraceRound] = field(default_factory=list)
+    # the session asked for the target's feature ("" none, "float16", "int8"): a replay asks alike
+    feature_encoding: str = ""
 
     def rounds_for(self, max_tokens: int) -> list[TraceRound]:
         """The rounds up to the first one that brings the text to `max_tokens` tokens (or all)."""
@@ -188,7 +192,7 @@ class RecordingTransport:
             draft_tokens=list(d.draft_tokens), q_token_probs=[float(q) for q in d.q_token_probs],
             draft_kind=d.draft_kind, return_top_k=req.return_top_k, accepted_len=resp.accepted_len,
             correction=resp.correction, next_kind=resp.next_kind, answer_ctx_len=resp.ctx_len,
-            answer_ctx_hash=resp.ctx_hash))
+            answer_ctx_hash=resp.ctx_hash, tree_parents=None if d.tree_parents is None else list(d.tree_parents)))
         return resp
 
     def routed(self, route_key: str, request_id: str | None = None) -> RecordingTransport:

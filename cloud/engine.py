@@ -30,7 +30,7 @@ from cloud.model import TargetModel
 from cloud.session import Context, Session
 from shared.config import SamplingConfig
 from shared.errors import ContextMismatch, InvalidArgument, NotFound
-from shared.features import encode_feature
+from shared.features import encode_feature, encode_states
 from shared.kvpool import KVPool, Row
 from shared.protocol import RoundMetrics, SparseDist, VerifyRequest, VerifyResponse
 from shared.rng import SAMPLE, position_uniform, sample_index
@@ -248,16 +248,19 @@ def finish_round(model: TargetModel, session: Session, req: VerifyRequest, q_den
     if out.next_kind == "residual":
         assert out.target_ids is not None and out.target_probs is not None
         target = SparseDist(out.target_ids.tolist(), out.target_probs.tolist())
-    feature = None
+    feature, states = None, None
     hidden = model.hidden_of(plan.row_run) if session.feature_encoding and plan.row_run is not None else None
     if hidden is not None:  # row la: the state after S' + y_1..y_La, which decides the next token
         row = min(la, fed)  # (check_last, all kept: the last state computed, after y_1..y_{k-1})
-        feature = encode_feature(hidden[row], session.feature_encoding, L + row)
+        if session.feature_window:  # every committed position's: after S', then after each accepted draft
+            states = encode_states(hidden[: row + 1], session.feature_encoding, L)
+        else:
+            feature = encode_feature(hidden[row], session.feature_encoding, L + row)
     resp = VerifyResponse(
         accepted_len=la, correction=out.next_token, next_kind=out.next_kind, target_dist=target,
         ctx_len=len(final), ctx_hash=final.hash_at(len(final)), top_k_ids=top,
         metrics=RoundMetrics(alpha_mean=sum(out.alphas) / k if k else 0.0, la_over_k=la / k if k else 0.0,
-                             prefill_ms=prefill_ms), feature=feature)
+                             prefill_ms=prefill_ms), feature=feature, states=states)
     # KV stays valid for S' + y_1..y_La: the last accepted draft token's KV was filled in by this
     # forward (it was an input; with check_last y_k was not, so at most y_1..y_{k-1}). The correction/
     # bonus token has no KV yet; the next round feeds it as S[kv_len:]. For "residual", S ends at y_La
@@ -287,16 +290,18 @@ def _finish_tree(model: TargetModel, session: Session, req: VerifyRequest, plan:
     top: list[list[int]] = []
     if req.return_top_k:
         top = logits[rows].topk(min(req.return_top_k, logits.size(-1)), dim=-1).indices.tolist()
-    feature = None
+    feature, states = None, None
     hidden = model.hidden_of(plan.row_run) if session.feature_encoding else None
-    if hidden is not None:  # the state after S' + the path, which decides the next token
+    if hidden is not None and session.feature_window:  # after S', then after each accepted node
+        states = encode_states(hidden[rows], session.feature_encoding, L)
+    elif hidden is not None:  # the state after S' + the path, which decides the next token
         feature = encode_feature(hidden[rows[-1]], session.feature_encoding, L + la)
     depth = max(depths(tree), default=0)
     resp = VerifyResponse(
         accepted_len=la, correction=out.next_token, next_kind=out.next_kind, target_dist=None,
         ctx_len=len(final), ctx_hash=final.hash_at(len(final)), top_k_ids=top,
         metrics=RoundMetrics(alpha_mean=sum(out.alphas) / k if k else 0.0, la_over_k=la / depth if depth else 0.0,
-                             prefill_ms=prefill_ms), feature=feature, accepted_nodes=list(out.path))
+                             prefill_ms=prefill_ms), feature=feature, accepted_nodes=list(out.path), states=states)
     # The nodes' KV sits at storage offsets L + j, computed at positions L + depth(j) - 1: the path's nodes
     # move to offsets L .. L + la - 1 (their own positions), the rest is cropped. The next token has no KV yet.
     assert session.slot is not None

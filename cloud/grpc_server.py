@@ -40,6 +40,7 @@ from shared.protocol import (
     SessionInfo,
     SparseDist,
     TargetFeature,
+    TargetStates,
     VerifyRequest,
     VerifyResponse,
 )
@@ -99,6 +100,10 @@ def open_from_pb(m: pb.OpenSessionRequest) -> OpenSessionRequest:
                               m.feature_encoding)
 
 
+def states_to_pb(s: TargetStates) -> pb.TargetStates:
+    return pb.TargetStates(first=s.first, count=s.count, encoding=s.encoding, data=s.data, scales=s.scales)
+
+
 def feature_to_pb(f: TargetFeature) -> pb.TargetFeature:
     return pb.TargetFeature(prefix_len=f.prefix_len, encoding=f.encoding, data=f.data, scale=f.scale)
 
@@ -116,6 +121,8 @@ def info_to_pb(i: SessionInfo) -> pb.SessionInfo:
                          counters_json=json.dumps(i.counters) if i.counters else "")
     if i.feature is not None:
         out.feature.CopyFrom(feature_to_pb(i.feature))
+    if i.states is not None:
+        out.states.CopyFrom(states_to_pb(i.states))
     return out
 
 
@@ -129,6 +136,8 @@ def response_to_pb(r: VerifyResponse) -> pb.VerifyResponse:
         out.target_dist.CopyFrom(pb.SparseDist(ids=r.target_dist.ids, probs=r.target_dist.probs))
     if r.feature is not None:
         out.feature.CopyFrom(feature_to_pb(r.feature))
+    if r.states is not None:
+        out.states.CopyFrom(states_to_pb(r.states))
     if r.accepted_nodes is not None:
         out.accepted_nodes.extend(r.accepted_nodes)
     return out

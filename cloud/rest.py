@@ -35,7 +35,7 @@ from cloud.rest_guards import (
 from cloud.service import GenerateEvent, GenerateRequest, VerifierService
 from shared.config import SamplingConfig
 from shared.errors import ERRORS_BY_STATUS, Internal, InvalidArgument, SpecSplitError
-from shared.features import feature_to_json
+from shared.features import feature_to_json, states_to_json
 from shared.protocol import DraftProposal, OpenSessionRequest, SparseDist, VerifyRequest
 
 log = logging.getLogger(__name__)
@@ -203,14 +203,15 @@ def create_app(service: VerifierService) -> FastAPI:
             service.close_session(info.ctx_id, who)
             log.info("session %s closed: the client went away while it was opened", info.ctx_id)
             return Response(status_code=499)
-        return {**{k: v for k, v in asdict(info).items() if k != "counters"}, "feature": feature_to_json(info.feature)}
+        return {**{k: v for k, v in asdict(info).items() if k != "counters"}, "feature": feature_to_json(info.feature),
+                "states": states_to_json(info.states)}
 
     @app.post("/v1/verify", tags=["v1"])
     async def verify(body: VerifyBody, who: str = Depends(owner)) -> dict[str, Any]:
         body.check_counts(service)
         cfg = body.sampling_cfg.to_cfg() if body.sampling_cfg is not None else None
         resp = await service.verify(body.to_request(), who, body.k, cfg)
-        return {**asdict(resp), "feature": feature_to_json(resp.feature)}
+        return {**asdict(resp), "feature": feature_to_json(resp.feature), "states": states_to_json(resp.states)}
 
     @app.get("/v1/sessions/{ctx_id}", tags=["v1"])
     async def get_session(ctx_id: str, who: str = Depends(owner)) -> dict[str, Any]:

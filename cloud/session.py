@@ -154,6 +154,8 @@ class Session:
     replay_bytes_limit: int = 1 << 20
     # "" or the encoding of the target feature each answer carries (feature-fed drafting)
     feature_encoding: str = ""
+    # > 0: answers carry the states at every committed position (PROTOCOL.md) instead of one feature
+    feature_window: int = 0
 
     @property
     def kv_bytes(self) -> int:

@@ -54,7 +54,8 @@ _FLAGS: dict[str, str] = {"cloud": "cloud_url", "grpc": "grpc_target", "api_key"
                           "filler_top_k": "filler_top_k", "device": "device", "r_hard": "r_hard",
                           "hybrid": "hybrid", "route_key": "route_key", "k_policy": "k_policy",
                           "draft_ahead": "draft_ahead", "max_body_bytes": "max_body_bytes", "head": "head",
-                          "feature_encoding": "feature_encoding", "check_last": "check_last"}
+                          "feature_encoding": "feature_encoding", "check_last": "check_last", "tree": "tree",
+                          "tree_width": "tree_width", "tree_depth": "tree_depth", "tree_max_nodes": "tree_max_nodes"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,7 +86,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--correction", choices=["strict", "shortcut"])
     g.add_argument("--send-q-dists", action=argparse.BooleanOptionalAction, default=None,
                    help="send the draft's sparse q distributions")
-    g.add_argument("--k", type=int, help="fixed k (default: chosen per round by --k-policy)")
+    g.add_argument("--k", type=int, help="fixed k: a chain of k drafts every round (default: chosen per round by "
+                                         "--k-policy; trees when the cloud takes them)")
+    g.add_argument("--tree", help="token trees: auto (default: whenever the cloud takes them and --k is not given; "
+                                  "nodes chosen per round), off (chains), or a fixed node count")
+    g.add_argument("--tree-width", type=int, help="children per expanded node and nodes expanded per level "
+                                                  "(default 4)")
+    g.add_argument("--tree-depth", type=int, help="levels of the first tree (default 6; then adapted)")
+    g.add_argument("--tree-max-nodes", type=int, help="most nodes a tree sends (default 32)")
     g.add_argument("--check-last", action=argparse.BooleanOptionalAction, default=None,
                    help="sampled sessions: one more draft token checked by the cloud in place of a bonus, so a "
                         "seed gives one text whatever the rounds (default on)")
@@ -180,6 +188,7 @@ def summary_table(result: GenerationResult) -> str:
     rows = [("mode", result.mode), ("tokens emitted", m.emitted), ("rounds", m.rounds),
             ("cloud calls", m.cloud_calls), ("drafted / accepted", f"{m.drafted} / {m.accepted}"),
             ("acceptance rate", f"{m.acceptance_rate:.3f}"), ("mean accepted length", f"{m.mean_accepted_len:.2f}"),
+            ("tree rounds, nodes sent", f"{m.tree_rounds}, {m.tree_nodes}"),
             ("tokens per cloud call", f"{m.tokens_per_call:.2f}"),
             ("by origin", ", ".join(f"{k}={v}" for k, v in m.by_origin.items() if v)),
             ("local commits (unverified)", m.local_commits),

@@ -30,6 +30,7 @@ from .settings import EdgeSettings, Mode, default_head
 from .speculative import RecoveryPolicy, SessionParams, SpeculativeRun
 from .transport.base import ModelInfo, Transport, check_route_key, new_route_key
 from .transport.errors import CloudTimeout, is_retryable, retry_delay
+from .treecontrol import TreeControl
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -340,6 +341,16 @@ class EdgeClient:
             return CostModelK(k=s.k_start, k_min=k_min, k_max=s.k_max)
         return KController(k=s.k_start, k_min=k_min, k_max=s.k_max, up_at=s.k_up_at, down_at=s.k_down_at)
 
+    def _tree_control(self, info: ModelInfo) -> TreeControl | None:
+        """The tree controller of the settings, or None for chains (off, a fixed k under auto, gating, or a
+        cloud that takes no trees)."""
+        s = self.settings
+        if s.tree == "off" or info.max_tree_nodes <= 0 or s.gating or (s.tree == "auto" and s.fixed_k is not None):
+            return None
+        most = min(s.tree_max_nodes, info.max_tree_nodes)
+        fixed = None if s.tree == "auto" else min(int(s.tree), info.max_tree_nodes)
+        return TreeControl(max_nodes=most, width=s.tree_width, depth=s.tree_depth, fixed_nodes=fixed)
+
     def head(self) -> Any:
         """The feature-fed head of the settings (loaded once), or None for "none"."""
         if self.settings.head == "none":
@@ -392,7 +403,8 @@ class EdgeClient:
         transport = self._routed(job)
         run = SpeculativeRun(transport, drafter, job.params, self._k_controller(job.k_policy), job.metrics, self._policy(),
                              gate=gate, rule_triggers=s.rule_triggers, detokenize=self.decode if gate else None,
-                             clock=self.clock, sleep=self.sleep, draft_ahead=s.draft_ahead)
+                             clock=self.clock, sleep=self.sleep, draft_ahead=s.draft_ahead,
+                             tree=self._tree_control(info))
         job.rounds = run.records
         limits = [m for m in (info.max_context, drafter.max_context) if m]
         max_context = min(limits) if limits else None

@@ -132,6 +132,9 @@ class EdgeMetrics:
     fallback_rounds: int = 0
     feature_bytes: int = 0
     open_feature_bytes: int = 0
+    # token trees: verified rounds that sent a tree, and the nodes they sent (also counted in `drafted`)
+    tree_rounds: int = 0
+    tree_nodes: int = 0
     # wall time from start to the first emitted token, and to the end
     ttft_ms: float = 0.0
     wall_ms: float = 0.0

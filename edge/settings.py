@@ -108,6 +108,14 @@ class EdgeSettings(BaseSettings):
     k_down_at: float = 0.4
     # the model drafter drafts the next block while the cloud verifies (guessing all accepted)
     draft_ahead: bool = True
+    # token trees (edge/treecontrol.py): "auto" sends trees whenever the cloud takes them (GET /v1/model
+    # max_tree_nodes > 0) and k is not fixed, with the node count chosen per round from the draft's confidence
+    # and the measured costs; "off" sends chains; a number sends trees of that many nodes
+    tree: str = Field(default="auto", pattern=r"^(auto|off|[1-9][0-9]{0,2})$")
+    # children per expanded node and nodes expanded per level; levels of the first tree; most nodes
+    tree_width: int = Field(default=4, ge=1, le=16)
+    tree_depth: int = Field(default=6, ge=1, le=32)
+    tree_max_nodes: int = Field(default=32, ge=1, le=256)
 
     # uncertainty gating (off by default): signals of the draft model's raw distribution
     gating: bool = False

@@ -17,17 +17,18 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from shared.config import SamplingConfig
 from shared.errors import ContextMismatch, NotFound, SpecSplitError
-from shared.features import decode_feature, feature_bytes
+from shared.features import decode_feature, decode_states, feature_bytes, states_bytes
 from shared.hashing import FNV_OFFSET, hash_hex, prefix_hashes
 from shared.protocol import (
     DraftProposal,
     OpenSessionRequest,
     SparseDist,
     TargetFeature,
+    TargetStates,
     VerifyRequest,
     VerifyResponse,
 )
@@ -35,6 +36,7 @@ from shared.verify import sample_residual
 
 from .deadline import DeadlineConfig, VerifyDeadline
 from .drafters.base import DraftBlock, Drafter
+from .drafters.tree import prune
 from .gating import GateDecision, GateThresholds, decide
 from .kcontrol import CostModelK, RoundCosts
 from .metrics import EdgeMetrics, Origin, RoundRecord
@@ -42,6 +44,7 @@ from .prefetch import AheadOutcome, DraftAhead, concat_blocks
 from .round_control import KController
 from .transport.base import Transport
 from .transport.errors import CloudTimeout, is_retryable, retry_delay
+from .treecontrol import TreeControl
 
 log = logging.getLogger(__name__)
 # no request with a dropped answer is outstanding
@@ -80,6 +83,8 @@ class SessionParams:
     send_q_dists: bool = False
     # "" or the encoding of the target feature to ask for (a feature-fed drafter)
     feature_encoding: str = ""
+    # > 0: ask for the target's state at every committed position (and the prompt's last this many at the open)
+    feature_window: int = 0
     # draft one token more and have the cloud check it instead of drawing a bonus (shared/verify.py):
     # every position is decided alike, so a seed's text does not depend on the k schedule
     check_last: bool = False
@@ -93,7 +98,7 @@ class SpeculativeRun:
                  gate: GateThresholds | None = None, rule_triggers: bool = True,
                  detokenize: Callable[[Sequence[int]], str] | None = None,
                  clock: Callable[[], float] = time.perf_counter, sleep: Callable[[float], None] = time.sleep,
-                 draft_ahead: bool = False) -> None:
+                 draft_ahead: bool = False, tree: TreeControl | None = None) -> None:
         self.transport = transport
         self.drafter = drafter
         self.params = params
@@ -122,6 +127,8 @@ class SpeculativeRun:
         # drafting while the cloud verifies (model drafter only; see prefetch.py)
         self.ahead = DraftAhead(drafter, params.sampling, params.seed, clock) \
             if draft_ahead and DraftAhead.supports(drafter) else None
+        # token trees (edge/treecontrol.py) when the drafter grows them; rounds without one are chains
+        self.tree = tree if tree is not None and hasattr(drafter, "propose_tree") and gate is None else None
 
     # -- session --------------------------------------------------------------------------------
 
@@ -136,7 +143,8 @@ class SpeculativeRun:
         """(Re)open with the whole committed S as the prompt."""
         req = OpenSessionRequest(prompt_ids=list(self.S), sampling_cfg=self.params.sampling, seed=self.params.seed,
                                  correction=self.params.correction, max_new_tokens=self._budget,
-                                 feature_encoding=self.params.feature_encoding)
+                                 feature_encoding=self.params.feature_encoding,
+                                 feature_window=self.params.feature_window)
         info = self._call(lambda: self.transport.open_session(req, self.policy.open_timeout_s), retry_timeouts=True)
         if info.ctx_len != len(self.S) or info.ctx_hash != self.hash_at(len(self.S)):
             raise SpecSplitError(f"opened session holds {info.ctx_len} tokens / hash {info.ctx_hash}, "
@@ -144,6 +152,26 @@ class SpeculativeRun:
         self.ctx_id, self.cloud_len, self.vocab_size = info.ctx_id, info.ctx_len, info.vocab_size
         self._stale_floor = NO_STALE
         self._take_feature(info.feature, opened=True)
+        self._take_states(info.states, opened=True)
+
+    def _take_states(self, st: TargetStates | None, opened: bool = False) -> None:
+        """Hand the cloud's states at consecutive committed positions to the drafter: all of them to one that
+        keeps them (`set_states`), the last as its feature to one that drafts from one vector."""
+        if st is None or not self.params.feature_encoding or st.count < 1 or st.first < 1 \
+                or st.first + st.count - 1 > len(self.S):
+            return
+        if opened:
+            self.metrics.open_feature_bytes += states_bytes(st)
+        else:
+            self.metrics.feature_bytes += states_bytes(st)
+        vectors = decode_states(st)  # [count, d]
+        set_states = getattr(self.drafter, "set_states", None)
+        if set_states is not None:
+            set_states(self.S, st.first, vectors)
+            return
+        set_feature = getattr(self.drafter, "set_feature", None)
+        if set_feature is not None:
+            set_feature(self.S[:st.first + st.count - 1], vectors[-1])
 
     def _take_feature(self, f: TargetFeature | None, opened: bool = False) -> None:
         """Hand the cloud's feature to a feature-fed drafter (a reopen or a resync gets a new one)."""
@@ -197,6 +225,10 @@ class SpeculativeRun:
 
     def step(self, remaining: int, max_context: int | None = None) -> list[tuple[int, Origin]]:
         """One round; `remaining` is the token budget left. Returns the committed (token, origin) pairs."""
+        if self.tree is not None:
+            out = self._tree_step(remaining, max_context)
+            if out is not None:
+                return out
         # k drafts run through the target, plus the checked last one with check_last (no bonus then)
         extra = int(self.params.check_last)
         k = max(0, min(self.k_ctl.k + extra, remaining - 1 + extra))
@@ -236,6 +268,40 @@ class SpeculativeRun:
                                       extra_calls)
         return self._commit_verified(block, resp, edge_ms, rtt_ms, traffic, decision, extra_calls)
 
+    def _tree_step(self, remaining: int, max_context: int | None) -> list[tuple[int, Origin]] | None:
+        """A tree round (draw and match, shared/tree.py); None when no tree can be grown here (a chain then)."""
+        assert self.tree is not None
+        shape = self.tree.shape()
+        depth = min(shape.depth, remaining - 1)
+        nodes = shape.nodes if not max_context else min(shape.nodes, max_context - len(self.S) - 1)
+        if depth < 1 or nodes < 1:
+            return None
+        t0 = self.clock()
+        grow = self.drafter.propose_tree  # type: ignore[attr-defined]
+        block = grow(self.S, replace(shape, depth=depth), self.params.sampling, self.params.seed)
+        if block is None or block.k == 0:
+            return None
+        block = prune(block, min(nodes, self.tree.choose(block.values)))
+        edge_ms = (self.clock() - t0) * 1000
+        self.metrics.edge_time_ms += edge_ms
+        from_head = getattr(self.drafter, "last_from_head", None)
+        if from_head is not None:
+            self.metrics.head_rounds += int(from_head)
+            self.metrics.fallback_rounds += int(not from_head)
+        self._outcome = AheadOutcome()
+        up, down = self.transport.traffic.bytes_up, self.transport.traffic.bytes_down
+        t1 = self.clock()
+        calls_before = self.metrics.cloud_calls
+        resp = self._verify(block, None)
+        rtt_ms = (self.clock() - t1) * 1000
+        self.metrics.rtt_ms += rtt_ms
+        traffic = (self.transport.traffic.bytes_up - up, self.transport.traffic.bytes_down - down)
+        extra_calls = self.metrics.cloud_calls - calls_before - 1
+        if resp is None:  # late answer discarded (--timeout-fallback): the root's most likely child, unverified
+            return self._commit_local(block, block.tokens[:1], "timeout", edge_ms, None, rtt_ms, traffic,
+                                      extra_calls)
+        return self._commit_verified(block, resp, edge_ms, rtt_ms, traffic, None, extra_calls)
+
     def _draft(self, k: int) -> tuple[DraftBlock, AheadOutcome]:
         """This round's block; counts whether a feature-fed drafter drafted it from the cloud's feature."""
         block, outcome = self._draft_block(k)
@@ -262,7 +328,7 @@ class SpeculativeRun:
 
     def _request(self, block: DraftBlock, decision: GateDecision | None, request_id: str) -> VerifyRequest:
         q_dists = None
-        if self.params.send_q_dists and block.kind == "sampled" and block.k > 0:
+        if self.params.send_q_dists and block.kind == "sampled" and block.k > 0 and block.parents is None:
             q_dists = []
             for q in block.q_full:
                 ids = q.nonzero().squeeze(-1)  # [m] support of q_i
@@ -273,9 +339,10 @@ class SpeculativeRun:
             append_ids=self.S[self.cloud_len:],
             draft=DraftProposal(draft_tokens=list(block.tokens), q_token_probs=list(block.q_probs),
                                 draft_kind=block.kind, q_dists=q_dists,
-                                hard_mask=None if decision is None else decision.hard_mask),
-            return_top_k=self.drafter.wants_top_k, request_id=request_id,
-            check_last=self.params.check_last and block.k > 0)
+                                hard_mask=None if decision is None else decision.hard_mask,
+                                tree_parents=None if block.parents is None else list(block.parents)),
+            return_top_k=0 if block.parents is not None else self.drafter.wants_top_k, request_id=request_id,
+            check_last=self.params.check_last and block.k > 0 and block.parents is None)
 
     def _verify(self, block: DraftBlock, decision: GateDecision | None) -> VerifyResponse | None:
         """Send the round until an answer can be used; None after a timeout with fallback."""
@@ -348,7 +415,12 @@ class SpeculativeRun:
 
     def _check_answer(self, block: DraftBlock, resp: VerifyResponse) -> None:
         la, kind = resp.accepted_len, resp.next_kind
-        if kind == "bonus":
+        if block.parents is not None:  # a tree: the accepted nodes are a path from the root
+            path = resp.accepted_nodes or []
+            ok = (len(path) == la and kind in ("correction", "bonus") and resp.correction is not None
+                  and all(0 <= j < block.k and block.parents[j] == (path[i - 1] if i else -1)
+                          for i, j in enumerate(path)))
+        elif kind == "bonus":
             ok = la == block.k and resp.correction is not None
         elif kind == "none":  # check_last: every draft kept, nothing follows
             ok = self.params.check_last and la == block.k > 0 and resp.correction is None
@@ -368,7 +440,8 @@ class SpeculativeRun:
                          traffic: tuple[int, int], decision: GateDecision | None,
                          extra_calls: int) -> list[tuple[int, Origin]]:
         la, n_before = resp.accepted_len, len(self.S)
-        out: list[tuple[int, Origin]] = [(t, "accepted") for t in block.tokens[:la]]
+        kept = block.tokens[:la] if block.parents is None else [block.tokens[j] for j in resp.accepted_nodes or []]
+        out: list[tuple[int, Origin]] = [(t, "accepted") for t in kept]
         if resp.next_kind == "residual":
             assert resp.target_dist is not None
             tok = sample_residual(resp.target_dist.ids, resp.target_dist.probs, block.q_full[la],
@@ -381,19 +454,26 @@ class SpeculativeRun:
         if 0 <= resp.ctx_len <= len(self.S) and resp.ctx_hash == self.hash_at(resp.ctx_len):
             self.cloud_len = resp.ctx_len  # the residual (if any) goes as append_ids next round
             self._take_feature(resp.feature)
+            self._take_states(resp.states)
         else:
             log.warning("cloud context %d/%s disagrees with ours after the round: reopening next round",
                         resp.ctx_len, resp.ctx_hash)
             self.ctx_id = None
-        if resp.top_k_ids:
+        if resp.top_k_ids and block.parents is None:
             self.drafter.observe(self.S[:n_before], block.tokens, resp.top_k_ids)
         m = self.metrics
         m.verify_calls += 1
         m.drafted += block.k
         m.accepted += la
         m.cloud_prefill_ms += resp.metrics.prefill_ms
-        m.record_positions(block.k, la)
         cloud_ms = resp.metrics.prefill_ms + resp.metrics.queue_ms
+        if block.parents is not None:
+            self._observe_tree(block, la, rtt_ms, cloud_ms)
+            self._record(block.k, la, resp.next_kind, "cloud", len(out), edge_ms, rtt_ms, traffic, decision,
+                         alpha=resp.metrics.alpha_mean, prefill=resp.metrics.prefill_ms, extra_calls=extra_calls,
+                         queue=resp.metrics.queue_ms)
+            return out
+        m.record_positions(block.k, la)
         # drafting time per token is seen only after a verified round with drafts: otherwise the
         # drafter first caught up on tokens it never drafted (k = 0 rounds, local commits, the prompt)
         drafted_now = block.k - self._outcome.used if self._prev_drafted else 0
@@ -405,6 +485,19 @@ class SpeculativeRun:
                      alpha=resp.metrics.alpha_mean, prefill=resp.metrics.prefill_ms, extra_calls=extra_calls,
                      queue=resp.metrics.queue_ms)
         return out
+
+    def _observe_tree(self, block: DraftBlock, la: int, rtt_ms: float, cloud_ms: float) -> None:
+        """A verified tree round: the tree controller's estimates, and acceptance by depth."""
+        assert block.parents is not None and block.values is not None and self.tree is not None
+        depth: list[int] = []
+        for par in block.parents:
+            depth.append(1 if par < 0 else depth[par] + 1)
+        deepest = max(depth, default=0)
+        self.metrics.tree_rounds += 1
+        self.metrics.tree_nodes += block.k
+        self.metrics.record_positions(deepest, la)
+        self.tree.observe(block.k, sum(block.values), la, deepest, rtt_ms, cloud_ms)
+        self._prev_drafted = False
 
     def _commit_local(self, block: DraftBlock, tokens: list[int], why: str, edge_ms: float,
                       decision: GateDecision | None, rtt_ms: float = 0.0, traffic: tuple[int, int] = (0, 0),

@@ -29,6 +29,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.real_pair import PROMPTS  # noqa: E402
 from edge.drafters.feature_head import FeatureDrafter, FeatureHead  # noqa: E402
+from edge.drafters.tree import TreeShape  # noqa: E402
 from shared.config import SamplingConfig  # noqa: E402
 from shared.sampling import processed_probs  # noqa: E402
 
@@ -62,6 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--k", type=int, default=6)
     ap.add_argument("--breakdown", action="store_true", help="also the penalty's effect on first positions")
+    ap.add_argument("--tree", type=int, default=0, help="draft token trees of this many nodes instead of chains")
+    ap.add_argument("--width", type=int, default=4, help="tree width (children per expanded node)")
+    ap.add_argument("--depth", type=int, default=6, help="tree depth")
     args = ap.parse_args(argv)
     from transformers import AutoModelForCausalLM, AutoTokenizer
     torch.set_num_threads(2)
@@ -88,14 +92,25 @@ def main(argv: list[str] | None = None) -> int:
         done = anchor = 0  # committed answer tokens; the feature follows ids + ans[:anchor]
         while done + args.k + 1 < len(ans):
             drafter.set_feature(ids + ans[:anchor], states[anchor])
-            block = drafter.propose(ids + ans[:done], args.k, cfg, 0)
-            la = 0
-            while la < args.k and block.tokens[la] == ans[done + la]:
-                la += 1
+            if args.tree:
+                tree = drafter.propose_tree(ids + ans[:done], TreeShape(args.tree, args.depth, args.width), cfg, 0)
+                assert tree is not None and tree.parents is not None
+                la, node = 0, -1
+                while True:  # greedy draw and match: follow the child carrying the target's token
+                    kids = [j for j, par in enumerate(tree.parents) if par == node and tree.tokens[j] == ans[done + la]]
+                    if not kids or done + la + 1 >= len(ans):
+                        break
+                    node, la = kids[0], la + 1
+            else:
+                block = drafter.propose(ids + ans[:done], args.k, cfg, 0)
+                la = 0
+                while la < args.k and block.tokens[la] == ans[done + la]:
+                    la += 1
             calls, tokens, first = calls + 1, tokens + la + 1, first + (la > 0)
             anchor = done + la  # the state after the accepted drafts decides the correction
             done += la + 1
-    print(f"{args.prompts} prompts x {len(prompts)}, penalty {args.penalty}, k = {args.k}: {calls} verify calls, "
+    shape = f"trees of {args.tree} nodes (width {args.width}, depth {args.depth})" if args.tree else f"k = {args.k}"
+    print(f"{args.prompts} prompts x {len(prompts)}, penalty {args.penalty}, {shape}: {calls} verify calls, "
           f"{tokens / calls:.2f} tokens per call, first-position acceptance {first / calls:.2f}")
     if args.breakdown:
         n = max(split.pop("positions"), 1)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from shared.protocol import TargetFeature
+from shared.protocol import TargetFeature, TargetStates
 
 ENCODINGS = ("float16", "int8")
 
@@ -59,3 +59,53 @@ def feature_from_json(d: dict[str, object] | None) -> TargetFeature | None:
         return None
     return TargetFeature(int(d["prefix_len"]), str(d["encoding"]),  # type: ignore[call-overload]
                          base64.b64decode(str(d["data"])), float(d.get("scale") or 0.0))  # type: ignore[arg-type]
+
+
+def encode_states(h: torch.Tensor, encoding: str, first: int) -> TargetStates:
+    """[n, d] states at consecutive positions (state i after S[:first + i]) as one TargetStates; int8 scales
+    each state by its own max |x| / 127 (a state that is not finite is refused: ValueError)."""
+    x = h.detach().float().cpu().reshape(h.shape[0], -1)  # [n, d]
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError("a target state is not finite")
+    if encoding == "float16":
+        return TargetStates(first, x.shape[0], encoding, x.half().numpy().astype("<f2").tobytes())
+    if encoding == "int8":
+        scale = x.abs().amax(-1) / 127.0  # [n]
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        q = (x / scale[:, None]).round().clamp(-127, 127).to(torch.int8)  # [n, d]
+        return TargetStates(first, x.shape[0], encoding, q.numpy().tobytes(), scale.tolist())
+    raise ValueError(f"unknown feature encoding {encoding!r}: one of {', '.join(ENCODINGS)}")
+
+
+def decode_states(s: TargetStates) -> torch.Tensor:
+    """The [count, d] float32 states of a TargetStates."""
+    import numpy as np
+    if s.encoding == "float16":
+        x = torch.from_numpy(np.frombuffer(s.data, dtype="<f2").astype(np.float32))
+        return x.reshape(s.count, -1)
+    if s.encoding == "int8":
+        x = torch.from_numpy(np.frombuffer(s.data, dtype=np.int8).astype(np.float32)).reshape(s.count, -1)
+        return x * torch.tensor(s.scales, dtype=torch.float32)[:, None]
+    raise ValueError(f"unknown feature encoding {s.encoding!r}")
+
+
+def states_bytes(s: TargetStates | None) -> int:
+    """Bytes of the states and their scales (before the transport's framing)."""
+    return 0 if s is None else len(s.data) + 4 * len(s.scales)
+
+
+def states_to_json(s: TargetStates | None) -> dict[str, object] | None:
+    import base64
+    if s is None:
+        return None
+    return {"first": s.first, "count": s.count, "encoding": s.encoding, "data": base64.b64encode(s.data).decode(),
+            "scales": s.scales}
+
+
+def states_from_json(d: dict[str, object] | None) -> TargetStates | None:
+    """A REST answer's states; None when absent or not of a known encoding."""
+    import base64
+    if not d or d.get("encoding") not in ENCODINGS:
+        return None
+    return TargetStates(int(d["first"]), int(d["count"]), str(d["encoding"]),  # type: ignore[call-overload]
+                        base64.b64decode(str(d["data"])), [float(x) for x in d.get("scales") or []])  # type: ignore[attr-defined]

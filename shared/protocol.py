@@ -34,6 +34,21 @@ class TargetFeature:
 
 
 @dataclass
+class TargetStates:
+    """The target's states at consecutive positions (PROTOCOL.md, "States for every committed position")."""
+    # state i (0-based) is the one after reading S[:first + i]
+    first: int
+    # how many states
+    count: int
+    # "float16" (little-endian) or "int8" (value = scale * int8, one scale per state)
+    encoding: str
+    # count x width values, state after state
+    data: bytes
+    # int8 only: one scale per state
+    scales: list[float] = field(default_factory=list)
+
+
+@dataclass
 class OpenSessionRequest:
     # the prompt's token ids (for a reopen: the whole committed context S)
     prompt_ids: list[int]
@@ -47,6 +62,9 @@ class OpenSessionRequest:
     max_new_tokens: int = 256
     # "" (none), "float16" or "int8": send the target's feature with the open answer and every round
     feature_encoding: str = ""
+    # > 0 (with feature_encoding): send the target's state at every committed position instead of one vector,
+    # and the last feature_window prompt positions' states with the open answer
+    feature_window: int = 0
 
 
 @dataclass
@@ -78,6 +96,8 @@ class ModelInfo:
     tensor_parallel: int = 1
     # most nodes a token tree may have (0: this cloud verifies chains only)
     max_tree_nodes: int = 0
+    # largest feature_window a session may ask for (0: one feature per answer only)
+    max_feature_window: int = 0
 
 
 @dataclass
@@ -94,6 +114,8 @@ class SessionInfo:
     counters: dict[str, Any] = field(default_factory=dict)
     # the open answer of a session that asked for features: the state after the whole prompt
     feature: TargetFeature | None = None
+    # the open answer of a session with a feature_window: the last prompt positions' states
+    states: TargetStates | None = None
 
 
 @dataclass
@@ -167,3 +189,5 @@ class VerifyResponse:
     feature: TargetFeature | None = None
     # a tree round: the accepted nodes, root to leaf (accepted_len of them); None for a chain
     accepted_nodes: list[int] | None = None
+    # a session with a feature_window: the states at every position this round committed (in place of `feature`)
+    states: TargetStates | None = None

@@ -34,9 +34,14 @@ class DraftBlock:
     margin: list[float] | None = None
     # MC-dropout variance of q_raw(y_i) across passes (None when not computed)
     mc_var: list[float] | None = None
+    # a token tree (edge/drafters/tree.py): each node's parent (-1: the context); None for a chain
+    parents: list[int] | None = None
+    # a tree's path confidences: the product of the draft's q along each node's path
+    values: list[float] | None = None
 
     @property
     def k(self) -> int:
+        """Draft tokens (a tree's nodes)."""
         return len(self.tokens)
 
 

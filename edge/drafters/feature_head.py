@@ -38,6 +38,7 @@ from shared.verify import DraftKind
 
 from .base import DraftBlock
 from .model import DRAFT_STREAM
+from .tree import TreeShape, grow_tree
 
 CONFIG_NAME = "feature_head.json"
 WEIGHTS_NAME = "feature_head.safetensors"
@@ -208,15 +209,53 @@ class FeatureDrafter:
         self.last_from_head = False
         return self.fallback.propose(context, k, cfg, seed)  # type: ignore[attr-defined, no-any-return]
 
-    def _draft(self, context: Sequence[int], k: int, cfg: SamplingConfig, seed: int) -> DraftBlock:
+    @torch.no_grad()
+    def propose_tree(self, context: Sequence[int], shape: TreeShape, cfg: SamplingConfig,
+                     seed: int) -> DraftBlock | None:
+        """A token tree from the cloud's feature (edge/drafters/tree.py: one batched step per level), else the
+        fallback's tree; None when neither can grow one."""
+        if not self.usable(context):
+            grow = getattr(self.fallback, "propose_tree", None)
+            if grow is None:
+                return None
+            self.last_from_head = False
+            return grow(context, shape, cfg, seed)  # type: ignore[no-any-return]
+        self.last_from_head = True
+        head = self.head
+        s0 = self._state_after(context)  # [d]
+        states: dict[int, torch.Tensor] = {}
+
+        def expand(nodes: list[int], tokens: list[int], parents: list[int]) -> torch.Tensor:
+            before = torch.stack([states[p] if p >= 0 else s0 for p in parents])  # [w, d]
+            after = head.step(before, torch.tensor(tokens, device=before.device))  # [w, d]
+            for j, s in zip(nodes, after, strict=True):
+                states[j] = s
+            return self._full_logits(after)  # [w, vocab]
+
+        return grow_tree(self._full_logits(s0[None])[0], expand, shape, cfg, context, self.vocab_size)
+
+    def _full_logits(self, s: torch.Tensor) -> torch.Tensor:
+        """The head's logits ([w, vocab]) of states ([w, d]): -inf on ids it has no output row for."""
+        rows = self.head.out_ids < self.vocab_size  # [n_out]
+        full = torch.full((s.shape[0], self.vocab_size), float("-inf"))  # [w, vocab]
+        full[:, self.head.out_ids[rows].cpu()] = self.head.logits(s)[:, rows].float().cpu()
+        return full
+
+    def _state_after(self, context: Sequence[int]) -> torch.Tensor:
+        """The head's state after `context`: the feature stepped through the tokens committed after its anchor
+        (the round's correction or bonus, local commits)."""
         assert self.feature is not None
         head = self.head
         dev = head.out.device
         s = self.feature.vector.to(dev)  # [d]
-        known = list(context[len(self.feature.anchor):])
-        if known:  # the tokens committed after the anchor: the correction or bonus, local commits
-            for t in known:
-                s = head.step(s, torch.tensor(t, device=dev))
+        for t in context[len(self.feature.anchor):]:
+            s = head.step(s, torch.tensor(t, device=dev))
+        return s
+
+    def _draft(self, context: Sequence[int], k: int, cfg: SamplingConfig, seed: int) -> DraftBlock:
+        head = self.head
+        dev = head.out.device
+        s = self._state_after(context)  # [d]
         block = DraftBlock(tokens=[], q_probs=[], kind=self.kind)
         seen = torch.zeros(self.vocab_size, dtype=torch.bool)  # [vocab]
         seen[torch.as_tensor(list(context), dtype=torch.long)] = True

@@ -26,6 +26,7 @@ from shared.verify import DraftKind
 
 from .base import DraftBlock
 from .compact import is_compact, load_compact
+from .tree import TreeShape, grow_tree
 
 # rng stream of the edge's draft samples, apart from the cloud's COIN (0) and SAMPLE (1) streams
 DRAFT_STREAM = 2
@@ -186,6 +187,29 @@ class ModelDrafter:
         if self.mc_dropout_samples:
             block.mc_var = self._mc_dropout_variance(context, block.tokens)
         return block
+
+    @torch.no_grad()
+    def propose_tree(self, context: Sequence[int], shape: TreeShape, cfg: SamplingConfig, seed: int) -> DraftBlock:
+        """A token tree after `context` (edge/drafters/tree.py): one forward per level over its frontier, each
+        node attending to the context and its own path; the nodes' KV is dropped afterwards."""
+        root = self._sync(context)  # [vocab]
+        base = len(self._ids)
+        fed: dict[int, int] = {}  # grown node -> its offset after the context
+        tree: list[int] = []  # parents of the fed nodes, by offset
+
+        def expand(nodes: list[int], tokens: list[int], parents: list[int]) -> torch.Tensor:
+            for j, par in zip(nodes, parents, strict=True):
+                fed[j] = len(tree)
+                tree.append(-1 if par < 0 else fed[par])
+            row = Row(self._slot, base + len(tree) - len(nodes), tokens, keep=len(nodes), tree=tuple(tree),
+                      tree_base=base)
+            (logits,) = self._pool.forward(self.model, [row])  # [w, rows]
+            return self._spread(logits)  # [w, vocab]
+
+        try:
+            return grow_tree(root, expand, shape, cfg, context, self.vocab_size)
+        finally:
+            self._pool.crop(self._slot, base)
 
     @torch.no_grad()
     def _mc_dropout_variance(self, context: Sequence[int], tokens: Sequence[int]) -> list[float]:

@@ -19,6 +19,7 @@ from shared.protocol import (
     SessionInfo,
     SparseDist,
     TargetFeature,
+    TargetStates,
     VerifyRequest,
     VerifyResponse,
 )
@@ -54,7 +55,14 @@ def verify_response_from_pb(m: pb.VerifyResponse) -> VerifyResponse:
         metrics=RoundMetrics(alpha_mean=m.metrics.alpha_mean, la_over_k=m.metrics.la_over_k,
                              prefill_ms=m.metrics.prefill_ms, queue_ms=m.metrics.queue_ms),
         feature=feature_from_pb(m.feature) if m.HasField("feature") else None,
-        accepted_nodes=list(m.accepted_nodes))
+        accepted_nodes=list(m.accepted_nodes),
+        states=states_from_pb(m.states) if m.HasField("states") else None)
+
+
+def states_from_pb(m: pb.TargetStates) -> TargetStates | None:
+    if m.encoding not in ENCODINGS:
+        return None
+    return TargetStates(m.first, m.count, m.encoding, m.data, list(m.scales))
 
 
 def feature_from_pb(m: pb.TargetFeature) -> TargetFeature | None:
@@ -66,7 +74,8 @@ def feature_from_pb(m: pb.TargetFeature) -> TargetFeature | None:
 def session_from_pb(m: pb.SessionInfo) -> SessionInfo:
     counters = json.loads(m.counters_json) if m.counters_json else {}
     return SessionInfo(ctx_id=m.ctx_id, ctx_len=m.ctx_len, ctx_hash=m.ctx_hash, vocab_size=m.vocab_size,
-                       counters=counters, feature=feature_from_pb(m.feature) if m.HasField("feature") else None)
+                       counters=counters, feature=feature_from_pb(m.feature) if m.HasField("feature") else None,
+                       states=states_from_pb(m.states) if m.HasField("states") else None)
 
 
 class GrpcTransport:
@@ -108,7 +117,8 @@ class GrpcTransport:
     def open_session(self, req: OpenSessionRequest, timeout: float) -> SessionInfo:
         msg = pb.OpenSessionRequest(
             prompt_ids=req.prompt_ids, seed=req.seed, correction=req.correction, max_new_tokens=req.max_new_tokens,
-            sampling_cfg=sampling_to_pb(req.sampling_cfg), feature_encoding=req.feature_encoding)
+            sampling_cfg=sampling_to_pb(req.sampling_cfg), feature_encoding=req.feature_encoding,
+            feature_window=req.feature_window)
         return session_from_pb(self._call(self._stub.OpenSession, msg, timeout))
 
     def verify(self, req: VerifyRequest, timeout: float, sampling: SamplingConfig | None = None) -> VerifyResponse:
@@ -127,7 +137,7 @@ class GrpcTransport:
                          tokenizer_fingerprint=m.tokenizer_fingerprint, max_k=m.max_k,
                          tokenizer_size=m.tokenizer_size, feature_size=m.feature_size,
                          feature_encodings=list(m.feature_encodings), tensor_parallel=m.tensor_parallel,
-                         max_tree_nodes=m.max_tree_nodes)
+                         max_tree_nodes=m.max_tree_nodes, max_feature_window=m.max_feature_window)
 
     def generate(self, prompt_ids: list[int], cfg: SamplingConfig, seed: int, max_new_tokens: int,
                  timeout: float) -> GenerateResult:

@@ -11,7 +11,7 @@ import httpx
 
 from shared.config import SamplingConfig
 from shared.errors import InvalidArgument
-from shared.features import feature_from_json
+from shared.features import feature_from_json, states_from_json
 from shared.protocol import (
     OpenSessionRequest,
     RoundMetrics,
@@ -56,13 +56,14 @@ def verify_response_from_json(d: dict[str, Any]) -> VerifyResponse:
                                 if k in m}),
         feature=feature_from_json(d.get("feature")),
         accepted_nodes=None if d.get("accepted_nodes") is None else [int(j) for j in d["accepted_nodes"]],
+        states=states_from_json(d.get("states")),
     )
 
 
 def session_from_json(d: dict[str, Any]) -> SessionInfo:
     return SessionInfo(ctx_id=str(d["ctx_id"]), ctx_len=int(d["ctx_len"]), ctx_hash=str(d["ctx_hash"]),
                        vocab_size=int(d.get("vocab_size", 0)), counters=dict(d.get("counters") or {}),
-                       feature=feature_from_json(d.get("feature")))
+                       feature=feature_from_json(d.get("feature")), states=states_from_json(d.get("states")))
 
 
 class RestTransport:
@@ -118,6 +119,8 @@ class RestTransport:
                 "correction": req.correction, "max_new_tokens": req.max_new_tokens}
         if req.feature_encoding:  # only when asked: an older cloud never sees the field
             body["feature_encoding"] = req.feature_encoding
+        if req.feature_window:
+            body["feature_window"] = req.feature_window
         return session_from_json(self._call("POST", "/v1/sessions", body, timeout))
 
     def verify(self, req: VerifyRequest, timeout: float, sampling: SamplingConfig | None = None) -> VerifyResponse:
@@ -143,6 +146,7 @@ class RestTransport:
                          feature_size=int(d.get("feature_size") or 0),
                          feature_encodings=[str(e) for e in d.get("feature_encodings") or []],
                          max_tree_nodes=int(d.get("max_tree_nodes") or 0),
+                         max_feature_window=int(d.get("max_feature_window") or 0),
                          tensor_parallel=int(d.get("tensor_parallel") or 0))
 
     def generate(self, prompt_ids: list[int], cfg: SamplingConfig, seed: int, max_new_tokens: int,

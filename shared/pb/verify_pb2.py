@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16shared/pb/verify.proto\x12\x0cspecsplit.v1\"_\n\x0eSamplingConfig\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x1a\n\x12repetition_penalty\x18\x04 \x01(\x01\"(\n\nSparseDist\x12\x0b\n\x03ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x01\"R\n\rTargetFeature\x12\x12\n\nprefix_len\x18\x01 \x01(\x05\x12\x10\n\x08\x65ncoding\x18\x02 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\r\n\x05scale\x18\x04 \x01(\x02\"\xb0\x01\n\x12OpenSessionRequest\x12\x12\n\nprompt_ids\x18\x01 \x03(\x05\x12\x32\n\x0csampling_cfg\x18\x02 \x01(\x0b\x32\x1c.specsplit.v1.SamplingConfig\x12\x0c\n\x04seed\x18\x03 \x01(\x04\x12\x12\n\ncorrection\x18\x04 \x01(\t\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\x05\x12\x18\n\x10\x66\x65\x61ture_encoding\x18\x06 \x01(\t\"\x99\x01\n\x0bSessionInfo\x12\x0e\n\x06\x63tx_id\x18\x01 \x01(\t\x12\x0f\n\x07\x63tx_len\x18\x02 \x01(\x05\x12\x10\n\x08\x63tx_hash\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x15\n\rcounters_json\x18\x05 \x01(\t\x12,\n\x07\x66\x65\x61ture\x18\x06 \x01(\x0b\x32\x1b.specsplit.v1.TargetFeature\"\x15\n\x06TopIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xf6\x02\n\rVerifyRequest\x12\x0e\n\x06\x63tx_id\x18\x01 \x01(\t\x12\x0f\n\x07\x63tx_len\x18\x02 \x01(\x05\x12\x10\n\x08\x63tx_hash\x18\x03 \x01(\t\x12\x12\n\nappend_ids\x18\x04 \x03(\x05\x12\x14\n\x0c\x64raft_tokens\x18\x05 \x03(\x05\x12\x15\n\rq_token_probs\x18\x06 \x03(\x01\x12)\n\x07q_dists\x18\x07 \x03(\x0b\x32\x18.specsplit.v1.SparseDist\x12\x12\n\ndraft_kind\x18\x08 \x01(\t\x12\x11\n\thard_mask\x18\t \x03(\x05\x12\t\n\x01k\x18\n \x01(\x05\x12\x14\n\x0creturn_top_k\x18\x0b \x01(\x05\x12\x12\n\nrequest_id\x18\x0c \x01(\t\x12\x32\n\x0csampling_cfg\x18\r \x01(\x0b\x32\x1c.specsplit.v1.SamplingConfig\x12\x12\n\ncheck_last\x18\x0e \x01(\x08\x12\x0c\n\x04tree\x18\x0f \x01(\x08\x12\x14\n\x0ctree_parents\x18\x10 \x03(\x05\"[\n\x0cRoundMetrics\x12\x12\n\nalpha_mean\x18\x01 \x01(\x01\x12\x11\n\tla_over_k\x18\x02 \x01(\x01\x12\x12\n\nprefill_ms\x18\x03 \x01(\x01\x12\x10\n\x08queue_ms\x18\x04 \x01(\x01\"\xcf\x02\n\x0eVerifyResponse\x12\x14\n\x0c\x61\x63\x63\x65pted_len\x18\x01 \x01(\x05\x12\x17\n\ncorrection\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\x11\n\tnext_kind\x18\x03 \x01(\t\x12-\n\x0btarget_dist\x18\x04 \x01(\x0b\x32\x18.specsplit.v1.SparseDist\x12\x0f\n\x07\x63tx_len\x18\x05 \x01(\x05\x12\x10\n\x08\x63tx_hash\x18\x06 \x01(\t\x12\'\n\ttop_k_ids\x18\x07 \x03(\x0b\x32\x14.specsplit.v1.TopIds\x12+\n\x07metrics\x18\x08 \x01(\x0b\x32\x1a.specsplit.v1.RoundMetrics\x12,\n\x07\x66\x65\x61ture\x18\t \x01(\x0b\x32\x1b.specsplit.v1.TargetFeature\x12\x16\n\x0e\x61\x63\x63\x65pted_nodes\x18\n \x03(\x05\x42\r\n\x0b_correction\"#\n\x11GetSessionRequest\x12\x0e\n\x06\x63tx_id\x18\x01 \x01(\t\"%\n\x13\x43loseSessionRequest\x12\x0e\n\x06\x63tx_id\x18\x01 \x01(\t\"&\n\x14\x43loseSessionResponse\x12\x0e\n\x06\x63losed\x18\x01 \x01(\x08\"\x11\n\x0fGetModelRequest\"\x9e\x02\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x0f\n\x07\x65os_ids\x18\x03 \x03(\x05\x12\x13\n\x0bmax_context\x18\x04 \x01(\x05\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x07 \x01(\t\x12\r\n\x05max_k\x18\x08 \x01(\x05\x12\x16\n\x0etokenizer_size\x18\t \x01(\x05\x12\x14\n\x0c\x66\x65\x61ture_size\x18\n \x01(\x05\x12\x19\n\x11\x66\x65\x61ture_encodings\x18\x0b \x03(\t\x12\x17\n\x0ftensor_parallel\x18\x0c \x01(\x05\x12\x16\n\x0emax_tree_nodes\x18\r \x01(\x05\x32\x80\x03\n\x08Verifier\x12J\n\x0bOpenSession\x12 .specsplit.v1.OpenSessionRequest\x1a\x19.specsplit.v1.SessionInfo\x12\x43\n\x06Verify\x12\x1b.specsplit.v1.VerifyRequest\x1a\x1c.specsplit.v1.VerifyResponse\x12H\n\nGetSession\x12\x1f.specsplit.v1.GetSessionRequest\x1a\x19.specsplit.v1.SessionInfo\x12U\n\x0c\x43loseSession\x12!.specsplit.v1.CloseSessionRequest\x1a\".specsplit.v1.CloseSessionResponse\x12\x42\n\x08GetModel\x12\x1d.specsplit.v1.GetModelRequest\x1a\x17.specsplit.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16shared/pb/verify.proto\x12\x0cspecsplit.v1\"_\n\x0eSamplingConfig\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x1a\n\x12repetition_penalty\x18\x04 \x01(\x01\"(\n\nSparseDist\x12\x0b\n\x03ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x01\"R\n\rTargetFeature\x12\x12\n\nprefix_len\x18\x01 \x01(\x05\x12\x10\n\x08\x65ncoding\x18\x02 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\r\n\x05scale\x18\x04 \x01(\x02\"\\\n\x0cTargetStates\x12\r\n\x05\x66irst\x18\x01 \x01(\x05\x12\r\n\x05\x63ount\x18\x02 \x01(\x05\x12\x10\n\x08\x65ncoding\x18\x03 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x0e\n\x06scales\x18\x05 \x03(\x02\"\xc8\x01\n\x12OpenSessionRequest\x12\x12\n\nprompt_ids\x18\x01 \x03(\x05\x12\x32\n\x0csampling_cfg\x18\x02 \x01(\x0b\x32\x1c.specsplit.v1.SamplingConfig\x12\x0c\n\x04seed\x18\x03 \x01(\x04\x12\x12\n\ncorrection\x18\x04 \x01(\t\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\x05\x12\x18\n\x10\x66\x65\x61ture_encoding\x18\x06 \x01(\t\x12\x16\n\x0e\x66\x65\x61ture_window\x18\x07 \x01(\x05\"\xc5\x01\n\x0bSessionInfo\x12\x0e\n\x06\x63tx_id\x18\x01 \x01(\t\x12\x0f\n\x07\x63tx_len\x18\x02 \x01(\x05\x12\x10\n\x08\x63tx_hash\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x15\n\rcounters_json\x18\x05 \x01(\t\x12,\n\x07\x66\x65\x61ture\x18\x06 \x01(\x0b\x32\x1b.specsplit.v1.TargetFeature\x12*\n\x06states\x18\x07 \x01(\x0b\x32\x1a.specsplit.v1.TargetStates\"\x15\n\x06TopIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xf6\x02\n\rVerifyRequest\x12\x0e\n\x06\x63tx_id\x18\x01 \x01(\t\x12\x0f\n\x07\x63tx_len\x18\x02 \x01(\x05\x12\x10\n\x08\x63tx_hash\x18\x03 \x01(\t\x12\x12\n\nappend_ids\x18\x04 \x03(\x05\x12\x14\n\x0c\x64raft_tokens\x18\x05 \x03(\x05\x12\x15\n\rq_token_probs\x18\x06 \x03(\x01\x12)\n\x07q_dists\x18\x07 \x03(\x0b\x32\x18.specsplit.v1.SparseDist\x12\x12\n\ndraft_kind\x18\x08 \x01(\t\x12\x11\n\thard_mask\x18\t \x03(\x05\x12\t\n\x01k\x18\n \x01(\x05\x12\x14\n\x0creturn_top_k\x18\x0b \x01(\x05\x12\x12\n\nrequest_id\x18\x0c \x01(\t\x12\x32\n\x0csampling_cfg\x18\r \x01(\x0b\x32\x1c.specsplit.v1.SamplingConfig\x12\x12\n\ncheck_last\x18\x0e \x01(\x08\x12\x0c\n\x04tree\x18\x0f \x01(\x08\x12\x14\n\x0ctree_parents\x18\x10 \x03(\x05\"[\n\x0cRoundMetrics\x12\x12\n\nalpha_mean\x18\x01 \x01(\x01\x12\x11\n\tla_over_k\x18\x02 \x01(\x01\x12\x12\n\nprefill_ms\x18\x03 \x01(\x01\x12\x10\n\x08queue_ms\x18\x04 \x01(\x01\"\xfb\x02\n\x0eVerifyResponse\x12\x14\n\x0c\x61\x63\x63\x65pted_len\x18\x01 \x01(\x05\x12\x17\n\ncorrection\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\x11\n\tnext_kind\x18\x03 \x01(\t\x12-\n\x0btarget_dist\x18\x04 \x01(\x0b\x32\x18.specsplit.v1.SparseDist\x12\x0f\n\x07\x63tx_len\x18\x05 \x01(\x05\x12\x10\n\x08\x63tx_hash\x18\x06 \x01(\t\x12\'\n\ttop_k_ids\x18\x07 \x03(\x0b\x32\x14.specsplit.v1.TopIds\x12+\n\x07metrics\x18\x08 \x01(\x0b\x32\x1a.specsplit.v1.RoundMetrics\x12,\n\x07\x66\x65\x61ture\x18\t \x01(\x0b\x32\x1b.specsplit.v1.TargetFeature\x12\x16\n\x0e\x61\x63\x63\x65pted_nodes\x18\n \x03(\x05\x12*\n\x06states\x18\x0b \x01(\x0b\x32\x1a.specsplit.v1.TargetStatesB\r\n\x0b_correction\"#\n\x11GetSessionRequest\x12\x0e\n\x06\x63tx_id\x18\x01 \x01(\t\"%\n\x13\x43loseSessionRequest\x12\x0e\n\x06\x63tx_id\x18\x01 \x01(\t\"&\n\x14\x43loseSessionResponse\x12\x0e\n\x06\x63losed\x18\x01 \x01(\x08\"\x11\n\x0fGetModelRequest\"\xba\x02\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x0f\n\x07\x65os_ids\x18\x03 \x03(\x05\x12\x13\n\x0bmax_context\x18\x04 \x01(\x05\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x07 \x01(\t\x12\r\n\x05max_k\x18\x08 \x01(\x05\x12\x16\n\x0etokenizer_size\x18\t \x01(\x05\x12\x14\n\x0c\x66\x65\x61ture_size\x18\n \x01(\x05\x12\x19\n\x11\x66\x65\x61ture_encodings\x18\x0b \x03(\t\x12\x17\n\x0ftensor_parallel\x18\x0c \x01(\x05\x12\x16\n\x0emax_tree_nodes\x18\r \x01(\x05\x12\x1a\n\x12max_feature_window\x18\x0e \x01(\x05\x32\x80\x03\n\x08Verifier\x12J\n\x0bOpenSession\x12 .specsplit.v1.OpenSessionRequest\x1a\x19.specsplit.v1.SessionInfo\x12\x43\n\x06Verify\x12\x1b.specsplit.v1.VerifyRequest\x1a\x1c.specsplit.v1.VerifyResponse\x12H\n\nGetSession\x12\x1f.specsplit.v1.GetSessionRequest\x1a\x19.specsplit.v1.SessionInfo\x12U\n\x0c\x43loseSession\x12!.specsplit.v1.CloseSessionRequest\x1a\".specsplit.v1.CloseSessionResponse\x12\x42\n\x08GetModel\x12\x1d.specsplit.v1.GetModelRequest\x1a\x17.specsplit.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,28 +37,30 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SPARSEDIST']._serialized_end=177
   _globals['_TARGETFEATURE']._serialized_start=179
   _globals['_TARGETFEATURE']._serialized_end=261
-  _globals['_OPENSESSIONREQUEST']._serialized_start=264
-  _globals['_OPENSESSIONREQUEST']._serialized_end=440
-  _globals['_SESSIONINFO']._serialized_start=443
-  _globals['_SESSIONINFO']._serialized_end=596
-  _globals['_TOPIDS']._serialized_start=598
-  _globals['_TOPIDS']._serialized_end=619
-  _globals['_VERIFYREQUEST']._serialized_start=622
-  _globals['_VERIFYREQUEST']._serialized_end=996
-  _globals['_ROUNDMETRICS']._serialized_start=998
-  _globals['_ROUNDMETRICS']._serialized_end=1089
-  _globals['_VERIFYRESPONSE']._serialized_start=1092
-  _globals['_VERIFYRESPONSE']._serialized_end=1427
-  _globals['_GETSESSIONREQUEST']._serialized_start=1429
-  _globals['_GETSESSIONREQUEST']._serialized_end=1464
-  _globals['_CLOSESESSIONREQUEST']._serialized_start=1466
-  _globals['_CLOSESESSIONREQUEST']._serialized_end=1503
-  _globals['_CLOSESESSIONRESPONSE']._serialized_start=1505
-  _globals['_CLOSESESSIONRESPONSE']._serialized_end=1543
-  _globals['_GETMODELREQUEST']._serialized_start=1545
-  _globals['_GETMODELREQUEST']._serialized_end=1562
-  _globals['_MODELINFO']._serialized_start=1565
-  _globals['_MODELINFO']._serialized_end=1851
-  _globals['_VERIFIER']._serialized_start=1854
-  _globals['_VERIFIER']._serialized_end=2238
+  _globals['_TARGETSTATES']._serialized_start=263
+  _globals['_TARGETSTATES']._serialized_end=355
+  _globals['_OPENSESSIONREQUEST']._serialized_start=358
+  _globals['_OPENSESSIONREQUEST']._serialized_end=558
+  _globals['_SESSIONINFO']._serialized_start=561
+  _globals['_SESSIONINFO']._serialized_end=758
+  _globals['_TOPIDS']._serialized_start=760
+  _globals['_TOPIDS']._serialized_end=781
+  _globals['_VERIFYREQUEST']._serialized_start=784
+  _globals['_VERIFYREQUEST']._serialized_end=1158
+  _globals['_ROUNDMETRICS']._serialized_start=1160
+  _globals['_ROUNDMETRICS']._serialized_end=1251
+  _globals['_VERIFYRESPONSE']._serialized_start=1254
+  _globals['_VERIFYRESPONSE']._serialized_end=1633
+  _globals['_GETSESSIONREQUEST']._serialized_start=1635
+  _globals['_GETSESSIONREQUEST']._serialized_end=1670
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=1672
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=1709
+  _globals['_CLOSESESSIONRESPONSE']._serialized_start=1711
+  _globals['_CLOSESESSIONRESPONSE']._serialized_end=1749
+  _globals['_GETMODELREQUEST']._serialized_start=1751
+  _globals['_GETMODELREQUEST']._serialized_end=1768
+  _globals['_MODELINFO']._serialized_start=1771
+  _globals['_MODELINFO']._serialized_end=2085
+  _globals['_VERIFIER']._serialized_start=2088
+  _globals['_VERIFIER']._serialized_end=2472
 # @@protoc_insertion_point(module_scope)

@@ -38,37 +38,55 @@ class TargetFeature(_message.Message):
     scale: float
     def __init__(self, prefix_len: _Optional[int] = ..., encoding: _Optional[str] = ..., data: _Optional[bytes] = ..., scale: _Optional[float] = ...) -> None: ...
 
+class TargetStates(_message.Message):
+    __slots__ = ("first", "count", "encoding", "data", "scales")
+    FIRST_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    SCALES_FIELD_NUMBER: _ClassVar[int]
+    first: int
+    count: int
+    encoding: str
+    data: bytes
+    scales: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, first: _Optional[int] = ..., count: _Optional[int] = ..., encoding: _Optional[str] = ..., data: _Optional[bytes] = ..., scales: _Optional[_Iterable[float]] = ...) -> None: ...
+
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("prompt_ids", "sampling_cfg", "seed", "correction", "max_new_tokens", "feature_encoding")
+    __slots__ = ("prompt_ids", "sampling_cfg", "seed", "correction", "max_new_tokens", "feature_encoding", "feature_window")
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_CFG_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     CORRECTION_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FEATURE_ENCODING_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_WINDOW_FIELD_NUMBER: _ClassVar[int]
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_cfg: SamplingConfig
     seed: int
     correction: str
     max_new_tokens: int
     feature_encoding: str
-    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., sampling_cfg: _Optional[_Union[SamplingConfig, _Mapping]] = ..., seed: _Optional[int] = ..., correction: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., feature_encoding: _Optional[str] = ...) -> None: ...
+    feature_window: int
+    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., sampling_cfg: _Optional[_Union[SamplingConfig, _Mapping]] = ..., seed: _Optional[int] = ..., correction: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., feature_encoding: _Optional[str] = ..., feature_window: _Optional[int] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
-    __slots__ = ("ctx_id", "ctx_len", "ctx_hash", "vocab_size", "counters_json", "feature")
+    __slots__ = ("ctx_id", "ctx_len", "ctx_hash", "vocab_size", "counters_json", "feature", "states")
     CTX_ID_FIELD_NUMBER: _ClassVar[int]
     CTX_LEN_FIELD_NUMBER: _ClassVar[int]
     CTX_HASH_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_JSON_FIELD_NUMBER: _ClassVar[int]
     FEATURE_FIELD_NUMBER: _ClassVar[int]
+    STATES_FIELD_NUMBER: _ClassVar[int]
     ctx_id: str
     ctx_len: int
     ctx_hash: str
     vocab_size: int
     counters_json: str
     feature: TargetFeature
-    def __init__(self, ctx_id: _Optional[str] = ..., ctx_len: _Optional[int] = ..., ctx_hash: _Optional[str] = ..., vocab_size: _Optional[int] = ..., counters_json: _Optional[str] = ..., feature: _Optional[_Union[TargetFeature, _Mapping]] = ...) -> None: ...
+    states: TargetStates
+    def __init__(self, ctx_id: _Optional[str] = ..., ctx_len: _Optional[int] = ..., ctx_hash: _Optional[str] = ..., vocab_size: _Optional[int] = ..., counters_json: _Optional[str] = ..., feature: _Optional[_Union[TargetFeature, _Mapping]] = ..., states: _Optional[_Union[TargetStates, _Mapping]] = ...) -> None: ...
 
 class TopIds(_message.Message):
     __slots__ = ("ids",)
@@ -125,7 +143,7 @@ class RoundMetrics(_message.Message):
     def __init__(self, alpha_mean: _Optional[float] = ..., la_over_k: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("accepted_len", "correction", "next_kind", "target_dist", "ctx_len", "ctx_hash", "top_k_ids", "metrics", "feature", "accepted_nodes")
+    __slots__ = ("accepted_len", "correction", "next_kind", "target_dist", "ctx_len", "ctx_hash", "top_k_ids", "metrics", "feature", "accepted_nodes", "states")
     ACCEPTED_LEN_FIELD_NUMBER: _ClassVar[int]
     CORRECTION_FIELD_NUMBER: _ClassVar[int]
     NEXT_KIND_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +154,7 @@ class VerifyResponse(_message.Message):
     METRICS_FIELD_NUMBER: _ClassVar[int]
     FEATURE_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_NODES_FIELD_NUMBER: _ClassVar[int]
+    STATES_FIELD_NUMBER: _ClassVar[int]
     accepted_len: int
     correction: int
     next_kind: str
@@ -146,7 +165,8 @@ class VerifyResponse(_message.Message):
     metrics: RoundMetrics
     feature: TargetFeature
     accepted_nodes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, accepted_len: _Optional[int] = ..., correction: _Optional[int] = ..., next_kind: _Optional[str] = ..., target_dist: _Optional[_Union[SparseDist, _Mapping]] = ..., ctx_len: _Optional[int] = ..., ctx_hash: _Optional[str] = ..., top_k_ids: _Optional[_Iterable[_Union[TopIds, _Mapping]]] = ..., metrics: _Optional[_Union[RoundMetrics, _Mapping]] = ..., feature: _Optional[_Union[TargetFeature, _Mapping]] = ..., accepted_nodes: _Optional[_Iterable[int]] = ...) -> None: ...
+    states: TargetStates
+    def __init__(self, accepted_len: _Optional[int] = ..., correction: _Optional[int] = ..., next_kind: _Optional[str] = ..., target_dist: _Optional[_Union[SparseDist, _Mapping]] = ..., ctx_len: _Optional[int] = ..., ctx_hash: _Optional[str] = ..., top_k_ids: _Optional[_Iterable[_Union[TopIds, _Mapping]]] = ..., metrics: _Optional[_Union[RoundMetrics, _Mapping]] = ..., feature: _Optional[_Union[TargetFeature, _Mapping]] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., states: _Optional[_Union[TargetStates, _Mapping]] = ...) -> None: ...
 
 class GetSessionRequest(_message.Message):
     __slots__ = ("ctx_id",)
@@ -171,7 +191,7 @@ class GetModelRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_id", "vocab_size", "eos_ids", "max_context", "dtype", "device", "tokenizer_fingerprint", "max_k", "tokenizer_size", "feature_size", "feature_encodings", "tensor_parallel", "max_tree_nodes")
+    __slots__ = ("model_id", "vocab_size", "eos_ids", "max_context", "dtype", "device", "tokenizer_fingerprint", "max_k", "tokenizer_size", "feature_size", "feature_encodings", "tensor_parallel", "max_tree_nodes", "max_feature_window")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     EOS_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -185,6 +205,7 @@ class ModelInfo(_message.Message):
     FEATURE_ENCODINGS_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_FIELD_NUMBER: _ClassVar[int]
     MAX_TREE_NODES_FIELD_NUMBER: _ClassVar[int]
+    MAX_FEATURE_WINDOW_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     vocab_size: int
     eos_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -198,4 +219,5 @@ class ModelInfo(_message.Message):
     feature_encodings: _containers.RepeatedScalarFieldContainer[str]
     tensor_parallel: int
     max_tree_nodes: int
-    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_ids: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_k: _Optional[int] = ..., tokenizer_size: _Optional[int] = ..., feature_size: _Optional[int] = ..., feature_encodings: _Optional[_Iterable[str]] = ..., tensor_parallel: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ...) -> None: ...
+    max_feature_window: int
+    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_ids: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_k: _Optional[int] = ..., tokenizer_size: _Optional[int] = ..., feature_size: _Optional[int] = ..., feature_encodings: _Optional[_Iterable[str]] = ..., tensor_parallel: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., max_feature_window: _Optional[int] = ...) -> None: ...

@@ -104,6 +104,8 @@ class GrpcClient:
 
     def verify(self, body: dict[str, Any]) -> dict[str, Any]:
         fields = {k: v for k, v in body.items() if k not in ("q_dists", "sampling_cfg") and v is not None}
+        if "tree_parents" in fields:  # proto3 has no presence for a list: `tree` says it is a tree
+            fields["tree"] = True
         msg = pb.VerifyRequest(**fields)
         for d in body.get("q_dists") or []:
             msg.q_dists.add(ids=d["ids"], probs=d["probs"])
@@ -123,7 +125,8 @@ class GrpcClient:
                 "max_context": m.max_context, "dtype": m.dtype, "device": m.device,
                 "tokenizer_fingerprint": m.tokenizer_fingerprint, "max_k": m.max_k,
                 "tokenizer_size": m.tokenizer_size, "feature_size": m.feature_size,
-                "feature_encodings": list(m.feature_encodings), "tensor_parallel": m.tensor_parallel}
+                "feature_encodings": list(m.feature_encodings), "tensor_parallel": m.tensor_parallel,
+                "max_tree_nodes": m.max_tree_nodes}
 
     def shutdown(self) -> None:
         self.channel.close()
@@ -148,4 +151,5 @@ def response_dict(m: pb.VerifyResponse) -> dict[str, Any]:
         "top_k_ids": [list(t.ids) for t in m.top_k_ids],
         "metrics": {"alpha_mean": m.metrics.alpha_mean, "la_over_k": m.metrics.la_over_k,
                     "prefill_ms": m.metrics.prefill_ms, "queue_ms": m.metrics.queue_ms},
+        "accepted_nodes": list(m.accepted_nodes),
     }

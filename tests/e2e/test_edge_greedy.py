@@ -1,7 +1,7 @@
 """Greedy speculative decoding against the real cloud process equals target-only greedy decoding.
 
-For 20 prompts, the text of the model drafter and of the n-gram drafter (REST; a few over gRPC)
-must equal the cloud's own target-only greedy output (POST /v1/generate) token for token. Should a
+For 20 prompts, the text of the model drafter (token trees, the default, and chains) and of the n-gram
+drafter (REST; a few over gRPC) must equal the cloud's own target-only greedy output (POST /v1/generate) token for token. Should a
 float near-tie ever flip an argmax between the batched verify forward and one-token decoding, the
 test accepts the divergence only where it shows the two candidates' processed target logits are
 within TIE_TOL of each other, and says so.
@@ -80,15 +80,16 @@ def assert_equal_or_tie(spec: list[int], ref: list[int], prompt_ids: list[int], 
     print(f"outputs part at token {i} on a float tie (processed logit gap {gap:.2e})")
 
 
-@pytest.mark.parametrize("kind", ["model", "ngram"])
+@pytest.mark.parametrize("kind", ["model", "model-chain", "ngram"])
 def test_greedy_speculative_equals_target_greedy_for_20_prompts(cloud: CloudProcess, tokenizer: Any, target: Any,
                                                                 drafter: ModelDrafter, kind: str) -> None:
-    s = settings(cloud, "rest")
+    s = settings(cloud, "rest", tree="off" if kind == "model-chain" else "auto")
     reference = EdgeClient(s.model_copy(update={"mode": "cloud_only"}), tokenizer=tokenizer)
     accepted = 0
     for prompt in PROMPTS:
-        d = drafter if kind == "model" else NGramDrafter(order=4)
+        d = drafter if kind != "ngram" else NGramDrafter(order=4)
         spec = EdgeClient(s, drafter=d, tokenizer=tokenizer).generate(prompt)
+        assert (spec.metrics.tree_rounds > 0) == (kind == "model")
         ref = reference.generate(prompt)
         assert len(ref.token_ids) == N_NEW
         assert_equal_or_tie(spec.token_ids, ref.token_ids, spec.prompt_ids, target, s.sampling())
@@ -98,14 +99,15 @@ def test_greedy_speculative_equals_target_greedy_for_20_prompts(cloud: CloudProc
         assert accepted > 0  # the repetitive prompt at least gets n-gram drafts accepted
 
 
-@pytest.mark.parametrize("kind", ["model", "ngram"])
+@pytest.mark.parametrize("kind", ["model", "model-tree", "ngram"])
 def test_greedy_over_grpc_equals_rest(cloud: CloudProcess, tokenizer: Any, drafter: ModelDrafter, kind: str) -> None:
     for prompt in PROMPTS[:2] + PROMPTS[-1:]:
         outs = []
         for transport in ("rest", "grpc"):
-            d = drafter if kind == "model" else NGramDrafter(order=4, filler_top_k=2)
-            # the round structure is compared too: k must not depend on the two transports' timings
-            outs.append(EdgeClient(settings(cloud, transport, k_policy="dynamic"), drafter=d,
+            d = drafter if kind != "ngram" else NGramDrafter(order=4, filler_top_k=2)
+            # the round structure is compared too: k (or the tree) must not depend on the transports' timings
+            shape = {"tree": "12"} if kind == "model-tree" else {"tree": "off", "k_policy": "dynamic"}
+            outs.append(EdgeClient(settings(cloud, transport, **shape), drafter=d,
                                    tokenizer=tokenizer).generate(prompt))
         assert outs[0].token_ids == outs[1].token_ids
         assert [r.accepted_len for r in outs[0].rounds] == [r.accepted_len for r in outs[1].rounds]

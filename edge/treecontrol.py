@@ -1,0 +1,114 @@
+"""The tree controller: how many nodes of the grown tree to send, and how deep to grow the next one.
+
+A tree round's expected committed tokens are 1 + sum over the sent nodes of P(node accepted). The verify
+rule accepts a node iff the target's draw matched its whole path (shared/tree.py), which a calibrated draft
+puts at the node's value (the product of q along its path, edge/drafters/tree.py). Drafts are not
+calibrated, so the values are scaled by c, the running ratio of accepted nodes to the values of the nodes
+sent (exponentially weighted, prior 1):
+
+    E[tokens](n) = 1 + c * (sum of the n largest values)        (the n most valuable nodes form a tree)
+    rate(n) = E[tokens](n) / (t_verify(n) + RTT)
+
+t_verify(n) = v0 + v1 (n + 1) is fitted to the cloud's reported forward and queue time by exponentially
+weighted least squares over the rounds' node counts, with a ridge pulling v1 towards v0 / `prior_width`
+(a forward of `prior_width` more tokens costs twice one of a single token: about 16 on this machine's CPU,
+BENCHMARKS.md "The real pair"), so a run of equal counts, which shows no slope, reads as that prior and not
+as free nodes; every `probe_every`-th round sends half the chosen count to keep the slope measured. RTT is the
+answer's wall time minus the cloud's reported time. The tree is drafted before the choice, so drafting time
+is spent either way and does not enter it.
+`fixed_nodes` sends that many nodes whatever the costs. Depth follows use: when the deepest sent node sits
+at the last level grown, the next tree grows one level deeper; when the sent tree stops two levels short,
+one level shallower (within [depth_min, depth_max]).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .drafters.tree import TreeShape
+
+
+@dataclass
+class TreeControl:
+    # most nodes a round may send (the cloud's max_tree_nodes caps it)
+    max_nodes: int = 32
+    # children per expanded node and nodes expanded per level
+    width: int = 4
+    # levels of the next tree, and their bounds
+    depth: int = 6
+    depth_min: int = 2
+    depth_max: int = 10
+    # a fixed node count (None: chosen per round by rate(n))
+    fixed_nodes: int | None = None
+    # weight of a new round in the calibration estimate
+    weight: float = 0.2
+    # accepted nodes over the sent nodes' values (running; 1 = calibrated)
+    calibration: float = 1.0
+    # the verify fit: weight of a new round, the prior (nodes whose forward costs one more of a single token),
+    # the ridge's weight (in rounds), and the rounds between two probes at half the chosen count
+    verify_weight: float = 0.15
+    prior_width: float = 16.0
+    ridge: float = 2.0
+    probe_every: int = 4
+    # the link's round trip beyond the cloud's time, ms (None until measured), and its weight
+    rtt_ms: float | None = None
+    rtt_weight: float = 0.4
+    # exponentially weighted sums of the verify fit: weight, x, y, x^2, x y (x = nodes + 1, y = ms)
+    _fit: list[float] = field(default_factory=lambda: [0.0] * 5)
+    _rounds: int = 0
+
+    def shape(self) -> TreeShape:
+        n = self.fixed_nodes or self.max_nodes
+        return TreeShape(nodes=n, depth=self.depth, width=self.width)
+
+    def expected_tokens(self, values: list[float], n: int) -> float:
+        return 1.0 + self.calibration * sum(sorted(values, reverse=True)[:n])
+
+    def verify_ms(self, n: int) -> float:
+        """t_verify(n) from the fit (0 before any answer)."""
+        w, sx, sy, sxx, sxy = self._fit
+        if w <= 0:
+            return 0.0
+        mx, my = sx / w, sy / w
+        var, cov = sxx / w - mx * mx, sxy / w - mx * my
+        r = self.ridge / w
+        # slope pulled to the prior's: v1 = v0 / prior_width, with v0 = my - v1 mx
+        prior = my / (self.prior_width + mx)
+        slope = max(0.0, (cov + r * prior) / (var + r))
+        return max(0.0, my + slope * (n + 1 - mx))
+
+    def choose(self, values: list[float]) -> int:
+        """How many of the grown tree's nodes (values: their path confidences) to send."""
+        if self.fixed_nodes is not None:
+            return min(self.fixed_nodes, len(values))
+        best, best_rate = 0, -1.0
+        ranked = sorted(values, reverse=True)
+        total = 0.0
+        for n in range(0, min(self.max_nodes, len(values)) + 1):
+            if n:
+                total += ranked[n - 1]
+            ms = self.verify_ms(n) + (self.rtt_ms or 0.0)
+            rate = (1.0 + self.calibration * total) / ms if ms > 0 else float(n)
+            if rate > best_rate + 1e-12:
+                best, best_rate = n, rate
+        self._rounds += 1
+        if self._rounds % self.probe_every == 0:
+            best = (best + 1) // 2
+        return max(best, 1)
+
+    def observe(self, sent: int, predicted: float, accepted_len: int, deepest: int, exchange_ms: float,
+                cloud_ms: float) -> None:
+        """One verified tree round: `predicted` is the sum of the sent nodes' values, `deepest` the depth of
+        the deepest sent node."""
+        if predicted > 0:
+            ratio = min(accepted_len / predicted, 4.0)
+            self.calibration = (1 - self.weight) * self.calibration + self.weight * ratio
+        x, y = float(sent + 1), max(0.0, cloud_ms)
+        self._fit = [(1 - self.verify_weight) * f + v for f, v in zip(self._fit, (1.0, x, y, x * x, x * y),
+                                                                         strict=True)]
+        rtt = max(0.0, exchange_ms - cloud_ms)
+        self.rtt_ms = rtt if self.rtt_ms is None else (1 - self.rtt_weight) * self.rtt_ms + self.rtt_weight * rtt
+        if deepest >= self.depth:
+            self.depth = min(self.depth + 1, self.depth_max)
+        elif deepest <= self.depth - 2:
+            self.depth = max(self.depth - 1, self.depth_min)

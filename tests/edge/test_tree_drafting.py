@@ -1,0 +1,93 @@
+"""Growing token trees on the edge (edge/drafters/tree.py) and choosing their size (edge/treecontrol.py).
+
+- The model drafter's tree: every node's q is the draft's processed q at that node given its path, computed
+  by a cache-free forward of the context and the path; the drafter's cache holds the context only afterwards
+  (a chain drafted next equals a fresh drafter's).
+- The growth rule: the kept nodes form a tree in topological order whose values never rise along a path,
+  with the draft's greedy chain in it as the first children.
+- The controller: the node count follows the round trip against the verify slope, a fixed count is kept,
+  the depth follows how deep the sent trees reach, and every probe_every-th round sends half.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from edge.drafters import ModelDrafter
+from edge.drafters.tree import TreeShape, grow_tree, prune
+from edge.treecontrol import TreeControl
+from shared.config import SamplingConfig
+from shared.sampling import process_logits
+from shared.tree import paths
+
+CTX = [5, 77, 301, 42, 9, 1200, 64, 3, 18]
+
+
+def test_model_tree_nodes_carry_the_drafts_q_given_their_path(model_drafter: ModelDrafter) -> None:
+    cfg = SamplingConfig(temperature=0.8, repetition_penalty=1.1)
+    block = model_drafter.propose_tree(CTX, TreeShape(nodes=12, depth=4, width=3), cfg, 0)
+    assert block.parents is not None and block.values is not None and 1 <= block.k <= 12
+    model = model_drafter.model
+    for j, path in enumerate(paths(block.parents)):
+        prefix = CTX + [block.tokens[a] for a in path[:-1]]
+        with torch.no_grad():
+            logits = model_drafter._spread(model(input_ids=torch.tensor([prefix])).logits[0, -1].float())
+        seen = torch.zeros(logits.numel(), dtype=torch.bool)
+        seen[torch.tensor(prefix)] = True
+        q = process_logits(logits[None], cfg, seen[None])[0]
+        assert abs(float(q[block.tokens[j]]) - block.q_probs[j]) < 1e-4, f"node {j}"
+    assert model_drafter.held_ids == CTX
+    fresh = copy.copy(model_drafter)
+    fresh.reset()
+    chain_after = model_drafter.propose(CTX + [7], 4, SamplingConfig(temperature=0), 0)
+    chain_fresh = fresh.propose(CTX + [7], 4, SamplingConfig(temperature=0), 0)
+    assert chain_after.tokens == chain_fresh.tokens
+
+
+def test_grown_trees_are_topological_with_falling_values() -> None:
+    g = torch.Generator().manual_seed(3)
+    table = torch.randn(50, 50, generator=g) * 3  # logits of the token after token t
+
+    def expand(nodes: list[int], tokens: list[int], parents: list[int]) -> torch.Tensor:
+        return table[torch.tensor(tokens)]
+
+    cfg = SamplingConfig(temperature=0)
+    block = grow_tree(table[7], expand, TreeShape(nodes=20, depth=5, width=3), cfg, [7], 50)
+    assert block.parents is not None and block.values is not None and block.k == 20
+    for j, par in enumerate(block.parents):
+        assert -1 <= par < j
+        if par >= 0:
+            assert block.values[j] <= block.values[par] + 1e-12
+    # the greedy chain (argmax after argmax) is the first child at every level
+    tok, node = int(table[7].argmax()), -1
+    for _ in range(3):
+        kids = [j for j, p in enumerate(block.parents) if p == node]
+        assert block.tokens[kids[0]] == tok
+        node, tok = kids[0], int(table[tok].argmax())
+    small = prune(block, 6)
+    assert small.k == 6 and all(-1 <= p < j for j, p in enumerate(small.parents or []))
+
+
+def test_controller_sends_more_nodes_over_a_slower_link() -> None:
+    values = [0.9 ** (i + 1) for i in range(32)]
+    counts = {}
+    for rtt in (0.0, 200.0):
+        ctl = TreeControl(max_nodes=32, probe_every=1000)
+        for n in (8, 16, 32, 4):  # a verify cost of 30 ms + 2 ms per node, seen at several counts
+            ctl.observe(n, 1.0, 1, 3, exchange_ms=30 + 2 * (n + 1) + rtt, cloud_ms=30 + 2 * (n + 1))
+        counts[rtt] = ctl.choose(values)
+    assert counts[200.0] > counts[0.0] >= 1
+
+
+def test_controller_keeps_a_fixed_count_adapts_depth_and_probes() -> None:
+    fixed = TreeControl(fixed_nodes=10)
+    assert fixed.choose([0.5] * 32) == 10 and fixed.shape().nodes == 10
+    ctl = TreeControl(depth=6, probe_every=2)
+    ctl.observe(8, 2.0, 2, deepest=6, exchange_ms=50, cloud_ms=40)
+    assert ctl.depth == 7
+    ctl.observe(8, 2.0, 2, deepest=3, exchange_ms=50, cloud_ms=40)
+    assert ctl.depth == 6
+    first, second = ctl.choose([0.9] * 32), ctl.choose([0.9] * 32)
+    assert second == (first + 1) // 2
