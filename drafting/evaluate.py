@@ -1,0 +1,96 @@
+"""The attention head measured as the edge drafts with it, and its export with the record of its making.
+
+On held-out answer rows (answers shards with index % heldout_every == 0, never trained on): from every
+start t, the head has the target's real states f_s for s <= t and the committed token x_{t+1}; it drafts
+k tokens greedily on its own predicted states and its own argmax tokens (`drafting.train.unroll` with
+`own_tokens`), and draft j is compared with the answer's token x_{t+j+1}.
+
+- `by_position[j - 1]`: the share of starts whose draft j agrees, among those whose drafts before j all
+  agreed (what a greedy verify accepts at position j given it got there).
+- `tokens_per_call[k]`: the mean over starts of min(run, k) + 1, where run counts the leading agreeing
+  drafts: the tokens one greedy verify call of a chain of k commits (the accepted drafts and the
+  target's own next token).
+
+Starts are the t whose first draft is an answer token (t + 2 >= prompt_len) and whose `k` drafts all lie
+in the row. By default only greedy answers (temperature 0) are scored: their tokens are the target's own
+choices under the product's processing (repetition penalty 1.1), so agreement there is acceptance.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from drafting.states import is_heldout, load_states, output_ids
+from drafting.train import TrainConfig, trained_head, unroll
+from edge.drafters.attention_head import AttentionHead
+
+
+@torch.no_grad()
+def row_hits(head: AttentionHead, row: dict[str, Any], k: int) -> torch.Tensor:
+    """[N, k] bool: for each start of `row` (a states row), whether draft j agrees with the answer."""
+    S = row["states"].float()  # [n, d]
+    ids = row["ids"].long()  # [L]
+    n, start = S.shape[0], row["start"]
+    P = start + torch.arange(n)  # [n] positions t
+    X = ids[start + 1:start + 1 + n]  # [n] x_{t+1}
+    keep = (P + 2 >= row["prompt_len"]) & (P + k + 1 <= ids.numel() - 1)  # [n]
+    if not bool(keep.any()):
+        return torch.zeros(0, k, dtype=torch.bool)
+    preds = unroll(head, S[None], X[None], P[None], k, own_tokens=True)  # k x [1, n, d]
+    drafts = torch.stack([head.out_ids[head.logits(g[0]).argmax(-1)] for g in preds], 1)  # [n, k]
+    truth = ids[(P[:, None] + torch.arange(2, k + 2)).clamp(max=ids.numel() - 1)]  # [n, k] x_{t+j+1}
+    return (drafts == truth)[keep]  # [N, k]
+
+
+def summarise(hits: torch.Tensor) -> dict[str, Any]:
+    """Agreement by draft position and tokens per verify call for chains 2..k, from hits ([N, k] bool)."""
+    n, k = hits.shape
+    alive = torch.cumprod(hits.int(), 1)  # [N, k] drafts 1..j all agreed
+    before = torch.cat([torch.ones(n, 1, dtype=torch.int), alive[:, :-1]], 1)  # [N, k] drafts 1..j-1 agreed
+    run = alive.sum(1)  # [N] leading agreeing drafts
+    return {"starts": n,
+            "by_position": [round(float(alive[:, j].sum() / before[:, j].sum().clamp(min=1)), 4) for j in range(k)],
+            "tokens_per_call": {kk: round(float(run.clamp(max=kk).float().mean() + 1), 4) if n else 0.0
+                                for kk in range(2, k + 1)}}
+
+
+def evaluate(head: AttentionHead, rows: list[dict[str, Any]], k: int = 8) -> dict[str, Any]:
+    """`summarise` over every start of `rows`."""
+    parts = [row_hits(head, r, k) for r in rows]
+    res = summarise(torch.cat(parts) if parts else torch.zeros(0, k, dtype=torch.bool))
+    return {"rows": len(rows), **res}
+
+
+def heldout_rows(cfg: TrainConfig, greedy_only: bool = True) -> tuple[list[dict[str, Any]], list[int]]:
+    """The first `cfg.eval_rows` held-out states rows (greedy answers only by default) and their shards."""
+    d = Path(cfg.work) / "states"
+    shards = sorted(i for i in (int(p.stem) for p in d.glob("*.pt")) if is_heldout(i, cfg.heldout_every))
+    rows = [r for i in shards for r in load_states(d / f"{i:05d}.pt")
+            if not greedy_only or r.get("temperature", 0.0) == 0.0]
+    return rows[:cfg.eval_rows], shards
+
+
+def export(cfg: TrainConfig, out_dir: Path, command: str) -> dict[str, Any]:
+    """The checkpoint's head into `out_dir` (attention_head.json, .safetensors), measured as the edge
+    loads it (bfloat16 weights, run in float32) into report.json, with training.json: the commands, data,
+    steps and time that made it."""
+    head, state = trained_head(cfg)
+    head.save(out_dir)
+    edge = AttentionHead.load(out_dir)
+    rows, held = heldout_rows(cfg)
+    freq = output_ids(Path(cfg.work), Path(cfg.data), head.cfg.vocab_size, cfg.n_out, cfg.heldout_every)
+    report = {"heldout_greedy": evaluate(edge, rows, cfg.eval_k), "heldout_shards": held,
+              "n_out": cfg.n_out, "coverage_heldout": freq["coverage_heldout"], "steps": state["step"]}
+    (out_dir / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    training = {"export_command": command, "train_commands": state.get("commands", []), "target": cfg.target,
+                "data": {"root": cfg.data, "train_shards": state["shards"], "heldout_shards": held,
+                         "train_positions": state["positions"], "train_answer_tokens": state.get("answer_tokens", 0)},
+                "steps": state["step"], "minutes": round(state["seconds"] / 60, 1),
+                "config": state.get("config", asdict(cfg)), "log": state["log"]}
+    (out_dir / "training.json").write_text(json.dumps(training, indent=1) + "\n")
+    return report

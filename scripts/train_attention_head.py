@@ -1,0 +1,72 @@
+"""The attention head's phases: target states, training, evaluation, export (drafting/ does the work).
+
+    nice -n 19 .venv/bin/python scripts/train_attention_head.py states
+    nice -n 19 .venv/bin/python scripts/train_attention_head.py train --minutes 600
+    nice -n 19 .venv/bin/python scripts/train_attention_head.py eval
+    nice -n 19 .venv/bin/python scripts/train_attention_head.py export --out models/smollm2-135m-attention-head
+
+Every knob of drafting.train.TrainConfig is an option (--work, --batch, --unroll, ...); give the same
+ones to every phase. Each phase resumes: `states` skips shards already done, `train` continues from
+<work>/ckpt.pt (stop it with SIGTERM or Ctrl-C to checkpoint at once, SIGSTOP / SIGCONT to pause, and
+rerun the same command after a kill to lose at most --checkpoint-minutes). Never run in setup or CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import shlex
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from drafting.evaluate import evaluate, export, heldout_rows  # noqa: E402
+from drafting.states import make_states, output_ids  # noqa: E402
+from drafting.target import load_target  # noqa: E402
+from drafting.train import TrainConfig, train, trained_head  # noqa: E402
+from edge.drafters.attention_head import AttentionHead  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def parse(argv: list[str] | None) -> tuple[argparse.Namespace, TrainConfig]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("phase", choices=["states", "train", "eval", "export"])
+    ap.add_argument("--out", type=Path, default=REPO / "models" / "smollm2-135m-attention-head",
+                    help="export: the head directory to write")
+    ap.add_argument("--head", type=Path, help="eval: an exported head directory (default: the checkpoint)")
+    ap.add_argument("--states-batch", type=int, default=16, help="states: rows per target forward")
+    for f in dataclasses.fields(TrainConfig):
+        ap.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default,
+                        help=f"(default {f.default})")
+    args = ap.parse_args(argv)
+    cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
+    return args, cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    args, cfg = parse(argv)
+    command = shlex.join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:]))
+    work = Path(cfg.work)
+    if args.phase == "states":
+        _, model = load_target(Path(cfg.target), cfg.threads)
+        make_states(work, Path(cfg.data), model, cfg.window, args.states_batch)
+        freq = output_ids(work, Path(cfg.data), model.config.vocab_size, cfg.n_out, cfg.heldout_every)
+        print(json.dumps({k: v for k, v in freq.items() if k != "ids"}))
+    elif args.phase == "train":
+        state = train(cfg, command)
+        print(json.dumps({k: state[k] for k in ("step", "seconds", "positions", "answer_tokens")}))
+    elif args.phase == "eval":
+        head = AttentionHead.load(args.head) if args.head else trained_head(cfg)[0]
+        print(json.dumps(evaluate(head, heldout_rows(cfg)[0], cfg.eval_k), indent=1))
+    else:
+        print(json.dumps(export(cfg, args.out, command), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
