@@ -58,6 +58,9 @@ class EdgePrometheus:
     drafting_seconds: Counter
     draft_wait_seconds: Counter
     cloud_wait_seconds: Counter
+    # token trees: verified rounds that sent one, and the nodes they sent
+    tree_rounds: Counter
+    tree_nodes: Counter
     # error answers of the OpenAI routes by OpenAI error type
     errors: Counter
     # answers of the /v1/ routes by HTTP status
@@ -104,6 +107,9 @@ class EdgePrometheus:
                                        registry=r),
             cloud_wait_seconds=Counter(p + "cloud_wait_seconds", "Time waiting for verify answers (retries "
                                        "included).", registry=r),
+            tree_rounds=Counter(p + "tree_rounds", "Verified rounds that sent a token tree.", registry=r),
+            tree_nodes=Counter(p + "tree_nodes", "Token-tree nodes sent to the cloud (also in drafted_tokens).",
+                               registry=r),
             errors=Counter(p + "errors", "Error answers of the OpenAI routes by OpenAI error type.", ["type"],
                            registry=r),
             responses=Counter(p + "responses", "Answers of the /v1/ routes by HTTP status.", ["status"],
@@ -138,6 +144,8 @@ class EdgePrometheus:
         self.reopens.inc(m.reopens)
         self.resyncs.inc(m.resyncs)
         self.timeouts.inc(m.timeouts)
+        self.tree_rounds.inc(m.tree_rounds)
+        self.tree_nodes.inc(m.tree_nodes)
         self.drafting_seconds.inc(max(0.0, m.edge_time_ms / 1000 - draft_wait_s))
         self.draft_wait_seconds.inc(draft_wait_s)
         self.cloud_wait_seconds.inc(m.rtt_ms / 1000)

@@ -225,13 +225,17 @@ class SpeculativeRun:
 
     def step(self, remaining: int, max_context: int | None = None) -> list[tuple[int, Origin]]:
         """One round; `remaining` is the token budget left. Returns the committed (token, origin) pairs."""
+        plain = False
         if self.tree is not None:
             out = self._tree_step(remaining, max_context)
             if out is not None:
                 return out
+            # no room for a tree: a round of k = 0, whose token is drawn as draw and match draws it (the
+            # target-only draw at its position), so a tree session's text stays the seed's target-only text
+            plain = remaining <= 1 or bool(max_context and max_context - len(self.S) - 1 < 1)
         # k drafts run through the target, plus the checked last one with check_last (no bonus then)
         extra = int(self.params.check_last)
-        k = max(0, min(self.k_ctl.k + extra, remaining - 1 + extra))
+        k = 0 if plain else max(0, min(self.k_ctl.k + extra, remaining - 1 + extra))
         if max_context:
             k = max(0, min(k, max_context - len(self.S) - 1))
         t0 = self.clock()

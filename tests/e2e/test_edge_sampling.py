@@ -9,6 +9,10 @@ below 1e-3. Each generation drafts k = 2 tokens with the tiny random draft model
 tokens go through acceptance at positions 1 and 2, rejections at both, the residual (edge-drawn
 from the cloud's target_dist, or cloud-drawn from the sent q_dists) and the bonus.
 
+Token trees (shared/tree.py, draw and match): the same test over N generations that draft a tree of 6
+nodes (width 3, depth 3) every round through the real cloud, and the tree rule's lossy shortcut variant
+(children tried with min(1, p/q), then a draw from p) must fail it with N = 500.
+
 Power: the same statistic on the biased variant (correction "shortcut": corrections drawn from p)
 must fail the same threshold, shown with N = 500 generations (a quarter of the sample: the biased
 variant fails even with far less data). Split residual and q_dists draw their residual with the same
@@ -40,6 +44,8 @@ P_THRESHOLD = 1e-3
 MIN_EXPECTED = 5.0
 CFG = SamplingConfig(temperature=1.0, top_p=1.0, top_k=5, repetition_penalty=1.3)
 PROMPT = "The quick brown fox"
+# fixed trees of 6 nodes every round
+TREE: dict[str, Any] = {"fixed_k": None, "tree": "6", "tree_width": 3, "tree_depth": 3}
 
 
 @pytest.fixture(scope="module")
@@ -92,9 +98,11 @@ Sample = tuple[Counter[tuple[int, int]], Counter[str]]
 
 def first_pairs(cloud: CloudProcess, tokenizer: Any, drafter: ModelDrafter, n: int, **kw: Any) -> Sample:
     """(t1, t2) counts and first-two-token origins of n seeded generations (seeds 0..n-1)."""
-    s = EdgeSettings(grpc_target=cloud.grpc_target, temperature=CFG.temperature, top_p=CFG.top_p, top_k=CFG.top_k,
-                     repetition_penalty=CFG.repetition_penalty, max_new_tokens=3, fixed_k=2, stop_at_eos=False,
-                     timeout_ms=30_000, timeout_fallback=False, **kw)
+    values: dict[str, Any] = {
+        "grpc_target": cloud.grpc_target, "temperature": CFG.temperature, "top_p": CFG.top_p, "top_k": CFG.top_k,
+        "repetition_penalty": CFG.repetition_penalty, "max_new_tokens": 3, "fixed_k": 2, "stop_at_eos": False,
+        "timeout_ms": 30_000, "timeout_fallback": False, **kw}
+    s = EdgeSettings(**values)
     client = EdgeClient(s, drafter=drafter, tokenizer=tokenizer)
     ids = tokenizer.encode(PROMPT)
     pairs: Counter[tuple[int, int]] = Counter()
@@ -117,7 +125,8 @@ def samples(cloud: CloudProcess, tokenizer: Any, drafter: ModelDrafter) -> dict[
     """The three variants, generated concurrently (one drafter fork each) against one cloud."""
     variants: dict[str, tuple[int, dict[str, Any]]] = {
         "split_residual": (N, {}), "q_dists": (N, {"send_q_dists": True}),
-        "shortcut": (N_BIASED, {"correction": "shortcut"})}
+        "shortcut": (N_BIASED, {"correction": "shortcut"}), "tree": (N, TREE),
+        "tree_shortcut": (N_BIASED, {**TREE, "correction": "shortcut"})}
     with ThreadPoolExecutor(len(variants)) as pool:
         futures = {name: pool.submit(first_pairs, cloud, tokenizer, drafter.fork(), n, **kw)
                    for name, (n, kw) in variants.items()}
@@ -158,3 +167,22 @@ def test_biased_shortcut_fails_the_same_test(samples: dict[str, Sample],
     p, dof = chi_square_pvalue(pairs, expected)
     print(f"shortcut (biased): chi-square p = {p:.2e} with {dof} dof over {N_BIASED} generations")
     assert p < P_THRESHOLD, f"the biased variant passed (p = {p:.2e}, {dof} dof): the test has no power"
+
+
+@pytest.mark.slow
+def test_token_trees_match_target_sampling(samples: dict[str, Sample],
+                                           expected: dict[tuple[int, int], float]) -> None:
+    pairs, origins = samples["tree"]
+    p, dof = chi_square_pvalue(pairs, expected)
+    print(f"trees: chi-square p = {p:.3f} with {dof} dof over {N} generations")
+    assert origins["accepted"] > 0.05 * N and origins["correction"] > 0.05 * N  # nodes matched and missed
+    assert p >= P_THRESHOLD, f"chi-square p = {p:.2e} ({dof} dof): not the target's distribution"
+
+
+@pytest.mark.slow
+def test_the_tree_shortcut_fails_the_same_test(samples: dict[str, Sample],
+                                               expected: dict[tuple[int, int], float]) -> None:
+    pairs, _ = samples["tree_shortcut"]
+    p, dof = chi_square_pvalue(pairs, expected)
+    print(f"tree shortcut (biased): chi-square p = {p:.2e} with {dof} dof over {N_BIASED} generations")
+    assert p < P_THRESHOLD, f"the biased tree variant passed (p = {p:.2e}, {dof} dof): the test has no power"

@@ -8,7 +8,11 @@ whose q depends on the text alone the text is a function of the seed. Against th
 dynamic k, drafting ahead on and off, over REST and gRPC, and a run whose session is closed behind the
 edge's back mid-generation (a reopen) all give one text, for each of two seeds. The same runs without
 check_last (a bonus after a fully accepted block) do not: that is checked too, so the test would notice
-the rule being dropped.
+the rule being dropped. These chain runs send chains (`tree="off"`).
+
+Token trees (the default with a model draft) are walked by draw and match (shared/tree.py): every token is
+the target's own seeded draw at its position, so a tree session's text is the text target-only generation
+(`cloud_only`, `/v1/generate`) gives for the seed, whatever the trees' sizes, the transport or a reopen.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ def run(cloud: CloudProcess, tokenizer: Any, draft: Path, seed: int, transport: 
         **kw: Any) -> list[int]:
     where = {"cloud_url": cloud.http_url} if transport == "rest" else {"grpc_target": cloud.grpc_target}
     kw.setdefault("check_last", True)
+    kw.setdefault("tree", "off")
     s = EdgeSettings(temperature=1.0, top_p=0.9, max_new_tokens=N_NEW, seed=seed, stop_at_eos=False, head="none",
                      draft=str(draft), timeout_ms=60_000, **where, **kw)
     plain = EdgeClient(s, tokenizer=tokenizer)
@@ -66,3 +71,17 @@ def test_without_the_checked_last_draft_the_round_structure_shows(
                != run(tiny_cloud_server, tokenizer, tiny_pair[1], seed, fixed_k=6, check_last=False, draft_ahead=False)
                for seed in (3, 11, 19)]
     assert any(differs)
+
+
+@pytest.mark.parametrize("seed", [3, 11])
+def test_tree_sessions_give_the_target_only_text_of_the_seed(tiny_cloud_server: CloudProcess,
+                                                             tiny_pair: tuple[Path, Path], tokenizer: Any,
+                                                             seed: int) -> None:
+    c, d = tiny_cloud_server, tiny_pair[1]
+    want = run(c, tokenizer, d, seed, mode="cloud_only")
+    texts = [run(c, tokenizer, d, seed, tree="auto"), run(c, tokenizer, d, seed, tree="4"),
+             run(c, tokenizer, d, seed, tree="24", tree_depth=8),
+             run(c, tokenizer, d, seed, transport="grpc", tree="12"),
+             run(c, tokenizer, d, seed, reopen=True, tree="8")]
+    assert all(t == want for t in texts), [next((i for i, (a, b) in enumerate(zip(t, want)) if a != b), None) for t in texts]
+    assert len(want) == N_NEW
