@@ -51,11 +51,11 @@ async def drain(service: VerifierService, health: health_aio.HealthServicer, gra
     log.info("draining", extra={"fields": {"event": "drain", "open_sessions": len(service.store),
                                            "grace_s": grace_s}})
     while loop.time() < deadline and not hurry.is_set():
-        if len(service.store) == 0 and service.worker.depth == 0:
+        if len(service.store) == 0 and service.admission.depth == 0:
             break
         await asyncio.sleep(DRAIN_POLL_S)
     log.info("drained", extra={"fields": {"event": "drained", "open_sessions": len(service.store),
-                                          "queue_depth": service.worker.depth}})
+                                          "queue_depth": service.admission.depth}})
 
 
 async def watch_ranks(service: VerifierService, health: health_aio.HealthServicer) -> None:

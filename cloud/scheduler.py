@@ -33,8 +33,8 @@ left alone they would form waves that never merge. So before a forward the threa
 three forwards that have not queued their next round yet. `batch_wait_ms = 0` never waits. A session
 never has two jobs queued (its lock is held while its round is queued), so its rounds stay in order.
 
-`run(fn)` runs a plain callable on the model thread between batches (start-up, tests).
-Admission (`admit`) is unchanged: past `max_depth` requests in flight -> ResourceExhausted.
+`run(fn)` runs a plain callable on the model thread between batches (start-up, tests). What may
+enter the queue at all is decided before, per API key (cloud/admission.py).
 """
 
 from __future__ import annotations
@@ -126,7 +126,6 @@ class BatchStats:
 
 @dataclass
 class Scheduler:
-    max_depth: int
     clock: Callable[[], float]
     max_batch_size: int = 32
     max_batch_tokens: int = 1024
@@ -145,8 +144,6 @@ class Scheduler:
     make_room: Callable[[int, bool], None] = lambda _, __: None
     # called on the model thread after every forward
     on_batch: Callable[[BatchStats], None] = lambda _: None
-    # called on the model thread between batches (slot releases, from any thread)
-    depth: int = 0
     _queue: collections.deque[Job[Any]] = field(default_factory=collections.deque)
     _between: list[Callable[[], None]] = field(default_factory=list)
     _cv: threading.Condition = field(default_factory=threading.Condition)
@@ -167,17 +164,6 @@ class Scheduler:
         self._thread.start()
 
     # --- the event loop's side ----------------------------------------------------------------
-    @contextlib.contextmanager
-    def admit(self) -> Iterator[None]:
-        if self.depth >= self.max_depth:
-            raise ResourceExhausted(f"{self.depth} requests are waiting for the model (max_queue_depth = "
-                                    f"{self.max_depth}); retry later", limit="max_queue_depth")
-        self.depth += 1
-        try:
-            yield
-        finally:
-            self.depth -= 1
-
     async def submit(self, job: Job[T], since: float | None = None) -> tuple[T, float]:
         """Queue `job`; returns (its result, ms from `since` (default now) to its first forward)."""
         job.loop = asyncio.get_running_loop()

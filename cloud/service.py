@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from cloud.admission import Admission
 from cloud.engine import (
     DecodeState,
     Prefill,
@@ -92,7 +93,10 @@ class VerifierService:
         self.store = SessionStore(max_sessions=settings.max_sessions, ttl_s=settings.session_ttl_s,
                                   kv_budget_bytes=settings.kv_budget_bytes, clock=clock, on_remove=self._removed,
                                   max_sessions_per_owner=settings.sessions_per_key_limit())
-        self.worker = Scheduler(settings.max_queue_depth, clock, max_batch_size=settings.max_batch_size,
+        self.admission = Admission(max_new=settings.max_queue_depth,
+                                   max_new_per_key=settings.queue_depth_per_key_limit(),
+                                   max_total=settings.max_queue_depth + settings.max_sessions)
+        self.worker = Scheduler(clock, max_batch_size=settings.max_batch_size,
                                 max_batch_tokens=settings.max_batch_tokens, batch_wait_ms=settings.batch_wait_ms,
                                 max_prefill_tokens_with_rounds=settings.max_prefill_tokens_with_rounds,
                                 torch_threads=settings.torch_threads,
@@ -157,11 +161,12 @@ class VerifierService:
             raise InvalidArgument(f"feature_encoding must be '', 'float16' or 'int8', not {req.feature_encoding!r}")
         # a cloud that does not offer features answers without them, as an older cloud would
         encoding = req.feature_encoding if self.info.feature_size else ""
-        need = len(req.prompt_ids) * self.model.kv_bytes_per_token
+        need = self._kv_bytes(len(req.prompt_ids) + 1)  # the prompt and its first round's token
         self._loop = asyncio.get_running_loop()
-        with self.worker.admit():
+        # the limits count the opens already admitted, before any compute (cloud/admission.py)
+        self.store.check_room(need, owner, self.admission.opening(owner), self.admission.opening())
+        with self.admission.new_work(owner, opening=True):
             admitted = self.clock()
-            self.store.check_room(need, owner)
             # with a feature the whole prompt is run (its last position's state is the first feature); without,
             # S[:-1] (the first round feeds the last token)
             ids = req.prompt_ids if encoding else req.prompt_ids[:-1]
@@ -174,11 +179,6 @@ class VerifierService:
             except BaseException:
                 # gone before the session exists (disconnect, failure): its slot goes back to the pool
                 await asyncio.wait({job})
-                self._release(pre.slot)
-                raise
-            try:
-                self.store.check_room(need, owner)  # others may have opened meanwhile
-            except BaseException:
                 self._release(pre.slot)
                 raise
             now = self.clock()
@@ -196,6 +196,12 @@ class VerifierService:
         info = self._info(s)
         info.feature = first[0] if first else None
         return info
+
+    def _kv_bytes(self, positions: int) -> int:
+        """The KV bytes a sequence of `positions` takes in whole blocks, with one block more for a
+        copy-on-write: what the never-fits check compares with the budget (the pool holds whole blocks)."""
+        size = self.model.pool.block_size
+        return (-(-positions // size) + 1) * size * self.model.kv_bytes_per_token
 
     def _refuse_when_draining(self, what: str) -> None:
         if self.draining:
@@ -359,12 +365,12 @@ class VerifierService:
         q_dense = check_request(req, declared_k, self.limits, s.sampling_cfg, sampling_cfg)
         k = len(req.draft.draft_tokens)
         self._loop = asyncio.get_running_loop()
-        with self.worker.admit():
+        with self.admission.round():
             admitted = self.clock()
             s.inflight += 1
             try:
                 async with s.lock:
-                    self.store.make_room((req.ctx_len + k) * self.model.kv_bytes_per_token, s)
+                    self.store.make_room(self._kv_bytes(req.ctx_len + k), s)
                     job = asyncio.ensure_future(self.worker.submit(self._round_job(s, req, q_dense),
                                                                    since=admitted))
                     try:
@@ -448,8 +454,8 @@ class VerifierService:
             raise InvalidArgument(f"max_new_tokens must be in [0, {self.settings.max_generate_tokens}]")
         if not 0 <= req.seed < 2**64:
             raise InvalidArgument("seed must be in [0, 2**64)")
-        with self.worker.admit():
-            pass  # fail fast when full; the generation itself is admitted when it starts
+        self.store.make_room(self._kv_bytes(len(req.prompt_ids) + 1))  # a prompt that can never fit: 422
+        self.admission.check_new(owner)  # fail fast when full; the generation itself is admitted when it starts
         return self._generate(req, owner)
 
     async def _generate(self, req: GenerateRequest, owner: str = "") -> AsyncIterator[GenerateEvent]:
@@ -458,7 +464,7 @@ class VerifierService:
         limit = min(req.max_new_tokens, self.info.max_context - len(st.ids))
         reason, prefill_ms, decode_ms, queue_ms = "length", 0.0, 0.0, 0.0
         try:
-            with self.worker.admit():
+            with self.admission.new_work(owner):
                 for i in range(max(limit, 0)):
                     job = asyncio.ensure_future(self.worker.submit(self._decode_job(st, req, owner, i == 0),
                                                                    since=t_start if i == 0 else None))
@@ -523,7 +529,7 @@ class VerifierService:
         self.metrics.prefix_hit_tokens.inc(m.hit_tokens - self._hits_seen)
         self.metrics.cached_block_evictions.inc(m.evicted_blocks - self._evicted_seen)
         self._hits_seen, self._evicted_seen = m.hit_tokens, m.evicted_blocks
-        self.metrics.queue_depth.set(self.worker.depth)
+        self.metrics.queue_depth.set(self.admission.depth)
         return self.metrics.render()
 
     def count_error(self, code: str) -> None:

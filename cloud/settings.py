@@ -81,8 +81,13 @@ class CloudSettings(BaseSettings):
     # before a forward, wait at most this long (ms; and at most half the last forward's time) for the
     # next rounds of sessions answered within the last three forwards, so they share one forward; 0 = never
     batch_wait_ms: float = Field(default=5.0, ge=0, le=1000)
-    # model-bound requests admitted at once (queued or running); more answer 429 / RESOURCE_EXHAUSTED
+    # session opens and /v1/generate streams admitted at once (waiting for the model or running); more answer
+    # 429 / RESOURCE_EXHAUSTED. Verify rounds of open sessions are not refused by them (cloud/admission.py)
     max_queue_depth: int = Field(default=64, ge=1)
+    # opens and generate streams one API key may have admitted at once; more answer 429 naming
+    # max_queue_depth_per_key. 0 = automatic: max_queue_depth when fewer than two keys are configured,
+    # else half of it (at least 1), so one key's burst leaves room for the others
+    max_queue_depth_per_key: int = Field(default=0, ge=0)
     # largest request body (REST) / message (gRPC); larger answer 413 / RESOURCE_EXHAUSTED
     max_body_bytes: int = Field(default=4 * 1024**2, ge=1024)
     # longest prompt accepted at open; 0 = the model's context; must not exceed it
@@ -138,6 +143,12 @@ class CloudSettings(BaseSettings):
         if self.max_sessions_per_key:
             return min(self.max_sessions_per_key, self.max_sessions)
         return self.max_sessions if len(self.api_keys) < 2 else max(1, self.max_sessions // 2)
+
+    def queue_depth_per_key_limit(self) -> int:
+        """The effective max_queue_depth_per_key (see the field)."""
+        if self.max_queue_depth_per_key:
+            return min(self.max_queue_depth_per_key, self.max_queue_depth)
+        return self.max_queue_depth if len(self.api_keys) < 2 else max(1, self.max_queue_depth // 2)
 
     def prompt_limit(self, model_context: int) -> int:
         """The effective max prompt length for a model with `model_context` positions."""

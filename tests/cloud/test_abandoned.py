@@ -60,7 +60,7 @@ def test_grpc_open_whose_caller_gave_up_is_not_kept(make_service: Callable[..., 
                 with pytest.raises(asyncio.CancelledError):
                     await call
                 for _ in range(200):  # until the server has seen the cancellation and the model is idle
-                    if svc.worker.depth == 0:
+                    if svc.admission.depth == 0:
                         break
                     await asyncio.sleep(0.01)
                 await asyncio.sleep(0.1)

@@ -169,7 +169,7 @@ def test_a_job_that_cannot_get_its_blocks_even_alone_is_refused_with_429() -> No
         calls.append(rows)
         return [torch.zeros(r.keep, 4) for r in rows]
 
-    sched = Scheduler(8, lambda: 0.0, forward=forward, blocks_needed=lambda r: len(r.ids) // 4,
+    sched = Scheduler(lambda: 0.0, forward=forward, blocks_needed=lambda r: len(r.ids) // 4,
                       blocks_available=lambda: 3, make_room=lambda n, _: asked.append(n), batch_wait_ms=0)
 
     async def main() -> None:
@@ -196,7 +196,7 @@ def run_queued_together(jobs: list[Job[Any]], calls: list[list[Row]], **schedule
         calls.append(rows)
         return [torch.zeros(r.keep, 4) for r in rows]
 
-    sched = Scheduler(16, lambda: 0.0, forward=forward, batch_wait_ms=0, **scheduler)
+    sched = Scheduler(lambda: 0.0, forward=forward, batch_wait_ms=0, **scheduler)
 
     async def main() -> None:
         blocker = asyncio.ensure_future(sched.run(gate.wait))
