@@ -11,12 +11,14 @@ decode steps. Whenever the model is free, the thread builds one forward under a 
 2. Prefills fill the rest of the budget: session opens and /v1/generate prompts, chunked to what is
    left. They are taken round-robin over API keys (the key whose prefill ran least recently first,
    each key's prefills in arrival order), so one key's burst of opens cannot starve another key's.
-   A forward that carries rounds or decode steps gives prefill chunks at most
-   `max_prefill_tokens_with_rounds` of its tokens, so such a forward stays small and the rounds in it
-   are answered quickly; a forward with no running work gives prefills the whole budget.
-So a round that arrives during a burst of prefills runs in the next forward: it waits at most for
-the forward in progress (one forward of at most `max_batch_tokens` tokens), never for the burst, and
-the forward it rides in carries at most `max_prefill_tokens_with_rounds` prefill tokens.
+   A forward gives prefill chunks at most `max_prefill_tokens_with_rounds` of its tokens when it
+   carries rounds or decode steps, and also while any session is active (answered within the last
+   `active_s`, by `clock`: its next round is on its way; an edge sends it 10-30 ms after its answer,
+   commits, drafts and encodes meanwhile, far longer than `batch_wait_ms`). Only with no session
+   active does a prefill-only forward take the whole budget.
+So a round that arrives during a burst of prefills, whenever it arrives, waits at most for the forward
+in progress, which carries at most `max_prefill_tokens_with_rounds` prefill tokens (the slice), then
+runs in the next forward, never behind the burst.
 3. KV blocks: each row needs the blocks its new positions take (`blocks_needed`). When they are not
    free the thread asks for room (`make_room`: unreferenced cached prefix blocks go first, then the
    least recently used idle sessions, which answer 404 and are reopened by their edge; while the
@@ -129,8 +131,11 @@ class Scheduler:
     clock: Callable[[], float]
     max_batch_size: int = 32
     max_batch_tokens: int = 1024
-    # prefill tokens at most in a forward that also carries rounds or decode steps
+    # prefill tokens at most in a forward that also carries rounds or decode steps, or that runs while a
+    # session is active
     max_prefill_tokens_with_rounds: int = 1 << 30
+    # a key answered within this long (s, by `clock`) is active: its next round is expected (0: never)
+    active_s: float = 0.0
     # longest wait before a forward for recently answered sessions' next rounds, ms (0: never wait)
     batch_wait_ms: float = 5.0
     torch_threads: int = 0
@@ -155,6 +160,8 @@ class Scheduler:
     # model thread only: the number of the last forward that ran a prefill of each owner, and forwards run
     _served: dict[str, int] = field(default_factory=dict)
     _forwards: int = 0
+    # model thread only: when each key was last answered, by `clock` (the active sessions)
+    _active: dict[str, float] = field(default_factory=dict)
     # futures to settle, by event loop, handed over once per forward (`_flush`; shutdown adds from its thread)
     _settles: dict[asyncio.AbstractEventLoop, list[Callable[[], None]]] = field(default_factory=dict)
     _settles_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -192,6 +199,7 @@ class Scheduler:
         """`key` sends no more work (its session closed, its stream ended): never wait for it."""
         def drop() -> None:
             self._answered.pop(key, None)
+            self._active.pop(key, None)
 
         self.between_batches(drop)
 
@@ -310,8 +318,9 @@ class Scheduler:
             yield from ((j, True) for j in ordered if j.kind == PREFILL)
 
         running = 0  # tokens of rounds and decode steps in this forward
+        active = self._any_active()
         for job, filling in candidates():
-            if filling and running and budget > 0:  # the prefills' share of a forward with running work
+            if filling and (running or active) and budget > 0:  # the prefills' share: the slice
                 budget = min(budget, self.max_prefill_tokens_with_rounds - (self.max_batch_tokens - budget - running))
             if len(batch) >= self.max_batch_size or budget <= 0:
                 break
@@ -398,7 +407,17 @@ class Scheduler:
             self._drop(job)
             if job.key is not None:
                 self._answered[job.key] = time.monotonic()
+                self._active[job.key] = self.clock()
             self._resolve(job, value=result)
+
+    def _any_active(self) -> bool:
+        """Whether a key was answered within the last `active_s` (older entries are dropped)."""
+        if self.active_s <= 0 or not self._active:
+            return False
+        since = self.clock() - self.active_s
+        for key in [k for k, t in self._active.items() if t < since]:
+            del self._active[key]
+        return bool(self._active)
 
     @staticmethod
     def _process(batch: list[tuple[Job[Any], Row]], logits: list[torch.Tensor]) -> None:

@@ -99,6 +99,7 @@ class VerifierService:
         self.worker = Scheduler(clock, max_batch_size=settings.max_batch_size,
                                 max_batch_tokens=settings.max_batch_tokens, batch_wait_ms=settings.batch_wait_ms,
                                 max_prefill_tokens_with_rounds=settings.max_prefill_tokens_with_rounds,
+                                active_s=settings.session_active_ms / 1000.0,
                                 torch_threads=settings.torch_threads,
                                 forward=lambda rows: self.model.forward(rows),
                                 on_batch=self._batched,
@@ -167,6 +168,8 @@ class VerifierService:
         self.store.check_room(need, owner, self.admission.opening(owner), self.admission.opening())
         with self.admission.new_work(owner, opening=True):
             admitted = self.clock()
+            # the prompt's prefix hashes (pure Python, per token) on a worker thread, during the prefill
+            hashed = asyncio.ensure_future(asyncio.to_thread(Context.of, req.prompt_ids))
             # with a feature the whole prompt is run (its last position's state is the first feature); without,
             # S[:-1] (the first round feeds the last token)
             ids = req.prompt_ids if encoding else req.prompt_ids[:-1]
@@ -181,10 +184,15 @@ class VerifierService:
                 await asyncio.wait({job})
                 self._release(pre.slot)
                 raise
+            try:
+                context = await hashed
+            except BaseException:
+                self._release(pre.slot)
+                raise
             now = self.clock()
             s = Session(ctx_id=self.new_id(), owner=owner, sampling_cfg=req.sampling_cfg, seed=req.seed,
                         correction=req.correction, max_new_tokens=req.max_new_tokens,
-                        prompt_len=len(req.prompt_ids), context=Context.of(req.prompt_ids), slot=pre.slot,
+                        prompt_len=len(req.prompt_ids), context=context, slot=pre.slot,
                         kv_bytes_per_token=self.model.kv_bytes_per_token, last_used=now, created=now,
                         kv_len=len(pre.ids), replay_bytes_limit=self.settings.replay_cache_bytes,
                         feature_encoding=encoding)

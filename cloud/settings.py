@@ -75,9 +75,15 @@ class CloudSettings(BaseSettings):
     max_batch_size: int = Field(default=32, ge=1)
     # real tokens in one forward at most (rounds and decode steps first, prefill chunks fill the rest)
     max_batch_tokens: int = Field(default=1024, ge=16)
-    # prefill tokens at most in a forward that also carries rounds or decode steps (their latency stays near
-    # one small forward during a burst of opens); a forward without them gives prefills all max_batch_tokens
+    # prefill tokens at most in a forward that also carries rounds or decode steps, or that runs while a session
+    # is active (see session_active_ms): a round waits behind at most this slice of prefill, whenever it arrives,
+    # so its latency stays near one small forward during a burst of opens. Only with no session active does a
+    # prefill-only forward take all max_batch_tokens
     max_prefill_tokens_with_rounds: int = Field(default=64, ge=1)
+    # a session answered (or a generate stream served) within this long (ms) is active: its next round is expected
+    # (an edge sends it 10-30 ms after its answer, longer over a slow link); 0 = only forwards that carry rounds
+    # or decode steps limit their prefill
+    session_active_ms: float = Field(default=1000.0, ge=0)
     # before a forward, wait at most this long (ms; and at most half the last forward's time) for the
     # next rounds of sessions answered within the last three forwards, so they share one forward; 0 = never
     batch_wait_ms: float = Field(default=5.0, ge=0, le=1000)
