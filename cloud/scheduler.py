@@ -53,7 +53,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from shared.errors import ResourceExhausted
+from shared.errors import ResourceExhausted, Unavailable
 from shared.kvpool import Row
 from shared.sampling import RowSampling, process_rows
 
@@ -68,6 +68,10 @@ class Pending:
 
 
 PENDING = Pending()
+
+
+class Abandoned(RuntimeError):
+    """The job's caller went away (`cancel`): it left the queue, or stopped after its forward in progress."""
 
 
 class Wait:
@@ -110,6 +114,8 @@ class Job(Generic[T]):
     # job of a forward at once (`process_rows`), and handed to `finish` as `p` (float64, on the CPU)
     sampling: Callable[[Row], RowSampling | None] | None = None
     p: torch.Tensor | None = None
+    # its caller went away (`Scheduler.cancel`): no further forward runs for it
+    cancelled: bool = False
 
 
 @dataclass
@@ -178,7 +184,7 @@ class Scheduler:
         job.since = self.clock() if since is None else since
         with self._cv:
             if self._stop:
-                raise RuntimeError("the model thread has stopped")
+                raise Unavailable("this replica is shutting down: retry (elsewhere)")
             self._queue.append(job)
             self._cv.notify()
         result = await job.future
@@ -188,6 +194,13 @@ class Scheduler:
     async def run(self, fn: Callable[[], T], since: float | None = None) -> tuple[T, float]:
         """Run fn() alone on the model thread, in queue order."""
         return await self.submit(Job(plan=lambda _: None, finish=lambda _, __: PENDING, call=fn), since)
+
+    def cancel(self, job: Job[Any]) -> None:
+        """Nobody waits for `job` any more: it leaves the queue before its next forward (abort() gives its
+        blocks back) and its future fails with Abandoned; a forward already running it finishes first."""
+        with self._cv:
+            job.cancelled = True
+            self._cv.notify()
 
     def between_batches(self, fn: Callable[[], None]) -> None:
         """Run fn() on the model thread before the next batch (any thread may call this)."""
@@ -228,8 +241,8 @@ class Scheduler:
             dropped = list(self._queue)
             self._queue.clear()
             self._cv.notify()
-        for job in dropped:
-            self._resolve(job, error=RuntimeError("the model thread stopped"))
+        for job in dropped:  # answered 503: the caller retries elsewhere
+            self._resolve(job, error=Unavailable("this replica is shutting down: retry (elsewhere)"))
         self._flush()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=30)
@@ -302,6 +315,9 @@ class Scheduler:
     def _step(self) -> None:
         """Build one forward from the queue (see the module docstring), run it, hand out the results."""
         jobs = self._take()
+        for job in [j for j in jobs if j.cancelled]:
+            self._fail(job, Abandoned("the caller went away"))
+        jobs = [j for j in jobs if not j.cancelled]
         if jobs and jobs[0].call is not None:
             self._drop(jobs[0])
             self._run_call(jobs[0])

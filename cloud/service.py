@@ -34,6 +34,7 @@ from cloud.engine import (
 )
 from cloud.metrics import CloudMetrics
 from cloud.model import ModelInfo, TargetModel
+from cloud.opens import OpenJoiner
 from cloud.scheduler import DECODE, PENDING, PREFILL, ROUND, WAIT, BatchStats, Job, Pending, Scheduler, Wait
 from cloud.session import Context, Session
 from cloud.settings import CloudSettings
@@ -46,6 +47,8 @@ from shared.protocol import OpenSessionRequest, SessionInfo, TargetFeature, Veri
 from shared.sampling import RowSampling
 
 log = logging.getLogger(__name__)
+# seconds an answered open stays joinable by a retry with the same request id (cloud/opens.py)
+OPEN_JOIN_S = 60.0
 round_log = logging.getLogger("specsplit.cloud.rounds")
 CORRECTIONS = ("strict", "shortcut")
 
@@ -107,6 +110,7 @@ class VerifierService:
                                 blocks_available=lambda: self.model.pool.manager.available(),
                                 make_room=self._make_room)
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.opens = OpenJoiner(OPEN_JOIN_S)
         self._hits_seen = self._evicted_seen = 0
         # prefills under way (model thread only): an open sharing a full block they are computing waits
         self._prefilling: list[Prefill] = []
@@ -149,7 +153,16 @@ class VerifierService:
                                   f"(model context {self.info.max_context})", limit=self.prompt_limit)
         check_ids(ids, self.model.support, "prompt_ids")
 
-    async def open_session(self, req: OpenSessionRequest, owner: str) -> SessionInfo:
+    async def open_session(self, req: OpenSessionRequest, owner: str, request_id: str = "") -> SessionInfo:
+        """A new session. With a `request_id` (the call's X-Request-Id) a retry joins the first attempt
+        (cloud/opens.py); without, an open whose caller goes away leaves the queue (or stops after its
+        chunk in progress) and leaves nothing behind."""
+        self._check_open(req)
+        if request_id:
+            return await self.opens.join(owner, request_id, req, lambda: self._open(req, owner))
+        return await self._open(req, owner)
+
+    def _check_open(self, req: OpenSessionRequest) -> None:
         self._refuse_when_draining("sessions")
         self._check_prompt(req.prompt_ids)
         if req.correction not in CORRECTIONS:
@@ -160,6 +173,8 @@ class VerifierService:
             raise InvalidArgument("max_new_tokens must be >= 0")
         if req.feature_encoding not in ("", *ENCODINGS):
             raise InvalidArgument(f"feature_encoding must be '', 'float16' or 'int8', not {req.feature_encoding!r}")
+
+    async def _open(self, req: OpenSessionRequest, owner: str) -> SessionInfo:
         # a cloud that does not offer features answers without them, as an older cloud would
         encoding = req.feature_encoding if self.info.feature_size else ""
         need = self._kv_bytes(len(req.prompt_ids) + 1)  # the prompt and its first round's token
@@ -175,13 +190,14 @@ class VerifierService:
             ids = req.prompt_ids if encoding else req.prompt_ids[:-1]
             pre = Prefill(ids, chunk=self.settings.max_batch_tokens, salt=self._salt(owner), keep_last=bool(encoding))
             first: list[TargetFeature] = []
-            job = asyncio.ensure_future(self.worker.submit(self._prefill_job(pre, owner, encoding, first),
-                                                           since=admitted))
+            prefill = self._prefill_job(pre, owner, encoding, first)
+            job = asyncio.ensure_future(self.worker.submit(prefill, since=admitted))
             try:
                 (ms, queue_ms) = await asyncio.shield(job)
             except BaseException:
-                # gone before the session exists (disconnect, failure): its slot goes back to the pool
-                await asyncio.wait({job})
+                # gone before the session exists (disconnect, failure): the prefill leaves the queue or stops
+                # after its chunk in progress, and its slot goes back to the pool
+                await self._abandon(prefill, job)
                 self._release(pre.slot)
                 raise
             try:
@@ -204,6 +220,14 @@ class VerifierService:
         info = self._info(s)
         info.feature = first[0] if first else None
         return info
+
+    async def _abandon(self, job: Job[Any], task: asyncio.Future[Any]) -> None:
+        """Nobody waits for `job` (its caller left, or it failed): it runs no further forward; returns once the
+        model thread has let go of it."""
+        self.worker.cancel(job)
+        await asyncio.wait({task})
+        if not task.cancelled():
+            task.exception()  # retrieved: the caller has its own error
 
     def _kv_bytes(self, positions: int) -> int:
         """The KV bytes a sequence of `positions` takes in whole blocks, with one block more for a
@@ -474,12 +498,12 @@ class VerifierService:
         try:
             with self.admission.new_work(owner):
                 for i in range(max(limit, 0)):
-                    job = asyncio.ensure_future(self.worker.submit(self._decode_job(st, req, owner, i == 0),
-                                                                   since=t_start if i == 0 else None))
+                    step = self._decode_job(st, req, owner, i == 0)
+                    job = asyncio.ensure_future(self.worker.submit(step, since=t_start if i == 0 else None))
                     try:
                         (tok, ms), waited = await asyncio.shield(job)
                     except BaseException:
-                        await asyncio.wait({job})  # the slot is released only once the model is done with it
+                        await self._abandon(step, job)  # the slot is released once the model let go of it
                         raise
                     prefill_ms, decode_ms = (ms, decode_ms) if i == 0 else (prefill_ms, decode_ms + ms)
                     queue_ms += waited
