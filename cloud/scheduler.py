@@ -21,8 +21,8 @@ in progress, which carries at most `max_prefill_tokens_with_rounds` prefill toke
 runs in the next forward, never behind the burst.
 3. KV blocks: each row needs the blocks its new positions take (`blocks_needed`). When they are not
    free the thread asks for room (`make_room`: unreferenced cached prefix blocks go first, then the
-   least recently used idle sessions, which answer 404 and are reopened by their edge; while the
-   forward already has rows, only sessions idle for a while). A job that still does not fit waits for
+   least recently used idle sessions, which answer 404 and are reopened by their edge; only sessions
+   idle for a while, whether or not the forward already has rows). A job that still does not fit waits for
    a later forward while other work runs, and is refused with ResourceExhausted (429 + Retry-After)
    when it cannot fit even alone. A forward is never started
    without its blocks, so it never fails for memory and the pool never passes the budget.
@@ -371,8 +371,8 @@ class Scheduler:
                 continue  # waits for a later forward
             # a plan may have taken cached prefix blocks: count what is left now
             need, left = self.blocks_needed(row), self.blocks_available() - reserved
-            if need > left:
-                self.make_room(need - left, bool(batch))
+            if need > left:  # never a session mid-generation, even for the forward's first row
+                self.make_room(need - left, True)
                 left = self.blocks_available() - reserved
             if need > left:
                 if not batch:

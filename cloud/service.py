@@ -18,6 +18,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import torch
+
 from cloud.admission import Admission
 from cloud.engine import (
     DecodeState,
@@ -40,7 +42,7 @@ from cloud.session import Context, Session
 from cloud.settings import CloudSettings
 from cloud.store import CLOSED, KV_BUDGET, SessionStore
 from shared.config import SamplingConfig
-from shared.errors import InvalidArgument, NotFound, Unauthenticated, Unavailable
+from shared.errors import Internal, InvalidArgument, NotFound, Unauthenticated, Unavailable
 from shared.features import ENCODINGS, encode_feature
 from shared.kvpool import Row
 from shared.protocol import OpenSessionRequest, SessionInfo, TargetFeature, VerifyRequest, VerifyResponse
@@ -114,6 +116,8 @@ class VerifierService:
         self._hits_seen = self._evicted_seen = 0
         # prefills under way (model thread only): an open sharing a full block they are computing waits
         self._prefilling: list[Prefill] = []
+        # prefills whose row is in the forward being built or run (model thread only): never evicted for blocks
+        self._in_forward: set[int] = set()
         self._keys = settings.api_key_values()
         self._ready = True
         # set at SIGTERM (cloud.app.drain): new sessions and generations are refused, verify is still served
@@ -286,12 +290,18 @@ class VerifierService:
             rows[:] = [row] if row is not None else []
             if row is None:
                 self._forget_prefill(pre)
+            else:
+                self._in_forward.add(id(pre))
             return row
 
         def finish(_: object, ms: float) -> float | Pending:
+            self._in_forward.discard(id(pre))
             spent[0] += ms
             hidden = self.model.hidden_of(rows[0]) if encoding and rows[0].keep else None
             if hidden is not None and feature is not None:
+                if not bool(torch.isfinite(hidden[-1]).all()):  # checked before the session exists
+                    raise Internal.of(FloatingPointError("the target's state at the end of the prompt is not "
+                                                         "finite: no feature (nor session) can be made of it"))
                 feature[:] = [encode_feature(hidden[-1], encoding, len(pre.ids))]
             if pre.advance(self.model.pool, rows[0]):
                 self._forget_prefill(pre)
@@ -299,11 +309,13 @@ class VerifierService:
             return PENDING
 
         def abort() -> None:
+            self._in_forward.discard(id(pre))
             self._forget_prefill(pre)
             if pre.slot is not None:
                 self.model.pool.crop(pre.slot, pre.done)
 
         def unplan() -> None:
+            self._in_forward.discard(id(pre))
             pre.unplan(self.model.pool)
             if pre.slot is None:
                 self._forget_prefill(pre)
@@ -317,14 +329,22 @@ class VerifierService:
 
     def _make_room(self, blocks: int, progressing: bool = False) -> None:
         """On the model thread, when a forward needs `blocks` more KV blocks than are left (cached prefix
-        blocks already count as available): evict least recently used idle sessions until they fit,
-        sparing those opened within `eviction_grace_s` that have not run a round yet, and, while the
-        forward already has rows (`progressing`), those used within `eviction_active_s`: the work that
-        lacks blocks then waits for a later forward (or answers 429) while the others run, instead of
-        evicting a session whose edge is mid-generation. Each evicted session answers 404 afterwards;
-        its edge reopens it with the full context."""
+        blocks already count as available): first half-finished prefills waiting for a later forward give
+        their blocks back (their full blocks stay in the prefix cache, so they resume from there), then
+        least recently used idle sessions are evicted until the blocks fit, sparing those opened within
+        `eviction_grace_s` that have not run a round yet and those used within `eviction_active_s`
+        (`progressing`, always set by the scheduler): the work that lacks blocks then waits for a later
+        forward (or answers 429), instead of evicting a session whose edge is mid-generation. Each evicted
+        session answers 404 afterwards; its edge reopens it with the full context."""
         pool = self.model.pool
         goal = pool.manager.available() + blocks
+        for pre in list(self._prefilling):
+            if pool.manager.available() >= goal:
+                return
+            if id(pre) not in self._in_forward and pre.slot is not None and pre.done > pre.reused:
+                self._forget_prefill(pre)
+                pool.release(pre.slot)
+                pre.slot, pre.done, pre.reused = None, 0, 0  # plans again: allocate, match the prefix cache
         now = self.clock()
         fresh_since = now - self.settings.eviction_grace_s
         active_since = now - self.settings.eviction_active_s if progressing else now + 1.0

@@ -55,10 +55,9 @@ class CloudSettings(BaseSettings):
     # a session opened (or reopened) less than this long ago that has not run a round yet is never evicted
     # for blocks: under overload new work waits or gets 429 rather than evicting sessions before they start
     eviction_grace_s: float = Field(default=5.0, ge=0)
-    # while a forward has other rows to run, a session used less than this long ago is not evicted for the
-    # blocks another job lacks (that job waits for a later forward): under a tight budget a few sessions
-    # run to the end while the rest wait, rather than every edge reopening in turn; with nothing else
-    # to run, any idle session may go
+    # a session used less than this long ago (mid-generation) is not evicted for the blocks another job lacks,
+    # even the first of a forward (that job waits for a later forward, or answers 429): under a tight budget a
+    # few sessions run to the end while the rest wait, rather than every edge reopening in turn; 0 = no spare
     eviction_active_s: float = Field(default=1.0, ge=0)
     # positions per KV block
     kv_block_size: int = Field(default=16, ge=1, le=1024)

@@ -157,13 +157,16 @@ def test_kv_budget_evicts_the_least_recently_used_session(make_service: Callable
                                                           prompt: list[int], tiny_target: TargetModel) -> None:
     per_session = (len(prompt) - 1) * tiny_target.kv_bytes_per_token  # an open caches S[:-1]
     # blocks of one position and no prefix sharing (the three prompts are equal): memory by session
-    svc = make_service(kv_budget_bytes=int(2.5 * per_session), kv_block_size=1, prefix_cache=False)
+    clock = FakeClock()
+    svc = make_service(clock=clock, kv_budget_bytes=int(2.5 * per_session), kv_block_size=1, prefix_cache=False)
 
     async def main() -> None:
         a = await open_(svc, prompt, 1)
         b = await open_(svc, prompt, 2)
         await svc.verify(k0_request(b, prompt), "", 0)  # both have run a round (a fresh one is spared) ...
+        clock.advance(0.5)
         await svc.verify(k0_request(a, prompt), "", 0)  # ... and a is now more recently used than b
+        clock.advance(2.0)  # both idle (a session mid-generation is never evicted)
         c = await open_(svc, prompt, 3)  # needs room: b goes
         with pytest.raises(NotFound):
             svc.get_session(b, "")
