@@ -33,12 +33,13 @@ class OpenJoiner:
         return len(self._opens)
 
     async def join(self, owner: str, request_id: str, req: OpenSessionRequest,
-                   start: Callable[[], Awaitable[SessionInfo]]) -> SessionInfo:
-        """The session of the open (`owner`, `request_id`, this body): the one in flight or just answered,
-        else a new one (`start()`). A different body under the same id starts a new open."""
+                   start: Callable[[], Awaitable[SessionInfo]], alive: Callable[[str], bool]) -> SessionInfo:
+        """The session of the open (`owner`, `request_id`, this body): the one in flight or just answered
+        while its session is still held (`alive(ctx_id)`), else a new one (`start()`). A different body
+        under the same id starts a new open."""
         key, fp = (owner, request_id), open_fingerprint(req)
         got = self._opens.get(key)
-        if got is None or got[0] != fp or _failed(got[1]):
+        if got is None or got[0] != fp or _failed(got[1]) or (got[1].done() and not alive(got[1].result().ctx_id)):
             task = asyncio.ensure_future(start())
             got = self._opens[key] = (fp, task)
             task.add_done_callback(lambda t: self._answered(key, t))

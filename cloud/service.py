@@ -163,7 +163,8 @@ class VerifierService:
         chunk in progress) and leaves nothing behind."""
         self._check_open(req)
         if request_id:
-            return await self.opens.join(owner, request_id, req, lambda: self._open(req, owner))
+            return await self.opens.join(owner, request_id, req, lambda: self._open(req, owner),
+                                         alive=lambda ctx_id: self.store.holds(ctx_id))
         return await self._open(req, owner)
 
     def _check_open(self, req: OpenSessionRequest) -> None:

@@ -65,6 +65,11 @@ class SessionStore:
         self._sessions.move_to_end(ctx_id)
         return s
 
+    def holds(self, ctx_id: str) -> bool:
+        """Whether the session is open (not closed, evicted or expired), without touching it."""
+        s = self._sessions.get(ctx_id)
+        return s is not None and not s.closed and not self._expired(s)
+
     def check_room(self, need_bytes: int, owner: str | None = None, opening: int = 0, opening_all: int = 0) -> None:
         """Raise ResourceExhausted unless one more session holding `need_bytes` of KV can be opened
         (by `owner`, when given: its own sessions count against max_sessions_per_owner). Opens already

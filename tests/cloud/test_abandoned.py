@@ -223,6 +223,9 @@ def test_an_open_retried_with_its_request_id_joins_the_first_attempt(
         assert again.ctx_id == info.ctx_id and len(svc.store) == 1 and len(forwards) == 1
         other = await svc.open_session(OpenSessionRequest(prompt, seed=5), "a", "req-1")
         assert other.ctx_id != info.ctx_id and len(svc.store) == 2
+        svc.close_session(other.ctx_id, "a")  # a session gone (closed, evicted) is not handed out again
+        reopened = await svc.open_session(OpenSessionRequest(prompt, seed=5), "a", "req-1")
+        assert reopened.ctx_id != other.ctx_id and len(svc.store) == 2
 
     asyncio.run(main())
 
