@@ -4,7 +4,8 @@ SIGTERM / SIGINT start a graceful drain (`drain`): readiness goes false (REST /r
 health NOT_SERVING), new sessions are refused with 503 / UNAVAILABLE and `Retry-After`, while
 verify, get and close are still served. The process waits up to `shutdown_grace_s` for its open
 sessions to close and its rounds to finish (a second signal cuts the wait short), then both servers
-stop, giving calls still in flight `ROUND_FINISH_S` to complete, and the model worker stops.
+stop, giving calls still in flight `ROUND_FINISH_S` to complete; the model worker stops before them, so
+calls still waiting for it are answered 503 `unavailable` (Retry-After), not cut off.
 Under tensor parallelism a lost rank turns both readiness signals off too (cloud/tensor_parallel.py).
 """
 
@@ -51,11 +52,11 @@ async def drain(service: VerifierService, health: health_aio.HealthServicer, gra
     log.info("draining", extra={"fields": {"event": "drain", "open_sessions": len(service.store),
                                            "grace_s": grace_s}})
     while loop.time() < deadline and not hurry.is_set():
-        if len(service.store) == 0 and service.worker.depth == 0:
+        if len(service.store) == 0 and service.admission.depth == 0:
             break
         await asyncio.sleep(DRAIN_POLL_S)
     log.info("drained", extra={"fields": {"event": "drained", "open_sessions": len(service.store),
-                                          "queue_depth": service.worker.depth}})
+                                          "queue_depth": service.admission.depth}})
 
 
 async def watch_ranks(service: VerifierService, health: health_aio.HealthServicer) -> None:
@@ -104,6 +105,9 @@ async def serve(service: VerifierService) -> None:
     log.info("shutting down", extra={"fields": {"event": "shutdown"}})
     if not http_task.done():
         await drain(service, health, st.shutdown_grace_s, hurry)
+    # the model stops first: requests still waiting for it (opens, rounds) are answered 503 `unavailable`
+    # while the servers still send answers, instead of being cancelled with a traceback each
+    await asyncio.to_thread(service.worker.shutdown)
     http.should_exit = True
     await grpc_server.stop(ROUND_FINISH_S)
     with contextlib.suppress(asyncio.CancelledError):

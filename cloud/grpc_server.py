@@ -228,7 +228,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     @_mapped(pb.OpenSessionRequest)
     async def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.aio.ServicerContext,
                           owner: str) -> pb.SessionInfo:
-        return info_to_pb(await self.service.open_session(open_from_pb(request), owner))
+        return info_to_pb(await self.service.open_session(open_from_pb(request), owner, CURRENT.get()))
 
     @_mapped(pb.VerifyRequest)
     async def Verify(self, request: pb.VerifyRequest, context: grpc.aio.ServicerContext,

@@ -167,6 +167,7 @@ class TargetModel:
                 self.group.send(Op("forward", plan=plan))
                 out = self.pool.run(self.model, plan)
             except BaseException as e:
+                self.pool.manager.undo_writes()  # every session's blocks as they were
                 # the ranks' collectives may be out of step now: this group cannot serve any more
                 self.group.fail(f"a forward failed on rank 0 ({type(e).__name__}: {e})")
                 raise Unavailable("this verifier lost a tensor-parallel rank and is restarting: retry "

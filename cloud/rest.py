@@ -9,6 +9,7 @@ strings must be encodable text (no lone surrogates). OpenAPI docs at /docs.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -37,6 +38,7 @@ from shared.config import SamplingConfig
 from shared.errors import ERRORS_BY_STATUS, Internal, InvalidArgument, SpecSplitError
 from shared.features import feature_to_json, states_to_json
 from shared.protocol import DraftProposal, OpenSessionRequest, SparseDist, VerifyRequest
+from shared.request_id import CURRENT
 
 log = logging.getLogger(__name__)
 # lists sized by k: no setting allows more (CloudSettings.max_k <= 256); the exact limit is checked after
@@ -198,13 +200,18 @@ def create_app(service: VerifierService) -> FastAPI:
                            ) -> dict[str, Any] | Response:
         req = OpenSessionRequest(body.prompt_ids, body.sampling_cfg.to_cfg(), body.seed, body.correction,
                                  body.max_new_tokens, body.feature_encoding)
-        info = await service.open_session(req, who)
-        if await request.is_disconnected():  # nobody learns its ctx_id: close it now, not at the TTL
-            service.close_session(info.ctx_id, who)
-            log.info("session %s closed: the client went away while it was opened", info.ctx_id)
-            return Response(status_code=499)
-        return {**{k: v for k, v in asdict(info).items() if k != "counters"}, "feature": feature_to_json(info.feature),
-                "states": states_to_json(info.states)}
+        rid = CURRENT.get()  # with one, a retry joins this open (cloud/opens.py)
+        task = asyncio.ensure_future(service.open_session(req, who, rid))
+        if await _done_before_disconnect(request, task) and not await request.is_disconnected():
+            info = task.result()
+            return {**{k: v for k, v in asdict(info).items() if k != "counters"},
+                    "feature": feature_to_json(info.feature), "states": states_to_json(info.states)}
+        # the client went away: without a request id its prefill left the queue, and a session opened meanwhile
+        # is closed now (nobody learns its ctx_id), not at the TTL; with one, the session waits for the retry
+        if not rid and not task.cancelled() and task.exception() is None:
+            service.close_session(task.result().ctx_id, who)
+        log.info("open abandoned: the client went away")
+        return Response(status_code=499)
 
     @app.post("/v1/verify", tags=["v1"])
     async def verify(body: VerifyBody, who: str = Depends(owner)) -> dict[str, Any]:
@@ -230,21 +237,50 @@ def create_app(service: VerifierService) -> FastAPI:
         events = service.start_generate(req, who)
         if body.stream:  # a disconnect cancels the stream (Starlette listens for it)
             return StreamingResponse(_sse(events), media_type="text/event-stream")
-        ids: list[int] = []
-        metrics: dict[str, Any] = {}
-        try:
-            async for e in events:
-                if e.token_id is not None:
-                    ids.append(e.token_id)
-                metrics = e.metrics or metrics
-                if await request.is_disconnected():  # nobody to answer: stop at this step, leave the queue
-                    log.info("generate stopped: the client went away after %d tokens", len(ids))
-                    return Response(status_code=499)
-        finally:
-            await events.aclose()  # type: ignore[attr-defined]
-        return {"token_ids": ids, "metrics": metrics}
+        task = asyncio.ensure_future(_collect(events))
+        if not await _done_before_disconnect(request, task):  # nobody to answer: the generation left the queue
+            log.info("generate stopped: the client went away")
+            return Response(status_code=499)
+        return task.result()
 
     return app
+
+
+async def _collect(events: AsyncIterator[GenerateEvent]) -> dict[str, Any]:
+    ids: list[int] = []
+    metrics: dict[str, Any] = {}
+    try:
+        async for e in events:
+            if e.token_id is not None:
+                ids.append(e.token_id)
+            metrics = e.metrics or metrics
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]
+    return {"token_ids": ids, "metrics": metrics}
+
+
+async def _done_before_disconnect(request: Request, task: asyncio.Future[Any]) -> bool:
+    """Wait for `task`; when the client disconnects first, cancel it (an open or a generation then leaves the
+    model's queue, or stops after its forward in progress), wait until it has stopped, and return False."""
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        raise
+    finally:
+        gone.cancel()
+    if task.done():
+        return True
+    task.cancel()
+    await asyncio.wait({task})
+    return False
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client goes away (the body was read before: the next message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _path_text(value: str) -> str:

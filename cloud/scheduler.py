@@ -11,16 +11,18 @@ decode steps. Whenever the model is free, the thread builds one forward under a 
 2. Prefills fill the rest of the budget: session opens and /v1/generate prompts, chunked to what is
    left. They are taken round-robin over API keys (the key whose prefill ran least recently first,
    each key's prefills in arrival order), so one key's burst of opens cannot starve another key's.
-   A forward that carries rounds or decode steps gives prefill chunks at most
-   `max_prefill_tokens_with_rounds` of its tokens, so such a forward stays small and the rounds in it
-   are answered quickly; a forward with no running work gives prefills the whole budget.
-So a round that arrives during a burst of prefills runs in the next forward: it waits at most for
-the forward in progress (one forward of at most `max_batch_tokens` tokens), never for the burst, and
-the forward it rides in carries at most `max_prefill_tokens_with_rounds` prefill tokens.
+   A forward gives prefill chunks at most `max_prefill_tokens_with_rounds` of its tokens when it
+   carries rounds or decode steps, and also while any session is active (answered within the last
+   `active_s`, by `clock`: its next round is on its way; an edge sends it 10-30 ms after its answer,
+   commits, drafts and encodes meanwhile, far longer than `batch_wait_ms`). Only with no session
+   active does a prefill-only forward take the whole budget.
+So a round that arrives during a burst of prefills, whenever it arrives, waits at most for the forward
+in progress, which carries at most `max_prefill_tokens_with_rounds` prefill tokens (the slice), then
+runs in the next forward, never behind the burst.
 3. KV blocks: each row needs the blocks its new positions take (`blocks_needed`). When they are not
    free the thread asks for room (`make_room`: unreferenced cached prefix blocks go first, then the
-   least recently used idle sessions, which answer 404 and are reopened by their edge; while the
-   forward already has rows, only sessions idle for a while). A job that still does not fit waits for
+   least recently used idle sessions, which answer 404 and are reopened by their edge; only sessions
+   idle for a while, whether or not the forward already has rows). A job that still does not fit waits for
    a later forward while other work runs, and is refused with ResourceExhausted (429 + Retry-After)
    when it cannot fit even alone. A forward is never started
    without its blocks, so it never fails for memory and the pool never passes the budget.
@@ -33,8 +35,8 @@ left alone they would form waves that never merge. So before a forward the threa
 three forwards that have not queued their next round yet. `batch_wait_ms = 0` never waits. A session
 never has two jobs queued (its lock is held while its round is queued), so its rounds stay in order.
 
-`run(fn)` runs a plain callable on the model thread between batches (start-up, tests).
-Admission (`admit`) is unchanged: past `max_depth` requests in flight -> ResourceExhausted.
+`run(fn)` runs a plain callable on the model thread between batches (start-up, tests). What may
+enter the queue at all is decided before, per API key (cloud/admission.py).
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from shared.errors import ResourceExhausted
+from shared.errors import ResourceExhausted, Unavailable
 from shared.kvpool import Row
 from shared.sampling import RowSampling, process_rows
 
@@ -66,6 +68,10 @@ class Pending:
 
 
 PENDING = Pending()
+
+
+class Abandoned(RuntimeError):
+    """The job's caller went away (`cancel`): it left the queue, or stopped after its forward in progress."""
 
 
 class Wait:
@@ -108,6 +114,8 @@ class Job(Generic[T]):
     # job of a forward at once (`process_rows`), and handed to `finish` as `p` (float64, on the CPU)
     sampling: Callable[[Row], RowSampling | None] | None = None
     p: torch.Tensor | None = None
+    # its caller went away (`Scheduler.cancel`): no further forward runs for it
+    cancelled: bool = False
 
 
 @dataclass
@@ -126,12 +134,14 @@ class BatchStats:
 
 @dataclass
 class Scheduler:
-    max_depth: int
     clock: Callable[[], float]
     max_batch_size: int = 32
     max_batch_tokens: int = 1024
-    # prefill tokens at most in a forward that also carries rounds or decode steps
+    # prefill tokens at most in a forward that also carries rounds or decode steps, or that runs while a
+    # session is active
     max_prefill_tokens_with_rounds: int = 1 << 30
+    # a key answered within this long (s, by `clock`) is active: its next round is expected (0: never)
+    active_s: float = 0.0
     # longest wait before a forward for recently answered sessions' next rounds, ms (0: never wait)
     batch_wait_ms: float = 5.0
     torch_threads: int = 0
@@ -145,8 +155,6 @@ class Scheduler:
     make_room: Callable[[int, bool], None] = lambda _, __: None
     # called on the model thread after every forward
     on_batch: Callable[[BatchStats], None] = lambda _: None
-    # called on the model thread between batches (slot releases, from any thread)
-    depth: int = 0
     _queue: collections.deque[Job[Any]] = field(default_factory=collections.deque)
     _between: list[Callable[[], None]] = field(default_factory=list)
     _cv: threading.Condition = field(default_factory=threading.Condition)
@@ -158,6 +166,8 @@ class Scheduler:
     # model thread only: the number of the last forward that ran a prefill of each owner, and forwards run
     _served: dict[str, int] = field(default_factory=dict)
     _forwards: int = 0
+    # model thread only: when each key was last answered, by `clock` (the active sessions)
+    _active: dict[str, float] = field(default_factory=dict)
     # futures to settle, by event loop, handed over once per forward (`_flush`; shutdown adds from its thread)
     _settles: dict[asyncio.AbstractEventLoop, list[Callable[[], None]]] = field(default_factory=dict)
     _settles_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -167,17 +177,6 @@ class Scheduler:
         self._thread.start()
 
     # --- the event loop's side ----------------------------------------------------------------
-    @contextlib.contextmanager
-    def admit(self) -> Iterator[None]:
-        if self.depth >= self.max_depth:
-            raise ResourceExhausted(f"{self.depth} requests are waiting for the model (max_queue_depth = "
-                                    f"{self.max_depth}); retry later", limit="max_queue_depth")
-        self.depth += 1
-        try:
-            yield
-        finally:
-            self.depth -= 1
-
     async def submit(self, job: Job[T], since: float | None = None) -> tuple[T, float]:
         """Queue `job`; returns (its result, ms from `since` (default now) to its first forward)."""
         job.loop = asyncio.get_running_loop()
@@ -185,7 +184,7 @@ class Scheduler:
         job.since = self.clock() if since is None else since
         with self._cv:
             if self._stop:
-                raise RuntimeError("the model thread has stopped")
+                raise Unavailable("this replica is shutting down: retry (elsewhere)")
             self._queue.append(job)
             self._cv.notify()
         result = await job.future
@@ -195,6 +194,13 @@ class Scheduler:
     async def run(self, fn: Callable[[], T], since: float | None = None) -> tuple[T, float]:
         """Run fn() alone on the model thread, in queue order."""
         return await self.submit(Job(plan=lambda _: None, finish=lambda _, __: PENDING, call=fn), since)
+
+    def cancel(self, job: Job[Any]) -> None:
+        """Nobody waits for `job` any more: it leaves the queue before its next forward (abort() gives its
+        blocks back) and its future fails with Abandoned; a forward already running it finishes first."""
+        with self._cv:
+            job.cancelled = True
+            self._cv.notify()
 
     def between_batches(self, fn: Callable[[], None]) -> None:
         """Run fn() on the model thread before the next batch (any thread may call this)."""
@@ -206,6 +212,7 @@ class Scheduler:
         """`key` sends no more work (its session closed, its stream ended): never wait for it."""
         def drop() -> None:
             self._answered.pop(key, None)
+            self._active.pop(key, None)
 
         self.between_batches(drop)
 
@@ -234,8 +241,8 @@ class Scheduler:
             dropped = list(self._queue)
             self._queue.clear()
             self._cv.notify()
-        for job in dropped:
-            self._resolve(job, error=RuntimeError("the model thread stopped"))
+        for job in dropped:  # answered 503: the caller retries elsewhere
+            self._resolve(job, error=Unavailable("this replica is shutting down: retry (elsewhere)"))
         self._flush()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=30)
@@ -308,6 +315,9 @@ class Scheduler:
     def _step(self) -> None:
         """Build one forward from the queue (see the module docstring), run it, hand out the results."""
         jobs = self._take()
+        for job in [j for j in jobs if j.cancelled]:
+            self._fail(job, Abandoned("the caller went away"))
+        jobs = [j for j in jobs if not j.cancelled]
         if jobs and jobs[0].call is not None:
             self._drop(jobs[0])
             self._run_call(jobs[0])
@@ -324,8 +334,9 @@ class Scheduler:
             yield from ((j, True) for j in ordered if j.kind == PREFILL)
 
         running = 0  # tokens of rounds and decode steps in this forward
+        active = self._any_active()
         for job, filling in candidates():
-            if filling and running and budget > 0:  # the prefills' share of a forward with running work
+            if filling and (running or active) and budget > 0:  # the prefills' share: the slice
                 budget = min(budget, self.max_prefill_tokens_with_rounds - (self.max_batch_tokens - budget - running))
             if len(batch) >= self.max_batch_size or budget <= 0:
                 break
@@ -360,8 +371,8 @@ class Scheduler:
                 continue  # waits for a later forward
             # a plan may have taken cached prefix blocks: count what is left now
             need, left = self.blocks_needed(row), self.blocks_available() - reserved
-            if need > left:
-                self.make_room(need - left, bool(batch))
+            if need > left:  # never a session mid-generation, even for the forward's first row
+                self.make_room(need - left, True)
                 left = self.blocks_available() - reserved
             if need > left:
                 if not batch:
@@ -412,7 +423,17 @@ class Scheduler:
             self._drop(job)
             if job.key is not None:
                 self._answered[job.key] = time.monotonic()
+                self._active[job.key] = self.clock()
             self._resolve(job, value=result)
+
+    def _any_active(self) -> bool:
+        """Whether a key was answered within the last `active_s` (older entries are dropped)."""
+        if self.active_s <= 0 or not self._active:
+            return False
+        since = self.clock() - self.active_s
+        for key in [k for k, t in self._active.items() if t < since]:
+            del self._active[key]
+        return bool(self._active)
 
     @staticmethod
     def _process(batch: list[tuple[Job[Any], Row]], logits: list[torch.Tensor]) -> None:

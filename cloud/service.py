@@ -18,6 +18,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import torch
+
+from cloud.admission import Admission
 from cloud.engine import (
     DecodeState,
     Prefill,
@@ -33,18 +36,21 @@ from cloud.engine import (
 )
 from cloud.metrics import CloudMetrics
 from cloud.model import ModelInfo, TargetModel
+from cloud.opens import OpenJoiner
 from cloud.scheduler import DECODE, PENDING, PREFILL, ROUND, WAIT, BatchStats, Job, Pending, Scheduler, Wait
 from cloud.session import Context, Session
 from cloud.settings import CloudSettings
 from cloud.store import CLOSED, KV_BUDGET, SessionStore
 from shared.config import SamplingConfig
-from shared.errors import InvalidArgument, NotFound, Unauthenticated, Unavailable
+from shared.errors import Internal, InvalidArgument, NotFound, Unauthenticated, Unavailable
 from shared.features import ENCODINGS, encode_feature
 from shared.kvpool import Row
 from shared.protocol import OpenSessionRequest, SessionInfo, TargetFeature, VerifyRequest, VerifyResponse
 from shared.sampling import RowSampling
 
 log = logging.getLogger(__name__)
+# seconds an answered open stays joinable by a retry with the same request id (cloud/opens.py)
+OPEN_JOIN_S = 60.0
 round_log = logging.getLogger("specsplit.cloud.rounds")
 CORRECTIONS = ("strict", "shortcut")
 
@@ -93,9 +99,13 @@ class VerifierService:
         self.store = SessionStore(max_sessions=settings.max_sessions, ttl_s=settings.session_ttl_s,
                                   kv_budget_bytes=settings.kv_budget_bytes, clock=clock, on_remove=self._removed,
                                   max_sessions_per_owner=settings.sessions_per_key_limit())
-        self.worker = Scheduler(settings.max_queue_depth, clock, max_batch_size=settings.max_batch_size,
+        self.admission = Admission(max_new=settings.max_queue_depth,
+                                   max_new_per_key=settings.queue_depth_per_key_limit(),
+                                   max_total=settings.max_queue_depth + settings.max_sessions)
+        self.worker = Scheduler(clock, max_batch_size=settings.max_batch_size,
                                 max_batch_tokens=settings.max_batch_tokens, batch_wait_ms=settings.batch_wait_ms,
                                 max_prefill_tokens_with_rounds=settings.max_prefill_tokens_with_rounds,
+                                active_s=settings.session_active_ms / 1000.0,
                                 torch_threads=settings.torch_threads,
                                 forward=lambda rows: self.model.forward(rows),
                                 on_batch=self._batched,
@@ -103,9 +113,12 @@ class VerifierService:
                                 blocks_available=lambda: self.model.pool.manager.available(),
                                 make_room=self._make_room)
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.opens = OpenJoiner(OPEN_JOIN_S)
         self._hits_seen = self._evicted_seen = 0
         # prefills under way (model thread only): an open sharing a full block they are computing waits
         self._prefilling: list[Prefill] = []
+        # prefills whose row is in the forward being built or run (model thread only): never evicted for blocks
+        self._in_forward: set[int] = set()
         self._keys = settings.api_key_values()
         self._ready = True
         # set at SIGTERM (cloud.app.drain): new sessions and generations are refused, verify is still served
@@ -145,7 +158,17 @@ class VerifierService:
                                   f"(model context {self.info.max_context})", limit=self.prompt_limit)
         check_ids(ids, self.model.support, "prompt_ids")
 
-    async def open_session(self, req: OpenSessionRequest, owner: str) -> SessionInfo:
+    async def open_session(self, req: OpenSessionRequest, owner: str, request_id: str = "") -> SessionInfo:
+        """A new session. With a `request_id` (the call's X-Request-Id) a retry joins the first attempt
+        (cloud/opens.py); without, an open whose caller goes away leaves the queue (or stops after its
+        chunk in progress) and leaves nothing behind."""
+        self._check_open(req)
+        if request_id:
+            return await self.opens.join(owner, request_id, req, lambda: self._open(req, owner),
+                                         alive=lambda ctx_id: self.store.holds(ctx_id))
+        return await self._open(req, owner)
+
+    def _check_open(self, req: OpenSessionRequest) -> None:
         self._refuse_when_draining("sessions")
         self._check_prompt(req.prompt_ids)
         if req.correction not in CORRECTIONS:
@@ -156,36 +179,42 @@ class VerifierService:
             raise InvalidArgument("max_new_tokens must be >= 0")
         if req.feature_encoding not in ("", *ENCODINGS):
             raise InvalidArgument(f"feature_encoding must be '', 'float16' or 'int8', not {req.feature_encoding!r}")
+
+    async def _open(self, req: OpenSessionRequest, owner: str) -> SessionInfo:
         # a cloud that does not offer features answers without them, as an older cloud would
         encoding = req.feature_encoding if self.info.feature_size else ""
-        need = len(req.prompt_ids) * self.model.kv_bytes_per_token
+        need = self._kv_bytes(len(req.prompt_ids) + 1)  # the prompt and its first round's token
         self._loop = asyncio.get_running_loop()
-        with self.worker.admit():
+        # the limits count the opens already admitted, before any compute (cloud/admission.py)
+        self.store.check_room(need, owner, self.admission.opening(owner), self.admission.opening())
+        with self.admission.new_work(owner, opening=True):
             admitted = self.clock()
-            self.store.check_room(need, owner)
+            # the prompt's prefix hashes (pure Python, per token) on a worker thread, during the prefill
+            hashed = asyncio.ensure_future(asyncio.to_thread(Context.of, req.prompt_ids))
             # with a feature the whole prompt is run (its last position's state is the first feature); without,
             # S[:-1] (the first round feeds the last token)
             ids = req.prompt_ids if encoding else req.prompt_ids[:-1]
             pre = Prefill(ids, chunk=self.settings.max_batch_tokens, salt=self._salt(owner), keep_last=bool(encoding))
             first: list[TargetFeature] = []
-            job = asyncio.ensure_future(self.worker.submit(self._prefill_job(pre, owner, encoding, first),
-                                                           since=admitted))
+            prefill = self._prefill_job(pre, owner, encoding, first)
+            job = asyncio.ensure_future(self.worker.submit(prefill, since=admitted))
             try:
                 (ms, queue_ms) = await asyncio.shield(job)
             except BaseException:
-                # gone before the session exists (disconnect, failure): its slot goes back to the pool
-                await asyncio.wait({job})
+                # gone before the session exists (disconnect, failure): the prefill leaves the queue or stops
+                # after its chunk in progress, and its slot goes back to the pool
+                await self._abandon(prefill, job)
                 self._release(pre.slot)
                 raise
             try:
-                self.store.check_room(need, owner)  # others may have opened meanwhile
+                context = await hashed
             except BaseException:
                 self._release(pre.slot)
                 raise
             now = self.clock()
             s = Session(ctx_id=self.new_id(), owner=owner, sampling_cfg=req.sampling_cfg, seed=req.seed,
                         correction=req.correction, max_new_tokens=req.max_new_tokens,
-                        prompt_len=len(req.prompt_ids), context=Context.of(req.prompt_ids), slot=pre.slot,
+                        prompt_len=len(req.prompt_ids), context=context, slot=pre.slot,
                         kv_bytes_per_token=self.model.kv_bytes_per_token, last_used=now, created=now,
                         kv_len=len(pre.ids), replay_bytes_limit=self.settings.replay_cache_bytes,
                         feature_encoding=encoding)
@@ -197,6 +226,20 @@ class VerifierService:
         info = self._info(s)
         info.feature = first[0] if first else None
         return info
+
+    async def _abandon(self, job: Job[Any], task: asyncio.Future[Any]) -> None:
+        """Nobody waits for `job` (its caller left, or it failed): it runs no further forward; returns once the
+        model thread has let go of it."""
+        self.worker.cancel(job)
+        await asyncio.wait({task})
+        if not task.cancelled():
+            task.exception()  # retrieved: the caller has its own error
+
+    def _kv_bytes(self, positions: int) -> int:
+        """The KV bytes a sequence of `positions` takes in whole blocks, with one block more for a
+        copy-on-write: what the never-fits check compares with the budget (the pool holds whole blocks)."""
+        size = self.model.pool.block_size
+        return (-(-positions // size) + 1) * size * self.model.kv_bytes_per_token
 
     def _refuse_when_draining(self, what: str) -> None:
         if self.draining:
@@ -249,12 +292,18 @@ class VerifierService:
             rows[:] = [row] if row is not None else []
             if row is None:
                 self._forget_prefill(pre)
+            else:
+                self._in_forward.add(id(pre))
             return row
 
         def finish(_: object, ms: float) -> float | Pending:
+            self._in_forward.discard(id(pre))
             spent[0] += ms
             hidden = self.model.hidden_of(rows[0]) if encoding and rows[0].keep else None
             if hidden is not None and feature is not None:
+                if not bool(torch.isfinite(hidden[-1]).all()):  # checked before the session exists
+                    raise Internal.of(FloatingPointError("the target's state at the end of the prompt is not "
+                                                         "finite: no feature (nor session) can be made of it"))
                 feature[:] = [encode_feature(hidden[-1], encoding, len(pre.ids))]
             if pre.advance(self.model.pool, rows[0]):
                 self._forget_prefill(pre)
@@ -262,11 +311,13 @@ class VerifierService:
             return PENDING
 
         def abort() -> None:
+            self._in_forward.discard(id(pre))
             self._forget_prefill(pre)
             if pre.slot is not None:
                 self.model.pool.crop(pre.slot, pre.done)
 
         def unplan() -> None:
+            self._in_forward.discard(id(pre))
             pre.unplan(self.model.pool)
             if pre.slot is None:
                 self._forget_prefill(pre)
@@ -280,14 +331,22 @@ class VerifierService:
 
     def _make_room(self, blocks: int, progressing: bool = False) -> None:
         """On the model thread, when a forward needs `blocks` more KV blocks than are left (cached prefix
-        blocks already count as available): evict least recently used idle sessions until they fit,
-        sparing those opened within `eviction_grace_s` that have not run a round yet, and, while the
-        forward already has rows (`progressing`), those used within `eviction_active_s`: the work that
-        lacks blocks then waits for a later forward (or answers 429) while the others run, instead of
-        evicting a session whose edge is mid-generation. Each evicted session answers 404 afterwards;
-        its edge reopens it with the full context."""
+        blocks already count as available): first half-finished prefills waiting for a later forward give
+        their blocks back (their full blocks stay in the prefix cache, so they resume from there), then
+        least recently used idle sessions are evicted until the blocks fit, sparing those opened within
+        `eviction_grace_s` that have not run a round yet and those used within `eviction_active_s`
+        (`progressing`, always set by the scheduler): the work that lacks blocks then waits for a later
+        forward (or answers 429), instead of evicting a session whose edge is mid-generation. Each evicted
+        session answers 404 afterwards; its edge reopens it with the full context."""
         pool = self.model.pool
         goal = pool.manager.available() + blocks
+        for pre in list(self._prefilling):
+            if pool.manager.available() >= goal:
+                return
+            if id(pre) not in self._in_forward and pre.slot is not None and pre.done > pre.reused:
+                self._forget_prefill(pre)
+                pool.release(pre.slot)
+                pre.slot, pre.done, pre.reused = None, 0, 0  # plans again: allocate, match the prefix cache
         now = self.clock()
         fresh_since = now - self.settings.eviction_grace_s
         active_since = now - self.settings.eviction_active_s if progressing else now + 1.0
@@ -360,12 +419,12 @@ class VerifierService:
         q_dense = check_request(req, declared_k, self.limits, s.sampling_cfg, sampling_cfg)
         k = len(req.draft.draft_tokens)
         self._loop = asyncio.get_running_loop()
-        with self.worker.admit():
+        with self.admission.round():
             admitted = self.clock()
             s.inflight += 1
             try:
                 async with s.lock:
-                    self.store.make_room((req.ctx_len + k) * self.model.kv_bytes_per_token, s)
+                    self.store.make_room(self._kv_bytes(req.ctx_len + k), s)
                     job = asyncio.ensure_future(self.worker.submit(self._round_job(s, req, q_dense),
                                                                    since=admitted))
                     try:
@@ -449,8 +508,8 @@ class VerifierService:
             raise InvalidArgument(f"max_new_tokens must be in [0, {self.settings.max_generate_tokens}]")
         if not 0 <= req.seed < 2**64:
             raise InvalidArgument("seed must be in [0, 2**64)")
-        with self.worker.admit():
-            pass  # fail fast when full; the generation itself is admitted when it starts
+        self.store.make_room(self._kv_bytes(len(req.prompt_ids) + 1))  # a prompt that can never fit: 422
+        self.admission.check_new(owner)  # fail fast when full; the generation itself is admitted when it starts
         return self._generate(req, owner)
 
     async def _generate(self, req: GenerateRequest, owner: str = "") -> AsyncIterator[GenerateEvent]:
@@ -459,14 +518,14 @@ class VerifierService:
         limit = min(req.max_new_tokens, self.info.max_context - len(st.ids))
         reason, prefill_ms, decode_ms, queue_ms = "length", 0.0, 0.0, 0.0
         try:
-            with self.worker.admit():
+            with self.admission.new_work(owner):
                 for i in range(max(limit, 0)):
-                    job = asyncio.ensure_future(self.worker.submit(self._decode_job(st, req, owner, i == 0),
-                                                                   since=t_start if i == 0 else None))
+                    step = self._decode_job(st, req, owner, i == 0)
+                    job = asyncio.ensure_future(self.worker.submit(step, since=t_start if i == 0 else None))
                     try:
                         (tok, ms), waited = await asyncio.shield(job)
                     except BaseException:
-                        await asyncio.wait({job})  # the slot is released only once the model is done with it
+                        await self._abandon(step, job)  # the slot is released once the model let go of it
                         raise
                     prefill_ms, decode_ms = (ms, decode_ms) if i == 0 else (prefill_ms, decode_ms + ms)
                     queue_ms += waited
@@ -524,7 +583,7 @@ class VerifierService:
         self.metrics.prefix_hit_tokens.inc(m.hit_tokens - self._hits_seen)
         self.metrics.cached_block_evictions.inc(m.evicted_blocks - self._evicted_seen)
         self._hits_seen, self._evicted_seen = m.hit_tokens, m.evicted_blocks
-        self.metrics.queue_depth.set(self.worker.depth)
+        self.metrics.queue_depth.set(self.admission.depth)
         return self.metrics.render()
 
     def count_error(self, code: str) -> None:

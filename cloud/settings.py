@@ -55,10 +55,9 @@ class CloudSettings(BaseSettings):
     # a session opened (or reopened) less than this long ago that has not run a round yet is never evicted
     # for blocks: under overload new work waits or gets 429 rather than evicting sessions before they start
     eviction_grace_s: float = Field(default=5.0, ge=0)
-    # while a forward has other rows to run, a session used less than this long ago is not evicted for the
-    # blocks another job lacks (that job waits for a later forward): under a tight budget a few sessions
-    # run to the end while the rest wait, rather than every edge reopening in turn; with nothing else
-    # to run, any idle session may go
+    # a session used less than this long ago (mid-generation) is not evicted for the blocks another job lacks,
+    # even the first of a forward (that job waits for a later forward, or answers 429): under a tight budget a
+    # few sessions run to the end while the rest wait, rather than every edge reopening in turn; 0 = no spare
     eviction_active_s: float = Field(default=1.0, ge=0)
     # positions per KV block
     kv_block_size: int = Field(default=16, ge=1, le=1024)
@@ -77,14 +76,25 @@ class CloudSettings(BaseSettings):
     max_batch_size: int = Field(default=32, ge=1)
     # real tokens in one forward at most (rounds and decode steps first, prefill chunks fill the rest)
     max_batch_tokens: int = Field(default=1024, ge=16)
-    # prefill tokens at most in a forward that also carries rounds or decode steps (their latency stays near
-    # one small forward during a burst of opens); a forward without them gives prefills all max_batch_tokens
+    # prefill tokens at most in a forward that also carries rounds or decode steps, or that runs while a session
+    # is active (see session_active_ms): a round waits behind at most this slice of prefill, whenever it arrives,
+    # so its latency stays near one small forward during a burst of opens. Only with no session active does a
+    # prefill-only forward take all max_batch_tokens
     max_prefill_tokens_with_rounds: int = Field(default=64, ge=1)
+    # a session answered (or a generate stream served) within this long (ms) is active: its next round is expected
+    # (an edge sends it 10-30 ms after its answer, longer over a slow link); 0 = only forwards that carry rounds
+    # or decode steps limit their prefill
+    session_active_ms: float = Field(default=1000.0, ge=0)
     # before a forward, wait at most this long (ms; and at most half the last forward's time) for the
     # next rounds of sessions answered within the last three forwards, so they share one forward; 0 = never
     batch_wait_ms: float = Field(default=5.0, ge=0, le=1000)
-    # model-bound requests admitted at once (queued or running); more answer 429 / RESOURCE_EXHAUSTED
+    # session opens and /v1/generate streams admitted at once (waiting for the model or running); more answer
+    # 429 / RESOURCE_EXHAUSTED. Verify rounds of open sessions are not refused by them (cloud/admission.py)
     max_queue_depth: int = Field(default=64, ge=1)
+    # opens and generate streams one API key may have admitted at once; more answer 429 naming
+    # max_queue_depth_per_key. 0 = automatic: max_queue_depth when fewer than two keys are configured,
+    # else half of it (at least 1), so one key's burst leaves room for the others
+    max_queue_depth_per_key: int = Field(default=0, ge=0)
     # largest request body (REST) / message (gRPC); larger answer 413 / RESOURCE_EXHAUSTED
     max_body_bytes: int = Field(default=4 * 1024**2, ge=1024)
     # longest prompt accepted at open; 0 = the model's context; must not exceed it
@@ -140,6 +150,12 @@ class CloudSettings(BaseSettings):
         if self.max_sessions_per_key:
             return min(self.max_sessions_per_key, self.max_sessions)
         return self.max_sessions if len(self.api_keys) < 2 else max(1, self.max_sessions // 2)
+
+    def queue_depth_per_key_limit(self) -> int:
+        """The effective max_queue_depth_per_key (see the field)."""
+        if self.max_queue_depth_per_key:
+            return min(self.max_queue_depth_per_key, self.max_queue_depth)
+        return self.max_queue_depth if len(self.api_keys) < 2 else max(1, self.max_queue_depth // 2)
 
     def prompt_limit(self, model_context: int) -> int:
         """The effective max prompt length for a model with `model_context` positions."""

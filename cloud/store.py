@@ -65,17 +65,24 @@ class SessionStore:
         self._sessions.move_to_end(ctx_id)
         return s
 
-    def check_room(self, need_bytes: int, owner: str | None = None) -> None:
+    def holds(self, ctx_id: str) -> bool:
+        """Whether the session is open (not closed, evicted or expired), without touching it."""
+        s = self._sessions.get(ctx_id)
+        return s is not None and not s.closed and not self._expired(s)
+
+    def check_room(self, need_bytes: int, owner: str | None = None, opening: int = 0, opening_all: int = 0) -> None:
         """Raise ResourceExhausted unless one more session holding `need_bytes` of KV can be opened
-        (by `owner`, when given: its own sessions count against max_sessions_per_owner)."""
+        (by `owner`, when given: its own sessions count against max_sessions_per_owner). Opens already
+        admitted count as the sessions they will be: `opening` of the owner's, `opening_all` in all."""
         self.expire()
-        if len(self._sessions) >= self.max_sessions:
-            raise ResourceExhausted(f"{len(self._sessions)} sessions are open (max_sessions = "
-                                    f"{self.max_sessions}); retry later", limit="max_sessions")
+        held = len(self._sessions) + opening_all
+        if held >= self.max_sessions:
+            raise ResourceExhausted(f"{len(self._sessions)} sessions are open and {opening_all} opening "
+                                    f"(max_sessions = {self.max_sessions}); retry later", limit="max_sessions")
         if owner is not None:
-            mine = sum(1 for s in self._sessions.values() if hmac.compare_digest(s.owner, owner))
+            mine = sum(1 for s in self._sessions.values() if hmac.compare_digest(s.owner, owner)) + opening
             if mine >= self.max_sessions_per_owner:
-                raise ResourceExhausted(f"this API key holds {mine} open sessions (max_sessions_per_key = "
+                raise ResourceExhausted(f"this API key holds or is opening {mine} sessions (max_sessions_per_key = "
                                         f"{self.max_sessions_per_owner}); close one or retry later",
                                         limit="max_sessions_per_key")
         self.make_room(need_bytes)

@@ -74,6 +74,12 @@ class BlockManager:
         # counters: positions served from the prefix cache; cached blocks taken back for reuse
         self.hit_tokens = 0
         self.evicted_blocks = 0
+        # copy-on-writes planned and not yet written: (sequence, source, destination). The source keeps its
+        # reference until the write is committed (`extend`) or undone (`undo_writes`), so a failed forward
+        # can give the sequence its block back
+        self._copying: list[tuple[int, int, int]] = []
+        # sequences given blocks for a write not yet committed (`undo_writes` gives those blocks back)
+        self._writing: set[int] = set()
         self._grow(min(initial_blocks, max_blocks) if max_blocks else initial_blocks)
 
     # --- capacity ---------------------------------------------------------------------------
@@ -191,12 +197,13 @@ class BlockManager:
         if past > s.length:
             raise ValueError(f"sequence {sid} holds {s.length} positions: a write at {past} would leave a gap")
         self.crop(sid, past)
+        self._writing.add(sid)
         copy = None
         if s.length % self.size and self._shared(s.table[-1]):
             src = s.table[-1]
             dst = self._take()
             s.table[-1] = dst
-            self._decref(src)
+            self._copying.append((sid, src, dst))  # src is let go at `extend`, restored by `undo_writes`
             copy = (src, dst)
         end = -(-(s.length + n_new) // self.size)
         while len(s.table) < end:
@@ -204,8 +211,12 @@ class BlockManager:
         return copy
 
     def extend(self, sid: int, tokens: list[int]) -> None:
-        """After the write: the new positions hold the KV of `tokens`."""
+        """After the write: the new positions hold the KV of `tokens` (a copied source block is let go)."""
         s = self.seqs[sid]
+        self._writing.discard(sid)
+        for entry in [e for e in self._copying if e[0] == sid]:
+            self._copying.remove(entry)
+            self._decref(entry[1])
         s.tokens.extend(tokens)
         s.length += len(tokens)
         assert s.length <= len(s.table) * self.size
@@ -216,6 +227,24 @@ class BlockManager:
         s = self.seqs[sid]
         assert start + len(tokens) <= s.length and len(s.chain) * self.size <= start
         s.tokens[start: start + len(tokens)] = tokens
+
+    def undo_writes(self) -> None:
+        """The forward planned since the last `extend` failed: every sequence whose shared partial block was
+        remapped to a fresh one (copy-on-write) gets its source block back, the fresh one is freed, and the
+        blocks given for the write go back (each sequence keeps the positions it held when planned, cropped
+        to the row's `past`)."""
+        for sid, src, dst in reversed(self._copying):
+            s = self.seqs.get(sid)
+            if s is not None and dst in s.table:
+                s.table[s.table.index(dst)] = src  # src kept its reference meanwhile
+                self._decref(dst)
+            else:
+                self._decref(src)
+        self._copying.clear()
+        for sid in self._writing:
+            if sid in self.seqs:
+                self.crop(sid, self.seqs[sid].length)
+        self._writing.clear()
 
     def set_length(self, sid: int, n: int) -> None:
         """The caller keeps the first n positions (a crop when n is shorter) and the full blocks among
@@ -276,6 +305,8 @@ class BlockManager:
             assert len(s.table) == -(-s.length // self.size)
             for b in s.table:
                 counts[b] += 1
+        for _, src, _ in self._copying:
+            counts[src] += 1
         assert counts == self.ref, "reference counts disagree with the block tables"
         free, cached = set(self.free), set(self.cached)
         assert len(free) == len(self.free) and not free & cached

@@ -286,8 +286,13 @@ class KVPool:
         if not rows:
             return []
         self.prepare(model)
-        out = self.run(model, self.plan(rows))
-        self.commit(rows)
+        plan = self.plan(rows)
+        try:
+            out = self.run(model, plan)
+            self.commit(rows)
+        except BaseException:
+            self.manager.undo_writes()  # a failed forward leaves every sequence's blocks as they were
+            raise
         return out
 
     def plan(self, rows: list[Row]) -> ForwardPlan:
@@ -300,15 +305,20 @@ class KVPool:
         if need > m.available():
             raise OutOfBlocks(f"this forward needs {need} KV blocks, {m.available()} are left")
         copies = []
-        for r in rows:
-            copy = m.prepare_write(r.slot, r.past, len(r.ids))
-            if copy is not None:
-                copies.append(copy)
+        try:
+            for r in rows:
+                copy = m.prepare_write(r.slot, r.past, len(r.ids))
+                if copy is not None:
+                    copies.append(copy)
+            batch = _Batch.build(self, rows)
+        except BaseException:
+            m.undo_writes()  # rows planned before the failure get their shared blocks back
+            raise
         starts = [0]
         for r in rows:
             starts.append(starts[-1] + len(r.ids))
         want = [starts[b] + t for b, r in enumerate(rows) for t in range(len(r.ids) - r.keep, len(r.ids))]
-        return ForwardPlan(m.capacity, copies, _Batch.build(self, rows), torch.tensor(want or [0], dtype=torch.long),
+        return ForwardPlan(m.capacity, copies, batch, torch.tensor(want or [0], dtype=torch.long),
                            [r.keep for r in rows])
 
     def run(self, model: torch.nn.Module, plan: ForwardPlan) -> list[torch.Tensor]:

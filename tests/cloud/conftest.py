@@ -61,6 +61,8 @@ def make_service(tiny_pair: tuple[Path, Path], tiny_target: TargetModel) -> Iter
     yield make
     for s in made:
         s.close()
+    if made:  # tests that use the model directly get a roomy pool again, whatever budget the last service had
+        tiny_target.use_pool(2 * 1024**3)
 
 
 @pytest.fixture

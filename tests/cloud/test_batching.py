@@ -191,7 +191,7 @@ def test_a_request_that_fails_its_checks_never_enters_a_batch(
         before = histogram_count(svc, "batch_size")
         with pytest.raises(InvalidArgument):
             await svc.verify(draft_request(a, prompts[0], [1, 2], q=1.0), "", 3)  # k disagrees
-        assert histogram_count(svc, "batch_size") == before and svc.worker.depth == 0
+        assert histogram_count(svc, "batch_size") == before and svc.admission.depth == 0
 
     asyncio.run(main())
 

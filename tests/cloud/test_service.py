@@ -62,25 +62,28 @@ async def open_(svc: VerifierService, prompt: list[int], seed: int = 1, owner: s
     return (await svc.open_session(OpenSessionRequest(prompt, CFG, seed), owner)).ctx_id
 
 
-def test_full_queue_answers_resource_exhausted_and_changes_nothing(make_service: Callable[..., VerifierService],
-                                                                   prompt: list[int]) -> None:
+def test_full_queue_refuses_new_work_and_still_serves_rounds(make_service: Callable[..., VerifierService],
+                                                             prompt: list[int]) -> None:
+    """max_queue_depth = 2 with two opens waiting: a third open is refused at once (429 naming the limit,
+    nothing opened), while rounds of open sessions are still admitted and served."""
     svc = make_service(max_queue_depth=2)
 
     async def main() -> None:
         ids = [await open_(svc, prompt, seed) for seed in range(3)]
         gate = threading.Event()
         blocker = asyncio.ensure_future(svc.worker.run(gate.wait))  # the model thread is busy
-        busy = [asyncio.create_task(svc.verify(k0_request(i, prompt), "", 0)) for i in ids[:2]]
+        opens = [asyncio.create_task(open_(svc, prompt, seed)) for seed in (7, 8)]
+        busy = [asyncio.create_task(svc.verify(k0_request(i, prompt), "", 0)) for i in ids]
         await asyncio.sleep(0.05)
-        assert svc.worker.depth == 2
+        assert svc.admission.depth == 5
         with pytest.raises(ResourceExhausted) as e:
-            await svc.verify(k0_request(ids[2], prompt), "", 0)
-        assert e.value.details["limit"] == "max_queue_depth"
-        assert svc.get_session(ids[2], "").ctx_len == len(prompt)
+            await open_(svc, prompt, 9)
+        assert e.value.details["limit"] == "max_queue_depth" and len(svc.store) == 3
         gate.set()
         await blocker
         assert all(r.ctx_len == len(prompt) + 1 for r in await asyncio.gather(*busy))
-        assert svc.worker.depth == 0
+        await asyncio.gather(*opens)
+        assert svc.admission.depth == 0 and len(svc.store) == 5
 
     run(main())
 
@@ -154,13 +157,16 @@ def test_kv_budget_evicts_the_least_recently_used_session(make_service: Callable
                                                           prompt: list[int], tiny_target: TargetModel) -> None:
     per_session = (len(prompt) - 1) * tiny_target.kv_bytes_per_token  # an open caches S[:-1]
     # blocks of one position and no prefix sharing (the three prompts are equal): memory by session
-    svc = make_service(kv_budget_bytes=int(2.5 * per_session), kv_block_size=1, prefix_cache=False)
+    clock = FakeClock()
+    svc = make_service(clock=clock, kv_budget_bytes=int(2.5 * per_session), kv_block_size=1, prefix_cache=False)
 
     async def main() -> None:
         a = await open_(svc, prompt, 1)
         b = await open_(svc, prompt, 2)
         await svc.verify(k0_request(b, prompt), "", 0)  # both have run a round (a fresh one is spared) ...
+        clock.advance(0.5)
         await svc.verify(k0_request(a, prompt), "", 0)  # ... and a is now more recently used than b
+        clock.advance(2.0)  # both idle (a session mid-generation is never evicted)
         c = await open_(svc, prompt, 3)  # needs room: b goes
         with pytest.raises(NotFound):
             svc.get_session(b, "")

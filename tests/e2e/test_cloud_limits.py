@@ -35,9 +35,10 @@ TRANSPORTS = ["rest", "grpc"]
 @pytest.fixture(scope="module")
 def cloud(demo_target_dir: Path) -> Iterator[CloudProcess]:
     # blocks of one position: the budget counts positions exactly as the sessions below are sized; no grace
-    # for sessions that have not run a round yet (the fillers below are opened and never used)
+    # for sessions that have not run a round yet (the fillers below are opened and never used), nor for sessions
+    # used just now (the fillers evict ours right after its rounds)
     args = ("--kv-budget-bytes", str(BUDGET_TOKENS * kv_per_token(demo_target_dir)), "--max-sessions", str(MAX_SESSIONS),
-            "--kv-block-size", "1", "--eviction-grace-s", "0")
+            "--kv-block-size", "1", "--eviction-grace-s", "0", "--eviction-active-s", "0")
     c = CloudProcess(demo_target_dir, extra_args=args).start()
     yield c
     c.stop()

@@ -83,5 +83,6 @@ def test_tree_sessions_give_the_target_only_text_of_the_seed(tiny_cloud_server: 
              run(c, tokenizer, d, seed, tree="24", tree_depth=8),
              run(c, tokenizer, d, seed, transport="grpc", tree="12"),
              run(c, tokenizer, d, seed, reopen=True, tree="8")]
-    assert all(t == want for t in texts), [next((i for i, (a, b) in enumerate(zip(t, want)) if a != b), None) for t in texts]
+    parted = [next((i for i, (a, b) in enumerate(zip(t, want, strict=True)) if a != b), None) for t in texts]
+    assert parted == [None] * len(texts), f"texts part from the target-only text at {parted}"
     assert len(want) == N_NEW

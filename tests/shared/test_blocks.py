@@ -90,3 +90,24 @@ def test_salts_keep_prefixes_apart() -> None:
     m.set_length(a, 3)
     assert m.match_prefix(m.new_seq(b"key-b"), [5, 6, 7], 3) == 0
     assert m.match_prefix(m.new_seq(b"key-a"), [5, 6, 7], 3) == 2
+
+
+def test_an_undone_copy_on_write_gives_the_sequence_its_shared_block_back() -> None:
+    """A write into a keyed block remaps it to a private copy at planning; when the forward then fails,
+    `undo_writes` puts the keyed block back and frees the copy (nothing leaks, nothing is cached twice)."""
+    m = BlockManager(block_size=4, max_blocks=8, prefix_cache=True)
+    a = m.new_seq()
+    write(m, a, 0, [1, 2, 3, 4, 5, 6, 7, 8])
+    m.set_length(a, 8)
+    shared = m.seqs[a].table[1]
+    assert m.key_of[shared] is not None
+    m.prepare_write(a, 6, 3)  # crops into the keyed block: copy-on-write
+    assert m.seqs[a].table[1] != shared
+    m.undo_writes()
+    m.crop(a, 6)  # the caller's abort
+    assert m.seqs[a].table == [m.seqs[a].table[0], shared] and m.seqs[a].length == 6
+    m.check()
+    m.free_seq(a)
+    m.evict_cached()
+    m.check()
+    assert len(m.free) == m.capacity

@@ -1,0 +1,127 @@
+"""Rounds first whatever their timing: while a session is active (answered within `session_active_ms`),
+no forward gives prefills more than the slice (`max_prefill_tokens_with_rounds`), so a round that arrives
+between forwards waits behind at most that much prefill. Forward sizes are read from the scheduler, and
+time is a fake clock: nothing is timed."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from cloud.engine import check_ids
+from cloud.scheduler import PENDING, PREFILL, ROUND, Job, Pending, Scheduler
+from cloud.service import VerifierService
+from shared.config import SamplingConfig
+from shared.errors import InvalidArgument
+from shared.kvpool import Row
+from shared.protocol import OpenSessionRequest
+from tests.cloud.conftest import FakeClock
+from tests.cloud.test_paged_serving import record_forwards
+from tests.cloud.test_service import k0_request
+
+GREEDY = SamplingConfig(0.0)
+
+
+def prefill_job(slot: int, n: int, calls: list[list[Row]]) -> Job[float]:
+    done = [0]
+
+    def plan(budget: int) -> Row:
+        return Row(slot, done[0], [1] * min(budget, n - done[0]), 0)
+
+    def finish(_: object, __: float) -> float | Pending:
+        done[0] += len(calls[-1][[r.slot for r in calls[-1]].index(slot)].ids)
+        return 1.0 if done[0] >= n else PENDING
+
+    return Job(plan=plan, finish=finish, kind=PREFILL, owner="o")
+
+
+def test_prefill_only_forwards_take_a_slice_while_a_session_is_active_and_the_budget_after() -> None:
+    """Budget 256, slice 16, active for 1 s: a session's round is answered, then a 100-token prefill runs in
+    forwards of 16 tokens; once the clock passes the session's window the rest runs in one forward."""
+    clock = FakeClock(0.0)
+    calls: list[list[Row]] = []
+    gate = threading.Event()
+
+    def forward(rows: list[Row]) -> list[torch.Tensor]:
+        calls.append(rows)
+        if len(calls) == 4:  # the round, then three slices: the session has gone quiet since
+            clock.advance(2.0)
+        return [torch.zeros(r.keep, 4) for r in rows]
+
+    sched = Scheduler(clock, forward=forward, max_batch_tokens=256, max_prefill_tokens_with_rounds=16,
+                      active_s=1.0, batch_wait_ms=0)
+
+    async def main() -> None:
+        await sched.submit(Job(plan=lambda _: Row(9, 4, [3], 1), finish=lambda _, __: 0.0, key="s", kind=ROUND))
+        blocker = asyncio.ensure_future(sched.run(gate.wait))
+        job = asyncio.ensure_future(sched.submit(prefill_job(1, 100, calls)))
+        await asyncio.sleep(0.02)
+        gate.set()
+        await blocker
+        await job
+
+    try:
+        asyncio.run(main())
+    finally:
+        sched.shutdown()
+    assert [sum(len(r.ids) for r in c) for c in calls] == [1, 16, 16, 16, 52]
+
+
+def test_a_forgotten_session_no_longer_holds_prefills_to_the_slice() -> None:
+    """A session that closed (`forget`) is not waited for: the prefill after it takes the whole budget."""
+    calls: list[list[Row]] = []
+
+    def forward(rows: list[Row]) -> list[torch.Tensor]:
+        calls.append(rows)
+        return [torch.zeros(r.keep, 4) for r in rows]
+
+    sched = Scheduler(FakeClock(0.0), forward=forward, max_batch_tokens=256, max_prefill_tokens_with_rounds=16,
+                      active_s=1.0, batch_wait_ms=0)
+
+    async def main() -> None:
+        await sched.submit(Job(plan=lambda _: Row(9, 4, [3], 1), finish=lambda _, __: 0.0, key="s", kind=ROUND))
+        sched.forget("s")
+        await sched.submit(prefill_job(1, 100, calls))
+
+    try:
+        asyncio.run(main())
+    finally:
+        sched.shutdown()
+    assert [sum(len(r.ids) for r in c) for c in calls] == [1, 100]
+
+
+@pytest.fixture(scope="module")
+def long_prompts(tiny_pair: tuple[Path, Path]) -> list[list[int]]:
+    ids = list(AutoTokenizer.from_pretrained(tiny_pair[0]).encode("def main(argv):\n    return argv\n" * 30))
+    return [[100 + i] + ids[i: i + 199] for i in range(4)]
+
+
+def test_opens_behind_an_active_session_run_in_slices_of_prefill(
+        make_service: Callable[..., VerifierService], long_prompts: list[list[int]]) -> None:
+    """The service with its defaults but a 256-token budget: one session has just been answered, then four
+    200-token opens arrive with no round queued; no forward carries more than the 64-token slice."""
+    svc = make_service(clock=FakeClock(), max_batch_tokens=256, batch_wait_ms=0)
+    short = long_prompts[0][:12]
+
+    async def main() -> None:
+        a = (await svc.open_session(OpenSessionRequest(short, GREEDY), "")).ctx_id
+        await svc.verify(k0_request(a, short), "", 0)  # answered: the session is active
+        forwards = record_forwards(svc)
+        await asyncio.gather(*[svc.open_session(OpenSessionRequest(p, GREEDY), "") for p in long_prompts])
+        assert len(forwards) >= 4 * 199 // 64
+        assert max(b.tokens for b in forwards) <= 64
+
+    asyncio.run(main())
+
+
+def test_token_ids_are_checked_whole_and_the_first_bad_one_is_named() -> None:
+    check_ids(list(range(1000)), 1000, "prompt_ids")
+    for bad, index in (([1, 2, 1000, 3], 2), ([1, True, 2], 1), ([0, -1], 1), ([1, 2.0], 1)):
+        with pytest.raises(InvalidArgument, match=rf"prompt_ids\[{index}\]"):
+            check_ids(bad, 1000, "prompt_ids")  # type: ignore[arg-type]
