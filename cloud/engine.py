@@ -336,22 +336,22 @@ class Prefill:
     done: int = 0
     # positions taken from the prefix cache
     reused: int = 0
-    # the last position's logits are wanted (its hidden state is a session's first feature): at least
-    # one token is computed, and the last chunk keeps one position
-    keep_last: bool = False
+    # the states of the last `keep_last` positions are wanted (a session's first feature, or its first states):
+    # at least those are computed, and every chunk keeps the ones it holds (0: none)
+    keep_last: int = 0
 
     def plan(self, pool: KVPool, budget: int | None = None) -> Row | None:
         """The next chunk (at most `budget` tokens, default `chunk`), or None when the whole prefill is cached."""
         budget = self.chunk if budget is None else budget
         if self.slot is None:
             self.slot = pool.allocate(self.salt)
-            limit = len(self.ids) - 1 if self.keep_last else len(self.ids)
+            limit = len(self.ids) - min(self.keep_last, len(self.ids))
             self.done = self.reused = pool.match_prefix(self.slot, self.ids, limit)
         if self.done >= len(self.ids):
             return None
         chunk = self.ids[self.done: self.done + max(budget, 1)]
-        last = self.keep_last and self.done + len(chunk) == len(self.ids)
-        return Row(self.slot, self.done, chunk, keep=1 if last else 0)
+        keep = max(0, min(len(chunk), self.done + len(chunk) - (len(self.ids) - self.keep_last)))
+        return Row(self.slot, self.done, chunk, keep=keep if self.keep_last else 0)
 
     def unplan(self, pool: KVPool) -> None:
         """Give the prefix-cache blocks back while nothing of this prefill has run (it plans again later)."""

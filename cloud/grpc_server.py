@@ -97,7 +97,7 @@ def sampling_from_pb(m: pb.SamplingConfig) -> SamplingConfig:
 def open_from_pb(m: pb.OpenSessionRequest) -> OpenSessionRequest:
     cfg = sampling_from_pb(m.sampling_cfg) if m.HasField("sampling_cfg") else SamplingConfig()
     return OpenSessionRequest(list(m.prompt_ids), cfg, m.seed, m.correction or "strict", m.max_new_tokens,
-                              m.feature_encoding)
+                              m.feature_encoding, m.feature_window)
 
 
 def states_to_pb(s: TargetStates) -> pb.TargetStates:

@@ -18,7 +18,7 @@ from shared.protocol import OpenSessionRequest, SessionInfo
 def open_fingerprint(req: OpenSessionRequest) -> str:
     """What a retry must share with the first attempt to join it: every field of the open."""
     body = (req.prompt_ids, sorted(req.sampling_cfg.to_dict().items()), req.seed, req.correction,
-            req.max_new_tokens, req.feature_encoding)
+            req.max_new_tokens, req.feature_encoding, req.feature_window)
     return hashlib.sha256(repr(body).encode()).hexdigest()
 
 

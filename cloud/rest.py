@@ -78,6 +78,8 @@ class OpenSessionBody(BaseModel):
     max_new_tokens: StrictInt = 256
     # "" (none), "float16" or "int8": the open answer and every verify answer carry the target's feature
     feature_encoding: Text = ""
+    # > 0: states at every committed position, and this many of the prompt's last at the open
+    feature_window: StrictInt = 0
 
 
 class SparseDistBody(BaseModel):
@@ -199,7 +201,7 @@ def create_app(service: VerifierService) -> FastAPI:
     async def open_session(body: OpenSessionBody, request: Request, who: str = Depends(owner)
                            ) -> dict[str, Any] | Response:
         req = OpenSessionRequest(body.prompt_ids, body.sampling_cfg.to_cfg(), body.seed, body.correction,
-                                 body.max_new_tokens, body.feature_encoding)
+                                 body.max_new_tokens, body.feature_encoding, body.feature_window)
         rid = CURRENT.get()  # with one, a retry joins this open (cloud/opens.py)
         task = asyncio.ensure_future(service.open_session(req, who, rid))
         if await _done_before_disconnect(request, task) and not await request.is_disconnected():

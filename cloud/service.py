@@ -43,9 +43,9 @@ from cloud.settings import CloudSettings
 from cloud.store import CLOSED, KV_BUDGET, SessionStore
 from shared.config import SamplingConfig
 from shared.errors import Internal, InvalidArgument, NotFound, Unauthenticated, Unavailable
-from shared.features import ENCODINGS, encode_feature
+from shared.features import ENCODINGS, encode_feature, encode_states
 from shared.kvpool import Row
-from shared.protocol import OpenSessionRequest, SessionInfo, TargetFeature, VerifyRequest, VerifyResponse
+from shared.protocol import OpenSessionRequest, SessionInfo, VerifyRequest, VerifyResponse
 from shared.sampling import RowSampling
 
 log = logging.getLogger(__name__)
@@ -90,7 +90,8 @@ class VerifierService:
         offer = settings.features and model.feature_size > 0
         self.info: ModelInfo = replace(model.info, max_k=settings.max_k, max_tree_nodes=settings.max_tree_nodes,
                                        feature_size=model.feature_size if offer else 0,
-                                       feature_encodings=list(ENCODINGS) if offer else [])
+                                       feature_encodings=list(ENCODINGS) if offer else [],
+                                       max_feature_window=settings.max_feature_window if offer else 0)
         self.prompt_limit = settings.prompt_limit(model.info.max_context)
         self.limits = RoundLimits(max_k=settings.max_k, max_return_top_k=settings.max_return_top_k,
                                   max_context=model.info.max_context, vocab_size=model.support,
@@ -179,6 +180,11 @@ class VerifierService:
             raise InvalidArgument("max_new_tokens must be >= 0")
         if req.feature_encoding not in ("", *ENCODINGS):
             raise InvalidArgument(f"feature_encoding must be '', 'float16' or 'int8', not {req.feature_encoding!r}")
+        most = self.info.max_feature_window
+        if not (isinstance(req.feature_window, int) and 0 <= req.feature_window <= max(most, 0)) \
+                or (req.feature_window and not req.feature_encoding):
+            raise InvalidArgument(f"feature_window must be in [0, {most}] (max_feature_window) and needs a "
+                                  f"feature_encoding, not {req.feature_window!r}", limit="max_feature_window")
 
     async def _open(self, req: OpenSessionRequest, owner: str) -> SessionInfo:
         # a cloud that does not offer features answers without them, as an older cloud would
@@ -194,8 +200,10 @@ class VerifierService:
             # with a feature the whole prompt is run (its last position's state is the first feature); without,
             # S[:-1] (the first round feeds the last token)
             ids = req.prompt_ids if encoding else req.prompt_ids[:-1]
-            pre = Prefill(ids, chunk=self.settings.max_batch_tokens, salt=self._salt(owner), keep_last=bool(encoding))
-            first: list[TargetFeature] = []
+            window = req.feature_window if encoding else 0
+            pre = Prefill(ids, chunk=self.settings.max_batch_tokens, salt=self._salt(owner),
+                          keep_last=max(window, 1) if encoding else 0)
+            first: list[torch.Tensor] = []
             prefill = self._prefill_job(pre, owner, encoding, first)
             job = asyncio.ensure_future(self.worker.submit(prefill, since=admitted))
             try:
@@ -217,14 +225,19 @@ class VerifierService:
                         prompt_len=len(req.prompt_ids), context=context, slot=pre.slot,
                         kv_bytes_per_token=self.model.kv_bytes_per_token, last_used=now, created=now,
                         kv_len=len(pre.ids), replay_bytes_limit=self.settings.replay_cache_bytes,
-                        feature_encoding=encoding)
+                        feature_encoding=encoding, feature_window=window)
             self.store.add(s)
         self.metrics.prefill_ms.observe(ms)
         self.metrics.queue_ms.observe(queue_ms)
         log.info("session opened", extra={"fields": {"event": "open", "ctx_id": s.ctx_id,
                                                      "prompt_len": len(req.prompt_ids), "prefill_ms": round(ms, 3)}})
         info = self._info(s)
-        info.feature = first[0] if first else None
+        if first:  # the prompt's last states: the whole window's, or the last one as the feature
+            h = torch.cat(first)[-max(window, 1):]  # [n, d]
+            if window:
+                info.states = encode_states(h, encoding, len(ids) - h.shape[0] + 1)
+            else:
+                info.feature = encode_feature(h[-1], encoding, len(ids))
         return info
 
     async def _abandon(self, job: Job[Any], task: asyncio.Future[Any]) -> None:
@@ -277,9 +290,9 @@ class VerifierService:
         return False
 
     def _prefill_job(self, pre: Prefill, owner: str, encoding: str = "",
-                     feature: list[TargetFeature] | None = None) -> Job[float]:
-        """KV of a prompt's S[:-1] (all of S with `encoding`: then the last position's state goes into
-        `feature`), in chunks; the result is the forward time (ms) summed over chunks."""
+                     states: list[torch.Tensor] | None = None) -> Job[float]:
+        """KV of a prompt's S[:-1] (all of S with `encoding`: then the states of its last `pre.keep_last`
+        positions go into `states`, chunk by chunk), in chunks; the result is the forward time (ms) summed."""
         spent = [0.0]
         rows: list[Row] = []
 
@@ -300,11 +313,11 @@ class VerifierService:
             self._in_forward.discard(id(pre))
             spent[0] += ms
             hidden = self.model.hidden_of(rows[0]) if encoding and rows[0].keep else None
-            if hidden is not None and feature is not None:
-                if not bool(torch.isfinite(hidden[-1]).all()):  # checked before the session exists
+            if hidden is not None and states is not None:
+                if not bool(torch.isfinite(hidden).all()):  # checked before the session exists
                     raise Internal.of(FloatingPointError("the target's state at the end of the prompt is not "
                                                          "finite: no feature (nor session) can be made of it"))
-                feature[:] = [encode_feature(hidden[-1], encoding, len(pre.ids))]
+                states.append(hidden.detach().clone())
             if pre.advance(self.model.pool, rows[0]):
                 self._forget_prefill(pre)
                 return spent[0]

@@ -72,6 +72,9 @@ class CloudSettings(BaseSettings):
     max_k: int = Field(default=16, ge=0, le=256)
     # most nodes of a token tree a round may carry (0: chains only; advertised in /v1/model)
     max_tree_nodes: int = Field(default=64, ge=0, le=256)
+    # most prompt positions whose states an open sends to a session that asks for states at every committed
+    # position (feature_window; 0: one feature per answer only)
+    max_feature_window: int = Field(default=256, ge=0, le=4096)
     # sessions (rows) in one batched forward at most; 1 = one session per forward (no batching)
     max_batch_size: int = Field(default=32, ge=1)
     # real tokens in one forward at most (rounds and decode steps first, prefill chunks fill the rest)

@@ -6,7 +6,12 @@ Modules, each one concern:
 - `answers`   the target's answers to them, greedy and sampled, in batched forwards.
 - `heldout`   the evaluation texts' 8-grams, which no training text may share.
 - `shards`    the on-disk layout: committed shards of token ids under `data/head/`, one atomic file each.
+- `states`    the target's states teacher-forced over the answers (outside the tree), and the FR-Spec output ids.
+- `train`     the attention head's training loop (training-time test: unrolled on its own predictions).
+- `evaluate`  held-out agreement by draft position and tokens per verify call; export of a trained head.
 
-Every phase resumes from the shards it finds, so a stopped or lost machine costs at most one shard's time.
-Nothing here runs in setup or CI; `scripts/head_data.py` is the entry point.
+The module being trained lives where the edge runs it (`edge/drafters/attention_head.py`). Every phase resumes
+from the shards or checkpoint it finds, so a stopped or lost machine costs at most one shard's time. Nothing
+here runs in setup or CI; `scripts/head_data.py` (data) and `scripts/train_attention_head.py` (states, train,
+eval, export) are the entry points.
 """

@@ -356,23 +356,31 @@ class EdgeClient:
         if self.settings.head == "none":
             return None
         if self._head is None:
+            from .drafters.attention_head import AttentionHead, is_attention_head
             from .drafters.feature_head import FeatureHead, is_feature_head
 
-            if not is_feature_head(self.settings.head):
+            if is_attention_head(self.settings.head):
+                self._head = AttentionHead.load(Path(self.settings.head), self.settings.device)
+            elif is_feature_head(self.settings.head):
+                self._head = FeatureHead.load(Path(self.settings.head), self.settings.device)
+            else:
                 from shared.kvpool import UnsupportedModel
-                raise UnsupportedModel(f"{self.settings.head} holds no feature-fed head (feature_head.json): pass "
-                                       "--head DIR or --head none")
-            self._head = FeatureHead.load(Path(self.settings.head), self.settings.device)
+                raise UnsupportedModel(f"{self.settings.head} holds no feature-fed head (feature_head.json or "
+                                       "attention_head.json): pass --head DIR or --head none")
         return self._head
 
     def _feature_fed(self, info: ModelInfo, drafter: Drafter) -> Drafter | None:
         """`drafter` wrapped by the feature-fed head when the cloud offers features the head was trained on."""
         if not isinstance(drafter, NoDrafter) and info.feature_size and self.settings.feature_encoding in \
                 info.feature_encodings and self.head() is not None:
+            from .drafters.attention_drafter import AttentionDrafter
+            from .drafters.attention_head import AttentionHead
             from .drafters.feature_head import FeatureDrafter
 
             cfg = self._head.cfg
             if cfg.hidden_size == info.feature_size and cfg.tokenizer_fingerprint in ("", info.tokenizer_fingerprint):
+                if isinstance(self._head, AttentionHead):
+                    return AttentionDrafter(self._head, drafter)
                 return FeatureDrafter(self._head, drafter)
             if not self._head_warned:
                 self._head_warned = True
@@ -391,7 +399,9 @@ class EdgeClient:
         fed = self._feature_fed(info, drafter) if job.feature_fed else None
         if fed is not None:
             drafter = fed
-            job.params = replace(job.params, feature_encoding=s.feature_encoding)
+            # a drafter that attends over past states asks for every committed position's (when offered)
+            window = min(int(getattr(fed, "states_window", 0)), info.max_feature_window)
+            job.params = replace(job.params, feature_encoding=s.feature_encoding, feature_window=window)
         rows = _draft_part(drafter, "logit_rows")
         support = check_pairing(info, self.tokenizer, self.settings.tokenizer_dir(), _draft_fingerprint(drafter),
                                 int(rows) if rows is not None else None)

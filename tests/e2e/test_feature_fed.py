@@ -108,3 +108,32 @@ def test_int8_features_keep_the_text(tiny_cloud_server: CloudProcess, tiny_pair:
     res = EdgeClient(s, tokenizer=tokenizer).generate(PROMPT)
     assert res.token_ids == ref and res.metrics.head_rounds > 0
     assert res.metrics.feature_bytes_per_round == 64 + 4 and res.metrics.open_feature_bytes == 64 + 4
+
+
+@pytest.fixture(scope="module")
+def attention_head_dir(tiny_pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.edge.test_attention_drafter import build_head
+    out = tmp_path_factory.mktemp("attention") / "head"
+    build_head(tiny_pair[0]).save(out)
+    return out
+
+
+@pytest.mark.parametrize("transport,tree", [("rest", "auto"), ("grpc", "off")])
+def test_an_attention_head_gets_every_committed_state_and_keeps_the_text(
+        tiny_cloud_server: CloudProcess, tiny_pair: tuple[Path, Path], attention_head_dir: Path, tokenizer: Any,
+        transport: str, tree: str) -> None:
+    """The attention head asks for states at every committed position (its window, 8, at the open): int8,
+    68 bytes a state; across a reopen the greedy text is the target's, with trees and with chains."""
+    ref = reference(tiny_cloud_server, tokenizer)
+    kw = {"fixed_k": None} if tree == "auto" else {}
+    s = settings(tiny_cloud_server, transport, head=str(attention_head_dir), draft=str(tiny_pair[1]),
+                 feature_encoding="int8", tree=tree, **kw)
+    plain = EdgeClient(s, tokenizer=tokenizer)
+    client = EdgeClient(s, tokenizer=tokenizer, drafter=ModelDrafter(tiny_pair[1]),
+                        transport=ClosesOnce(plain.transport))
+    m = (res := client.generate(PROMPT)).metrics
+    assert res.token_ids == ref and m.reopens == 1 and m.local_commits == 0
+    assert m.head_rounds >= m.verify_calls - 2 and (m.tree_rounds > 0) == (tree == "auto")
+    assert m.open_feature_bytes == 2 * 8 * (64 + 4)  # two opens, the prompt's last 8 states each
+    per_round = (m.accepted + m.verify_calls) * (64 + 4) / m.verify_calls  # la + 1 states a round
+    assert m.feature_bytes_per_round == pytest.approx(per_round, rel=0.05)
