@@ -194,4 +194,4 @@ class Session:
                 "kv_bytes": self.kv_bytes, "idle_s": round(now - self.last_used, 3),
                 "age_s": round(now - self.created, 3), "seed": self.seed, "correction": self.correction,
                 "max_new_tokens": self.max_new_tokens, "sampling_cfg": self.sampling_cfg.to_dict(),
-                "feature_encoding": self.feature_encoding}
+                "feature_encoding": self.feature_encoding, "feature_window": self.feature_window}

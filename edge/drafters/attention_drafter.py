@@ -83,7 +83,12 @@ class AttentionDrafter:
 
     @torch.no_grad()
     def set_states(self, context: Sequence[int], first: int, vectors: torch.Tensor) -> None:
-        """States [n, d]: state i follows context[:first + i], i.e. sits at position first + i - 1."""
+        """States [n, d]: state i follows context[:first + i], i.e. sits at position first + i - 1. States of
+        another width than the head's (a cloud serving another target) are dropped with what the drafter held,
+        and rounds draft with the fallback."""
+        if vectors.dim() != 2 or vectors.shape[1] != self.head.cfg.hidden_size:
+            self.reset()
+            return
         self._sync(context)
         pairs = [(first + i - 1, vectors[i]) for i in range(vectors.shape[0])]
         last = self._pos[-1] if self._pos else -1

@@ -190,7 +190,10 @@ class FeatureDrafter:
             self.fallback.reset()
 
     def set_feature(self, anchor: Sequence[int], vector: torch.Tensor) -> None:
-        self.feature = Feature(list(anchor), vector.float().reshape(-1))
+        """The cloud's state after `anchor`; one of another width than the head's (a cloud serving another
+        target) is dropped, and rounds draft with the fallback."""
+        v = vector.float().reshape(-1)
+        self.feature = Feature(list(anchor), v) if v.numel() == self.head.cfg.hidden_size else None
 
     def usable(self, context: Sequence[int]) -> bool:
         f = self.feature

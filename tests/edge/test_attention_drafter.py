@@ -120,3 +120,15 @@ def test_an_open_drafts_its_first_token_from_the_targets_own_state(
     block = d.propose(ids[:12], 1, GREEDY, 0)
     assert block.tokens == [int(head.logits(h[11]).argmax())]
     assert not d.usable(ids[:5] + [9, 9, 9])
+
+
+def test_states_of_another_width_leave_the_drafter_on_its_fallback(
+        head: AttentionHead, target_states: tuple[list[int], torch.Tensor]) -> None:
+    from edge.drafters.ngram import NGramDrafter
+    ids, h = target_states
+    d = AttentionDrafter(head, NGramDrafter(order=3))
+    d.vocab_size = 4096
+    d.set_states(ids[:12], 5, torch.zeros(8, h.shape[1] + 16))  # a cloud serving a wider target
+    assert not d.usable(ids[:12])
+    d.propose(ids[:12], 3, GREEDY, 0)
+    assert d.last_from_head is False

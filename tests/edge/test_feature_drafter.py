@@ -79,6 +79,18 @@ def test_a_feature_of_other_text_is_not_used(tiny_pair: tuple[Path, Path], tmp_p
     assert fallback.calls == 3
 
 
+def test_a_feature_of_another_width_leaves_the_drafter_on_its_fallback(tiny_pair: tuple[Path, Path],
+                                                                        tmp_path: Path) -> None:
+    """A cloud serving a target of another width: the head never sees its state; the generation goes on."""
+    fallback = Recorder()
+    d = FeatureDrafter(FeatureHead.load(build_feature_head(tiny_pair[0], tmp_path / "head")), fallback)
+    d.set_feature(PROMPT, torch.zeros(64))
+    assert d.usable(PROMPT)
+    d.set_feature(PROMPT, torch.zeros(96))
+    assert not d.usable(PROMPT)
+    assert d.propose(PROMPT, 2, GREEDY, 0).tokens == [1, 1] and fallback.calls == 1 and not d.last_from_head
+
+
 def test_q_is_zero_outside_the_output_rows(tiny_pair: tuple[Path, Path], target: torch.nn.Module,
                                            tmp_path: Path) -> None:
     """A reduced output layer (the first 512 of 4,096 ids): every drafted q is a distribution on them."""
