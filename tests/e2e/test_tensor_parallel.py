@@ -144,7 +144,8 @@ BUDGET = str(16 * 16 * 2 * 3 * 32 * 4)
 @pytest.fixture(scope="module")
 def two(target_dir: Path) -> Iterator[TorchrunCloud]:
     # prompts longer than 32 tokens are prefilled in chunks
-    with serve(target_dir, 2, "--kv-budget-bytes", BUDGET, "--eviction-grace-s", "0",
+    # sessions are evictable at once (a session used in the last second is protected by default)
+    with serve(target_dir, 2, "--kv-budget-bytes", BUDGET, "--eviction-grace-s", "0", "--eviction-active-s", "0",
                "--max-batch-tokens", "32") as c:
         yield c
 
