@@ -115,17 +115,29 @@ def test_an_open_cancelled_while_queued_leaves_the_queue_unprefilled(
 
 def test_an_open_cancelled_mid_prefill_stops_at_its_next_chunk(
         make_service: Callable[..., VerifierService], prompt: list[int]) -> None:
-    """A long prompt prefilled in 16-token chunks: cancelled after its second chunk, at most the chunk in
-    progress runs after it, far from the whole prompt."""
+    """A long prompt prefilled in 16-token chunks: cancelled after its second chunk (the model thread held
+    there until the cancel has been taken, so the count does not depend on the machine's speed), at most the
+    chunk in progress runs after it, far from the whole prompt."""
     svc = make_service(max_batch_tokens=16, batch_wait_ms=0)
     long_prompt = (prompt * 4)[:200]
     forwards = prefill_tokens(svc)
+    gate = threading.Event()
+    counted = svc.worker.on_batch
+
+    def held(b: Any) -> None:
+        counted(b)
+        if len(forwards) == 2:
+            gate.wait(10)
+
+    svc.worker.on_batch = held
 
     async def main() -> None:
         task = asyncio.ensure_future(svc.open_session(OpenSessionRequest(long_prompt), ""))
         while len(forwards) < 2:
             await asyncio.sleep(0.001)
         task.cancel()
+        await asyncio.sleep(0.05)  # the cancel reaches the scheduler while the model thread is held
+        gate.set()
         with pytest.raises(asyncio.CancelledError):
             await task
         await svc.worker.run(lambda: None)
