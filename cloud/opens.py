@@ -1,8 +1,10 @@
 """Idempotent opens: an open that carries a request id (REST `X-Request-Id`, gRPC `x-request-id`) joins
 the open of the same API key, id and body that is still in flight, or was answered within `keep_s`,
 instead of prefilling the prompt again. An edge that timed out resends its open with the same id; the
-retry gets the first attempt's session. Such an open is not cancelled when its caller goes away (its
-retry is expected); an open without a request id is (cloud/service.py). Runs on the event loop only.
+retry gets the first attempt's session. When every caller of such an open has gone, it waits `grace_s`
+for a retry (an edge's backoff is at most 2 s) and is then cancelled: it leaves the queue or stops after
+its chunk in progress, as an open without a request id does at once (cloud/service.py). Runs on the event
+loop only.
 """
 
 from __future__ import annotations
@@ -23,11 +25,24 @@ def open_fingerprint(req: OpenSessionRequest) -> str:
 
 
 @dataclass
+class _Open:
+    # the body's fingerprint (open_fingerprint)
+    fp: str
+    task: asyncio.Task[SessionInfo]
+    # callers waiting for it now
+    waiters: int = 0
+    # the cancellation due when nobody has come back within the grace
+    orphaned: asyncio.TimerHandle | None = None
+
+
+@dataclass
 class OpenJoiner:
     # seconds an answered open stays joinable (an edge's retry comes after its timeout and backoff)
     keep_s: float
-    # (owner, request id) -> (body fingerprint, the open)
-    _opens: dict[tuple[str, str], tuple[str, asyncio.Task[SessionInfo]]] = field(default_factory=dict)
+    # seconds an open nobody waits for any more stays in flight for a retry to join
+    grace_s: float = 5.0
+    # (owner, request id) -> the open
+    _opens: dict[tuple[str, str], _Open] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self._opens)
@@ -39,11 +54,25 @@ class OpenJoiner:
         under the same id starts a new open."""
         key, fp = (owner, request_id), open_fingerprint(req)
         got = self._opens.get(key)
-        if got is None or got[0] != fp or _failed(got[1]) or (got[1].done() and not alive(got[1].result().ctx_id)):
+        if got is None or got.fp != fp or _failed(got.task) or (got.task.done() and not alive(got.task.result().ctx_id)):
             task = asyncio.ensure_future(start())
-            got = self._opens[key] = (fp, task)
+            got = self._opens[key] = _Open(fp, task)
             task.add_done_callback(lambda t: self._answered(key, t))
-        return await asyncio.shield(got[1])
+        if got.orphaned is not None:
+            got.orphaned.cancel()
+            got.orphaned = None
+        got.waiters += 1
+        try:
+            return await asyncio.shield(got.task)
+        finally:
+            got.waiters -= 1
+            if not got.waiters and not got.task.done():
+                got.orphaned = asyncio.get_running_loop().call_later(self.grace_s, self._cancel_orphan, got)
+
+    @staticmethod
+    def _cancel_orphan(got: _Open) -> None:
+        if not got.waiters:
+            got.task.cancel()
 
     def _answered(self, key: tuple[str, str], task: asyncio.Task[SessionInfo]) -> None:
         if not task.cancelled():
@@ -52,7 +81,7 @@ class OpenJoiner:
 
     def _forget(self, key: tuple[str, str], task: asyncio.Task[SessionInfo]) -> None:
         got = self._opens.get(key)
-        if got is not None and got[1] is task:
+        if got is not None and got.task is task:
             del self._opens[key]
 
 

@@ -7,7 +7,9 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
+import secrets
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -108,6 +110,17 @@ class Generation:
         return self._result
 
 
+def new_request_id() -> str:
+    """A fresh request id (128 bits, URL-safe): one per generation."""
+    return secrets.token_urlsafe(16)
+
+
+def _takes_request_id(transport: Transport) -> bool:
+    """Whether `transport.routed` accepts a request id (a custom transport's may take the routing key alone)."""
+    params = inspect.signature(transport.routed).parameters
+    return "request_id" in params or any(p.kind is p.VAR_POSITIONAL for p in params.values()) or len(params) >= 2
+
+
 @dataclass
 class _Job:
     prompt_ids: list[int]
@@ -116,8 +129,8 @@ class _Job:
     params: SessionParams
     # routing key of the generation: the same on every call, across reopens and retries
     route_key: str
-    # X-Request-Id sent on every cloud call of the generation (None: not sent)
-    request_id: str | None = None
+    # X-Request-Id sent on every cloud call of the generation
+    request_id: str = ""
     # "cost" | "dynamic" (edge/kcontrol.py, edge/round_control.py)
     k_policy: str = "cost"
     # draft with the feature-fed head when the cloud offers features
@@ -254,8 +267,9 @@ class EdgeClient:
                request_id: str | None = None, feature_fed: bool = True) -> Generation:
         """Start a generation. `route_key` (default: the settings', else a fresh random key) goes with
         every cloud call of it, so a load balancer hashing on it keeps the session on one replica.
-        `k_policy` overrides the settings' for this generation ("cost" | "dynamic"). `request_id`, when
-        given, goes with every call as X-Request-Id (the cloud logs and echoes it). `feature_fed` False
+        `k_policy` overrides the settings' for this generation ("cost" | "dynamic"). `request_id` (default: a
+        fresh one) goes with every call as X-Request-Id: the cloud logs and echoes it, and joins a resent open
+        to its first attempt. `feature_fed` False
         drafts without the feature-fed head (whose q depends on where rounds ended, so a sampled text
         of a seed would too)."""
         s = self.settings
@@ -270,7 +284,7 @@ class EdgeClient:
         if k_policy not in (None, "cost", "dynamic"):
             raise InvalidArgument(f"k_policy must be 'cost' or 'dynamic', got {k_policy!r}")
         job = _Job(prompt_ids, mode or s.mode, n_new, params, check_route_key(route_key or s.route_key or new_route_key()),
-                   request_id=None if request_id is None else check_request_id(request_id),
+                   request_id=new_request_id() if request_id is None else check_request_id(request_id),
                    k_policy=k_policy or s.k_policy, feature_fed=feature_fed)
         if job.mode != "cloud_only":  # load the draft model before the clock starts
             _ = self.drafter
@@ -307,9 +321,9 @@ class EdgeClient:
                                 route_key=job.route_key)
 
     def _routed(self, job: _Job) -> Transport:
-        """The generation's view of the transport; a request id is passed only when there is one, so a
-        transport whose routed() takes the routing key alone still serves generations without one."""
-        if job.request_id is None:
+        """The generation's view of the transport, carrying its request id (so a resent open joins the first
+        attempt on the cloud: cloud/opens.py) unless the transport's routed() takes the routing key alone."""
+        if not _takes_request_id(self.transport):
             return self.transport.routed(job.route_key)
         return self.transport.routed(job.route_key, job.request_id)
 

@@ -242,6 +242,31 @@ def test_an_open_retried_with_its_request_id_joins_the_first_attempt(
     asyncio.run(main())
 
 
+def test_an_open_with_a_request_id_nobody_comes_back_for_is_cancelled_after_the_grace(
+        make_service: Callable[..., VerifierService], prompt: list[int]) -> None:
+    """Its caller gives up and no retry joins within the grace: the open leaves the queue unprefilled and
+    leaves no session; a retry inside the grace (the edge's backoff) would have joined it."""
+    svc = make_service()
+    svc.opens.grace_s = 0.05
+    forwards = prefill_tokens(svc)
+
+    async def main() -> None:
+        gate = threading.Event()
+        blocker = asyncio.ensure_future(svc.worker.run(gate.wait))  # the model is busy: the open queues
+        first = asyncio.ensure_future(svc.open_session(OpenSessionRequest(prompt), "a", "req-9"))
+        await asyncio.sleep(0.02)
+        first.cancel()  # the caller is gone for good
+        await asyncio.sleep(0.2)  # past the grace
+        gate.set()
+        await blocker
+        await asyncio.sleep(0.05)
+        assert forwards == [] and len(svc.store) == 0 and svc.admission.depth == 0
+        info = await svc.open_session(OpenSessionRequest(prompt), "a", "req-9")  # a late retry: a new open
+        assert len(svc.store) == 1 and svc.store.holds(info.ctx_id) and len(forwards) == 1
+
+    asyncio.run(main())
+
+
 def test_stopping_with_opens_in_flight_answers_them_503_without_error_logs(
         make_service: Callable[..., VerifierService], prompt: list[int], caplog: pytest.LogCaptureFixture) -> None:
     svc = make_service()

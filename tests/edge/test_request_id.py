@@ -1,5 +1,6 @@
-"""The X-Request-Id of a generation: given to `stream(request_id=...)` (or `--request-id`), it travels
-with every cloud call of that generation, REST header and gRPC metadata alike; none is made up."""
+"""The X-Request-Id of a generation: given to `stream(request_id=...)` (or `--request-id`), or a fresh one
+per generation, it travels with every cloud call of that generation, REST header and gRPC metadata alike
+(a resent open joins its first attempt on the cloud by it)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from edge.cli import build_parser
 from edge.transport import GrpcTransport, RestTransport
 from shared.errors import InvalidArgument
 from shared.protocol import OpenSessionRequest
-from shared.request_id import REQUEST_ID_HEADER
+from shared.request_id import REQUEST_ID_HEADER, check_request_id
 from tests.edge.fake_cloud import FakeCloud
 
 PROMPT = [5, 6, 7, 8]
@@ -23,7 +24,10 @@ def test_the_client_hands_the_id_to_the_generations_view(make_client, fake_cloud
     client, _ = make_client(temperature=0, max_new_tokens=6)
     client.generate(PROMPT, request_id="cmpl-7")
     client.generate(PROMPT)
-    assert fake_cloud.request_ids == ["cmpl-7", None]
+    client.generate(PROMPT)
+    given, fresh, other = fake_cloud.request_ids
+    assert given == "cmpl-7" and fresh and other and fresh != other
+    check_request_id(fresh)
     with pytest.raises(InvalidArgument, match="X-Request-Id"):
         client.stream(PROMPT, request_id="two words")
 
