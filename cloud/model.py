@@ -143,7 +143,7 @@ class TargetModel:
             return
         from cloud.tensor_parallel import Op
 
-        with self.group.lock:
+        with self.group.lock, self.group.watch:
             moves = self.pool.keep_path(slot, start, src, tokens)
             if moves:
                 self.group.send(Op("move", moves=moves))
@@ -157,7 +157,7 @@ class TargetModel:
         from cloud.tensor_parallel import Op
 
         assert self.group is not None
-        with self.group.lock:
+        with self.group.lock, self.group.watch:
             lost = self.group.lost()
             if lost is not None:
                 raise Unavailable(f"this verifier lost a tensor-parallel rank ({lost}) and is restarting: retry "

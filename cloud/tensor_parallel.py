@@ -19,9 +19,11 @@ Memory. Each rank's KV pool holds its own KV heads, so `--kv-budget-bytes` is pe
 count (budget // bytes of one block of the local heads) is the same on every rank because the heads
 split evenly (`check_splits`), and rank 0's pool size is sent with `use_pool`.
 
-Failure. Every rank bumps a counter in torchrun's store every `BEAT_S` from a thread; rank 0 watches
-the workers' counters and each worker rank 0's. A counter that has not moved for `STALE_S` (a rank
-that died, hangs or was stopped) makes rank 0 unready (`/readyz` 503; new calls and forwards answer
+Failure. Every rank bumps a counter in torchrun's store every `BEAT_S` from a thread, unless its main
+thread has been inside one op (a forward, a move) for more than `OP_STALE_S` (`OpWatch`): a rank whose
+serving loop hangs stops beating although its heartbeat thread runs. Rank 0 watches the workers'
+counters and each worker rank 0's. A counter that has not moved for `STALE_S` (a rank that died, hangs
+or was stopped) makes rank 0 unready (`/readyz` 503; new calls and forwards answer
 503 with Retry-After) and, `EXIT_GRACE_S` later, exit with status 3, so torchrun tears the group
 down and an orchestrator restarts it; a worker that loses rank 0 exits at once. Collectives of the
 process group time out after `COLLECTIVE_TIMEOUT_S`; an idle rank 0 sends `idle` every `IDLE_S` so
@@ -50,6 +52,8 @@ log = logging.getLogger(__name__)
 BEAT_S = 0.5
 # a rank whose heartbeat has not moved for this long is lost
 STALE_S = 2.5
+# a rank whose main thread has been inside one op for this long is hung: it stops beating
+OP_STALE_S = 20.0
 # seconds rank 0 stays up (unready, answering 503) after losing a rank, then it exits
 EXIT_GRACE_S = 3.0
 # exit status of a rank that lost another
@@ -99,6 +103,27 @@ class Op:
     moves: list[tuple[int, int]] | None = None
 
 
+class OpWatch:
+    """When the main thread entered the op it is inside (`with watch:`), so the heartbeat thread can tell a
+    serving loop that hangs from one that waits for work."""
+
+    def __init__(self, clock: Any = time.monotonic) -> None:
+        self.clock = clock
+        self._since: float | None = None
+
+    def __enter__(self) -> OpWatch:
+        self._since = self.clock()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._since = None
+
+    def hung(self, limit: float = OP_STALE_S) -> bool:
+        """Whether the op under way started more than `limit` seconds ago."""
+        since = self._since
+        return since is not None and self.clock() - since > limit
+
+
 class TensorGroup:
     """This process's place in the group: rank, size, the op broadcast, heartbeats and health."""
 
@@ -114,6 +139,8 @@ class TensorGroup:
         # held by whoever uses the process group (a forward: plan, broadcast and run), so an idle op
         # never interleaves its broadcast with a forward's collectives
         self.lock = threading.Lock()
+        # the op the main thread is inside (a forward, a move): no heartbeat while it hangs
+        self.watch = OpWatch()
         self._last_op = time.monotonic()
         self._lost: str | None = None
         self._store = _heartbeat_store()
@@ -150,21 +177,23 @@ class TensorGroup:
         return self._lost
 
     def _beat(self) -> None:
-        key = f"specsplit/beat/{self.rank}"
         while not self._stop.wait(BEAT_S):
-            now = time.monotonic()
-            try:
-                self._store.add(key, 1)
-                for r in self._watch:
-                    count = self._store.add(f"specsplit/beat/{r}", 0)
-                    if count != self._seen[r][0]:
-                        self._seen[r] = (count, now)
-            except Exception as e:  # noqa: BLE001 - the store went away with torchrun's agent
-                self.fail(f"torchrun's store is gone ({type(e).__name__})")
-                continue
-            stale = [r for r in self._watch if now - self._seen[r][1] > STALE_S]
-            if stale:
-                self.fail(f"tensor-parallel rank {stale[0]} has not answered for {STALE_S:g} s")
+            self._beat_once(time.monotonic())
+
+    def _beat_once(self, now: float) -> None:
+        """Bump this rank's counter (not while its main thread hangs in an op) and check the watched ones."""
+        try:
+            self._store.add(f"specsplit/beat/{self.rank}", 0 if self.watch.hung() else 1)
+            for r in self._watch:
+                count = self._store.add(f"specsplit/beat/{r}", 0)
+                if count != self._seen[r][0]:
+                    self._seen[r] = (count, now)
+        except Exception as e:  # noqa: BLE001 - the store went away with torchrun's agent
+            self.fail(f"torchrun's store is gone ({type(e).__name__})")
+            return
+        stale = [r for r in self._watch if now - self._seen[r][1] > STALE_S]
+        if stale:
+            self.fail(f"tensor-parallel rank {stale[0]} has not answered for {STALE_S:g} s")
 
     def _keep_alive(self) -> None:
         """Rank 0: `idle` to the workers after IDLE_S without an op (its own thread: a broadcast to a
@@ -207,14 +236,20 @@ def serve_worker(model: Any, group: TensorGroup) -> int:
         signal.signal(sig, signal.SIG_IGN)
     while True:
         op = group.receive()
-        if op.kind == "forward":
-            assert op.plan is not None
-            model.run_plan(op.plan)
-        elif op.kind == "use_pool":
-            assert op.pool is not None
-            model.use_pool(*op.pool)
-        elif op.kind == "move":
-            assert op.moves is not None
-            model.pool.move_rows(op.moves)
-        elif op.kind == "stop":
-            return 0
+        with group.watch:
+            if _run_op(model, op):
+                return 0
+
+
+def _run_op(model: Any, op: Op) -> bool:
+    """A worker runs one op; True when it is `stop`."""
+    if op.kind == "forward":
+        assert op.plan is not None
+        model.run_plan(op.plan)
+    elif op.kind == "use_pool":
+        assert op.pool is not None
+        model.use_pool(*op.pool)
+    elif op.kind == "move":
+        assert op.moves is not None
+        model.pool.move_rows(op.moves)
+    return op.kind == "stop"
