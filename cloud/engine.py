@@ -387,12 +387,14 @@ class DecodeState:
     salt: bytes = b""
     # the slot holds only what the prefix cache gave it (nothing computed yet)
     fresh: bool = False
+    # positions the prefix cache gave at the allocation
+    matched: int = 0
 
     def plan(self, pool: KVPool, chunk: int) -> Row:
         """Feed ids[kv_len:] (the last token at least); a long prompt in chunks, logits only at the end."""
         if self.slot is None:
             self.slot = pool.allocate(self.salt)
-            self.kv_len = pool.match_prefix(self.slot, self.ids, len(self.ids) - 1)
+            self.kv_len = self.matched = pool.match_prefix(self.slot, self.ids, len(self.ids) - 1)
             self.fresh = True
         c = min(self.kv_len, len(self.ids) - 1)
         todo = self.ids[c:]
@@ -405,6 +407,13 @@ class DecodeState:
         if self.slot is not None and self.fresh:
             pool.release(self.slot)
             self.slot, self.kv_len, self.fresh = None, 0, False
+
+    def give_back(self, pool: KVPool) -> None:
+        """A prompt half prefilled gives its blocks back (its full blocks stay in the prefix cache, so the
+        next plan resumes from there)."""
+        if self.slot is not None:
+            pool.release(self.slot)
+            self.slot, self.kv_len, self.matched, self.fresh = None, 0, 0, False
 
     def step(self, pool: KVPool, row: Row, logits: torch.Tensor, cfg: SamplingConfig, seed: int,
              p: torch.Tensor | None = None) -> int | None:

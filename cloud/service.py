@@ -118,6 +118,8 @@ class VerifierService:
         self._hits_seen = self._evicted_seen = 0
         # prefills under way (model thread only): an open sharing a full block they are computing waits
         self._prefilling: list[Prefill] = []
+        # /v1/generate prompts half prefilled, waiting for their next chunk (model thread only)
+        self._gen_prefilling: list[DecodeState] = []
         # prefills whose row is in the forward being built or run (model thread only): never evicted for blocks
         self._in_forward: set[int] = set()
         self._keys = settings.api_key_values()
@@ -338,14 +340,23 @@ class VerifierService:
         return Job(plan=plan, finish=finish, abort=abort, answer=lambda: spent[0], kind=PREFILL, owner=owner,
                    unplan=unplan)
 
+    def _forget_generate(self, st: DecodeState) -> None:
+        self._gen_prefilling = [g for g in self._gen_prefilling if g is not st]
+
+    def _end_generate(self, st: DecodeState) -> None:
+        """A generation is over (model thread, between forwards): its blocks go back."""
+        self._forget_generate(st)
+        self._in_forward.discard(id(st))
+        st.give_back(self.model.pool)
+
     def _forget_prefill(self, pre: Prefill) -> None:
         """`pre` is done, failed or gave its slot back: no open waits for it any more (model thread)."""
         self._prefilling = [p for p in self._prefilling if p is not pre]
 
     def _make_room(self, blocks: int, progressing: bool = False) -> None:
         """On the model thread, when a forward needs `blocks` more KV blocks than are left (cached prefix
-        blocks already count as available): first half-finished prefills waiting for a later forward give
-        their blocks back (their full blocks stay in the prefix cache, so they resume from there), then
+        blocks already count as available): first half-finished prefills (of opens and of /v1/generate)
+        waiting for a later forward give their blocks back (their full blocks stay in the prefix cache, so they resume from there), then
         least recently used idle sessions are evicted until the blocks fit, sparing those opened within
         `eviction_grace_s` that have not run a round yet and those used within `eviction_active_s`
         (`progressing`, always set by the scheduler): the work that lacks blocks then waits for a later
@@ -360,6 +371,12 @@ class VerifierService:
                 self._forget_prefill(pre)
                 pool.release(pre.slot)
                 pre.slot, pre.done, pre.reused = None, 0, 0  # plans again: allocate, match the prefix cache
+        for st in list(self._gen_prefilling):  # /v1/generate prompts alike
+            if pool.manager.available() >= goal:
+                return
+            if id(st) not in self._in_forward and st.slot is not None and st.kv_len > st.matched:
+                self._forget_generate(st)
+                st.give_back(pool)
         now = self.clock()
         fresh_since = now - self.settings.eviction_grace_s
         active_since = now - self.settings.eviction_active_s if progressing else now + 1.0
@@ -551,7 +568,7 @@ class VerifierService:
                     if limit < req.max_new_tokens:
                         reason = "context"
         finally:
-            self._release(st.slot)
+            self.worker.between_batches(lambda: self._end_generate(st))
             self.worker.forget(f"generate-{id(st)}")
         self.metrics.prefill_ms.observe(prefill_ms)
         yield GenerateEvent(metrics={"tokens": len(st.ids) - len(req.prompt_ids), "prefill_ms": prefill_ms,
@@ -565,22 +582,32 @@ class VerifierService:
 
         def plan(budget: int) -> Row:
             rows[:] = [st.plan(self.model.pool, budget)]
+            self._in_forward.add(id(st))
             return rows[0]
 
         def finish(logits: Any, ms: float) -> tuple[int, float] | Pending:
+            self._in_forward.discard(id(st))
             spent[0] += ms
             tok = st.step(self.model.pool, rows[0], logits, req.sampling_cfg, req.seed, job.p)
+            if tok is None and st not in self._gen_prefilling:  # its next chunk waits for a later forward
+                self._gen_prefilling.append(st)
+            elif tok is not None:
+                self._forget_generate(st)
             return PENDING if tok is None else (tok, spent[0])
 
         def abort() -> None:
+            self._in_forward.discard(id(st))
             if rows and st.slot is not None:
                 st.kv_len = min(st.kv_len, rows[0].past)
                 self.model.pool.crop(st.slot, st.kv_len)
 
+        def unplan() -> None:
+            self._in_forward.discard(id(st))
+            st.unplan(self.model.pool)
+
         job: Job[tuple[int, float]] = Job(
             plan=plan, finish=finish, abort=abort, key=f"generate-{id(st)}", kind=PREFILL if first else DECODE,
-            owner=owner, unplan=lambda: st.unplan(self.model.pool),
-            sampling=lambda _: RowSampling(req.sampling_cfg, st.ids))
+            owner=owner, unplan=unplan, sampling=lambda _: RowSampling(req.sampling_cfg, st.ids))
         return job
 
     # --- housekeeping -------------------------------------------------------------------------

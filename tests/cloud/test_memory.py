@@ -13,8 +13,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from cloud.engine import Prefill
-from cloud.service import VerifierService
+from cloud.engine import DecodeState, Prefill
+from cloud.scheduler import PENDING
+from cloud.service import GenerateRequest, VerifierService
 from shared.config import SamplingConfig
 from shared.errors import ResourceExhausted, SpecSplitError
 from shared.protocol import OpenSessionRequest
@@ -72,6 +73,40 @@ def test_a_waiting_half_finished_prefill_gives_its_blocks_back_and_resumes_from_
     resumed = svc.worker.call_sync(lambda: pre.plan(pool, 32))
     assert resumed is not None and resumed.past == 32  # taken from the prefix cache, not computed again
     svc.worker.call_sync(lambda: pool.release(resumed.slot))
+
+
+def test_a_generate_prompt_half_prefilled_gives_its_blocks_back_and_its_token_is_unchanged(
+        make_service: Callable[..., VerifierService], text: list[int]) -> None:
+    """A /v1/generate prompt after its first chunk waits for a later forward: room-making takes its blocks
+    back (cached), it resumes from the prefix cache, and its first token equals an undisturbed run's."""
+    svc = make_service()
+    pool = svc.model.pool
+    req = GenerateRequest(text[:100], GREEDY, max_new_tokens=1)
+
+    def run(st: DecodeState, disturb: bool) -> int:
+        job = svc._decode_job(st, req, "", True)
+        out: Any = PENDING
+        chunks = 0
+        while out is PENDING:
+            row = job.plan(32)
+            logits = svc.model.forward([row])
+            out = job.finish(logits[0], 1.0)
+            chunks += 1
+            if disturb and chunks == 1:
+                assert st in svc._gen_prefilling
+                before = pool.manager.available()
+                svc._make_room(1, True)
+                assert st.slot is None and pool.manager.available() == before + 2  # its two blocks, cached
+                assert job.plan(32).past == 32  # from the prefix cache, not computed again
+                job.unplan()
+        assert st not in svc._gen_prefilling
+        svc._end_generate(st)
+        return int(out[0])
+
+    disturbed = svc.worker.call_sync(lambda: run(DecodeState(list(text[:100]), salt=b"g"), True))
+    clean = svc.worker.call_sync(lambda: run(DecodeState(list(text[:100]), salt=b"h"), False))
+    assert disturbed == clean
+    assert svc.worker.call_sync(lambda: pool.manager.seqs) == {}
 
 
 def test_a_non_finite_state_at_an_open_fails_it_before_a_session_is_stored(
