@@ -55,7 +55,8 @@ _FLAGS: dict[str, str] = {"cloud": "cloud_url", "grpc": "grpc_target", "api_key"
                           "hybrid": "hybrid", "route_key": "route_key", "k_policy": "k_policy",
                           "draft_ahead": "draft_ahead", "max_body_bytes": "max_body_bytes", "head": "head",
                           "feature_encoding": "feature_encoding", "check_last": "check_last", "tree": "tree",
-                          "tree_width": "tree_width", "tree_depth": "tree_depth", "tree_max_nodes": "tree_max_nodes"}
+                          "tree_width": "tree_width", "tree_depth": "tree_depth", "tree_max_nodes": "tree_max_nodes",
+                          "stream_switch": "stream_switch", "objective": "objective"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,6 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
                                                   "(default 4)")
     g.add_argument("--tree-depth", type=int, help="levels of the first tree (default 6; then adapted)")
     g.add_argument("--tree-max-nodes", type=int, help="most nodes a tree sends (default 32)")
+    g.add_argument("--stream-switch", action=argparse.BooleanOptionalAction, default=None,
+                   help="let the cloud stream target-only tokens on the session whenever that is cheaper than "
+                        "speculating, and speculate again when that pays (greedy and tree sessions; default on)")
+    g.add_argument("--objective", choices=["latency", "cloud"],
+                   help="what the switch minimises: latency (default: the edge's time per token) or cloud "
+                        "(the cloud's forward time per token)")
     g.add_argument("--check-last", action=argparse.BooleanOptionalAction, default=None,
                    help="sampled sessions: one more draft token checked by the cloud in place of a bonus, so a "
                         "seed gives one text whatever the rounds (default on)")
@@ -190,6 +197,7 @@ def summary_table(result: GenerationResult) -> str:
             ("acceptance rate", f"{m.acceptance_rate:.3f}"), ("mean accepted length", f"{m.mean_accepted_len:.2f}"),
             ("tree rounds, nodes sent", f"{m.tree_rounds}, {m.tree_nodes}"),
             ("tokens per cloud call", f"{m.tokens_per_call:.2f}"),
+            ("tokens speculated / streamed, switches", f"{m.emitted - m.streamed} / {m.streamed}, {m.switches}"),
             ("by origin", ", ".join(f"{k}={v}" for k, v in m.by_origin.items() if v)),
             ("local commits (unverified)", m.local_commits),
             ("of those after a missed deadline", m.timeout_fallbacks),

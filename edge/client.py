@@ -33,6 +33,7 @@ from .speculative import RecoveryPolicy, SessionParams, SpeculativeRun
 from .transport.base import ModelInfo, Transport, check_route_key, new_route_key
 from .transport.errors import CloudTimeout, is_retryable, retry_delay
 from .treecontrol import TreeControl
+from .waycontrol import WayControl
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -365,6 +366,13 @@ class EdgeClient:
         fixed = None if s.tree == "auto" else min(int(s.tree), info.max_tree_nodes)
         return TreeControl(max_nodes=most, width=s.tree_width, depth=s.tree_depth, fixed_nodes=fixed)
 
+    def _way_control(self, info: ModelInfo, transport: Transport) -> WayControl | None:
+        """The speculate-or-stream controller, when the settings allow it and the cloud streams on a session."""
+        s = self.settings
+        if not s.stream_switch or not info.session_stream or not getattr(transport, "supports_session_stream", False):
+            return None
+        return WayControl(objective=s.objective)
+
     def head(self) -> Any:
         """The feature-fed head of the settings (loaded once), or None for "none"."""
         if self.settings.head == "none":
@@ -428,7 +436,8 @@ class EdgeClient:
         run = SpeculativeRun(transport, drafter, job.params, self._k_controller(job.k_policy), job.metrics, self._policy(),
                              gate=gate, rule_triggers=s.rule_triggers, detokenize=self.decode if gate else None,
                              clock=self.clock, sleep=self.sleep, draft_ahead=s.draft_ahead,
-                             tree=self._tree_control(info))
+                             tree=self._tree_control(info), way=self._way_control(info, transport),
+                             stop_at_eos=s.stop_at_eos)
         job.rounds = run.records
         limits = [m for m in (info.max_context, drafter.max_context) if m]
         max_context = min(limits) if limits else None
@@ -440,7 +449,7 @@ class EdgeClient:
         try:
             emitted = 0
             while emitted < job.max_new_tokens and (max_context is None or len(run.S) < max_context):
-                for tok, origin in run.step(job.max_new_tokens - emitted, max_context):
+                for tok, origin in run.advance(job.max_new_tokens - emitted, max_context):
                     emitted += 1
                     yield CommittedToken(tok, origin_map.get(origin, origin) if origin_map else origin,
                                          len(run.records) - 1)

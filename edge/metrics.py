@@ -135,6 +135,11 @@ class EdgeMetrics:
     # token trees: verified rounds that sent a tree, and the nodes they sent (also counted in `drafted`)
     tree_rounds: int = 0
     tree_nodes: int = 0
+    # tokens the cloud streamed on the session instead of rounds (edge/waycontrol.py), the stream calls,
+    # and the switches between speculating and streaming
+    streamed: int = 0
+    stream_calls: int = 0
+    switches: int = 0
     # wall time from start to the first emitted token, and to the end
     ttft_ms: float = 0.0
     wall_ms: float = 0.0

@@ -116,6 +116,11 @@ class EdgeSettings(BaseSettings):
     tree_width: int = Field(default=4, ge=1, le=16)
     tree_depth: int = Field(default=6, ge=1, le=32)
     tree_max_nodes: int = Field(default=32, ge=1, le=256)
+    # speculate or stream per session (edge/waycontrol.py): greedy and tree sessions let the cloud stream
+    # target-only tokens on the session while that is cheaper by `objective` ("latency": the edge's wall
+    # time per token; "cloud": the cloud's forward time per token); off: always speculate
+    stream_switch: bool = True
+    objective: Literal["latency", "cloud"] = "latency"
 
     # uncertainty gating (off by default): signals of the draft model's raw distribution
     gating: bool = False

@@ -5,7 +5,9 @@ State by position. `S` is the committed context (prompt + every committed token)
 carries ctx_len = |S|, the hash of S and append_ids = S[cloud_len:], so whatever the cloud missed
 (locally committed tokens, the edge-drawn residual, tokens after a timeout whose late answer was
 discarded) reaches it in the next round, and the cloud's crop to ctx_len - len(append_ids) makes a
-retried request idempotent. Recovery: 429 / 413 / 5xx / connection errors -> back off and resend;
+retried request idempotent. With a way controller (edge/waycontrol.py) the run may instead let the
+cloud stream target-only tokens on the same session (`advance`); a stream cut short leaves the cloud
+ahead of S, and the next call's ctx_len crops it back. Recovery: 429 / 413 / 5xx / connection errors -> back off and resend;
 404 -> reopen with the full S; 409 -> resend from the cloud's expected_ctx_len when that is shorter
 than cloud_len, else reopen. Nothing is committed before an answer is used, so nothing is lost or
 duplicated.
@@ -16,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 from shared.config import SamplingConfig
@@ -27,6 +29,7 @@ from shared.protocol import (
     DraftProposal,
     OpenSessionRequest,
     SparseDist,
+    StreamDone,
     TargetFeature,
     TargetStates,
     VerifyRequest,
@@ -45,6 +48,7 @@ from .round_control import KController
 from .transport.base import Transport
 from .transport.errors import CloudTimeout, is_retryable, retry_delay
 from .treecontrol import TreeControl
+from .waycontrol import WayControl
 
 log = logging.getLogger(__name__)
 # no request with a dropped answer is outstanding
@@ -98,7 +102,8 @@ class SpeculativeRun:
                  gate: GateThresholds | None = None, rule_triggers: bool = True,
                  detokenize: Callable[[Sequence[int]], str] | None = None,
                  clock: Callable[[], float] = time.perf_counter, sleep: Callable[[float], None] = time.sleep,
-                 draft_ahead: bool = False, tree: TreeControl | None = None) -> None:
+                 draft_ahead: bool = False, tree: TreeControl | None = None, way: WayControl | None = None,
+                 stop_at_eos: bool = True) -> None:
         self.transport = transport
         self.drafter = drafter
         self.params = params
@@ -129,6 +134,11 @@ class SpeculativeRun:
             if draft_ahead and DraftAhead.supports(drafter) else None
         # token trees (edge/treecontrol.py) when the drafter grows them; rounds without one are chains
         self.tree = tree if tree is not None and hasattr(drafter, "propose_tree") and gate is None else None
+        # speculate or stream (edge/waycontrol.py): only where every committed token is the target's own draw
+        # whichever way decided it (greedy, or draw-and-match trees), so the text does not depend on switches
+        same_text = params.sampling.greedy or self.tree is not None
+        self.way = way if way is not None and same_text and gate is None and not params.send_q_dists else None
+        self.stop_at_eos = stop_at_eos
 
     # -- session --------------------------------------------------------------------------------
 
@@ -221,7 +231,63 @@ class SpeculativeRun:
                 log.info("retrying after %s (attempt %d)", e.code, attempt)
                 self.sleep(retry_delay(e, self.policy.backoff(attempt)))
 
-    # -- one round ------------------------------------------------------------------------------
+    # -- one round or one stream chunk ------------------------------------------------------------
+
+    def advance(self, remaining: int, max_context: int | None = None) -> Iterator[tuple[int, Origin]]:
+        """The next round, or the next stream chunk when the way controller says streaming is cheaper;
+        yields the committed (token, origin) pairs as they come."""
+        n = self.way.next() if self.way is not None else 0
+        if self.way is not None:
+            self.metrics.switches = self.way.switches
+        room = remaining if not max_context else min(remaining, max_context - len(self.S))
+        if n > 0 and self.ctx_id is not None and self.cloud_len == len(self.S) and room > 0:
+            yield from self.stream(min(n, room))
+            return
+        t0 = self.clock()
+        rounds = len(self.records)
+        out = self.step(remaining, max_context)
+        if self.way is not None and len(self.records) > rounds:
+            last = self.records[-1]
+            one = getattr(self.tree if self.tree is not None else self.k_ctl, "verify_ms", None)
+            self.way.observe_round(len(out), (self.clock() - t0) * 1000, last.cloud_prefill_ms,
+                                   one(0) if one is not None else None)
+            self.metrics.switches = self.way.switches
+        yield from out
+
+    def stream(self, n: int) -> Iterator[tuple[int, Origin]]:
+        """Up to n target-only tokens streamed on the session (PROTOCOL.md "Streaming on a session"), each
+        committed as it arrives. A failure ends the chunk early; the next round recovers as rounds do."""
+        assert self.ctx_id is not None and self.way is not None
+        t0, got, cloud_ms = self.clock(), 0, 0.0
+        self.metrics.cloud_calls += 1
+        self.metrics.stream_calls += 1
+        self._prev_drafted = False  # the drafter catches up on these tokens before its next draft
+        try:
+            for ev in self.transport.stream_session(self.ctx_id, len(self.S), self.hash_at(len(self.S)), n,
+                                                    self.stop_at_eos, self.policy.open_timeout_s):
+                if isinstance(ev, StreamDone):
+                    cloud_ms = float(ev.metrics.get("decode_ms", 0.0))
+                    break
+                if ev.ctx_len != len(self.S) + 1:
+                    log.warning("streamed token at %d, expected %d: reopening next round", ev.ctx_len, len(self.S) + 1)
+                    self.ctx_id = None
+                    break
+                self._extend([ev.token_id])
+                self.cloud_len = len(self.S)
+                self._take_feature(ev.feature)
+                self._take_states(ev.states)
+                got += 1
+                self.metrics.streamed += 1
+                yield ev.token_id, "target"
+        except NotFound:
+            self.ctx_id = None  # evicted: the next round reopens with the full S
+        except SpecSplitError as e:
+            if not (is_retryable(e) or isinstance(e, (CloudTimeout, ContextMismatch))):
+                raise
+            log.info("stream stopped after %d tokens (%s): the next round goes on", got, e.code)
+        finally:
+            self.way.observe_stream(got, (self.clock() - t0) * 1000, cloud_ms)
+
 
     def step(self, remaining: int, max_context: int | None = None) -> list[tuple[int, Origin]]:
         """One round; `remaining` is the token budget left. Returns the committed (token, origin) pairs."""

@@ -98,6 +98,8 @@ class ModelInfo:
     max_tree_nodes: int = 0
     # largest feature_window a session may ask for (0: one feature per answer only)
     max_feature_window: int = 0
+    # the cloud streams target-only tokens on an open session (False: an older cloud)
+    session_stream: bool = False
 
 
 @dataclass
@@ -191,3 +193,21 @@ class VerifyResponse:
     accepted_nodes: list[int] | None = None
     # a session with a feature_window: the states at every position this round committed (in place of `feature`)
     states: TargetStates | None = None
+
+
+@dataclass
+class StreamedToken:
+    # one target-only token streamed on a session, and the session's length with it
+    token_id: int
+    ctx_len: int
+    feature: TargetFeature | None = None
+    states: TargetStates | None = None
+
+
+@dataclass
+class StreamDone:
+    # the end of a session stream: tokens streamed, the session's length and hash, the cloud's metrics
+    tokens: int
+    ctx_len: int
+    ctx_hash: str
+    metrics: dict[str, Any] = field(default_factory=dict)

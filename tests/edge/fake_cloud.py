@@ -21,10 +21,13 @@ from shared.config import SamplingConfig
 from shared.errors import ContextMismatch, InvalidArgument, NotFound, SpecSplitError
 from shared.hashing import ctx_hash
 from shared.protocol import (
+    DraftProposal,
     OpenSessionRequest,
     RoundMetrics,
     SessionInfo,
     SparseDist,
+    StreamDone,
+    StreamedToken,
     VerifyRequest,
     VerifyResponse,
 )
@@ -56,6 +59,10 @@ class FakeCloud:
     calls: list[str] = field(default_factory=list)
     requests: list[VerifyRequest] = field(default_factory=list)
     supports_generate: bool = True
+    # streams target-only tokens on a session (PROTOCOL.md "Streaming on a session")
+    supports_session_stream: bool = True
+    # tokens a stream yields before it fails with the next `stream` fault (None: the fault comes first)
+    stream_fail_after: int | None = None
     # routing keys and request ids the client asked for, one per routed() view
     route_keys: list[str] = field(default_factory=list)
     request_ids: list[str | None] = field(default_factory=list)
@@ -155,6 +162,33 @@ class FakeCloud:
             raise f.error
         return resp
 
+    def stream_session(self, ctx_id: str, ctx_len: int, ctx_hash_: str, max_new_tokens: int, stop_at_eos: bool,
+                       timeout: float) -> Iterator[StreamedToken | StreamDone]:
+        """Each token is a k = 0 round on the session, as the cloud streams them."""
+        self.calls.append("stream")
+        self.traffic.calls += 1
+        fault = self._fault("stream")
+        if fault is not None and self.stream_fail_after is None:
+            raise fault.error
+        s = self.sessions.get(ctx_id)
+        if s is None:
+            raise NotFound(f"no session {ctx_id}")
+        n = 0
+        while n < max_new_tokens:
+            if fault is not None and n == self.stream_fail_after:
+                raise fault.error
+            if n == 0:
+                req = VerifyRequest(ctx_id, ctx_len, ctx_hash_, [], DraftProposal([], []))
+            else:
+                req = VerifyRequest(ctx_id, len(s.ids), ctx_hash(s.ids), [], DraftProposal([], []))
+            resp = self.verify(req, timeout)
+            self.calls.pop()  # counted as the stream's
+            n += 1
+            yield StreamedToken(int(resp.correction or 0), resp.ctx_len)
+            if stop_at_eos and resp.correction in self.eos_ids:
+                break
+        yield StreamDone(n, len(s.ids), ctx_hash(s.ids), {"decode_ms": 0.0, "stop_reason": "length"})
+
     def get_session(self, ctx_id: str, timeout: float) -> SessionInfo:
         self._enter("get")
         s = self.sessions.get(ctx_id)
@@ -168,7 +202,8 @@ class FakeCloud:
 
     def get_model(self, timeout: float) -> ModelInfo:
         self._enter("model")
-        return ModelInfo("fake", self.vocab, list(self.eos_ids), self.max_context)
+        return ModelInfo("fake", self.vocab, list(self.eos_ids), self.max_context,
+                         session_stream=self.supports_session_stream)
 
     def generate(self, prompt_ids: list[int], cfg: SamplingConfig, seed: int, max_new_tokens: int,
                  timeout: float) -> GenerateResult:

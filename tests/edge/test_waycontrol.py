@@ -1,0 +1,140 @@
+"""Speculate or stream (edge/waycontrol.py): the controller's choices from injected costs, and switches at
+random rounds on the fake cloud giving the target's own text, counted."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+from edge.waycontrol import WayControl
+from shared.errors import NotFound, Unavailable
+from tests.edge.fake_cloud import FakeCloud
+
+PROMPT = [5, 6, 7, 8, 9, 10]
+
+
+def run_rounds(w: WayControl, n: int, tokens: int, wall_ms: float, cloud_ms: float, one_step_ms: float) -> list[int]:
+    """n decisions, each followed by what it chose costing as given; returns the decisions."""
+    seen = []
+    for _ in range(n):
+        chunk = w.next()
+        seen.append(chunk)
+        if chunk:
+            w.observe_stream(chunk, chunk * one_step_ms * 1.05, chunk * one_step_ms)
+        else:
+            w.observe_round(tokens, wall_ms, cloud_ms, one_step_ms)
+    return seen
+
+
+def test_it_streams_when_streaming_is_cheaper_and_probes_with_growing_chunks() -> None:
+    """A 50 ms link, 2 tokens a round of 180 ms (90 ms a token) against 66 ms a streamed token."""
+    w = WayControl()
+    seen = run_rounds(w, 9, tokens=2, wall_ms=180.0, cloud_ms=110.0, one_step_ms=66.0)
+    assert seen[:3] == [0, 0, 0]  # min_rounds measured first
+    assert seen[3:] == [16, 0, 32, 0, 64, 0] and w.switches == 1 and w.streaming
+
+
+def test_it_speculates_again_when_a_probe_shows_acceptance_rose() -> None:
+    w = WayControl(weight=0.5)
+    run_rounds(w, 4, tokens=2, wall_ms=180.0, cloud_ms=110.0, one_step_ms=66.0)
+    assert w.streaming
+    for _ in range(6):  # every probe now commits 6 tokens in 180 ms (30 ms a token)
+        chunk = w.next()
+        if chunk:
+            w.observe_stream(chunk, chunk * 70.0, chunk * 66.0)
+        else:
+            w.observe_round(6, 180.0, 110.0, 66.0)
+        if not w.streaming:
+            break
+    assert not w.streaming and w.switches == 2 and w.next() == 0
+
+
+def test_a_near_tie_keeps_speculating() -> None:
+    """At 0 ms the rounds cost about what streaming does: within the margin nothing switches."""
+    w = WayControl()
+    assert run_rounds(w, 10, tokens=2, wall_ms=140.0, cloud_ms=130.0, one_step_ms=66.0) == [0] * 10
+    assert w.switches == 0
+
+
+def test_the_cloud_objective_weighs_the_clouds_forward_time_not_the_link() -> None:
+    """Slow link (wall 400 ms a round) but 2 tokens for 110 ms of forward: the cloud saves by speculating;
+    the latency objective streams."""
+    cloud, latency = WayControl(objective="cloud"), WayControl(objective="latency")
+    assert set(run_rounds(cloud, 8, 2, 400.0, 110.0, 66.0)) == {0}
+    assert 16 in run_rounds(latency, 8, 2, 400.0, 110.0, 66.0)
+    with pytest.raises(ValueError, match="objective"):
+        WayControl(objective="speed")
+
+
+class RandomWays(WayControl):
+    """Streams or speculates at random (fixed seed), whatever the costs."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        self.rng = random.Random(seed)
+        self.chosen: list[int] = []
+
+    def next(self) -> int:
+        chunk = self.rng.choice([0, 0, 1, 2, 5])
+        self.chosen.append(chunk)
+        if chunk and not self.streaming:
+            self.switches += 1
+        self.streaming = bool(chunk)
+        return chunk
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_switches_at_random_rounds_give_the_targets_greedy_text(make_client: Any, fake_cloud: FakeCloud,
+                                                                 seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Greedy: every committed token is the target's argmax whichever way decided it. 40 tokens, switches at
+    random rounds (seeded), the same text as the cloud's own generation, tokens by way counted."""
+    client, _ = make_client(temperature=0, max_new_tokens=40, tree="off", stop_at_eos=False)
+    ways = RandomWays(seed)
+    monkeypatch.setattr(client, "_way_control", lambda info, transport: ways)
+    got = client.generate(PROMPT)
+    want = fake_cloud.generate(PROMPT, client.settings.sampling(), 0, 40, 1.0).token_ids
+    assert got.token_ids == want
+    m = got.metrics
+    assert 0 < m.streamed < 40 and m.stream_calls == sum(1 for c in ways.chosen if c) and m.switches == ways.switches
+    assert m.by_origin["target"] >= m.streamed and "stream" in fake_cloud.calls
+
+
+def test_a_stream_that_fails_midway_keeps_what_it_streamed_and_the_rounds_go_on(
+        make_client: Any, fake_cloud: FakeCloud, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stream fails after 3 tokens (503), then the session is evicted before the next stream: the edge
+    keeps the 3 tokens, reopens, and the text is still the target's."""
+    client, _ = make_client(temperature=0, max_new_tokens=30, tree="off", stop_at_eos=False)
+
+    class Ways(WayControl):
+        def next(self) -> int:
+            return 8
+
+    monkeypatch.setattr(client, "_way_control", lambda info, transport: Ways())
+    fake_cloud.stream_fail_after = 3
+    fake_cloud.fail("stream", Unavailable("going away"))
+    got = client.generate(PROMPT)
+    want = fake_cloud.generate(PROMPT, client.settings.sampling(), 0, 30, 1.0).token_ids
+    assert got.token_ids == want and got.metrics.streamed > 3
+
+    client2, _ = make_client(temperature=0, max_new_tokens=30, tree="off", stop_at_eos=False)
+    monkeypatch.setattr(client2, "_way_control", lambda info, transport: Ways())
+    fake_cloud.stream_fail_after = None
+    fake_cloud.fail("stream", NotFound("evicted"))
+    got2 = client2.generate(PROMPT)
+    assert got2.token_ids == want and got2.metrics.reopens == 1
+
+
+def test_no_switch_where_the_text_would_depend_on_it(make_client: Any, fake_cloud: FakeCloud,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sampled chain session (its rounds use min(1, p/q), not the target's own draw) never streams, nor
+    does a cloud without session streams, nor --no-stream-switch."""
+    client, _ = make_client(temperature=1.0, max_new_tokens=12, tree="off")
+    monkeypatch.setattr(client, "_way_control", lambda info, transport: RandomWays(0))
+    assert client.generate(PROMPT).metrics.streamed == 0
+    off, _ = make_client(temperature=0, max_new_tokens=12, stream_switch=False)
+    assert off._way_control(off.model_info(), fake_cloud) is None
+    fake_cloud.supports_session_stream = False
+    on, _ = make_client(temperature=0, max_new_tokens=12)
+    assert on._way_control(on.model_info(), fake_cloud) is None
