@@ -61,6 +61,11 @@ class EdgePrometheus:
     # token trees: verified rounds that sent one, and the nodes they sent
     tree_rounds: Counter
     tree_nodes: Counter
+    # generated tokens by way (speculated in rounds, streamed by the cloud on the session), stream calls, and
+    # switches between the two (edge/waycontrol.py)
+    way_tokens: Counter
+    stream_calls: Counter
+    switches: Counter
     # error answers of the OpenAI routes by OpenAI error type
     errors: Counter
     # answers of the /v1/ routes by HTTP status
@@ -110,6 +115,10 @@ class EdgePrometheus:
             tree_rounds=Counter(p + "tree_rounds", "Verified rounds that sent a token tree.", registry=r),
             tree_nodes=Counter(p + "tree_nodes", "Token-tree nodes sent to the cloud (also in drafted_tokens).",
                                registry=r),
+            way_tokens=Counter(p + "way_tokens", "Generated tokens by way: speculated (rounds) or streamed (the "
+                               "cloud streaming on the session).", ["way"], registry=r),
+            stream_calls=Counter(p + "stream_calls", "Streams of target-only tokens on a session.", registry=r),
+            switches=Counter(p + "way_switches", "Switches between speculating and streaming.", registry=r),
             errors=Counter(p + "errors", "Error answers of the OpenAI routes by OpenAI error type.", ["type"],
                            registry=r),
             responses=Counter(p + "responses", "Answers of the /v1/ routes by HTTP status.", ["status"],
@@ -146,6 +155,11 @@ class EdgePrometheus:
         self.timeouts.inc(m.timeouts)
         self.tree_rounds.inc(m.tree_rounds)
         self.tree_nodes.inc(m.tree_nodes)
+        if m.rounds or m.streamed:  # a speculative generation
+            self.way_tokens.labels("speculated").inc(max(0, m.emitted - m.streamed))
+            self.way_tokens.labels("streamed").inc(m.streamed)
+        self.stream_calls.inc(m.stream_calls)
+        self.switches.inc(m.switches)
         self.drafting_seconds.inc(max(0.0, m.edge_time_ms / 1000 - draft_wait_s))
         self.draft_wait_seconds.inc(draft_wait_s)
         self.cloud_wait_seconds.inc(m.rtt_ms / 1000)

@@ -89,7 +89,9 @@ class Finished:
                 "tokens_per_cloud_call": round(m.tokens_per_call, 6), "cloud_calls": m.cloud_calls,
                 "drafted": m.drafted, "accepted": m.accepted,
                 "tokens_by_origin": {k: v for k, v in m.by_origin.items() if v},
-                "local_commits": m.local_commits, "timeout_fallbacks": m.timeout_fallbacks}
+                "local_commits": m.local_commits, "timeout_fallbacks": m.timeout_fallbacks,
+                "tokens_by_way": {"speculated": m.emitted - m.streamed, "streamed": m.streamed},
+                "switches": m.switches}
 
 
 Event = TextDelta | Finished | SpecSplitError

@@ -70,3 +70,14 @@ def test_edge_metrics_pass_promtool_check_metrics() -> None:
     assert b"process_cpu_seconds_total" in text
     out = promtool("check", "metrics", stdin=text)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_record_counts_tokens_by_way_and_the_switches() -> None:
+    prom = EdgePrometheus.create()
+    prom.record(EdgeMetrics(emitted=50, rounds=6, streamed=32, stream_calls=2, switches=3))
+    prom.record(EdgeMetrics(emitted=9))  # cloud_only: neither way
+    v = values(prom)
+    p = "specsplit_edge_"
+    assert v[(p + "way_tokens_total", (("way", "speculated"),))] == 18
+    assert v[(p + "way_tokens_total", (("way", "streamed"),))] == 32
+    assert v[(p + "stream_calls_total", ())] == 2 and v[(p + "way_switches_total", ())] == 3
