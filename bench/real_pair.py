@@ -3,7 +3,8 @@
     specsplit-bench --only real-pair [--out BENCHMARKS.md]
 
 The target is SmolLM2-135M-Instruct (models/smollm2-135m-instruct, made by scripts/setup.sh); the drafts
-are the feature-fed head (models/smollm2-135m-head, fed the target's state by the cloud), the distilled
+are the attention head (models/smollm2-135m-attention-head, fed the target's states at every committed
+position) when present, the feature-fed head (models/smollm2-135m-head, fed one state a round), the distilled
 tokens-only draft (models/smollm2-135m-draft), the tokens-only draft cut from the target when present
 (models/smollm2-135m-draft-from-target) and the n-gram drafter. All measured in this run, cloud and
 edge one torch thread each, on chat prompts no draft saw in training:
@@ -37,6 +38,8 @@ DRAFT = REPO / "models" / "smollm2-135m-draft"
 # the tokens-only draft cut from the target (scripts/train_heads.py draft-export), measured when present
 CUT = REPO / "models" / "smollm2-135m-draft-from-target"
 HEAD = REPO / "models" / "smollm2-135m-head"
+# the head that attends over the target's past states (scripts/train_attention_head.py), measured when present
+ATTN = REPO / "models" / "smollm2-135m-attention-head"
 KS = (2, 4, 6, 8)
 START, END = "<!-- real-pair:start -->", "<!-- real-pair:end -->"
 # Chat prompts outside the distillation's templates and topics (scripts/distill_draft.py).
@@ -55,7 +58,7 @@ NEW_TOKENS = (1, 2, 3, 5, 9, 17, 25, 33)
 TREES = (4, 8, 16, 32)
 TREE_T07 = 16
 SPECBENCH = REPO / "bench" / "specbench" / "questions.jsonl"
-RTTS_MS = (0, 10, 50)
+RTTS_MS = (0, 10, 50, 100)
 
 
 def chat_ids(tokenizer: Any, text: str) -> list[int]:
@@ -109,12 +112,20 @@ def costs(target: Any, ctx: list[int]) -> dict[str, Any]:
     drafts = {"distilled draft": draft_ms_per_token(model, ctx)}
     if CUT.is_dir():
         drafts["draft from the target"] = draft_ms_per_token(ModelDrafter(CUT), ctx)
+    with torch.no_grad():
+        hidden = target.model(input_ids=torch.tensor([ctx])).last_hidden_state[0]  # [n, d]: state i after ctx[:i + 1]
     if HEAD.is_dir():
         head = FeatureDrafter(FeatureHead.load(HEAD), None)
-        with torch.no_grad():
-            h = target.model(input_ids=torch.tensor([ctx])).last_hidden_state[0, -1]  # the state after ctx
-        head.set_feature(ctx, h)
+        head.set_feature(ctx, hidden[-1])
         drafts["feature-fed head"] = draft_ms_per_token(head, ctx)
+    if ATTN.is_dir():
+        from edge.drafters.attention_drafter import AttentionDrafter
+        from edge.drafters.attention_head import AttentionHead
+
+        attn = AttentionDrafter(AttentionHead.load(ATTN), None)
+        w = min(attn.states_window, len(ctx))
+        attn.set_states(ctx, len(ctx) - w + 1, hidden[-w:])
+        drafts["attention head"] = draft_ms_per_token(attn, ctx)
     return {"target_ms": rows, "target_ms_plain": plain, "draft_ms": drafts}
 
 
@@ -124,17 +135,21 @@ def run_session(settings: Any, tokenizer: Any, text: str) -> Any:
     return EdgeClient(settings, tokenizer=tokenizer).generate(chat_ids(tokenizer, text))
 
 
-def drafts() -> dict[str, dict[str, Any]]:
-    """The settings of each draft measured; the head falls back on the edge's default tokens-only draft."""
+def drafts(only: tuple[str, ...] = ()) -> dict[str, dict[str, Any]]:
+    """The settings of each draft measured (those present, and of `only` when given); a head falls back on the
+    edge's default tokens-only draft."""
     from edge.settings import default_draft
 
-    return {"feature-fed head": {"draft": default_draft(), "head": str(HEAD)},
-            "distilled draft": {"draft": str(DRAFT), "head": "none"},
-            "draft from the target": {"draft": str(CUT), "head": "none"},
-            "n-gram": {"draft": "ngram", "tokenizer": str(DRAFT), "head": "none"}}
+    every = {"attention head": ({"draft": default_draft(), "head": str(ATTN)}, ATTN.is_dir()),
+             "feature-fed head": ({"draft": default_draft(), "head": str(HEAD)}, HEAD.is_dir()),
+             "distilled draft": ({"draft": str(DRAFT), "head": "none"}, True),
+             "draft from the target": ({"draft": str(CUT), "head": "none"}, CUT.is_dir()),
+             "n-gram": ({"draft": "ngram", "tokenizer": str(DRAFT), "head": "none"}, True)}
+    return {name: where for name, (where, present) in every.items() if present and (not only or name in only)}
 
 
-def fixed_k(cloud_url: str, tokenizer: Any, n_new: int, prompts: list[str]) -> list[dict[str, Any]]:
+def fixed_k(cloud_url: str, tokenizer: Any, n_new: int, prompts: list[str],
+            only: tuple[str, ...] = ()) -> list[dict[str, Any]]:
     """Per draft, a fixed shape, no drafting ahead: greedy chains at k in KS and trees of TREES nodes under the
     edge's default repetition penalty, greedy at k = 6 without a penalty (pure greedy: the target's own
     argmax), and T = 0.7 at k = 6 and with trees of TREE_T07 nodes. Shapes: ("chain", k) or ("tree", n)."""
@@ -144,9 +159,7 @@ def fixed_k(cloud_url: str, tokenizer: Any, n_new: int, prompts: list[str]) -> l
     cases = ([(0.0, penalty, "chain", k) for k in KS] + [(0.0, penalty, "tree", n) for n in TREES]
              + [(0.0, 1.0, "chain", 6), (0.7, penalty, "chain", 6), (0.7, penalty, "tree", TREE_T07)])
     rows = []
-    for name, where in drafts().items():
-        if (name == "feature-fed head" and not HEAD.is_dir()) or (name == "draft from the target" and not CUT.is_dir()):
-            continue
+    for name, where in drafts(only).items():
         for temp, rep, shape, k in cases:
             if shape == "tree" and name == "n-gram":  # the n-gram drafter grows no trees
                 continue
@@ -188,11 +201,11 @@ def measure(s: Any, tokenizer: Any, prompts: list[str], row: dict[str, Any]) -> 
 
 
 def specbench(cloud_url: str, tokenizer: Any, n_new: int) -> list[dict[str, Any]]:
-    """Tokens per verify call on the Spec-Bench subset by category: the head's chain of k = 6 against its
-    automatic trees (greedy, the edge's default penalty, no drafting ahead)."""
+    """Tokens per verify call on the Spec-Bench subset by category: the default head's chain of k = 6 against
+    its automatic trees (greedy, the edge's default penalty, no drafting ahead)."""
     import json
 
-    from edge.settings import EdgeSettings, default_draft
+    from edge.settings import EdgeSettings, default_draft, default_head
 
     questions = [json.loads(line) for line in SPECBENCH.read_text().splitlines() if line.strip()]
     by_cat: dict[str, list[str]] = {}
@@ -203,7 +216,7 @@ def specbench(cloud_url: str, tokenizer: Any, n_new: int) -> list[dict[str, Any]
     for shape, fixed in shapes:
         s = EdgeSettings(cloud_url=cloud_url, temperature=0, max_new_tokens=n_new, seed=1, draft_ahead=False,
                          timeout_ms=120_000, stop_at_eos=False, check_last=False, draft=default_draft(),
-                         head=str(HEAD), **fixed)
+                         head=default_head(), **fixed)
         for cat, texts in by_cat.items():
             rows.append(measure(s, tokenizer, texts, {"category": cat, "shape": shape, "prompts": len(texts)}))
             print(f"real-pair: spec-bench {cat}, {shape}: {rows[-1]['tokens_per_call']:.2f} tokens/call", flush=True)
@@ -231,15 +244,18 @@ def end_to_end(cloud: Any, tokenizer: Any, n_new: int, prompts: list[str]) -> li
                 if mode != "cloud_only":
                     _ = client.drafter, client.head()
                 toks = ms = calls = emitted = 0.0
+                streamed = switches = 0
                 for text in prompts:
                     r = client.generate(chat_ids(tokenizer, text))
                     toks += len(r.token_ids) - 1
                     ms += r.metrics.wall_ms - r.metrics.ttft_ms
                     emitted += len(r.token_ids)
                     calls += r.metrics.cloud_calls
+                    streamed += r.metrics.streamed
+                    switches += r.metrics.switches
                 client.close()
                 rows.append({"rtt_ms": rtt, "mode": mode, "tokens_per_s": toks / ms * 1000,
-                             "tokens_per_call": emitted / calls})
+                             "tokens_per_call": emitted / calls, "streamed": streamed, "switches": switches})
                 print(f"real-pair: rtt {rtt} ms, {mode}: {toks / ms * 1000:.2f} decode tok/s", flush=True)
     return rows
 
@@ -276,10 +292,12 @@ def render(c: dict[str, Any], fk: list[dict[str, Any]], e2e: list[dict[str, Any]
                      f"{r['acceptance']:.3f} | {pos} | {r.get('up_bytes_per_round', 0):.0f} | "
                      f"{r['down_bytes_per_round']:.0f} ({r['feature_bytes_per_round']:.0f}) |")
     if sb:
+        from edge.settings import default_head
+
         cats = list(dict.fromkeys(r["category"] for r in sb))
         sb_cell = {(r["category"], r["shape"]): r for r in sb}
-        lines += ["", "### Spec-Bench subset by category (the head, greedy, 5 questions each, "
-                  "`bench/specbench/`)", "",
+        lines += ["", f"### Spec-Bench subset by category (the default head, `{Path(default_head()).name}`, greedy, "
+                  "5 questions each, `bench/specbench/`)", "",
                   "| category | chain k = 6: tokens per verify call | trees (automatic size): tokens per verify call "
                   "(aim >= 2.0) | nodes per round |", "|---|---|---|---|"]
         for cat in cats:
@@ -290,13 +308,13 @@ def render(c: dict[str, Any], fk: list[dict[str, Any]], e2e: list[dict[str, Any]
               "Decode tokens/s: the tokens after the first over the time after the first, summed over the prompts "
               "(`end_to_end` in `bench/real_pair.py`); one client per mode and RTT with its drafts loaded before "
               "the first prompt.", "",
-              "| RTT | cloud_only decode tok/s | speculative decode tok/s | speedup (aim >= 1.3x at 0 ms, >= 1.0x at "
-              "50 ms) | tokens per cloud call |", "|---|---|---|---|---|"]
+              "| RTT | cloud_only decode tok/s | defaults decode tok/s | speedup (aim >= 1.3x at 0 ms, >= 0.95x at "
+              "50 and 100 ms) | tokens per cloud call | tokens streamed / switches |", "|---|---|---|---|---|---|"]
     for rtt in RTTS_MS:
         cell = {r["mode"]: r for r in e2e if r["rtt_ms"] == rtt}
         base, spec = cell["cloud_only"]["tokens_per_s"], cell["speculative"]
         lines.append(f"| {rtt} ms | {base:.2f} | {spec['tokens_per_s']:.2f} | **{spec['tokens_per_s'] / base:.2f}x** | "
-                     f"{spec['tokens_per_call']:.2f} |")
+                     f"{spec['tokens_per_call']:.2f} | {spec.get('streamed', 0)} / {spec.get('switches', 0)} |")
     lines += ["", END]
     return "\n".join(lines)
 
@@ -312,7 +330,7 @@ def splice(section: str, out: Path) -> Path:
     return out
 
 
-def run(out: Path, command: str, n_new: int = 64, prompts: int = 4) -> int:
+def run(out: Path, command: str, n_new: int = 64, prompts: int = 4, only: tuple[str, ...] = ()) -> int:
     import os
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -330,7 +348,7 @@ def run(out: Path, command: str, n_new: int = 64, prompts: int = 4) -> int:
     del target
     chosen = PROMPTS[:prompts]
     with CloudServer(TARGET, torch_threads=1) as cloud:
-        fk = fixed_k(cloud.url, tokenizer, n_new, chosen)
+        fk = fixed_k(cloud.url, tokenizer, n_new, chosen, only)
         sb = specbench(cloud.url, tokenizer, n_new)
         e2e = end_to_end(cloud, tokenizer, n_new, chosen)
     load += f", {os.getloadavg()[0]:.2f} at the end"

@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--from-json", type=Path, default=None, help="re-render the report from a results.json")
     p.add_argument("--only", choices=["capacity", "network", "real-pair", "tp"], default=None,
                    help="run only this section and splice it into OUT and the results JSON")
+    p.add_argument("--real-pair-drafts", default="",
+                   help="real-pair: the drafts of the fixed-shape table, comma-separated (default: every one present: "
+                        "attention head, feature-fed head, distilled draft, draft from the target, n-gram)")
     p.add_argument("--skip-capacity", action="store_true", help="full run without the cloud capacity section")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                    help="the cloud's dtype in the capacity section")
@@ -194,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.only == "real-pair":  # SmolLM2-135M-Instruct and its drafts (bench/real_pair.py)
         from bench.real_pair import run as run_real_pair
 
-        return run_real_pair(args.out, command)
+        only = tuple(d.strip() for d in args.real_pair_drafts.split(",") if d.strip())
+        return run_real_pair(args.out, command, only=only)
     if args.only == "tp":  # the target split over 1, 2, 3 tensor-parallel ranks (bench/tensor_parallel.py)
         from bench.tensor_parallel import TARGET as TP_TARGET
         from bench.tensor_parallel import run as run_tp
