@@ -193,6 +193,7 @@ def ttt_loss(head: AttentionHead, bt: dict[str, torch.Tensor], cfg: TrainConfig,
         target = torch.softmax(head.logits(S), -1)  # [B, T, n_out]
         rms = S.pow(2).mean(-1, keepdim=True).sqrt()  # [B, T, 1]
         noisy = S + cfg.noise * rms * (2 * torch.rand(S.shape, generator=gen) - 1)  # [B, T, d]
+    best = target.argmax(-1)  # [B, T] the target's argmax over the output rows
     loss = S.new_zeros(())
     agree = []
     for j, g in enumerate(unroll(head, noisy, X, P, cfg.unroll), 1):
@@ -204,7 +205,7 @@ def ttt_loss(head: AttentionHead, bt: dict[str, torch.Tensor], cfg: TrainConfig,
             term = term + cfg.feat_weight * F.smooth_l1_loss(g, shift(S, j), reduction="none").mean(-1)
         n = ok.sum().clamp(min=1)
         loss = loss + cfg.decay ** (j - 1) * (term * ok).sum() / n
-        agree.append(float(((logq.argmax(-1) == p.argmax(-1)).float() * ok).sum() / n))
+        agree.append(float(((logq.detach().argmax(-1) == shift(best, j)).float() * ok).sum() / n))
     return loss, agree
 
 
