@@ -14,10 +14,12 @@ carried by the log lines of the call. Proto3 has no presence for scalars: an emp
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import asdict
 from typing import Any, TypeVar
 
@@ -39,6 +41,9 @@ from shared.protocol import (
     OpenSessionRequest,
     SessionInfo,
     SparseDist,
+    StreamDone,
+    StreamedToken,
+    StreamSessionRequest,
     TargetFeature,
     TargetStates,
     VerifyRequest,
@@ -78,12 +83,13 @@ def parse_message(message_class: Any, data: bytes) -> Any:
 
 def add_verifier(servicer: VerifierServicer, server: grpc.aio.Server) -> None:
     """Register the servicer like the generated helper does, but with the raw bytes as the request:
-    each method checks the key first and parses after (`_mapped`)."""
+    each method checks the key first and parses after (`_mapped`, `_streamed`)."""
     handlers = {}
     for m in pb.DESCRIPTOR.services_by_name["Verifier"].methods:
         resp = getattr(pb, m.output_type.name)
-        handlers[m.name] = grpc.unary_unary_rpc_method_handler(
-            getattr(servicer, m.name), request_deserializer=None, response_serializer=resp.SerializeToString)
+        kind = grpc.unary_stream_rpc_method_handler if m.server_streaming else grpc.unary_unary_rpc_method_handler
+        handlers[m.name] = kind(getattr(servicer, m.name), request_deserializer=None,
+                                response_serializer=resp.SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
@@ -143,6 +149,23 @@ def response_to_pb(r: VerifyResponse) -> pb.VerifyResponse:
     return out
 
 
+def stream_from_pb(m: pb.StreamSessionRequest) -> StreamSessionRequest:
+    return StreamSessionRequest(m.ctx_id, m.ctx_len, m.ctx_hash, m.max_new_tokens,
+                                m.stop_at_eos if m.HasField("stop_at_eos") else True)
+
+
+def stream_event_to_pb(e: StreamedToken | StreamDone) -> pb.StreamSessionEvent:
+    if isinstance(e, StreamDone):
+        return pb.StreamSessionEvent(done=pb.StreamDone(tokens=e.tokens, ctx_len=e.ctx_len, ctx_hash=e.ctx_hash,
+                                                        metrics=pb.StreamMetrics(**e.metrics)))
+    token = pb.StreamedToken(token_id=e.token_id, ctx_len=e.ctx_len)
+    if e.feature is not None:
+        token.feature.CopyFrom(feature_to_pb(e.feature))
+    if e.states is not None:
+        token.states.CopyFrom(states_to_pb(e.states))
+    return pb.StreamSessionEvent(token=token)
+
+
 def check_verify_pb(m: pb.VerifyRequest, service: VerifierService) -> None:
     """The list counts of a Verify message, read as lengths before any entry is converted."""
     lim = service.limits
@@ -184,10 +207,7 @@ async def _guarded(servicer: VerifierServicer, context: grpc.aio.ServicerContext
     method = getattr(run, "__name__", "call")
     token = None
     try:
-        rid = dict(context.invocation_metadata() or ()).get(REQUEST_ID_HEADER)
-        if isinstance(rid, str):  # echoed in the initial metadata, set for the log lines of this call
-            await context.send_initial_metadata(((REQUEST_ID_HEADER, check_request_id(rid)),))
-            token = CURRENT.set(rid)
+        token = await _begin(servicer, context)
         servicer._owner(context)  # the key before anything else, even the parse
         reply = await run()
         servicer.service.count_response("grpc", 200)
@@ -198,13 +218,63 @@ async def _guarded(servicer: VerifierServicer, context: grpc.aio.ServicerContext
     except grpc.aio.AbortError:
         raise
     except Exception as exc:  # a bug or a device failure: INTERNAL with a body, logged
-        crash = Internal.of(exc)
-        log.error("unexpected error %s in %s", crash.details["error_id"], method, exc_info=exc)
-        await _abort(servicer, context, crash)
+        await _crashed(servicer, context, exc, method)
         raise
     finally:
         if token is not None:
             CURRENT.reset(token)
+
+
+async def _begin(servicer: VerifierServicer, context: grpc.aio.ServicerContext) -> contextvars.Token[str] | None:
+    """The call's request id, if any: checked, echoed in the initial metadata and set for the log lines of the
+    call; returns the token the caller resets when the call ends."""
+    token = None
+    rid = dict(context.invocation_metadata() or ()).get(REQUEST_ID_HEADER)
+    if isinstance(rid, str):
+        await context.send_initial_metadata(((REQUEST_ID_HEADER, check_request_id(rid)),))
+        token = CURRENT.set(rid)
+    return token
+
+
+async def _crashed(servicer: VerifierServicer, context: grpc.aio.ServicerContext, exc: Exception,
+                   method: str) -> None:
+    crash = Internal.of(exc)
+    log.error("unexpected error %s in %s", crash.details["error_id"], method, exc_info=exc)
+    await _abort(servicer, context, crash)
+
+
+def _streamed(message_class: Any) -> Callable[[Callable[..., AsyncGenerator[Any, None]]],
+                                              Callable[[Any, bytes, grpc.aio.ServicerContext], AsyncIterator[Any]]]:
+    """`_mapped` for a server-streaming method(self, request, context, owner) -> async iterator of replies:
+    an error before the first reply or mid-stream aborts the call with its code, as a unary call's does; a
+    caller that cancels cancels the stream (and closes the method's iterator)."""
+
+    def wrap(method: Callable[..., AsyncGenerator[Any, None]]
+             ) -> Callable[[Any, bytes, grpc.aio.ServicerContext], AsyncIterator[Any]]:
+        @functools.wraps(method)
+        async def call(self: VerifierServicer, data: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            token = None
+            try:
+                token = await _begin(self, context)
+                self._owner(context)  # the key before anything else, even the parse
+                replies = method(self, _parsed(message_class, data), context, self._owner(context))
+                async with contextlib.aclosing(replies):  # a cancel closes the method's iterator
+                    async for reply in replies:
+                        yield reply
+                self.service.count_response("grpc", 200)
+            except SpecSplitError as err:
+                await _abort(self, context, err)
+            except grpc.aio.AbortError:
+                raise
+            except Exception as exc:  # a bug or a device failure: INTERNAL with a body, logged
+                await _crashed(self, context, exc, method.__name__)
+            finally:
+                if token is not None:
+                    CURRENT.reset(token)
+
+        return call
+
+    return wrap
 
 
 async def _abort(servicer: VerifierServicer, context: grpc.aio.ServicerContext, err: SpecSplitError) -> None:
@@ -252,6 +322,14 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     async def GetModel(self, request: pb.GetModelRequest, context: grpc.aio.ServicerContext,
                        owner: str) -> pb.ModelInfo:
         return pb.ModelInfo(**asdict(self.service.info))
+
+    @_streamed(pb.StreamSessionRequest)
+    async def StreamSession(self, request: pb.StreamSessionRequest, context: grpc.aio.ServicerContext,
+                            owner: str) -> AsyncGenerator[pb.StreamSessionEvent, None]:
+        events = self.service.stream_session(stream_from_pb(request), owner)  # refused before any compute
+        async with contextlib.aclosing(events):  # type: ignore[type-var]
+            async for e in events:
+                yield stream_event_to_pb(e)
 
 
 async def start_grpc(service: VerifierService, host: str, port: int

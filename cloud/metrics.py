@@ -94,6 +94,8 @@ class CloudMetrics:
     responses: Counter
     # tokens produced by POST /v1/generate
     generated: Counter
+    # tokens sent by session streams (POST /v1/sessions/{ctx_id}/stream, StreamSession): each a k = 0 round
+    streamed: Counter
 
     @classmethod
     def create(cls, max_k: int, kv_budget_bytes: int = 0) -> CloudMetrics:
@@ -157,6 +159,8 @@ class CloudMetrics:
             responses=Counter(p + "responses", "Answers of /v1/ routes and Verifier methods by transport and "
                               "HTTP status (gRPC: its REST twin's).", ["transport", "status"], registry=r),
             generated=Counter(p + "generated_tokens", "Tokens produced by POST /v1/generate.", registry=r),
+            streamed=Counter(p + "streamed_tokens", "Tokens sent by session streams, each one k = 0 verify round "
+                             "(also counted in rounds).", registry=r),
         )
         m.kv_budget_bytes.set(kv_budget_bytes)
         return m

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict
 from typing import Annotated, Any
 
@@ -37,7 +37,15 @@ from cloud.service import GenerateEvent, GenerateRequest, VerifierService
 from shared.config import SamplingConfig
 from shared.errors import ERRORS_BY_STATUS, Internal, InvalidArgument, SpecSplitError
 from shared.features import feature_to_json, states_to_json
-from shared.protocol import DraftProposal, OpenSessionRequest, SparseDist, VerifyRequest
+from shared.protocol import (
+    DraftProposal,
+    OpenSessionRequest,
+    SparseDist,
+    StreamDone,
+    StreamedToken,
+    StreamSessionRequest,
+    VerifyRequest,
+)
 from shared.request_id import CURRENT
 
 log = logging.getLogger(__name__)
@@ -136,6 +144,14 @@ class GenerateBody(BaseModel):
     stop_at_eos: bool = True
 
 
+class StreamSessionBody(BaseModel):
+    # |S| the client holds; the cloud keeps S[:ctx_len] (it may hold more, from a stream the client left)
+    ctx_len: StrictInt
+    ctx_hash: Text
+    max_new_tokens: StrictInt = 64
+    stop_at_eos: bool = True
+
+
 def create_app(service: VerifierService) -> FastAPI:
     app = FastAPI(title="specsplit cloud verifier", version="1",
                   description="Edge-cloud speculative decoding: the wire contract of docs/PROTOCOL.md.")
@@ -231,6 +247,13 @@ def create_app(service: VerifierService) -> FastAPI:
         service.close_session(_path_text(ctx_id), who)
         return {"closed": True, "ctx_id": ctx_id}
 
+    @app.post("/v1/sessions/{ctx_id}/stream", tags=["v1"], response_model=None)
+    async def stream_session(ctx_id: str, body: StreamSessionBody, who: str = Depends(owner)) -> StreamingResponse:
+        req = StreamSessionRequest(_path_text(ctx_id), body.ctx_len, body.ctx_hash, body.max_new_tokens,
+                                   body.stop_at_eos)
+        events = service.stream_session(req, who)  # a refused stream answers its status before any event
+        return StreamingResponse(_sse(events, _stream_frame, "a session stream"), media_type="text/event-stream")
+
     @app.post("/v1/generate", tags=["v1"], response_model=None)
     async def generate(body: GenerateBody, request: Request, who: str = Depends(owner)
                        ) -> dict[str, Any] | StreamingResponse | Response:
@@ -238,7 +261,8 @@ def create_app(service: VerifierService) -> FastAPI:
                               body.stop_at_eos)
         events = service.start_generate(req, who)
         if body.stream:  # a disconnect cancels the stream (Starlette listens for it)
-            return StreamingResponse(_sse(events), media_type="text/event-stream")
+            return StreamingResponse(_sse(events, _generate_frames(), "a generate stream"),
+                                     media_type="text/event-stream")
         task = asyncio.ensure_future(_collect(events))
         if not await _done_before_disconnect(request, task):  # nobody to answer: the generation left the queue
             log.info("generate stopped: the client went away")
@@ -292,22 +316,45 @@ def _path_text(value: str) -> str:
         raise InvalidArgument(f"malformed path: {e}") from None
 
 
-async def _sse(events: AsyncIterator[GenerateEvent]) -> AsyncIterator[str]:
-    """Server-sent events: `data: {"token_id", "index"}` per token, then `event: done` with
-    `{"token_ids", "metrics"}`; a failure mid-stream ends with `event: error` and the error body."""
+def _generate_frames() -> Callable[[GenerateEvent], str]:
+    """/v1/generate's events: `data: {"token_id", "index"}` per token, then `event: done` with
+    `{"token_ids", "metrics"}`."""
     ids: list[int] = []
+
+    def frame(e: GenerateEvent) -> str:
+        if e.token_id is not None:
+            ids.append(e.token_id)
+            return f"data: {json.dumps({'token_id': e.token_id, 'index': len(ids) - 1})}\n\n"
+        return f"event: done\ndata: {json.dumps({'token_ids': ids, 'metrics': e.metrics})}\n\n"
+
+    return frame
+
+
+def _stream_frame(e: StreamedToken | StreamDone) -> str:
+    """A session stream's events: `data: {"token_id", "ctx_len", "feature"?, "states"?}` per token (feature and
+    states as in a verify answer, sent only for a session that asked for them), then `event: done` with
+    `{"tokens", "ctx_len", "ctx_hash", "metrics"}`."""
+    if isinstance(e, StreamDone):
+        return f"event: done\ndata: {json.dumps(asdict(e))}\n\n"
+    d: dict[str, Any] = {"token_id": e.token_id, "ctx_len": e.ctx_len}
+    if e.feature is not None:
+        d["feature"] = feature_to_json(e.feature)
+    if e.states is not None:
+        d["states"] = states_to_json(e.states)
+    return f"data: {json.dumps(d)}\n\n"
+
+
+async def _sse(events: AsyncIterator[Any], frame: Callable[[Any], str], what: str) -> AsyncIterator[str]:
+    """Server-sent events, one `frame` per event; a failure mid-stream ends with `event: error` and the error
+    body. A disconnect cancels the stream (Starlette listens for it) and closes `events`."""
     try:
         async for e in events:
-            if e.token_id is not None:
-                ids.append(e.token_id)
-                yield f"data: {json.dumps({'token_id': e.token_id, 'index': len(ids) - 1})}\n\n"
-            else:
-                yield f"event: done\ndata: {json.dumps({'token_ids': ids, 'metrics': e.metrics})}\n\n"
+            yield frame(e)
     except SpecSplitError as err:
         yield f"event: error\ndata: {json.dumps(err.to_body())}\n\n"
     except Exception as exc:  # noqa: BLE001 - any other failure is a 500 of its own, said in the stream
         crash = Internal.of(exc)
-        log.error("unexpected error %s in a generate stream", crash.details["error_id"], exc_info=exc)
+        log.error("unexpected error %s in %s", crash.details["error_id"], what, exc_info=exc)
         yield f"event: error\ndata: {json.dumps(crash.to_body())}\n\n"
     finally:
         await events.aclose()  # type: ignore[attr-defined]

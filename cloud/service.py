@@ -41,11 +41,20 @@ from cloud.scheduler import DECODE, PENDING, PREFILL, ROUND, WAIT, BatchStats, J
 from cloud.session import Context, Session
 from cloud.settings import CloudSettings
 from cloud.store import CLOSED, KV_BUDGET, SessionStore
+from cloud.streaming import first_round, stream_rounds
 from shared.config import SamplingConfig
 from shared.errors import Internal, InvalidArgument, NotFound, Unauthenticated, Unavailable
 from shared.features import ENCODINGS, encode_feature, encode_states
 from shared.kvpool import Row
-from shared.protocol import OpenSessionRequest, SessionInfo, VerifyRequest, VerifyResponse
+from shared.protocol import (
+    OpenSessionRequest,
+    SessionInfo,
+    StreamDone,
+    StreamedToken,
+    StreamSessionRequest,
+    VerifyRequest,
+    VerifyResponse,
+)
 from shared.sampling import RowSampling
 
 log = logging.getLogger(__name__)
@@ -91,7 +100,8 @@ class VerifierService:
         self.info: ModelInfo = replace(model.info, max_k=settings.max_k, max_tree_nodes=settings.max_tree_nodes,
                                        feature_size=model.feature_size if offer else 0,
                                        feature_encodings=list(ENCODINGS) if offer else [],
-                                       max_feature_window=settings.max_feature_window if offer else 0)
+                                       max_feature_window=settings.max_feature_window if offer else 0,
+                                       session_stream=True)
         self.prompt_limit = settings.prompt_limit(model.info.max_context)
         self.limits = RoundLimits(max_k=settings.max_k, max_return_top_k=settings.max_return_top_k,
                                   max_context=model.info.max_context, vocab_size=model.support,
@@ -528,6 +538,15 @@ class VerifierService:
         if req.draft.hard_mask:
             fields["hard_ratio"] = round(sum(req.draft.hard_mask) / max(k, 1), 4)
         round_log.info("verify round", extra={"fields": fields})
+
+    # --- session streams ------------------------------------------------------------------------
+    def stream_session(self, req: StreamSessionRequest, owner: str) -> AsyncIterator[StreamedToken | StreamDone]:
+        """Check the request now (errors before any compute leave the session as it was), then stream the
+        target's own tokens on the session, one k = 0 verify round each (cloud/streaming.py)."""
+        self._refuse_when_unhealthy()
+        s = self._session(req.ctx_id, owner)
+        first = first_round(req, s, self.settings.max_generate_tokens)
+        return stream_rounds(self, s, first, req, owner)
 
     # --- target-only generation -----------------------------------------------------------------
     def start_generate(self, req: GenerateRequest, owner: str) -> AsyncIterator[GenerateEvent]:

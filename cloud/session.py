@@ -68,6 +68,8 @@ class Counters:
     replayed: int = 0
     # total target forward time, ms
     prefill_ms: float = 0.0
+    # tokens sent by session streams (each also one of `rounds`, with k = 0)
+    streamed: int = 0
 
 
 @dataclass

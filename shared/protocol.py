@@ -98,7 +98,8 @@ class ModelInfo:
     max_tree_nodes: int = 0
     # largest feature_window a session may ask for (0: one feature per answer only)
     max_feature_window: int = 0
-    # the cloud streams target-only tokens on an open session (False: an older cloud)
+    # the cloud streams the target's own tokens on an open session (PROTOCOL.md, "Streaming on a session");
+    # False: an older cloud, which lacks the call
     session_stream: bool = False
 
 
@@ -160,6 +161,45 @@ class VerifyRequest:
 
 
 @dataclass
+class StreamSessionRequest:
+    """Stream the target's own tokens on an open session: each one is a k = 0 verify round's draw."""
+    ctx_id: str
+    # |S| the client holds: the cloud keeps S[:ctx_len] (it may hold more, from a stream the client left)
+    ctx_len: int
+    # hash of S[:ctx_len]
+    ctx_hash: str
+    # tokens to stream at most (1 .. the cloud's --max-generate-tokens)
+    max_new_tokens: int = 64
+    # stop after an end-of-sequence token (it is included)
+    stop_at_eos: bool = True
+
+
+@dataclass
+class StreamedToken:
+    """One token of a session stream."""
+    # the k = 0 round's bonus: the target's own draw at its position
+    token_id: int
+    # the session's committed length with this token
+    ctx_len: int
+    # a session opened with feature_encoding: the state that chose this token (as a verify answer's)
+    feature: TargetFeature | None = None
+    # a session with a feature_window: the states the round committed (as a verify answer's)
+    states: TargetStates | None = None
+
+
+@dataclass
+class StreamDone:
+    """The end of a session stream."""
+    # tokens streamed
+    tokens: int
+    # the session's committed context after the stream
+    ctx_len: int
+    ctx_hash: str
+    # {"decode_ms", "queue_ms", "total_ms", "stop_reason"}; stop_reason "length" | "eos" | "context"
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class RoundMetrics:
     # mean of min(1, p_i / q_i) over the k draft positions
     alpha_mean: float = 0.0
@@ -194,20 +234,3 @@ class VerifyResponse:
     # a session with a feature_window: the states at every position this round committed (in place of `feature`)
     states: TargetStates | None = None
 
-
-@dataclass
-class StreamedToken:
-    # one target-only token streamed on a session, and the session's length with it
-    token_id: int
-    ctx_len: int
-    feature: TargetFeature | None = None
-    states: TargetStates | None = None
-
-
-@dataclass
-class StreamDone:
-    # the end of a session stream: tokens streamed, the session's length and hash, the cloud's metrics
-    tokens: int
-    ctx_len: int
-    ctx_hash: str
-    metrics: dict[str, Any] = field(default_factory=dict)

@@ -14,7 +14,15 @@ from typing import Any, Protocol
 
 from shared.config import SamplingConfig
 from shared.errors import InvalidArgument
-from shared.protocol import ModelInfo, OpenSessionRequest, SessionInfo, VerifyRequest, VerifyResponse
+from shared.protocol import (
+    ModelInfo,
+    OpenSessionRequest,
+    SessionInfo,
+    StreamDone,
+    StreamedToken,
+    VerifyRequest,
+    VerifyResponse,
+)
 
 # the routing key of one generation: REST header X-Specsplit-Route, gRPC metadata x-specsplit-route
 # (lower case: gRPC metadata keys are). The cloud ignores it; a load balancer hashes on it to keep
@@ -57,6 +65,8 @@ class Transport(Protocol):
     traffic: Traffic
     # False: no target-only generate call (gRPC); cloud_only then runs k = 0 verify rounds
     supports_generate: bool
+    # True: stream_session is implemented (the cloud must offer it too: ModelInfo.session_stream)
+    supports_session_stream: bool = False
 
     def open_session(self, req: OpenSessionRequest, timeout: float) -> SessionInfo: ...
 
@@ -76,6 +86,15 @@ class Transport(Protocol):
     def generate_stream(self, prompt_ids: list[int], cfg: SamplingConfig, seed: int, max_new_tokens: int,
                         timeout: float) -> Iterator[int | GenerateResult]:
         """Target-only generation as it happens: each token id, then the GenerateResult."""
+        ...
+
+    def stream_session(self, ctx_id: str, ctx_len: int, ctx_hash: str, max_new_tokens: int, stop_at_eos: bool,
+                       timeout: float) -> Iterator[StreamedToken | StreamDone]:
+        """The target's own tokens on an open session (PROTOCOL.md, "Streaming on a session"): each token as it
+        arrives, then the StreamDone. The cloud keeps S[:ctx_len] of the session first; `timeout` bounds each
+        wait for the next event (gRPC, which has no deadline per message: the call's is `timeout` per event).
+        Closing the iterator early cancels the stream (the cloud stops after the round in progress, whose
+        token it keeps)."""
         ...
 
     def routed(self, route_key: str, request_id: str | None = None) -> Transport:

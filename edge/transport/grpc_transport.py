@@ -18,6 +18,8 @@ from shared.protocol import (
     RoundMetrics,
     SessionInfo,
     SparseDist,
+    StreamDone,
+    StreamedToken,
     TargetFeature,
     TargetStates,
     VerifyRequest,
@@ -78,8 +80,20 @@ def session_from_pb(m: pb.SessionInfo) -> SessionInfo:
                        states=states_from_pb(m.states) if m.HasField("states") else None)
 
 
+def streamed_from_pb(m: pb.StreamSessionEvent) -> StreamedToken | StreamDone:
+    if m.WhichOneof("event") == "done":
+        d = m.done
+        metrics = {"decode_ms": d.metrics.decode_ms, "queue_ms": d.metrics.queue_ms,
+                   "total_ms": d.metrics.total_ms, "stop_reason": d.metrics.stop_reason}
+        return StreamDone(d.tokens, d.ctx_len, d.ctx_hash, metrics)
+    t = m.token
+    return StreamedToken(t.token_id, t.ctx_len, feature_from_pb(t.feature) if t.HasField("feature") else None,
+                         states_from_pb(t.states) if t.HasField("states") else None)
+
+
 class GrpcTransport:
     supports_generate = False
+    supports_session_stream = True
 
     def __init__(self, target: str, api_key: str | None = None) -> None:
         self._target = target
@@ -102,17 +116,21 @@ class GrpcTransport:
         try:
             reply = rpc(request, timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as e:
-            code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
-            details = e.details() if hasattr(e, "details") else str(e)
-            trailing = e.trailing_metadata() if hasattr(e, "trailing_metadata") else ()
-            err = with_key_hint(error_from_grpc(code, details or "", tuple(trailing or ())))
-            if code == grpc.StatusCode.UNAVAILABLE and not trailing:  # no answer from a verifier at all
-                err.message = (f"cannot reach the cloud at {self._target} (gRPC: {details}): is specsplit-cloud "
-                               "running there? (--grpc HOST:PORT)")
-                err.args = (err.message,)
-            raise err from None
+            raise self._error(e) from None
         self.traffic.bytes_down += reply.ByteSize()
         return reply
+
+    def _error(self, e: grpc.RpcError) -> Exception:
+        """A failed call's status -> the project's error (the one mapping, errors.error_from_grpc)."""
+        code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
+        details = e.details() if hasattr(e, "details") else str(e)
+        trailing = e.trailing_metadata() if hasattr(e, "trailing_metadata") else ()
+        err = with_key_hint(error_from_grpc(code, details or "", tuple(trailing or ())))
+        if code == grpc.StatusCode.UNAVAILABLE and not trailing:  # no answer from a verifier at all
+            err.message = (f"cannot reach the cloud at {self._target} (gRPC: {details}): is specsplit-cloud "
+                           "running there? (--grpc HOST:PORT)")
+            err.args = (err.message,)
+        return err
 
     def open_session(self, req: OpenSessionRequest, timeout: float) -> SessionInfo:
         msg = pb.OpenSessionRequest(
@@ -137,7 +155,8 @@ class GrpcTransport:
                          tokenizer_fingerprint=m.tokenizer_fingerprint, max_k=m.max_k,
                          tokenizer_size=m.tokenizer_size, feature_size=m.feature_size,
                          feature_encodings=list(m.feature_encodings), tensor_parallel=m.tensor_parallel,
-                         max_tree_nodes=m.max_tree_nodes, max_feature_window=m.max_feature_window)
+                         max_tree_nodes=m.max_tree_nodes, max_feature_window=m.max_feature_window,
+                         session_stream=m.session_stream)
 
     def generate(self, prompt_ids: list[int], cfg: SamplingConfig, seed: int, max_new_tokens: int,
                  timeout: float) -> GenerateResult:
@@ -146,6 +165,28 @@ class GrpcTransport:
     def generate_stream(self, prompt_ids: list[int], cfg: SamplingConfig, seed: int, max_new_tokens: int,
                         timeout: float) -> Iterator[int | GenerateResult]:
         raise CloudUnavailable("the gRPC service has no target-only generate call")
+
+    def stream_session(self, ctx_id: str, ctx_len: int, ctx_hash: str, max_new_tokens: int, stop_at_eos: bool,
+                       timeout: float) -> Iterator[StreamedToken | StreamDone]:
+        """StreamSession. gRPC has no deadline per message: the call's is `timeout` per event it may carry
+        (max_new_tokens + 1). Closing the iterator early cancels the call (the cloud then stops the stream)."""
+        msg = pb.StreamSessionRequest(ctx_id=ctx_id, ctx_len=ctx_len, ctx_hash=ctx_hash,
+                                      max_new_tokens=max_new_tokens, stop_at_eos=stop_at_eos)
+        self.traffic.calls += 1
+        self.traffic.bytes_up += msg.ByteSize()
+        call = self._stub.StreamSession(msg, timeout=timeout * (max(max_new_tokens, 0) + 1), metadata=self._metadata)
+        try:
+            for m in call:
+                self.traffic.bytes_down += m.ByteSize()
+                e = streamed_from_pb(m)
+                yield e
+                if isinstance(e, StreamDone):
+                    return
+        except grpc.RpcError as err:
+            raise self._error(err) from None
+        finally:
+            call.cancel()  # a no-op once the call has ended
+        raise CloudUnavailable("StreamSession: the stream ended without 'done'")
 
     def close(self) -> None:
         self._channel.close()

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from typing import Any
 
 import httpx
@@ -17,6 +18,8 @@ from shared.protocol import (
     RoundMetrics,
     SessionInfo,
     SparseDist,
+    StreamDone,
+    StreamedToken,
     VerifyRequest,
     VerifyResponse,
 )
@@ -66,8 +69,17 @@ def session_from_json(d: dict[str, Any]) -> SessionInfo:
                        feature=feature_from_json(d.get("feature")), states=states_from_json(d.get("states")))
 
 
+def streamed_from_json(event: str, d: dict[str, Any]) -> StreamedToken | StreamDone:
+    """One event of a session stream: a token (`data:`), or the end (`event: done`)."""
+    if event == "done":
+        return StreamDone(int(d["tokens"]), int(d["ctx_len"]), str(d["ctx_hash"]), dict(d.get("metrics") or {}))
+    return StreamedToken(int(d["token_id"]), int(d["ctx_len"]), feature_from_json(d.get("feature")),
+                         states_from_json(d.get("states")))
+
+
 class RestTransport:
     supports_generate = True
+    supports_session_stream = True
 
     def __init__(self, base_url: str, api_key: str | None = None) -> None:
         headers = {"content-type": "application/json"}
@@ -147,7 +159,8 @@ class RestTransport:
                          feature_encodings=[str(e) for e in d.get("feature_encodings") or []],
                          max_tree_nodes=int(d.get("max_tree_nodes") or 0),
                          max_feature_window=int(d.get("max_feature_window") or 0),
-                         tensor_parallel=int(d.get("tensor_parallel") or 0))
+                         tensor_parallel=int(d.get("tensor_parallel") or 0),
+                         session_stream=d.get("session_stream") is True)
 
     def generate(self, prompt_ids: list[int], cfg: SamplingConfig, seed: int, max_new_tokens: int,
                  timeout: float) -> GenerateResult:
@@ -161,12 +174,41 @@ class RestTransport:
         """POST /v1/generate with "stream": true (server-sent events)."""
         body = {"prompt_ids": prompt_ids, "sampling_cfg": cfg.to_dict(), "seed": seed,
                 "max_new_tokens": max_new_tokens, "stream": True}
+        ids: list[int] = []
+        with contextlib.closing(self._events("/v1/generate", body, timeout)) as events:
+            for event, data in events:
+                if event == "done":
+                    yield GenerateResult(ids, dict(data.get("metrics") or {}))
+                    return
+                ids.append(int(data["token_id"]))
+                yield ids[-1]
+
+    def stream_session(self, ctx_id: str, ctx_len: int, ctx_hash: str, max_new_tokens: int, stop_at_eos: bool,
+                       timeout: float) -> Iterator[StreamedToken | StreamDone]:
+        """POST /v1/sessions/{ctx_id}/stream (server-sent events); `timeout` bounds each wait for an event."""
+        body = {"ctx_len": ctx_len, "ctx_hash": ctx_hash, "max_new_tokens": max_new_tokens,
+                "stop_at_eos": stop_at_eos}
+        path = f"/v1/sessions/{ctx_id}/stream"
+        with contextlib.closing(self._events(path, body, timeout)) as events:  # closed early: the stream stops
+            for event, data in events:
+                try:
+                    e = streamed_from_json(event, data)
+                except (KeyError, TypeError, ValueError) as err:
+                    raise CloudUnavailable(f"POST {path}: malformed event: {err!r}") from err
+                yield e
+                if isinstance(e, StreamDone):
+                    return
+
+    def _events(self, path: str, body: dict[str, Any], timeout: float
+                ) -> Generator[tuple[str, dict[str, Any]], None, None]:
+        """POST `body` to `path` and read its server-sent events: (event name, data object) each until
+        `event: done`; an `event: error` raises its error, an end without `done` is CloudUnavailable.
+        Closing the iterator early closes the connection (the cloud then stops the stream)."""
         content = json.dumps(body, separators=(",", ":")).encode()
         self.traffic.calls += 1
         self.traffic.bytes_up += len(content)
-        ids: list[int] = []
         try:
-            with self._http.stream("POST", "/v1/generate", content=content, timeout=timeout,
+            with self._http.stream("POST", path, content=content, timeout=timeout,
                                    headers=self._route_headers) as r:
                 if r.status_code >= 400:
                     raise with_key_hint(error_from_http(r.status_code, r.read(), r.headers.get("retry-after")))
@@ -179,18 +221,16 @@ class RestTransport:
                         data = json.loads(line[5:])
                         if event == "error":
                             raise error_from_body(data)
+                        yield event, data
                         if event == "done":
-                            yield GenerateResult(ids, dict(data.get("metrics") or {}))
                             return
-                        ids.append(int(data["token_id"]))
-                        yield ids[-1]
                     elif not line:
                         event = "message"
         except httpx.TimeoutException as e:
-            raise CloudTimeout(f"POST /v1/generate: no answer within {timeout:.3f} s") from e
+            raise CloudTimeout(f"POST {path}: no answer within {timeout:.3f} s") from e
         except httpx.TransportError as e:
-            raise CloudUnavailable(f"POST /v1/generate: {type(e).__name__}: {e}") from e
-        raise CloudUnavailable("POST /v1/generate: the event stream ended without 'done'")
+            raise CloudUnavailable(f"POST {path}: {type(e).__name__}: {e}") from e
+        raise CloudUnavailable(f"POST {path}: the event stream ended without 'done'")
 
     def close(self) -> None:
         self._http.close()

@@ -191,7 +191,7 @@ class GetModelRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_id", "vocab_size", "eos_ids", "max_context", "dtype", "device", "tokenizer_fingerprint", "max_k", "tokenizer_size", "feature_size", "feature_encodings", "tensor_parallel", "max_tree_nodes", "max_feature_window")
+    __slots__ = ("model_id", "vocab_size", "eos_ids", "max_context", "dtype", "device", "tokenizer_fingerprint", "max_k", "tokenizer_size", "feature_size", "feature_encodings", "tensor_parallel", "max_tree_nodes", "max_feature_window", "session_stream")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     EOS_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -206,6 +206,7 @@ class ModelInfo(_message.Message):
     TENSOR_PARALLEL_FIELD_NUMBER: _ClassVar[int]
     MAX_TREE_NODES_FIELD_NUMBER: _ClassVar[int]
     MAX_FEATURE_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    SESSION_STREAM_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     vocab_size: int
     eos_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -220,4 +221,63 @@ class ModelInfo(_message.Message):
     tensor_parallel: int
     max_tree_nodes: int
     max_feature_window: int
-    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_ids: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_k: _Optional[int] = ..., tokenizer_size: _Optional[int] = ..., feature_size: _Optional[int] = ..., feature_encodings: _Optional[_Iterable[str]] = ..., tensor_parallel: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., max_feature_window: _Optional[int] = ...) -> None: ...
+    session_stream: bool
+    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_ids: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_k: _Optional[int] = ..., tokenizer_size: _Optional[int] = ..., feature_size: _Optional[int] = ..., feature_encodings: _Optional[_Iterable[str]] = ..., tensor_parallel: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., max_feature_window: _Optional[int] = ..., session_stream: _Optional[bool] = ...) -> None: ...
+
+class StreamSessionRequest(_message.Message):
+    __slots__ = ("ctx_id", "ctx_len", "ctx_hash", "max_new_tokens", "stop_at_eos")
+    CTX_ID_FIELD_NUMBER: _ClassVar[int]
+    CTX_LEN_FIELD_NUMBER: _ClassVar[int]
+    CTX_HASH_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_AT_EOS_FIELD_NUMBER: _ClassVar[int]
+    ctx_id: str
+    ctx_len: int
+    ctx_hash: str
+    max_new_tokens: int
+    stop_at_eos: bool
+    def __init__(self, ctx_id: _Optional[str] = ..., ctx_len: _Optional[int] = ..., ctx_hash: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., stop_at_eos: _Optional[bool] = ...) -> None: ...
+
+class StreamedToken(_message.Message):
+    __slots__ = ("token_id", "ctx_len", "feature", "states")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    CTX_LEN_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_FIELD_NUMBER: _ClassVar[int]
+    STATES_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    ctx_len: int
+    feature: TargetFeature
+    states: TargetStates
+    def __init__(self, token_id: _Optional[int] = ..., ctx_len: _Optional[int] = ..., feature: _Optional[_Union[TargetFeature, _Mapping]] = ..., states: _Optional[_Union[TargetStates, _Mapping]] = ...) -> None: ...
+
+class StreamMetrics(_message.Message):
+    __slots__ = ("decode_ms", "queue_ms", "total_ms", "stop_reason")
+    DECODE_MS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
+    STOP_REASON_FIELD_NUMBER: _ClassVar[int]
+    decode_ms: float
+    queue_ms: float
+    total_ms: float
+    stop_reason: str
+    def __init__(self, decode_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., stop_reason: _Optional[str] = ...) -> None: ...
+
+class StreamDone(_message.Message):
+    __slots__ = ("tokens", "ctx_len", "ctx_hash", "metrics")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CTX_LEN_FIELD_NUMBER: _ClassVar[int]
+    CTX_HASH_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    tokens: int
+    ctx_len: int
+    ctx_hash: str
+    metrics: StreamMetrics
+    def __init__(self, tokens: _Optional[int] = ..., ctx_len: _Optional[int] = ..., ctx_hash: _Optional[str] = ..., metrics: _Optional[_Union[StreamMetrics, _Mapping]] = ...) -> None: ...
+
+class StreamSessionEvent(_message.Message):
+    __slots__ = ("token", "done")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    token: StreamedToken
+    done: StreamDone
+    def __init__(self, token: _Optional[_Union[StreamedToken, _Mapping]] = ..., done: _Optional[_Union[StreamDone, _Mapping]] = ...) -> None: ...

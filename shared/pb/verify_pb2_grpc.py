@@ -59,6 +59,11 @@ class VerifierStub:
                 request_serializer=shared_dot_pb_dot_verify__pb2.GetModelRequest.SerializeToString,
                 response_deserializer=shared_dot_pb_dot_verify__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.StreamSession = channel.unary_stream(
+                '/specsplit.v1.Verifier/StreamSession',
+                request_serializer=shared_dot_pb_dot_verify__pb2.StreamSessionRequest.SerializeToString,
+                response_deserializer=shared_dot_pb_dot_verify__pb2.StreamSessionEvent.FromString,
+                _registered_method=True)
 
 
 class VerifierServicer:
@@ -94,6 +99,12 @@ class VerifierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StreamSession(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_VerifierServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -121,6 +132,11 @@ def add_VerifierServicer_to_server(servicer, server):
                     servicer.GetModel,
                     request_deserializer=shared_dot_pb_dot_verify__pb2.GetModelRequest.FromString,
                     response_serializer=shared_dot_pb_dot_verify__pb2.ModelInfo.SerializeToString,
+            ),
+            'StreamSession': grpc.unary_stream_rpc_method_handler(
+                    servicer.StreamSession,
+                    request_deserializer=shared_dot_pb_dot_verify__pb2.StreamSessionRequest.FromString,
+                    response_serializer=shared_dot_pb_dot_verify__pb2.StreamSessionEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -258,6 +274,33 @@ class Verifier:
             '/specsplit.v1.Verifier/GetModel',
             shared_dot_pb_dot_verify__pb2.GetModelRequest.SerializeToString,
             shared_dot_pb_dot_verify__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StreamSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/specsplit.v1.Verifier/StreamSession',
+            shared_dot_pb_dot_verify__pb2.StreamSessionRequest.SerializeToString,
+            shared_dot_pb_dot_verify__pb2.StreamSessionEvent.FromString,
             options,
             channel_credentials,
             insecure,

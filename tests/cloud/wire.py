@@ -126,7 +126,8 @@ class GrpcClient:
                 "tokenizer_fingerprint": m.tokenizer_fingerprint, "max_k": m.max_k,
                 "tokenizer_size": m.tokenizer_size, "feature_size": m.feature_size,
                 "feature_encodings": list(m.feature_encodings), "tensor_parallel": m.tensor_parallel,
-                "max_tree_nodes": m.max_tree_nodes, "max_feature_window": m.max_feature_window}
+                "max_tree_nodes": m.max_tree_nodes, "max_feature_window": m.max_feature_window,
+                "session_stream": m.session_stream}
 
     def shutdown(self) -> None:
         self.channel.close()
