@@ -12,11 +12,13 @@ the rule being dropped. These chain runs send chains (`tree="off"`).
 
 Token trees (the default with a model draft) are walked by draw and match (shared/tree.py): every token is
 the target's own seeded draw at its position, so a tree session's text is the text target-only generation
-(`cloud_only`, `/v1/generate`) gives for the seed, whatever the trees' sizes, the transport or a reopen.
+(`cloud_only`, `/v1/generate`) gives for the seed, whatever the trees' sizes, the transport or a reopen, and
+whichever positions the cloud streamed on the session instead (edge/waycontrol.py).
 """
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,7 @@ import pytest
 from edge.client import EdgeClient
 from edge.drafters import ModelDrafter
 from edge.settings import EdgeSettings
+from edge.waycontrol import WayControl
 from tests.e2e.test_feature_fed import ClosesOnce
 from tests.server import CloudProcess
 
@@ -38,18 +41,19 @@ SCHEDULES: list[dict[str, Any]] = [
 
 
 def run(cloud: CloudProcess, tokenizer: Any, draft: Path, seed: int, transport: str = "rest", reopen: bool = False,
-        **kw: Any) -> list[int]:
+        result: bool = False, **kw: Any) -> Any:
     where = {"cloud_url": cloud.http_url} if transport == "rest" else {"grpc_target": cloud.grpc_target}
     kw.setdefault("check_last", True)
     kw.setdefault("tree", "off")
-    s = EdgeSettings(temperature=1.0, top_p=0.9, max_new_tokens=N_NEW, seed=seed, stop_at_eos=False, head="none",
+    kw.setdefault("temperature", 1.0)
+    s = EdgeSettings(top_p=0.9, max_new_tokens=N_NEW, seed=seed, stop_at_eos=False, head="none",
                      draft=str(draft), timeout_ms=60_000, **where, **kw)
     plain = EdgeClient(s, tokenizer=tokenizer)
     client = EdgeClient(s, tokenizer=tokenizer, drafter=ModelDrafter(draft),
                         transport=ClosesOnce(plain.transport) if reopen else None)
     r = client.generate(PROMPT)
     assert r.metrics.local_commits == 0 and (r.metrics.reopens == 1) == reopen
-    return r.token_ids
+    return r if result else r.token_ids
 
 
 @pytest.mark.parametrize("seed", [3, 11])
@@ -86,3 +90,36 @@ def test_tree_sessions_give_the_target_only_text_of_the_seed(tiny_cloud_server: 
     parted = [next((i for i, (a, b) in enumerate(zip(t, want, strict=True)) if a != b), None) for t in texts]
     assert parted == [None] * len(texts), f"texts part from the target-only text at {parted}"
     assert len(want) == N_NEW
+
+
+class RandomWays(WayControl):
+    """Streams (1 to 9 tokens) or speculates at random rounds, seeded, whatever the costs."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        self.rng = random.Random(seed)
+
+    def next(self) -> int:
+        chunk = self.rng.choice([0, 0, 0, 1, 3, 9])
+        self.switches += int(bool(chunk) != self.streaming)
+        self.streaming = bool(chunk)
+        return chunk
+
+
+@pytest.mark.parametrize("transport", ["rest", "grpc"])
+def test_switches_between_speculating_and_streaming_keep_the_seeds_text(
+        tiny_cloud_server: CloudProcess, tiny_pair: tuple[Path, Path], tokenizer: Any, transport: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """One seed, one text across switches: sampled tree sessions (T = 1, top-p 0.9) and greedy chain sessions
+    that switch to streaming on the session and back at random rounds (three switch seeds each, for two text
+    seeds) give the target-only text of the seed, token for token, with tokens streamed and switches counted."""
+    c, d = tiny_cloud_server, tiny_pair[1]
+    for temperature, tree in ((1.0, "auto"), (0.0, "off")):
+        for seed in (3, 11):
+            want = run(c, tokenizer, d, seed, mode="cloud_only", temperature=temperature)
+            for switch_seed in range(3):
+                ways = RandomWays(100 * seed + switch_seed)
+                monkeypatch.setattr(EdgeClient, "_way_control", lambda self, info, tr, w=ways: w)
+                r = run(c, tokenizer, d, seed, transport, tree=tree, temperature=temperature, result=True)
+                assert r.token_ids == want, f"T={temperature} seed {seed} switch seed {switch_seed}"
+                assert 0 < r.metrics.streamed < N_NEW and r.metrics.switches >= 2
