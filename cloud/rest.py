@@ -45,6 +45,7 @@ from shared.protocol import (
     StreamedToken,
     StreamSessionRequest,
     VerifyRequest,
+    VerifyResponse,
 )
 from shared.request_id import CURRENT
 
@@ -231,12 +232,11 @@ def create_app(service: VerifierService) -> FastAPI:
         log.info("open abandoned: the client went away")
         return Response(status_code=499)
 
-    @app.post("/v1/verify", tags=["v1"])
-    async def verify(body: VerifyBody, who: str = Depends(owner)) -> dict[str, Any]:
+    @app.post("/v1/verify", tags=["v1"], response_model=None)
+    async def verify(body: VerifyBody, who: str = Depends(owner)) -> Response:
         body.check_counts(service)
         cfg = body.sampling_cfg.to_cfg() if body.sampling_cfg is not None else None
-        resp = await service.verify(body.to_request(), who, body.k, cfg)
-        return {**asdict(resp), "feature": feature_to_json(resp.feature), "states": states_to_json(resp.states)}
+        return _json(verify_answer(await service.verify(body.to_request(), who, body.k, cfg)))
 
     @app.get("/v1/sessions/{ctx_id}", tags=["v1"])
     async def get_session(ctx_id: str, who: str = Depends(owner)) -> dict[str, Any]:
@@ -358,3 +358,17 @@ async def _sse(events: AsyncIterator[Any], frame: Callable[[Any], str], what: st
         yield f"event: error\ndata: {json.dumps(crash.to_body())}\n\n"
     finally:
         await events.aclose()  # type: ignore[attr-defined]
+
+
+def verify_answer(resp: VerifyResponse) -> dict[str, Any]:
+    """A verify answer's JSON object, built field by field (the hot path: no recursive conversion)."""
+    return {"accepted_len": resp.accepted_len, "correction": resp.correction, "next_kind": resp.next_kind,
+            "target_dist": None if resp.target_dist is None else asdict(resp.target_dist), "ctx_len": resp.ctx_len,
+            "ctx_hash": resp.ctx_hash, "top_k_ids": resp.top_k_ids, "metrics": asdict(resp.metrics),
+            "feature": feature_to_json(resp.feature), "accepted_nodes": resp.accepted_nodes,
+            "states": states_to_json(resp.states)}
+
+
+def _json(d: dict[str, Any]) -> Response:
+    """`d` as a JSON answer, serialised once (FastAPI would validate and encode a returned dict again)."""
+    return Response(json.dumps(d, separators=(",", ":")).encode(), media_type="application/json")
