@@ -1,7 +1,7 @@
 """Cloud capacity on the real pair: cloud CPU-seconds per committed token, token trees against chains against
 cloud_only, at several session counts.
 
-    python -m bench.real_capacity [--sessions 4,16] [--tokens 64]
+    python -m bench.real_capacity [--sessions 4,16,32] [--tokens 64]
 
 Recording (once per run, greedy, the edge's own client over REST with the feature-fed head and its fallback):
 each of the real-pair bench's chat prompts (bench/real_pair.py PROMPTS) generated with the edge's defaults
@@ -39,7 +39,8 @@ def record(cloud_url: str, tree: str, n_new: int) -> list[Trace]:
     from shared.config import SamplingConfig
 
     settings = EdgeSettings(cloud_url=cloud_url, temperature=0.0, repetition_penalty=1.1, max_new_tokens=n_new,
-                            stop_at_eos=False, timeout_ms=120_000.0, tree=tree, draft_ahead=False)
+                            stop_at_eos=False, timeout_ms=120_000.0, tree=tree, draft_ahead=False,
+                            stream_switch=False)  # every token through rounds: the replay sends rounds
     transport = RecordingTransport(RestTransport(cloud_url))
     client = EdgeClient(settings, transport=transport)  # type: ignore[arg-type]
     traces = []
@@ -100,7 +101,7 @@ def render(res: dict[str, list[dict[str, Any]]], command: str, load: str) -> str
 def main(argv: list[str] | None = None) -> int:
     import os
     ap = argparse.ArgumentParser(prog="python -m bench.real_capacity", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sessions", default="4,16")
+    ap.add_argument("--sessions", default="4,16,32")
     ap.add_argument("--tokens", type=int, default=64)
     args = ap.parse_args(argv)
     load = f"load average {os.getloadavg()[0]:.2f} at the start"
