@@ -164,7 +164,7 @@ def create_app(service: VerifierService) -> FastAPI:
     app.add_middleware(RequestIds, on_response=lambda status: service.count_response("rest", status),
                        on_error=service.count_error)  # outermost
 
-    def owner(request: Request) -> str:
+    async def owner(request: Request) -> str:  # async: a sync dependency would cost a threadpool hop per call
         return service.authenticate(bearer_key(request.headers.get("authorization")))
 
     @app.exception_handler(SpecSplitError)
