@@ -190,6 +190,8 @@ class EdgeClient:
         # the feature-fed head (a FeatureHead; read-only, so one may serve many clients), loaded once unless given
         self._head: Any = head
         self._head_warned = False
+        # the last session's speculate-or-stream controller: the next one starts from its costs
+        self._last_way: WayControl | None = None
         self.clock = clock
         self.sleep = sleep
 
@@ -371,7 +373,9 @@ class EdgeClient:
         s = self.settings
         if not s.stream_switch or not info.session_stream or not getattr(transport, "supports_session_stream", False):
             return None
-        return WayControl(objective=s.objective)
+        way = WayControl(objective=s.objective).carry(self._last_way)
+        self._last_way = way  # the next session starts from this one's costs (one link, one cloud)
+        return way
 
     def head(self) -> Any:
         """The feature-fed head of the settings (loaded once), or None for "none"."""

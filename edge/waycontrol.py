@@ -9,6 +9,9 @@ the cloud's forward costs, all of which the edge sees, so it keeps one running c
     stream:    the same over stream chunks; before the first one, the cloud's reported time of a
                one-position forward (the k controller's verify fit at k = 0) plus `stream_overhead_ms`
 
+A client's generations share a link and a cloud, so a new session starts from the last one's costs and
+chunk size (`carry`): over a slow link it streams from its first token, in chunks as long as the last
+session's, instead of paying `min_rounds` rounds and short chunks first.
 The cost is the wall time seen by the edge (`objective="latency"`) or the cloud's reported forward time
 (`objective="cloud"`: an operator who pays for the cloud speculates whenever that saves cloud forwards).
 The session starts speculating; after `min_rounds` rounds it streams when streaming is cheaper by
@@ -41,7 +44,7 @@ class WayControl:
     # the other way must be this much cheaper to switch to it
     margin: float = 0.1
     # speculative rounds measured before the first switch
-    min_rounds: int = 3
+    min_rounds: int = 2
     # tokens of the first stream chunk, and the cap of the doubling
     chunk_min: int = 16
     chunk_max: int = 256
@@ -64,6 +67,15 @@ class WayControl:
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
             raise ValueError(f"objective must be 'latency' or 'cloud', not {self.objective!r}")
+
+    def carry(self, last: WayControl | None) -> WayControl:
+        """Start from `last`'s costs (the same client's previous session) when it measured both ways or enough
+        rounds; returns self."""
+        if last is not None and last.objective == self.objective and last.rounds >= self.min_rounds:
+            self._spec, self._stream = list(last._spec), list(last._stream)
+            self.one_step_ms, self.rounds = last.one_step_ms, last.rounds
+            self.chunk = last.chunk if last.streaming else 0  # a streaming link goes on with its chunk size
+        return self
 
     # -- costs per token ------------------------------------------------------------------------
 
@@ -89,7 +101,7 @@ class WayControl:
         """Tokens to stream next, or 0 for a speculative round."""
         if not self.streaming:
             if self.rounds >= self.min_rounds and self._cheaper(self.stream_cost(), self.spec_cost()):
-                self.streaming, self.chunk, self._probe_due = True, self.chunk_min, False
+                self.streaming, self.chunk, self._probe_due = True, max(self.chunk, self.chunk_min), False
                 self.switches += 1
                 return self.chunk
             return 0
@@ -105,7 +117,7 @@ class WayControl:
         if self.streaming and self._probe_due:
             self._probe_due = False
             if self._cheaper(self.spec_cost(), self.stream_cost()):
-                self.streaming = False
+                self.streaming, self.chunk = False, 0
                 self.switches += 1
             else:
                 self.chunk = min(2 * self.chunk, self.chunk_max)

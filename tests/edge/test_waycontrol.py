@@ -31,9 +31,9 @@ def run_rounds(w: WayControl, n: int, tokens: int, wall_ms: float, cloud_ms: flo
 def test_it_streams_when_streaming_is_cheaper_and_probes_with_growing_chunks() -> None:
     """A 50 ms link, 2 tokens a round of 180 ms (90 ms a token) against 66 ms a streamed token."""
     w = WayControl()
-    seen = run_rounds(w, 9, tokens=2, wall_ms=180.0, cloud_ms=110.0, one_step_ms=66.0)
-    assert seen[:3] == [0, 0, 0]  # min_rounds measured first
-    assert seen[3:] == [16, 0, 32, 0, 64, 0] and w.switches == 1 and w.streaming
+    seen = run_rounds(w, 8, tokens=2, wall_ms=180.0, cloud_ms=110.0, one_step_ms=66.0)
+    assert seen[:2] == [0, 0]  # min_rounds measured first
+    assert seen[2:] == [16, 0, 32, 0, 64, 0] and w.switches == 1 and w.streaming
 
 
 def test_it_speculates_again_when_a_probe_shows_acceptance_rose() -> None:
@@ -138,3 +138,24 @@ def test_no_switch_where_the_text_would_depend_on_it(make_client: Any, fake_clou
     fake_cloud.supports_session_stream = False
     on, _ = make_client(temperature=0, max_new_tokens=12)
     assert on._way_control(on.model_info(), fake_cloud) is None
+
+
+def test_a_new_session_starts_from_the_last_ones_costs() -> None:
+    """Over a slow link the second session streams from its first decision; a session that measured too
+    little passes nothing on, nor does one of another objective."""
+    first = WayControl()
+    run_rounds(first, 6, tokens=2, wall_ms=250.0, cloud_ms=110.0, one_step_ms=66.0)
+    assert first.streaming
+    second = WayControl().carry(first)
+    assert second.next() == first.chunk > second.chunk_min and second.streaming
+    assert WayControl().carry(WayControl()).next() == 0
+    assert WayControl(objective="cloud").carry(first).spec_cost() is None
+
+
+def test_the_client_carries_the_costs_from_one_generation_to_the_next(make_client: Any, fake_cloud: FakeCloud) -> None:
+    client, _ = make_client(temperature=0, max_new_tokens=8, tree="off")
+    a = client._way_control(client.model_info(), fake_cloud)
+    assert a is not None
+    a.rounds, a._spec = 5, [300.0, 2.0]
+    b = client._way_control(client.model_info(), fake_cloud)
+    assert b is not None and b is not a and b.rounds == 5 and b.spec_cost() == 150.0
