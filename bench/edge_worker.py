@@ -95,7 +95,8 @@ def run_session(job: dict[str, Any], slot: int, work: list[dict[str, Any]], pool
         top_k=s["top_k"], repetition_penalty=s["repetition_penalty"], fixed_k=job["fixed_k"],
         k_policy=job.get("k_policy", "dynamic"), draft_ahead=job.get("draft_ahead", False),
         # every token verified: an answer is never dropped for being late
-        timeout_ms=job.get("timeout_ms", 120_000.0), stop_at_eos=job.get("stop_at_eos", True))
+        timeout_ms=job.get("timeout_ms", 120_000.0), stop_at_eos=job.get("stop_at_eos", True),
+        stream_switch=False)  # the speculative cases measure speculation: no switch to the cloud's streaming
     client = EdgeClient(settings, transport=pools.transport(job["cloud_url"], slot),
                         drafter=pools.drafter(job["draft"], slot), tokenizer=pools.tokenizer(job["tokenizer"]))
     if job["mode"] != "edge_only":

@@ -167,7 +167,7 @@ def fixed_k(cloud_url: str, tokenizer: Any, n_new: int, prompts: list[str],
             fixed: dict[str, Any] = {"fixed_k": k, "tree": "off"} if shape == "chain" else {"tree": str(k), "tree_max_nodes": k}
             s = EdgeSettings(cloud_url=cloud_url, temperature=temp, max_new_tokens=n_new, seed=1,
                              draft_ahead=False, timeout_ms=120_000, stop_at_eos=False, check_last=False,
-                             repetition_penalty=rep, **fixed, **where)
+                             repetition_penalty=rep, stream_switch=False, **fixed, **where)
             rows.append(measure(s, tokenizer, prompts, {"draft": name, "temperature": temp, "penalty": rep,
                                                         "shape": shape, "k": k}))
             r = rows[-1]
@@ -215,7 +215,7 @@ def specbench(cloud_url: str, tokenizer: Any, n_new: int) -> list[dict[str, Any]
     shapes: list[tuple[str, dict[str, Any]]] = [("chain", {"fixed_k": 6, "tree": "off"}), ("tree", {"tree": "auto"})]
     for shape, fixed in shapes:
         s = EdgeSettings(cloud_url=cloud_url, temperature=0, max_new_tokens=n_new, seed=1, draft_ahead=False,
-                         timeout_ms=120_000, stop_at_eos=False, check_last=False, draft=default_draft(),
+                         timeout_ms=120_000, stop_at_eos=False, check_last=False, draft=default_draft(), stream_switch=False,
                          head=default_head(), **fixed)
         for cat, texts in by_cat.items():
             rows.append(measure(s, tokenizer, texts, {"category": cat, "shape": shape, "prompts": len(texts)}))

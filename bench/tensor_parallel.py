@@ -101,7 +101,7 @@ def measure(target: Path, n: int, n_new: int, tokenizer: Any) -> dict[str, Any]:
             toks, secs = 0, 0.0
             for text in PROMPTS:
                 s = EdgeSettings(cloud_url=cloud.url, temperature=0, max_new_tokens=n_new, mode=mode,
-                                 timeout_ms=120_000, stop_at_eos=False)
+                                 timeout_ms=120_000, stop_at_eos=False, stream_switch=False)
                 client = EdgeClient(s, drafter=NGramDrafter(order=3), tokenizer=tokenizer)
                 t0 = time.perf_counter()
                 toks += len(client.generate(text).token_ids)

@@ -263,8 +263,9 @@ class SpeculativeRun:
         self.metrics.stream_calls += 1
         self._prev_drafted = False  # the drafter catches up on these tokens before its next draft
         try:
+            # each event is one forward away: the verify deadline bounds the wait for it
             for ev in self.transport.stream_session(self.ctx_id, len(self.S), self.hash_at(len(self.S)), n,
-                                                    self.stop_at_eos, self.policy.open_timeout_s):
+                                                    self.stop_at_eos, self.deadline.for_attempt(0)):
                 if isinstance(ev, StreamDone):
                     cloud_ms = float(ev.metrics.get("decode_ms", 0.0))
                     break
@@ -284,7 +285,8 @@ class SpeculativeRun:
         except SpecSplitError as e:
             if not (is_retryable(e) or isinstance(e, (CloudTimeout, ContextMismatch))):
                 raise
-            log.info("stream stopped after %d tokens (%s): the next round goes on", got, e.code)
+            log.info("stream stopped after %d tokens (%s): this session speculates from now on", got, e.code)
+            self.way.stream_failed()
         finally:
             self.way.observe_stream(got, (self.clock() - t0) * 1000, cloud_ms)
 

@@ -18,7 +18,8 @@ The session starts speculating; after `min_rounds` rounds it streams when stream
 `margin`. It streams `chunk` tokens (from `chunk_min`, doubling after each chunk while streaming stays
 cheaper, up to `chunk_max`); after every chunk one speculative round (the probe) measures speculation
 again, and the session speculates once more when that has become cheaper by `margin` (acceptance rose,
-the link improved). The probe's cost includes the drafter catching up on the streamed tokens, which leans
+the link improved). A stream that fails (a proxy that cannot pass server-sent events, a cloud in trouble)
+ends streaming for the session; the next session tries again. The probe's cost includes the drafter catching up on the streamed tokens, which leans
 the choice towards streaming, the way the cloud alone would go.
 
 Either way every committed token is the target's own draw at its position when the session's rounds are
@@ -63,6 +64,8 @@ class WayControl:
     chunk: int = 0
     rounds: int = 0
     switches: int = 0
+    # a stream failed in this session (a proxy that cannot stream, a cloud under trouble): speculate from now on
+    stream_broken: bool = False
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
@@ -99,6 +102,8 @@ class WayControl:
 
     def next(self) -> int:
         """Tokens to stream next, or 0 for a speculative round."""
+        if self.stream_broken:
+            return 0
         if not self.streaming:
             if self.rounds >= self.min_rounds and self._cheaper(self.stream_cost(), self.spec_cost()):
                 self.streaming, self.chunk, self._probe_due = True, max(self.chunk, self.chunk_min), False
@@ -121,6 +126,12 @@ class WayControl:
                 self.switches += 1
             else:
                 self.chunk = min(2 * self.chunk, self.chunk_max)
+
+    def stream_failed(self) -> None:
+        """A stream ended in an error: the session speculates from now on (a new session tries again)."""
+        if self.streaming:
+            self.switches += 1
+        self.streaming, self.stream_broken, self.chunk = False, True, 0
 
     def observe_stream(self, tokens: int, wall_ms: float, cloud_ms: float) -> None:
         """One stream chunk: tokens received, its wall time and the cloud's forward time (ms)."""

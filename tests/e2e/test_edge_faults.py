@@ -45,6 +45,7 @@ def proxy(cloud: CloudProcess):  # type: ignore[no-untyped-def]
 def client(url: str | None, tokenizer: Any, drafter: ModelDrafter, grpc: str | None = None, **kw: Any) -> EdgeClient:
     kw.setdefault("timeout_ms", 10_000)
     kw.setdefault("timeout_fallback", False)
+    kw.setdefault("stream_switch", False)  # the fault proxy frames Content-Length bodies only, not event streams
     s = EdgeSettings(cloud_url=url or "http://unused", grpc_target=grpc, temperature=0, max_new_tokens=N_NEW,
                      backoff_ms=20, **kw)
     return EdgeClient(s, drafter=drafter, tokenizer=tokenizer)

@@ -159,3 +159,28 @@ def test_the_client_carries_the_costs_from_one_generation_to_the_next(make_clien
     a.rounds, a._spec = 5, [300.0, 2.0]
     b = client._way_control(client.model_info(), fake_cloud)
     assert b is not None and b is not a and b.rounds == 5 and b.spec_cost() == 150.0
+
+
+def test_a_failed_stream_ends_streaming_for_the_session_only() -> None:
+    w = WayControl()
+    run_rounds(w, 3, tokens=2, wall_ms=250.0, cloud_ms=110.0, one_step_ms=66.0)
+    assert w.streaming
+    w.stream_failed()
+    assert not w.streaming and w.stream_broken and w.next() == 0
+    run_rounds(w, 4, tokens=2, wall_ms=250.0, cloud_ms=110.0, one_step_ms=66.0)
+    assert not w.streaming
+    assert WayControl().carry(w).next() > 0  # the next session tries again
+
+
+def test_a_stream_that_never_answers_falls_back_to_rounds(make_client: Any, fake_cloud: FakeCloud,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every stream fails (as through a proxy that cannot stream): one attempt, then rounds to the end, the
+    target's text."""
+    client, _ = make_client(temperature=0, max_new_tokens=20, tree="off", stop_at_eos=False)
+    ways = WayControl(min_rounds=0)
+    ways.one_step_ms, ways._spec = 1.0, [500.0, 1.0]  # streaming looks far cheaper
+    monkeypatch.setattr(client, "_way_control", lambda info, transport: ways)
+    fake_cloud.fail("stream", Unavailable("no event stream through here"), times=100)
+    got = client.generate(PROMPT)
+    want = fake_cloud.generate(PROMPT, client.settings.sampling(), 0, 20, 1.0).token_ids
+    assert got.token_ids == want and got.metrics.stream_calls == 1 and got.metrics.streamed == 0
