@@ -48,7 +48,8 @@ FAIL_TIMEOUT = "10s"
 # the calls of a session (those that carry the routing key; GET /v1/model is per client, not per generation)
 SESSION_URIS_REST = ("/v1/sessions", "/v1/verify")
 SESSION_URIS_GRPC = ("/specsplit.v1.Verifier/OpenSession", "/specsplit.v1.Verifier/Verify",
-                     "/specsplit.v1.Verifier/GetSession", "/specsplit.v1.Verifier/CloseSession")
+                     "/specsplit.v1.Verifier/GetSession", "/specsplit.v1.Verifier/CloseSession",
+                     "/specsplit.v1.Verifier/StreamSession")
 
 _LOG_FORMAT = ('{"time":"$time_iso8601","route":"$http_x_specsplit_route","request_id":"$http_x_request_id",'
                '"method":"$request_method",'
@@ -117,6 +118,12 @@ def nginx_conf(rest_servers: Sequence[str], grpc_servers: Sequence[str], rest_li
             proxy_next_upstream error timeout http_503 non_idempotent;
             proxy_pass http://specsplit_rest;
         }}
+        location ~ ^/v1/sessions/[^/]+/stream$ {{
+            # a session's stream of tokens: passed on as each comes (the cloud also says X-Accel-Buffering: no)
+            proxy_next_upstream error timeout http_503;
+            proxy_buffering off;
+            proxy_pass http://specsplit_rest;
+        }}
         location /v1/sessions/ {{
             proxy_next_upstream error timeout http_503;
             proxy_pass http://specsplit_rest;
@@ -164,7 +171,7 @@ def compose_nginx_conf() -> str:
 
 
 def is_session_call(entry: dict[str, str]) -> bool:
-    """An access log record of a session call (open, verify, get, close; REST or gRPC)."""
+    """An access log record of a session call (open, verify, get, close, stream; REST or gRPC)."""
     uri = entry["uri"]
     return uri.startswith(SESSION_URIS_REST) or uri in SESSION_URIS_GRPC
 

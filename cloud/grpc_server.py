@@ -269,8 +269,10 @@ def _streamed(message_class: Any) -> Callable[[Callable[..., AsyncGenerator[Any,
             except Exception as exc:  # a bug or a device failure: INTERNAL with a body, logged
                 await _crashed(self, context, exc, method.__name__)
             finally:
+                # a stream closed at shutdown is finalised outside the context its request id was set in
                 if token is not None:
-                    CURRENT.reset(token)
+                    with contextlib.suppress(ValueError):
+                        CURRENT.reset(token)
 
         return call
 

@@ -52,6 +52,8 @@ from shared.request_id import CURRENT
 log = logging.getLogger(__name__)
 # lists sized by k: no setting allows more (CloudSettings.max_k <= 256); the exact limit is checked after
 K_LIST_MAX = 256
+# server-sent events go out as they are made: a proxy that buffers (nginx does by default) holds them back
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def _text(v: str) -> str:
@@ -252,7 +254,8 @@ def create_app(service: VerifierService) -> FastAPI:
         req = StreamSessionRequest(_path_text(ctx_id), body.ctx_len, body.ctx_hash, body.max_new_tokens,
                                    body.stop_at_eos)
         events = service.stream_session(req, who)  # a refused stream answers its status before any event
-        return StreamingResponse(_sse(events, _stream_frame, "a session stream"), media_type="text/event-stream")
+        return StreamingResponse(_sse(events, _stream_frame, "a session stream"), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
 
     @app.post("/v1/generate", tags=["v1"], response_model=None)
     async def generate(body: GenerateBody, request: Request, who: str = Depends(owner)
@@ -262,7 +265,7 @@ def create_app(service: VerifierService) -> FastAPI:
         events = service.start_generate(req, who)
         if body.stream:  # a disconnect cancels the stream (Starlette listens for it)
             return StreamingResponse(_sse(events, _generate_frames(), "a generate stream"),
-                                     media_type="text/event-stream")
+                                     media_type="text/event-stream", headers=SSE_HEADERS)
         task = asyncio.ensure_future(_collect(events))
         if not await _done_before_disconnect(request, task):  # nobody to answer: the generation left the queue
             log.info("generate stopped: the client went away")

@@ -131,6 +131,10 @@ def error_from_grpc(code: grpc.StatusCode, message: str,
         elif key == "retry-after" and _retry_after(value) is not None:
             details.setdefault("retry_after_s", _retry_after(value))
     cls = _BY_GRPC.get(code, CloudUnavailable)
+    if code == grpc.StatusCode.INTERNAL and "code" not in details:
+        # not the verifier's (it sends its error body): the connection under the call broke, e.g. a proxy's
+        # RST_STREAM when the replica behind it died mid-stream
+        cls = CloudUnavailable
     if cls is ResourceExhausted and (details.get("code") == PayloadTooLarge.code or "too large" in text):
         cls = PayloadTooLarge
     return _build(cls, text or code.name, details)

@@ -43,7 +43,9 @@ def settings(cloud: CloudProcess, transport: str, **kw: Any) -> EdgeSettings:
     where = {"cloud_url": cloud.http_url} if transport == "rest" else {"grpc_target": cloud.grpc_target}
     values: dict[str, Any] = {"temperature": 0, "max_new_tokens": N_NEW, "timeout_ms": 60_000, "stop_at_eos": False,
                               "repetition_penalty": 2.0,
-                              "fixed_k": 4, "draft_ahead": False, **where, **kw}
+                              "fixed_k": 4, "draft_ahead": False,
+                              "stream_switch": False,  # every round a verify: the head's states are counted
+                              **where, **kw}
     return EdgeSettings(**values)
 
 

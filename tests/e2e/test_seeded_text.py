@@ -45,6 +45,7 @@ def run(cloud: CloudProcess, tokenizer: Any, draft: Path, seed: int, transport: 
     where = {"cloud_url": cloud.http_url} if transport == "rest" else {"grpc_target": cloud.grpc_target}
     kw.setdefault("check_last", True)
     kw.setdefault("tree", "off")
+    kw.setdefault("stream_switch", not reopen)  # the reopen comes at the 4th verify: no streaming before it
     kw.setdefault("temperature", 1.0)
     s = EdgeSettings(top_p=0.9, max_new_tokens=N_NEW, seed=seed, stop_at_eos=False, head="none",
                      draft=str(draft), timeout_ms=60_000, **where, **kw)

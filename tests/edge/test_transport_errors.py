@@ -68,6 +68,15 @@ def test_grpc_code_maps_to_error_type(code: grpc.StatusCode, cls: type[SpecSplit
     assert isinstance(error_from_grpc(code, "boom"), cls)
 
 
+def test_grpc_internal_is_the_clouds_fault_only_with_its_error_body() -> None:
+    """The verifier's INTERNAL carries its error body and is not retried; an INTERNAL without one is the
+    connection breaking under the call (a proxy's RST_STREAM when the replica died mid-stream): retried."""
+    body = json.dumps({"error": {"code": "internal", "message": "boom", "error_id": "e1"}})
+    assert type(error_from_grpc(grpc.StatusCode.INTERNAL, "boom", (("specsplit-error", body),))) is Internal
+    dropped = error_from_grpc(grpc.StatusCode.INTERNAL, "Stream removed (RST_STREAM with error code 2)")
+    assert isinstance(dropped, CloudUnavailable) and is_retryable(dropped)
+
+
 def test_grpc_expected_ctx_len_from_json_details_metadata_or_message() -> None:
     body = json.dumps({"error": {"code": "failed_precondition", "message": "m", "expected_ctx_len": 5}})
     assert error_from_grpc(grpc.StatusCode.FAILED_PRECONDITION, body).details["expected_ctx_len"] == 5
