@@ -28,6 +28,7 @@ import torch
 from drafting.states import is_heldout, load_states, output_ids
 from drafting.train import TrainConfig, trained_head, unroll
 from edge.drafters.attention_head import AttentionHead
+from edge.drafters.feature_head import FeatureHead
 
 
 @torch.no_grad()
@@ -47,6 +48,27 @@ def row_hits(head: AttentionHead, row: dict[str, Any], k: int) -> torch.Tensor:
     return (drafts == truth)[keep]  # [N, k]
 
 
+@torch.no_grad()
+def feature_row_hits(head: FeatureHead, row: dict[str, Any], k: int) -> torch.Tensor:
+    """`row_hits` for the feature-fed head (edge/drafters/feature_head.py), the same starts: from f_t it
+    steps through x_{t+1}, then through its own argmax drafts, carrying one state (as FeatureDrafter does)."""
+    S = row["states"].float()  # [n, d]
+    ids = row["ids"].long()  # [L]
+    n, start = S.shape[0], row["start"]
+    P = start + torch.arange(n)  # [n]
+    keep = (P + 2 >= row["prompt_len"]) & (P + k + 1 <= ids.numel() - 1)  # [n]
+    if not bool(keep.any()):
+        return torch.zeros(0, k, dtype=torch.bool)
+    s, x = S[keep], ids[P[keep] + 1]  # [N, d], [N]
+    drafts = []
+    for _ in range(k):
+        s = head.step(s, x)
+        x = head.out_ids[head.logits(s).argmax(-1)]  # [N]
+        drafts.append(x)
+    truth = ids[(P[keep][:, None] + torch.arange(2, k + 2)).clamp(max=ids.numel() - 1)]  # [N, k]
+    return torch.stack(drafts, 1) == truth
+
+
 def summarise(hits: torch.Tensor) -> dict[str, Any]:
     """Agreement by draft position and tokens per verify call for chains 2..k, from hits ([N, k] bool)."""
     n, k = hits.shape
@@ -59,9 +81,10 @@ def summarise(hits: torch.Tensor) -> dict[str, Any]:
                                 for kk in range(2, k + 1)}}
 
 
-def evaluate(head: AttentionHead, rows: list[dict[str, Any]], k: int = 8) -> dict[str, Any]:
-    """`summarise` over every start of `rows`."""
-    parts = [row_hits(head, r, k) for r in rows]
+def evaluate(head: AttentionHead | FeatureHead, rows: list[dict[str, Any]], k: int = 8) -> dict[str, Any]:
+    """`summarise` over every start of `rows` (either head)."""
+    hits = feature_row_hits if isinstance(head, FeatureHead) else row_hits
+    parts = [hits(head, r, k) for r in rows]
     res = summarise(torch.cat(parts) if parts else torch.zeros(0, k, dtype=torch.bool))
     return {"rows": len(rows), **res}
 

@@ -28,6 +28,7 @@ from drafting.states import make_states, output_ids  # noqa: E402
 from drafting.target import load_target  # noqa: E402
 from drafting.train import TrainConfig, train, trained_head  # noqa: E402
 from edge.drafters.attention_head import AttentionHead  # noqa: E402
+from edge.drafters.feature_head import FeatureHead  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -38,6 +39,8 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, TrainConfig]:
     ap.add_argument("--out", type=Path, default=REPO / "models" / "smollm2-135m-attention-head",
                     help="export: the head directory to write")
     ap.add_argument("--head", type=Path, help="eval: an exported head directory (default: the checkpoint)")
+    ap.add_argument("--feature-head", type=Path,
+                    help="eval: a feature-fed head directory (e.g. models/smollm2-135m-head), on the same rows")
     ap.add_argument("--states-batch", type=int, default=16, help="states: rows per target forward")
     for f in dataclasses.fields(TrainConfig):
         ap.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default,
@@ -61,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         state = train(cfg, command)
         print(json.dumps({k: state[k] for k in ("step", "seconds", "positions", "answer_tokens")}))
     elif args.phase == "eval":
-        head = AttentionHead.load(args.head) if args.head else trained_head(cfg)[0]
+        head = (FeatureHead.load(args.feature_head) if args.feature_head else
+                AttentionHead.load(args.head) if args.head else trained_head(cfg)[0])
         print(json.dumps(evaluate(head, heldout_rows(cfg)[0], cfg.eval_k), indent=1))
     else:
         print(json.dumps(export(cfg, args.out, command), indent=1))

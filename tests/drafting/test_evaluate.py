@@ -7,9 +7,10 @@ from typing import Any
 
 import torch
 
-from drafting.evaluate import evaluate, row_hits, summarise
+from drafting.evaluate import evaluate, feature_row_hits, row_hits, summarise
 from drafting.states import load_states, states_path
 from edge.drafters.attention_head import AttentionHead, AttentionHeadConfig
+from edge.drafters.feature_head import FeatureHead, FeatureHeadConfig
 
 
 def test_summary_counts_agreement_given_the_drafts_before_and_runs_per_call() -> None:
@@ -52,3 +53,37 @@ def test_a_head_that_knows_the_next_state_agrees_at_every_position(tiny_work: Pa
     assert res["by_position"] == [1.0] * k
     assert res["tokens_per_call"] == {kk: kk + 1.0 for kk in range(2, k + 1)}
     assert evaluate(oracle, [], k)["starts"] == 0
+
+
+class NextStateFeatureOracle(FeatureHead):
+    """A feature-fed head whose step returns the stored state after the one it is given (found in the row's
+    states): its drafts are the target's greedy tokens, as long as it is stepped once per token."""
+
+    def __init__(self, cfg: FeatureHeadConfig) -> None:
+        super().__init__(cfg)
+        self.table = torch.zeros(0)
+
+    def step(self, s: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        i = torch.cdist(s, self.table).argmin(-1)  # [N] the stored state s is
+        return self.table[(i + 1).clamp(max=self.table.shape[0] - 1)]
+
+
+def test_the_feature_head_is_scored_on_the_same_starts(tiny_work: Path, tiny_model: Any) -> None:
+    """The feature-fed head's evaluation (a baseline on the same held-out rows): an oracle of the next state
+    agrees everywhere on exactly the attention head's starts; one that does not step (drafts from f_t again,
+    predicting x_{t+1} for x_{t+2}) does not."""
+    rows = [r for i in range(3) for r in load_states(states_path(tiny_work, i))]
+    oracle = NextStateFeatureOracle(FeatureHeadConfig(hidden_size=64, vocab_size=4096, n_out=4096, embed_dim=8))
+    with torch.no_grad():
+        oracle.out.copy_(tiny_model.lm_head.weight)
+        oracle.out_ids.copy_(torch.arange(4096))
+    k, hits = 4, []
+    for row in rows:
+        oracle.table = row["states"].float()
+        h = feature_row_hits(oracle, row, k)
+        assert h.shape == (len(row["ids"]) - k - row["prompt_len"] + 1, k)
+        hits.append(h)
+    assert summarise(torch.cat(hits))["by_position"] == [1.0] * k
+    oracle.step = lambda s, x: s  # type: ignore[method-assign]
+    lagging = torch.cat([feature_row_hits(oracle, r, k) for r in rows])
+    assert summarise(lagging)["by_position"][0] < 0.5
