@@ -83,8 +83,7 @@ def summarise(hits: torch.Tensor) -> dict[str, Any]:
 
 def evaluate(head: AttentionHead | FeatureHead, rows: list[dict[str, Any]], k: int = 8) -> dict[str, Any]:
     """`summarise` over every start of `rows` (either head)."""
-    hits = feature_row_hits if isinstance(head, FeatureHead) else row_hits
-    parts = [hits(head, r, k) for r in rows]
+    parts = [feature_row_hits(head, r, k) if isinstance(head, FeatureHead) else row_hits(head, r, k) for r in rows]
     res = summarise(torch.cat(parts) if parts else torch.zeros(0, k, dtype=torch.bool))
     return {"rows": len(rows), **res}
 
