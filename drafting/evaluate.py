@@ -32,8 +32,10 @@ from edge.drafters.feature_head import FeatureHead
 
 
 @torch.no_grad()
-def row_hits(head: AttentionHead, row: dict[str, Any], k: int) -> torch.Tensor:
-    """[N, k] bool: for each start of `row` (a states row), whether draft j agrees with the answer."""
+def row_hits(head: AttentionHead | FeatureHead, row: dict[str, Any], k: int) -> torch.Tensor:
+    """[N, k] bool: for each start of `row` (a states row), whether draft j agrees with the answer. The
+    feature-fed head (edge/drafters/feature_head.py), the baseline, is scored on the same starts: from f_t
+    it steps through x_{t+1}, then through its own argmax drafts, carrying one state (as FeatureDrafter does)."""
     S = row["states"].float()  # [n, d]
     ids = row["ids"].long()  # [L]
     n, start = S.shape[0], row["start"]
@@ -42,31 +44,18 @@ def row_hits(head: AttentionHead, row: dict[str, Any], k: int) -> torch.Tensor:
     keep = (P + 2 >= row["prompt_len"]) & (P + k + 1 <= ids.numel() - 1)  # [n]
     if not bool(keep.any()):
         return torch.zeros(0, k, dtype=torch.bool)
-    preds = unroll(head, S[None], X[None], P[None], k, own_tokens=True)  # k x [1, n, d]
-    drafts = torch.stack([head.out_ids[head.logits(g[0]).argmax(-1)] for g in preds], 1)  # [n, k]
+    if isinstance(head, FeatureHead):
+        s, x, steps = S, X, []
+        for _ in range(k):
+            s = head.step(s, x)  # [n, d]
+            x = head.out_ids[head.logits(s).argmax(-1)]  # [n]
+            steps.append(x)
+        drafts = torch.stack(steps, 1)  # [n, k]
+    else:
+        preds = unroll(head, S[None], X[None], P[None], k, own_tokens=True)  # k x [1, n, d]
+        drafts = torch.stack([head.out_ids[head.logits(g[0]).argmax(-1)] for g in preds], 1)  # [n, k]
     truth = ids[(P[:, None] + torch.arange(2, k + 2)).clamp(max=ids.numel() - 1)]  # [n, k] x_{t+j+1}
     return (drafts == truth)[keep]  # [N, k]
-
-
-@torch.no_grad()
-def feature_row_hits(head: FeatureHead, row: dict[str, Any], k: int) -> torch.Tensor:
-    """`row_hits` for the feature-fed head (edge/drafters/feature_head.py), the same starts: from f_t it
-    steps through x_{t+1}, then through its own argmax drafts, carrying one state (as FeatureDrafter does)."""
-    S = row["states"].float()  # [n, d]
-    ids = row["ids"].long()  # [L]
-    n, start = S.shape[0], row["start"]
-    P = start + torch.arange(n)  # [n]
-    keep = (P + 2 >= row["prompt_len"]) & (P + k + 1 <= ids.numel() - 1)  # [n]
-    if not bool(keep.any()):
-        return torch.zeros(0, k, dtype=torch.bool)
-    s, x = S[keep], ids[P[keep] + 1]  # [N, d], [N]
-    drafts = []
-    for _ in range(k):
-        s = head.step(s, x)
-        x = head.out_ids[head.logits(s).argmax(-1)]  # [N]
-        drafts.append(x)
-    truth = ids[(P[keep][:, None] + torch.arange(2, k + 2)).clamp(max=ids.numel() - 1)]  # [N, k]
-    return torch.stack(drafts, 1) == truth
 
 
 def summarise(hits: torch.Tensor) -> dict[str, Any]:
@@ -83,7 +72,7 @@ def summarise(hits: torch.Tensor) -> dict[str, Any]:
 
 def evaluate(head: AttentionHead | FeatureHead, rows: list[dict[str, Any]], k: int = 8) -> dict[str, Any]:
     """`summarise` over every start of `rows` (either head)."""
-    parts = [feature_row_hits(head, r, k) if isinstance(head, FeatureHead) else row_hits(head, r, k) for r in rows]
+    parts = [row_hits(head, r, k) for r in rows]
     res = summarise(torch.cat(parts) if parts else torch.zeros(0, k, dtype=torch.bool))
     return {"rows": len(rows), **res}
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from drafting.evaluate import evaluate, feature_row_hits, row_hits, summarise
+from drafting.evaluate import evaluate, row_hits, summarise
 from drafting.states import load_states, states_path
 from edge.drafters.attention_head import AttentionHead, AttentionHeadConfig
 from edge.drafters.feature_head import FeatureHead, FeatureHeadConfig
@@ -80,10 +80,10 @@ def test_the_feature_head_is_scored_on_the_same_starts(tiny_work: Path, tiny_mod
     k, hits = 4, []
     for row in rows:
         oracle.table = row["states"].float()
-        h = feature_row_hits(oracle, row, k)
+        h = row_hits(oracle, row, k)
         assert h.shape == (len(row["ids"]) - k - row["prompt_len"] + 1, k)
         hits.append(h)
     assert summarise(torch.cat(hits))["by_position"] == [1.0] * k
     oracle.step = lambda s, x: s  # type: ignore[method-assign]
-    lagging = torch.cat([feature_row_hits(oracle, r, k) for r in rows])
+    lagging = torch.cat([row_hits(oracle, r, k) for r in rows])
     assert summarise(lagging)["by_position"][0] < 0.5
