@@ -200,9 +200,10 @@ def measure(s: Any, tokenizer: Any, prompts: list[str], row: dict[str, Any]) -> 
             "feature_bytes_per_round": tot["feature"] / calls, "nodes_per_round": tot["nodes"] / calls}
 
 
-def specbench(cloud_url: str, tokenizer: Any, n_new: int) -> list[dict[str, Any]]:
-    """Tokens per verify call on the Spec-Bench subset by category: the default head's chain of k = 6 against
-    its automatic trees (greedy, the edge's default penalty, no drafting ahead)."""
+def specbench(cloud_url: str, tokenizer: Any, n_new: int, head: str = "") -> list[dict[str, Any]]:
+    """Tokens per verify call on the Spec-Bench subset by category: the head's (`head`, default the edge's
+    default head) chain of k = 6 against its automatic trees (greedy, the edge's default penalty, no drafting
+    ahead)."""
     import json
 
     from edge.settings import EdgeSettings, default_draft, default_head
@@ -216,15 +217,15 @@ def specbench(cloud_url: str, tokenizer: Any, n_new: int) -> list[dict[str, Any]
     for shape, fixed in shapes:
         s = EdgeSettings(cloud_url=cloud_url, temperature=0, max_new_tokens=n_new, seed=1, draft_ahead=False,
                          timeout_ms=120_000, stop_at_eos=False, check_last=False, draft=default_draft(), stream_switch=False,
-                         head=default_head(), **fixed)
+                         head=head or default_head(), **fixed)
         for cat, texts in by_cat.items():
             rows.append(measure(s, tokenizer, texts, {"category": cat, "shape": shape, "prompts": len(texts)}))
             print(f"real-pair: spec-bench {cat}, {shape}: {rows[-1]['tokens_per_call']:.2f} tokens/call", flush=True)
     return rows
 
 
-def end_to_end(cloud: Any, tokenizer: Any, n_new: int, prompts: list[str]) -> list[dict[str, Any]]:
-    """The edge's defaults (feature-fed head when present, cost-model k, drafting ahead) against cloud_only:
+def end_to_end(cloud: Any, tokenizer: Any, n_new: int, prompts: list[str], head: str = "") -> list[dict[str, Any]]:
+    """The edge's defaults (its default head when present, or `head`; cost-model k, drafting ahead) against cloud_only:
     decode tokens/s, the tokens after the first over the time after the first (a generation's own clock,
     `metrics.wall_ms - metrics.ttft_ms`), summed over the prompts. One client per mode and RTT, its drafts
     loaded and the cloud's model info read before the first prompt, as a server or a CLI run holds them;
@@ -239,6 +240,8 @@ def end_to_end(cloud: Any, tokenizer: Any, n_new: int, prompts: list[str]) -> li
             for mode in ("cloud_only", "speculative"):
                 s = EdgeSettings(cloud_url=proxy.url, temperature=0, max_new_tokens=n_new, seed=1, mode=mode,
                                  timeout_ms=120_000, stop_at_eos=False)
+                if head:
+                    s = s.model_copy(update={"head": head})
                 client = EdgeClient(s, tokenizer=tokenizer)
                 client.model_info()
                 if mode != "cloud_only":
@@ -261,7 +264,7 @@ def end_to_end(cloud: Any, tokenizer: Any, n_new: int, prompts: list[str]) -> li
 
 
 def render(c: dict[str, Any], fk: list[dict[str, Any]], e2e: list[dict[str, Any]], command: str, n_new: int,
-           prompts: int, load: str, sb: list[dict[str, Any]] | None = None) -> str:
+           prompts: int, load: str, sb: list[dict[str, Any]] | None = None, head: str = "") -> str:
     t1, plain = c["target_ms"][1], c["target_ms_plain"]
     lines = [START, "## The real pair: SmolLM2-135M-Instruct and its drafts", "",
              f"Command: `{command}` (cloud and edge on this 2-core CPU, one torch thread each, float32; {load}). "
@@ -296,7 +299,7 @@ def render(c: dict[str, Any], fk: list[dict[str, Any]], e2e: list[dict[str, Any]
 
         cats = list(dict.fromkeys(r["category"] for r in sb))
         sb_cell = {(r["category"], r["shape"]): r for r in sb}
-        lines += ["", f"### Spec-Bench subset by category (the default head, `{Path(default_head()).name}`, greedy, "
+        lines += ["", f"### Spec-Bench subset by category (the head `{Path(head or default_head()).name}`, greedy, "
                   "5 questions each, `bench/specbench/`)", "",
                   "| category | chain k = 6: tokens per verify call | trees (automatic size): tokens per verify call "
                   "(aim >= 2.0) | nodes per round |", "|---|---|---|---|"]
@@ -304,7 +307,8 @@ def render(c: dict[str, Any], fk: list[dict[str, Any]], e2e: list[dict[str, Any]
             ch, tr = sb_cell[(cat, "chain")], sb_cell[(cat, "tree")]
             lines.append(f"| {cat} | {ch['tokens_per_call']:.2f} | **{tr['tokens_per_call']:.2f}** | "
                          f"{tr['nodes_per_round']:.1f} |")
-    lines += ["", "### One session end to end: the edge's defaults against cloud_only (greedy)", "",
+    with_head = f" with the head `{Path(head).name}`" if head else ""
+    lines += ["", f"### One session end to end: the edge's defaults{with_head} against cloud_only (greedy)", "",
               "Decode tokens/s: the tokens after the first over the time after the first, summed over the prompts "
               "(`end_to_end` in `bench/real_pair.py`); one client per mode and RTT with its drafts loaded before "
               "the first prompt.", "",
@@ -330,7 +334,7 @@ def splice(section: str, out: Path) -> Path:
     return out
 
 
-def run(out: Path, command: str, n_new: int = 64, prompts: int = 4, only: tuple[str, ...] = ()) -> int:
+def run(out: Path, command: str, n_new: int = 64, prompts: int = 4, only: tuple[str, ...] = (), head: str = "") -> int:
     import os
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -349,9 +353,9 @@ def run(out: Path, command: str, n_new: int = 64, prompts: int = 4, only: tuple[
     chosen = PROMPTS[:prompts]
     with CloudServer(TARGET, torch_threads=1) as cloud:
         fk = fixed_k(cloud.url, tokenizer, n_new, chosen, only)
-        sb = specbench(cloud.url, tokenizer, n_new)
-        e2e = end_to_end(cloud, tokenizer, n_new, chosen)
+        sb = specbench(cloud.url, tokenizer, n_new, head)
+        e2e = end_to_end(cloud, tokenizer, n_new, chosen, head)
     load += f", {os.getloadavg()[0]:.2f} at the end"
-    path = splice(render(c, fk, e2e, command, n_new, len(chosen), load, sb), out)
+    path = splice(render(c, fk, e2e, command, n_new, len(chosen), load, sb, head), out)
     print(f"wrote the real-pair section into {path}")
     return 0

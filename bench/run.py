@@ -51,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--real-pair-drafts", default="",
                    help="real-pair: the drafts of the fixed-shape table, comma-separated (default: every one present: "
                         "attention head, feature-fed head, distilled draft, draft from the target, n-gram)")
+    p.add_argument("--real-pair-head", default="",
+                   help="real-pair: the head the Spec-Bench and end-to-end sections use (default: the edge's default head)")
     p.add_argument("--skip-capacity", action="store_true", help="full run without the cloud capacity section")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                    help="the cloud's dtype in the capacity section")
@@ -198,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         from bench.real_pair import run as run_real_pair
 
         only = tuple(d.strip() for d in args.real_pair_drafts.split(",") if d.strip())
-        return run_real_pair(args.out, command, only=only)
+        return run_real_pair(args.out, command, only=only, head=args.real_pair_head)
     if args.only == "tp":  # the target split over 1, 2, 3 tensor-parallel ranks (bench/tensor_parallel.py)
         from bench.tensor_parallel import TARGET as TP_TARGET
         from bench.tensor_parallel import run as run_tp
