@@ -10,6 +10,9 @@ Kept: requests that ended by themselves (the target closed its turn), of 4 to `m
 no template tokens, not degenerate (a word 3-gram repeated 3 times), sharing no 8-gram with an
 evaluation text (`heldout`), and not a near-duplicate of a request already kept (Jaccard similarity of
 word 4-grams >= 0.5 against any earlier one sharing a 4-gram).
+
+Beside them, `fixed_requests` shards a given prompt list (the product's templated prompts, the ones the
+feature-fed head was trained on) from shard `FIXED_FIRST` on, so the two sources never share an index.
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ KINDS: dict[str, list[str]] = {
 # longer requests for kinds that carry a passage
 MAX_NEW = {"summary": 224, "passage": 224, "translation": 96}
 _WORD = re.compile(r"[A-Za-z0-9']+")
+# first shard index of the fixed (templated) requests; the target's own requests use 0..FIXED_FIRST - 1
+FIXED_FIRST = 1000
 
 
 @dataclass
@@ -113,3 +118,12 @@ def write_requests(tok: Any, model: Any, n: int, seed: int, batch: int, filt: Re
             if filt.add(text):
                 rows.append({"kind": kind, "opener": opener, "text": text})
     return rows
+
+
+def fixed_requests(prompts: list[str], per_shard: int, held: HeldOut, seed: int = 0) -> list[list[dict[str, Any]]]:
+    """`prompts` deduplicated, shuffled with `seed`, those sharing an 8-gram with an evaluation text
+    dropped, in shards of `per_shard` rows of kind "template" (shard j is stored at FIXED_FIRST + j)."""
+    kept = [p for p in dict.fromkeys(prompts) if held.clean(p)]
+    random.Random(seed).shuffle(kept)
+    return [[{"kind": "template", "opener": "", "text": p} for p in kept[i:i + per_shard]]
+            for i in range(0, len(kept), per_shard)]
