@@ -14,6 +14,10 @@ k tokens greedily on its own predicted states and its own argmax tokens (`drafti
 Starts are the t whose first draft is an answer token (t + 2 >= prompt_len) and whose `k` drafts all lie
 in the row. By default only greedy answers (temperature 0) are scored: their tokens are the target's own
 choices under the product's processing (repetition penalty 1.1), so agreement there is acceptance.
+
+`prompt_rows` makes such rows for any prompts (the benchmarks' own: the target answers them greedily, then
+its states are taken as for training), so either head can be scored offline on exactly what a benchmark
+asks; a live figure far below it then points at drafting, one close to it at the data's coverage.
 """
 
 from __future__ import annotations
@@ -25,10 +29,13 @@ from typing import Any
 
 import torch
 
-from drafting.states import is_heldout, load_states, output_ids
+from drafting.answers import PENALTY
+from drafting.states import is_heldout, load_states, output_ids, target_states
+from drafting.target import Sampling, chat_ids, sample_batch
 from drafting.train import TrainConfig, trained_head, unroll
 from edge.drafters.attention_head import AttentionHead
 from edge.drafters.feature_head import FeatureHead
+from shared.config import SamplingConfig
 
 
 @torch.no_grad()
@@ -75,6 +82,20 @@ def evaluate(head: AttentionHead | FeatureHead, rows: list[dict[str, Any]], k: i
     parts = [row_hits(head, r, k) for r in rows]
     res = summarise(torch.cat(parts) if parts else torch.zeros(0, k, dtype=torch.bool))
     return {"rows": len(rows), **res}
+
+
+@torch.inference_mode()
+def prompt_rows(tok: Any, model: Any, prompts: list[str], window: int, max_new: int = 256,
+                batch: int = 8) -> list[dict[str, Any]]:
+    """States rows (as `drafting.states.target_states` makes them) of the target's greedy answers, with the
+    edge's repetition penalty, to each of `prompts`, in order; `batch` prompts per forward."""
+    s = Sampling(SamplingConfig(temperature=0.0, repetition_penalty=PENALTY), max_new, (int(tok.eos_token_id),))
+    chats = [chat_ids(tok, p) for p in prompts]
+    news: list[list[int]] = []
+    for b0 in range(0, len(chats), batch):
+        news += sample_batch(model, chats[b0:b0 + batch], s, torch.Generator())
+    rows = [{"prompt_len": len(c), "ids": c + n, "temperature": 0.0} for c, n in zip(chats, news, strict=True)]
+    return target_states(model, rows, window, batch)
 
 
 def heldout_rows(cfg: TrainConfig, greedy_only: bool = True) -> tuple[list[dict[str, Any]], list[int]]:

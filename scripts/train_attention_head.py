@@ -3,6 +3,7 @@
     nice -n 19 .venv/bin/python scripts/train_attention_head.py states
     nice -n 19 .venv/bin/python scripts/train_attention_head.py train --minutes 600
     nice -n 19 .venv/bin/python scripts/train_attention_head.py eval
+    nice -n 19 .venv/bin/python scripts/train_attention_head.py eval --prompts specbench [--feature-head DIR]
     nice -n 19 .venv/bin/python scripts/train_attention_head.py export --out models/smollm2-135m-attention-head
 
 Every knob of drafting.train.TrainConfig is an option (--work, --batch, --unroll, ...); give the same
@@ -23,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from drafting.evaluate import evaluate, export, heldout_rows  # noqa: E402
+from drafting.evaluate import evaluate, export, heldout_rows, prompt_rows  # noqa: E402
 from drafting.states import make_states, output_ids  # noqa: E402
 from drafting.target import load_target  # noqa: E402
 from drafting.train import TrainConfig, train, trained_head  # noqa: E402
@@ -41,6 +42,10 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, TrainConfig]:
     ap.add_argument("--head", type=Path, help="eval: an exported head directory (default: the checkpoint)")
     ap.add_argument("--feature-head", type=Path,
                     help="eval: a feature-fed head directory (e.g. models/smollm2-135m-head), on the same rows")
+    ap.add_argument("--prompts", choices=["bench", "specbench"],
+                    help="eval: score on the target's greedy answers to the real-pair bench's chat prompts or "
+                         "the Spec-Bench subset (by category) instead of held-out shards; answers and states "
+                         "are made once and kept in <work>/prompts-<name>.pt")
     ap.add_argument("--states-batch", type=int, default=16, help="states: rows per target forward")
     for f in dataclasses.fields(TrainConfig):
         ap.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default,
@@ -48,6 +53,30 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, TrainConfig]:
     args = ap.parse_args(argv)
     cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
     return args, cfg
+
+
+def prompt_sets(name: str, cfg: TrainConfig) -> dict[str, list[dict]]:
+    """name -> states rows of the target's greedy answers: "bench" (bench/real_pair.py's chat prompts, all,
+    and the first 4 the bench runs live) or "specbench" (the committed subset's first turns, by category)."""
+    import torch
+    cache = Path(cfg.work) / f"prompts-{name}.pt"
+    if name == "bench":
+        from bench.real_pair import PROMPTS
+        groups = {"all": list(PROMPTS)}
+    else:
+        groups = {}
+        for line in (REPO / "bench" / "specbench" / "questions.jsonl").read_text().splitlines():
+            q = json.loads(line)
+            groups.setdefault(q["category"], []).append(q["turns"][0])
+    if cache.exists():
+        made = torch.load(cache, weights_only=True)
+    else:
+        tok, model = load_target(Path(cfg.target), cfg.threads)
+        made = {g: prompt_rows(tok, model, ps, cfg.window) for g, ps in groups.items()}
+        torch.save(made, cache)
+    if name == "bench":
+        made = {"all": made["all"], "first 4 (live bench)": made["all"][:4]}
+    return {**made, "all": [r for g in groups for r in made[g]]} if name == "specbench" else made
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,7 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     elif args.phase == "eval":
         head = (FeatureHead.load(args.feature_head) if args.feature_head else
                 AttentionHead.load(args.head) if args.head else trained_head(cfg)[0])
-        print(json.dumps(evaluate(head, heldout_rows(cfg)[0], cfg.eval_k), indent=1))
+        if args.prompts:
+            sets = prompt_sets(args.prompts, cfg)
+            print(json.dumps({name: evaluate(head, rows, cfg.eval_k) for name, rows in sets.items()}, indent=1))
+        else:
+            print(json.dumps(evaluate(head, heldout_rows(cfg)[0], cfg.eval_k), indent=1))
     else:
         print(json.dumps(export(cfg, args.out, command), indent=1))
     return 0

@@ -87,3 +87,30 @@ def test_the_feature_head_is_scored_on_the_same_starts(tiny_work: Path, tiny_mod
     oracle.step = lambda s, x: s  # type: ignore[method-assign]
     lagging = torch.cat([row_hits(oracle, r, k) for r in rows])
     assert summarise(lagging)["by_position"][0] < 0.5
+
+
+class _CharTok:
+    """A stand-in tokenizer: a chat is 3 marker ids then one id per character."""
+    eos_token_id = 2
+
+    def apply_chat_template(self, msgs: list, add_generation_prompt: bool, tokenize: bool) -> list[int]:
+        return [7, 8, 9] + [10 + ord(c) % 40 for c in msgs[0]["content"]]
+
+
+def test_prompt_rows_answer_each_prompt_greedily_in_order(tiny_model: Any) -> None:
+    """Rows for the benchmarks' prompts: each is the prompt's chat ids then the target's greedy answer
+    (penalty 1.1) whatever the batching, with the states a training row would have."""
+    from drafting.answers import PENALTY
+    from drafting.evaluate import prompt_rows
+    from drafting.states import state_start
+    from drafting.target import Sampling, sample_batch
+    from shared.config import SamplingConfig
+    tok, prompts = _CharTok(), ["a short one", "a rather longer prompt", "mid"]
+    rows = prompt_rows(tok, tiny_model, prompts, window=4, max_new=7, batch=2)
+    s = Sampling(SamplingConfig(temperature=0.0, repetition_penalty=PENALTY), 7, (2,))
+    for p, r in zip(prompts, rows, strict=True):
+        chat = tok.apply_chat_template([{"content": p}], True, True)
+        alone = sample_batch(tiny_model, [chat], s, torch.Generator())[0]
+        assert r["ids"].tolist() == chat + alone and r["prompt_len"] == len(chat)
+        assert r["start"] == state_start(len(chat), 4)
+        assert r["states"].shape == (len(chat) + len(alone) - 1 - r["start"], tiny_model.config.hidden_size)
