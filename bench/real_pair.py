@@ -179,12 +179,13 @@ def fixed_k(cloud_url: str, tokenizer: Any, n_new: int, prompts: list[str],
 def measure(s: Any, tokenizer: Any, prompts: list[str], row: dict[str, Any]) -> dict[str, Any]:
     """Totals of one setting over the prompts: tokens per verify call, acceptance, by position (depth), bytes."""
     tot: dict[str, Any] = {"emitted": 0, "verify": 0, "drafted": 0, "accepted": 0, "down": 0, "up": 0,
-                           "pos_d": [], "pos_a": [], "feature": 0, "nodes": 0}
+                           "pos_d": [], "pos_a": [], "feature": 0, "nodes": 0, "copy": 0, "copy_acc": 0}
     for text in prompts:
         m = run_session(s, tokenizer, text).metrics
         for key, v in (("emitted", m.emitted), ("verify", m.verify_calls), ("drafted", m.drafted),
                        ("accepted", m.accepted), ("down", m.bytes_down), ("up", m.bytes_up),
-                       ("feature", m.feature_bytes), ("nodes", m.tree_nodes)):
+                       ("feature", m.feature_bytes), ("nodes", m.tree_nodes), ("copy", m.copy_nodes),
+                       ("copy_acc", m.copy_accepted)):
             tot[key] += v
         for i, (d, a) in enumerate(zip(m.position_drafted, m.position_accepted, strict=True)):
             if i == len(tot["pos_d"]):
@@ -197,13 +198,14 @@ def measure(s: Any, tokenizer: Any, prompts: list[str], row: dict[str, Any]) -> 
             "acceptance": tot["accepted"] / max(tot["drafted"], 1),
             "by_position": [a / d if d else 0.0 for a, d in zip(tot["pos_a"], tot["pos_d"], strict=True)][:8],
             "down_bytes_per_round": tot["down"] / calls, "up_bytes_per_round": tot["up"] / calls,
-            "feature_bytes_per_round": tot["feature"] / calls, "nodes_per_round": tot["nodes"] / calls}
+            "feature_bytes_per_round": tot["feature"] / calls, "nodes_per_round": tot["nodes"] / calls,
+            "copy_nodes_per_round": tot["copy"] / calls, "copy_accepted_per_round": tot["copy_acc"] / calls}
 
 
 def specbench(cloud_url: str, tokenizer: Any, n_new: int, head: str = "") -> list[dict[str, Any]]:
     """Tokens per verify call on the Spec-Bench subset by category: the head's (`head`, default the edge's
-    default head) chain of k = 6 against its automatic trees (greedy, the edge's default penalty, no drafting
-    ahead)."""
+    default head) chain of k = 6 against its automatic trees, with copy branches (the default) and without
+    (greedy, the edge's default penalty, no drafting ahead)."""
     import json
 
     from edge.settings import EdgeSettings, default_draft, default_head
@@ -213,7 +215,9 @@ def specbench(cloud_url: str, tokenizer: Any, n_new: int, head: str = "") -> lis
     for q in questions:
         by_cat.setdefault(q["category"], []).append(q["turns"][0])
     rows = []
-    shapes: list[tuple[str, dict[str, Any]]] = [("chain", {"fixed_k": 6, "tree": "off"}), ("tree", {"tree": "auto"})]
+    shapes: list[tuple[str, dict[str, Any]]] = [("chain", {"fixed_k": 6, "tree": "off"}),
+                                                ("tree, no copy", {"tree": "auto", "tree_copy": False}),
+                                                ("tree", {"tree": "auto"})]
     for shape, fixed in shapes:
         s = EdgeSettings(cloud_url=cloud_url, temperature=0, max_new_tokens=n_new, seed=1, draft_ahead=False,
                          timeout_ms=120_000, stop_at_eos=False, check_last=False, draft=default_draft(), stream_switch=False,
@@ -301,12 +305,14 @@ def render(c: dict[str, Any], fk: list[dict[str, Any]], e2e: list[dict[str, Any]
         sb_cell = {(r["category"], r["shape"]): r for r in sb}
         lines += ["", f"### Spec-Bench subset by category (the head `{Path(head or default_head()).name}`, greedy, "
                   "5 questions each, `bench/specbench/`)", "",
-                  "| category | chain k = 6: tokens per verify call | trees (automatic size): tokens per verify call "
-                  "(aim >= 2.0) | nodes per round |", "|---|---|---|---|"]
+                  "| category | chain k = 6: tokens per verify call | trees (automatic size) without copy branches | "
+                  "trees with copy branches (the default): tokens per verify call (aim >= 2.0) | nodes per round "
+                  "(copy-branch nodes, accepted) |", "|---|---|---|---|---|"]
         for cat in cats:
-            ch, tr = sb_cell[(cat, "chain")], sb_cell[(cat, "tree")]
-            lines.append(f"| {cat} | {ch['tokens_per_call']:.2f} | **{tr['tokens_per_call']:.2f}** | "
-                         f"{tr['nodes_per_round']:.1f} |")
+            ch, nc, tr = (sb_cell[(cat, s)] for s in ("chain", "tree, no copy", "tree"))
+            lines.append(f"| {cat} | {ch['tokens_per_call']:.2f} | {nc['tokens_per_call']:.2f} ({nc['nodes_per_round']:.1f}) | "
+                         f"**{tr['tokens_per_call']:.2f}** | {tr['nodes_per_round']:.1f} ({tr['copy_nodes_per_round']:.1f}, "
+                         f"{tr['copy_accepted_per_round']:.2f}) |")
     with_head = f" with the head `{Path(head).name}`" if head else ""
     lines += ["", f"### One session end to end: the edge's defaults{with_head} against cloud_only (greedy)", "",
               "Decode tokens/s: the tokens after the first over the time after the first, summed over the prompts "

@@ -56,6 +56,7 @@ _FLAGS: dict[str, str] = {"cloud": "cloud_url", "grpc": "grpc_target", "api_key"
                           "draft_ahead": "draft_ahead", "max_body_bytes": "max_body_bytes", "head": "head",
                           "feature_encoding": "feature_encoding", "check_last": "check_last", "tree": "tree",
                           "tree_width": "tree_width", "tree_depth": "tree_depth", "tree_max_nodes": "tree_max_nodes",
+                          "tree_copy": "tree_copy",
                           "stream_switch": "stream_switch", "objective": "objective"}
 
 
@@ -95,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                   "(default 4)")
     g.add_argument("--tree-depth", type=int, help="levels of the first tree (default 6; then adapted)")
     g.add_argument("--tree-max-nodes", type=int, help="most nodes a tree sends (default 32)")
+    g.add_argument("--tree-copy", action=argparse.BooleanOptionalAction, default=None,
+                   help="graft into every tree what followed the context's last tokens earlier in it (copy "
+                        "branches; default on)")
     g.add_argument("--stream-switch", action=argparse.BooleanOptionalAction, default=None,
                    help="let the cloud stream target-only tokens on the session whenever that is cheaper than "
                         "speculating, and speculate again when that pays (greedy and tree sessions; default on)")
@@ -196,6 +200,7 @@ def summary_table(result: GenerationResult) -> str:
             ("cloud calls", m.cloud_calls), ("drafted / accepted", f"{m.drafted} / {m.accepted}"),
             ("acceptance rate", f"{m.acceptance_rate:.3f}"), ("mean accepted length", f"{m.mean_accepted_len:.2f}"),
             ("tree rounds, nodes sent", f"{m.tree_rounds}, {m.tree_nodes}"),
+            ("copy-branch nodes sent / accepted", f"{m.copy_nodes} / {m.copy_accepted}"),
             ("tokens per cloud call", f"{m.tokens_per_call:.2f}"),
             ("tokens speculated / streamed, switches", f"{m.emitted - m.streamed} / {m.streamed}, {m.switches}"),
             ("by origin", ", ".join(f"{k}={v}" for k, v in m.by_origin.items() if v)),

@@ -366,7 +366,8 @@ class EdgeClient:
             return None
         most = min(s.tree_max_nodes, info.max_tree_nodes)
         fixed = None if s.tree == "auto" else min(int(s.tree), info.max_tree_nodes)
-        return TreeControl(max_nodes=most, width=s.tree_width, depth=s.tree_depth, fixed_nodes=fixed)
+        return TreeControl(max_nodes=most, width=s.tree_width, depth=s.tree_depth, fixed_nodes=fixed,
+                           copy_branches=s.tree_copy)
 
     def _way_control(self, info: ModelInfo, transport: Transport) -> WayControl | None:
         """The speculate-or-stream controller, when the settings allow it and the cloud streams on a session."""

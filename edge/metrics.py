@@ -135,6 +135,9 @@ class EdgeMetrics:
     # token trees: verified rounds that sent a tree, and the nodes they sent (also counted in `drafted`)
     tree_rounds: int = 0
     tree_nodes: int = 0
+    # copy branches (edge/drafters/lookup.py): nodes sent that only a copy branch proposed, and those accepted
+    copy_nodes: int = 0
+    copy_accepted: int = 0
     # tokens the cloud streamed on the session instead of rounds (edge/waycontrol.py), the stream calls,
     # and the switches between speculating and streaming
     streamed: int = 0

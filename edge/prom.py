@@ -61,6 +61,9 @@ class EdgePrometheus:
     # token trees: verified rounds that sent one, and the nodes they sent
     tree_rounds: Counter
     tree_nodes: Counter
+    # copy branches: tree nodes only a copy branch proposed, sent and accepted
+    copy_nodes: Counter
+    copy_accepted: Counter
     # generated tokens by way (speculated in rounds, streamed by the cloud on the session), stream calls, and
     # switches between the two (edge/waycontrol.py)
     way_tokens: Counter
@@ -115,6 +118,9 @@ class EdgePrometheus:
             tree_rounds=Counter(p + "tree_rounds", "Verified rounds that sent a token tree.", registry=r),
             tree_nodes=Counter(p + "tree_nodes", "Token-tree nodes sent to the cloud (also in drafted_tokens).",
                                registry=r),
+            copy_nodes=Counter(p + "copy_nodes", "Tree nodes only a copy branch proposed (also in tree_nodes).",
+                               registry=r),
+            copy_accepted=Counter(p + "copy_accepted", "Copy-branch nodes the target accepted.", registry=r),
             way_tokens=Counter(p + "way_tokens", "Generated tokens by way: speculated (rounds) or streamed (the "
                                "cloud streaming on the session).", ["way"], registry=r),
             stream_calls=Counter(p + "stream_calls", "Streams of target-only tokens on a session.", registry=r),
@@ -155,6 +161,8 @@ class EdgePrometheus:
         self.timeouts.inc(m.timeouts)
         self.tree_rounds.inc(m.tree_rounds)
         self.tree_nodes.inc(m.tree_nodes)
+        self.copy_nodes.inc(m.copy_nodes)
+        self.copy_accepted.inc(m.copy_accepted)
         if m.rounds or m.streamed:  # a speculative generation
             self.way_tokens.labels("speculated").inc(max(0, m.emitted - m.streamed))
             self.way_tokens.labels("streamed").inc(m.streamed)

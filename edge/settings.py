@@ -116,6 +116,9 @@ class EdgeSettings(BaseSettings):
     tree_width: int = Field(default=4, ge=1, le=16)
     tree_depth: int = Field(default=6, ge=1, le=32)
     tree_max_nodes: int = Field(default=32, ge=1, le=256)
+    # copy branches (edge/drafters/lookup.py): what followed the context's last tokens earlier in it, grafted
+    # into every tree (exact like any tree; only tokens per call move)
+    tree_copy: bool = True
     # speculate or stream per session (edge/waycontrol.py): greedy and tree sessions let the cloud stream
     # target-only tokens on the session while that is cheaper by `objective` ("latency": the edge's wall
     # time per token; "cloud": the cloud's forward time per token); off: always speculate

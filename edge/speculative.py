@@ -39,6 +39,7 @@ from shared.verify import sample_residual
 
 from .deadline import DeadlineConfig, VerifyDeadline
 from .drafters.base import DraftBlock, Drafter
+from .drafters.lookup import graft, lookup_path
 from .drafters.tree import prune
 from .gating import GateDecision, GateThresholds, decide
 from .kcontrol import CostModelK, RoundCosts
@@ -134,6 +135,7 @@ class SpeculativeRun:
             if draft_ahead and DraftAhead.supports(drafter) else None
         # token trees (edge/treecontrol.py) when the drafter grows them; rounds without one are chains
         self.tree = tree if tree is not None and hasattr(drafter, "propose_tree") and gate is None else None
+        self._copy_path: list[int] = []  # the copy branch grafted into this round's tree
         # speculate or stream (edge/waycontrol.py): only where every committed token is the target's own draw
         # whichever way decided it (greedy, or draw-and-match trees), so the text does not depend on switches
         same_text = params.sampling.greedy or self.tree is not None
@@ -353,6 +355,9 @@ class SpeculativeRun:
         block = grow(self.S, replace(shape, depth=depth), self.params.sampling, self.params.seed)
         if block is None or block.k == 0:
             return None
+        self._copy_path = lookup_path(self.S, depth) if self.tree.copy_branches else []
+        if self._copy_path:
+            block = graft(block, self._copy_path, self.tree.copy.value)
         block = prune(block, min(nodes, self.tree.choose(block.values)))
         edge_ms = (self.clock() - t0) * 1000
         self.metrics.edge_time_ms += edge_ms
@@ -540,7 +545,7 @@ class SpeculativeRun:
         m.cloud_prefill_ms += resp.metrics.prefill_ms
         cloud_ms = resp.metrics.prefill_ms + resp.metrics.queue_ms
         if block.parents is not None:
-            self._observe_tree(block, la, rtt_ms, cloud_ms)
+            self._observe_tree(block, la, rtt_ms, cloud_ms, resp.accepted_nodes or [])
             self._record(block.k, la, resp.next_kind, "cloud", len(out), edge_ms, rtt_ms, traffic, decision,
                          alpha=resp.metrics.alpha_mean, prefill=resp.metrics.prefill_ms, extra_calls=extra_calls,
                          queue=resp.metrics.queue_ms)
@@ -558,8 +563,9 @@ class SpeculativeRun:
                      queue=resp.metrics.queue_ms)
         return out
 
-    def _observe_tree(self, block: DraftBlock, la: int, rtt_ms: float, cloud_ms: float) -> None:
-        """A verified tree round: the tree controller's estimates, and acceptance by depth."""
+    def _observe_tree(self, block: DraftBlock, la: int, rtt_ms: float, cloud_ms: float,
+                      accepted: list[int]) -> None:
+        """A verified tree round: the tree controller's estimates, acceptance by depth, and copy branches'."""
         assert block.parents is not None and block.values is not None and self.tree is not None
         depth: list[int] = []
         for par in block.parents:
@@ -569,6 +575,10 @@ class SpeculativeRun:
         self.metrics.tree_nodes += block.k
         self.metrics.record_positions(deepest, la)
         self.tree.observe(block.k, sum(block.values), la, deepest, rtt_ms, cloud_ms)
+        if block.copied is not None:
+            self.metrics.copy_nodes += sum(block.copied)
+            self.metrics.copy_accepted += sum(block.copied[j] for j in accepted)
+            self.tree.copy.observe(block, self._copy_path, accepted)
         self._prev_drafted = False
 
     def _commit_local(self, block: DraftBlock, tokens: list[int], why: str, edge_ms: float,

@@ -16,7 +16,9 @@ BENCHMARKS.md "The real pair"), so a run of equal counts, which shows no slope, 
 as free nodes; every `probe_every`-th round sends half the chosen count to keep the slope measured. RTT is the
 answer's wall time minus the cloud's reported time. The tree is drafted before the choice, so drafting time
 is spent either way and does not enter it.
-`fixed_nodes` sends that many nodes whatever the costs. Depth follows use: when the deepest sent node sits
+`fixed_nodes` sends that many nodes whatever the costs. With `copy_branches` every grown tree gets the
+context's own continuation grafted in before the choice (edge/drafters/lookup.py), valued by `copy`, the
+running share of copy nodes accepted. Depth follows use: when the deepest sent node sits
 at the last level grown, the next tree grows one level deeper; when the sent tree stops two levels short,
 one level shallower (within [depth_min, depth_max]).
 """
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .drafters.lookup import CopyConfidence
 from .drafters.tree import TreeShape
 
 
@@ -55,6 +58,9 @@ class TreeControl:
     rtt_weight: float = 0.4
     # exponentially weighted sums of the verify fit: weight, x, y, x^2, x y (x = nodes + 1, y = ms)
     _fit: list[float] = field(default_factory=lambda: [0.0] * 5)
+    # copy branches grafted into each tree, and their running acceptance
+    copy_branches: bool = True
+    copy: CopyConfidence = field(default_factory=CopyConfidence)
     _rounds: int = 0
 
     def shape(self) -> TreeShape:

@@ -38,6 +38,8 @@ class DraftBlock:
     parents: list[int] | None = None
     # a tree's path confidences: the product of the draft's q along each node's path
     values: list[float] | None = None
+    # a tree's nodes that only a copy branch proposed (edge/drafters/lookup.py); None: none grafted
+    copied: list[bool] | None = None
 
     @property
     def k(self) -> int:

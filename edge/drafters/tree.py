@@ -106,4 +106,5 @@ def prune(block: DraftBlock, n: int) -> DraftBlock:
     new_index = {j: i for i, j in enumerate(keep)}
     return DraftBlock(tokens=[block.tokens[j] for j in keep], q_probs=[block.q_probs[j] for j in keep],
                       kind=block.kind, parents=[-1 if block.parents[j] < 0 else new_index[block.parents[j]]
-                                                for j in keep], values=[vals[j] for j in keep])
+                                                for j in keep], values=[vals[j] for j in keep],
+                      copied=None if block.copied is None else [block.copied[j] for j in keep])

@@ -13,7 +13,9 @@ the rule being dropped. These chain runs send chains (`tree="off"`).
 Token trees (the default with a model draft) are walked by draw and match (shared/tree.py): every token is
 the target's own seeded draw at its position, so a tree session's text is the text target-only generation
 (`cloud_only`, `/v1/generate`) gives for the seed, whatever the trees' sizes, the transport or a reopen, and
-whichever positions the cloud streamed on the session instead (edge/waycontrol.py).
+whichever positions the cloud streamed on the session instead (edge/waycontrol.py), and whether copy
+branches (edge/drafters/lookup.py) were grafted into the trees: the prompt repeats a phrase so they are, and
+a drafter whose own node is always wrong shows accepted copy nodes leave the text as it was.
 """
 
 from __future__ import annotations
@@ -26,13 +28,15 @@ import pytest
 
 from edge.client import EdgeClient
 from edge.drafters import ModelDrafter
+from edge.drafters.base import DraftBlock
 from edge.settings import EdgeSettings
 from edge.waycontrol import WayControl
 from tests.e2e.test_feature_fed import ClosesOnce
 from tests.server import CloudProcess
 
 N_NEW = 48
-PROMPT = "The committee met on a cold Tuesday morning to decide the future of the old library."
+PROMPT = ("The committee met on a cold Tuesday morning to decide the future of the old library. On Friday the "
+          "committee met again to decide the future of the old")
 SCHEDULES: list[dict[str, Any]] = [
     {"fixed_k": 1, "draft_ahead": False}, {"fixed_k": 3, "draft_ahead": False}, {"fixed_k": 6, "draft_ahead": True},
     {"k_policy": "cost", "draft_ahead": True}, {"k_policy": "cost", "draft_ahead": False},
@@ -84,13 +88,42 @@ def test_tree_sessions_give_the_target_only_text_of_the_seed(tiny_cloud_server: 
                                                              seed: int) -> None:
     c, d = tiny_cloud_server, tiny_pair[1]
     want = run(c, tokenizer, d, seed, mode="cloud_only")
-    texts = [run(c, tokenizer, d, seed, tree="auto"), run(c, tokenizer, d, seed, tree="4"),
-             run(c, tokenizer, d, seed, tree="24", tree_depth=8),
-             run(c, tokenizer, d, seed, transport="grpc", tree="12"),
-             run(c, tokenizer, d, seed, reopen=True, tree="8")]
+    runs = [run(c, tokenizer, d, seed, tree="auto", result=True), run(c, tokenizer, d, seed, tree="4", result=True),
+            run(c, tokenizer, d, seed, tree="24", tree_depth=8, result=True),
+            run(c, tokenizer, d, seed, tree="24", tree_depth=8, tree_copy=False, result=True),
+            run(c, tokenizer, d, seed, transport="grpc", tree="12", result=True),
+            run(c, tokenizer, d, seed, reopen=True, tree="8", result=True)]
+    texts = [r.token_ids for r in runs]
     parted = [next((i for i, (a, b) in enumerate(zip(t, want, strict=True)) if a != b), None) for t in texts]
     assert parted == [None] * len(texts), f"texts part from the target-only text at {parted}"
     assert len(want) == N_NEW
+    # copy branches (on by default, edge/drafters/lookup.py) were grafted and sent, and only where on
+    copy = [r.metrics.copy_nodes for r in runs]
+    assert copy[3] == 0 and sum(n > 0 for n in copy) == 5, copy
+
+
+class OneWrongNode(ModelDrafter):
+    """Trees of one node that is never the target's token: whatever a round accepts came from a copy branch."""
+
+    def propose_tree(self, context: Any, shape: Any, cfg: Any, seed: int) -> DraftBlock:
+        return DraftBlock(tokens=[0], q_probs=[0.5], kind="sampled", parents=[-1], values=[0.01])
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_accepted_copy_branches_keep_the_target_only_text(tiny_cloud_server: CloudProcess,
+                                                          tiny_pair: tuple[Path, Path], tokenizer: Any,
+                                                          temperature: float) -> None:
+    """Copy nodes accepted, and the text still the seed's target-only text: greedy (the random target's text
+    repeats itself, so its own earlier continuations come true) and sampled."""
+    s = EdgeSettings(cloud_url=tiny_cloud_server.http_url, temperature=temperature, top_p=0.9, max_new_tokens=96,
+                     seed=5, stop_at_eos=False, head="none", draft=str(tiny_pair[1]), timeout_ms=60_000,
+                     stream_switch=False, tree="auto")
+    want = EdgeClient(s.model_copy(update={"mode": "cloud_only"}), tokenizer=tokenizer).generate(PROMPT).token_ids
+    r = EdgeClient(s, tokenizer=tokenizer, drafter=OneWrongNode(tiny_pair[1])).generate(PROMPT)
+    assert r.token_ids == want
+    assert r.metrics.copy_nodes > 0 and r.metrics.local_commits == 0
+    if temperature == 0.0:
+        assert r.metrics.copy_accepted > 0 and r.metrics.accepted == r.metrics.copy_accepted
 
 
 class RandomWays(WayControl):
