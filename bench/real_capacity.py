@@ -49,7 +49,7 @@ def record(cloud_url: str, tree: str, n_new: int) -> list[Trace]:
         transport.rounds = []
         res = client.generate(ids, sampling=SamplingConfig.from_dict(GREEDY), seed=i)
         traces.append(Trace(f"chat-{i}", f"head, tree {tree}", i, ids, list(res.token_ids), transport.rounds,
-                            feature_encoding=settings.feature_encoding))
+                            feature_encoding=client.encoding_for(client.model_info())))
     client.close()
     return traces
 

@@ -36,6 +36,7 @@ from drafting.train import TrainConfig, trained_head, unroll
 from edge.drafters.attention_head import AttentionHead
 from edge.drafters.feature_head import FeatureHead
 from shared.config import SamplingConfig
+from shared.features import decode_states, encode_states
 
 
 @torch.no_grad()
@@ -96,6 +97,12 @@ def prompt_rows(tok: Any, model: Any, prompts: list[str], window: int, max_new: 
         news += sample_batch(model, chats[b0:b0 + batch], s, torch.Generator())
     rows = [{"prompt_len": len(c), "ids": c + n, "temperature": 0.0} for c, n in zip(chats, news, strict=True)]
     return target_states(model, rows, window, batch)
+
+
+def on_wire(rows: list[dict[str, Any]], encoding: str) -> list[dict[str, Any]]:
+    """`rows` with their states as the edge receives them: through `encoding` ("float16" or "int8", one
+    scale per state: shared/features.py) and back, so a head is scored on the precision it drafts from."""
+    return [{**r, "states": decode_states(encode_states(r["states"], encoding, 0))} for r in rows]
 
 
 def heldout_rows(cfg: TrainConfig, greedy_only: bool = True) -> tuple[list[dict[str, Any]], list[int]]:

@@ -74,8 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "models/smollm2-135m-draft-from-target)")
     g.add_argument("--head", help="feature-fed draft head directory, or 'none' (default models/smollm2-135m-head); "
                                   "used whenever the cloud offers features that match it, --draft otherwise")
-    g.add_argument("--feature-encoding", choices=["float16", "int8"],
-                   help="how the cloud sends the feature (default float16: 1,152 bytes a round for SmolLM2)")
+    g.add_argument("--feature-encoding", choices=["auto", "float16", "int8"],
+                   help="how the cloud sends the target's states (default auto: int8, 580 bytes a state for "
+                        "SmolLM2, when the cloud offers it, else float16, 1,152)")
     g.add_argument("--tokenizer", help="tokenizer directory (default: the draft's; with --draft ngram, "
                                        "models/smollm2-135m-draft-from-target, SmolLM2-135M-Instruct's tokenizer)")
     g.add_argument("--mode", choices=["speculative", "edge_only", "cloud_only"])

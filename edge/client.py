@@ -396,10 +396,18 @@ class EdgeClient:
                                        "attention_head.json): pass --head DIR or --head none")
         return self._head
 
+    def encoding_for(self, info: ModelInfo) -> str:
+        """The feature encoding to ask for: the setting's when the cloud offers it; "auto": int8, else float16."""
+        want = self.settings.feature_encoding
+        for e in (("int8", "float16") if want == "auto" else (want,)):
+            if e in info.feature_encodings:
+                return e
+        return ""
+
     def _feature_fed(self, info: ModelInfo, drafter: Drafter) -> Drafter | None:
         """`drafter` wrapped by the feature-fed head when the cloud offers features the head was trained on."""
-        if not isinstance(drafter, NoDrafter) and info.feature_size and self.settings.feature_encoding in \
-                info.feature_encodings and self.head() is not None:
+        if not isinstance(drafter, NoDrafter) and info.feature_size and self.encoding_for(info) \
+                and self.head() is not None:
             from .drafters.attention_drafter import AttentionDrafter
             from .drafters.attention_head import AttentionHead
             from .drafters.feature_head import FeatureDrafter
@@ -428,7 +436,7 @@ class EdgeClient:
             drafter = fed
             # a drafter that attends over past states asks for every committed position's (when offered)
             window = min(int(getattr(fed, "states_window", 0)), info.max_feature_window)
-            job.params = replace(job.params, feature_encoding=s.feature_encoding, feature_window=window)
+            job.params = replace(job.params, feature_encoding=self.encoding_for(info), feature_window=window)
         rows = _draft_part(drafter, "logit_rows")
         support = check_pairing(info, self.tokenizer, self.settings.tokenizer_dir(), _draft_fingerprint(drafter),
                                 int(rows) if rows is not None else None)

@@ -63,8 +63,9 @@ class EdgeSettings(BaseSettings):
     # a feature-fed draft head directory, or "none": drafts from the target's hidden state whenever the cloud
     # offers it (GET /v1/model feature_size), with `draft` as its fallback for rounds without a feature
     head: str = Field(default_factory=default_head)
-    # how the cloud sends the feature: "float16" (1,152 bytes a round for SmolLM2) or "int8" (580)
-    feature_encoding: Literal["float16", "int8"] = "float16"
+    # how the cloud sends the feature: "float16" (1,152 bytes a state for SmolLM2), "int8" (580: the heads draft
+    # as well from it, models/README.md) or "auto": int8 when the cloud offers it, else float16
+    feature_encoding: Literal["auto", "float16", "int8"] = "auto"
     # tokenizer directory; default: the draft directory, else the first default draft present
     tokenizer: str | None = None
     # torch device of the draft model

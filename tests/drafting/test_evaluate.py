@@ -114,3 +114,17 @@ def test_prompt_rows_answer_each_prompt_greedily_in_order(tiny_model: Any) -> No
         assert r["ids"].tolist() == chat + alone and r["prompt_len"] == len(chat)
         assert r["start"] == state_start(len(chat), 4)
         assert r["states"].shape == (len(chat) + len(alone) - 1 - r["start"], tiny_model.config.hidden_size)
+
+
+def test_on_wire_rows_carry_the_states_the_edge_decodes() -> None:
+    """`on_wire`: float16 rows are the float16 states exactly; int8 rows are within one quantum (max|x|/127,
+    per state) of them, differ from them somewhere, and keep every other field."""
+    from drafting.evaluate import on_wire
+    g = torch.Generator().manual_seed(0)
+    S = torch.randn(5, 16, generator=g) * torch.linspace(0.5, 8.0, 5)[:, None]
+    row = {"ids": torch.arange(9), "start": 2, "prompt_len": 3, "states": S}
+    half = on_wire([row], "float16")[0]
+    assert torch.equal(half["states"], S.half().float()) and half["ids"] is row["ids"]
+    q = on_wire([row], "int8")[0]["states"]
+    step = S.abs().amax(-1, keepdim=True) / 127
+    assert bool(((q - S).abs() <= step / 2 + 1e-6).all()) and not torch.equal(q, S)

@@ -100,3 +100,20 @@ def test_q_is_zero_outside_the_output_rows(tiny_pair: tuple[Path, Path], target:
     block = d.propose(PROMPT, 4, SamplingConfig(temperature=1.0, top_p=1.0), seed=3)
     for y, q in zip(block.tokens, block.q_full, strict=True):
         assert y < 512 and float(q[512:].sum()) == 0 and abs(float(q.sum()) - 1) < 1e-6 and q[y] > 0
+
+
+@pytest.mark.parametrize("setting,offered,asked", [
+    ("auto", ["float16", "int8"], "int8"), ("auto", ["float16"], "float16"), ("auto", [], ""),
+    ("float16", ["float16", "int8"], "float16"), ("int8", ["float16"], "")])
+def test_the_edge_asks_for_int8_states_where_offered_unless_told(setting: str, offered: list[str], asked: str) -> None:
+    """The encoding an open asks for: by default int8 (half the bytes; the heads draft as well from it,
+    models/README.md), float16 from a cloud offering only that; a named encoding the cloud lacks asks for
+    none (the edge drafts without the head)."""
+    from types import SimpleNamespace
+
+    from edge.client import EdgeClient
+    from edge.settings import EdgeSettings
+    from shared.protocol import ModelInfo
+    me = SimpleNamespace(settings=EdgeSettings(cloud_url="http://x", feature_encoding=setting))
+    info = ModelInfo("m", 10, feature_size=8, feature_encodings=offered)
+    assert EdgeClient.encoding_for(me, info) == asked  # type: ignore[arg-type]
