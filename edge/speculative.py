@@ -355,7 +355,8 @@ class SpeculativeRun:
         block = grow(self.S, replace(shape, depth=depth), self.params.sampling, self.params.seed)
         if block is None or block.k == 0:
             return None
-        self._copy_path = lookup_path(self.S, depth) if self.tree.copy_branches else []
+        copy_depth = min(max(depth, self.tree.copy_depth), remaining - 1)
+        self._copy_path = lookup_path(self.S, copy_depth) if self.tree.copy_branches else []
         if self._copy_path:
             block = graft(block, self._copy_path, self.tree.copy.value)
         block = prune(block, min(nodes, self.tree.choose(block.values)))
@@ -571,10 +572,12 @@ class SpeculativeRun:
         for par in block.parents:
             depth.append(1 if par < 0 else depth[par] + 1)
         deepest = max(depth, default=0)
+        # the draft's own levels steer the next tree's depth; a copy branch may run deeper than them
+        drafted = [d for d, c in zip(depth, block.copied or [False] * block.k, strict=True) if not c]
         self.metrics.tree_rounds += 1
         self.metrics.tree_nodes += block.k
         self.metrics.record_positions(deepest, la)
-        self.tree.observe(block.k, sum(block.values), la, deepest, rtt_ms, cloud_ms)
+        self.tree.observe(block.k, sum(block.values), la, max(drafted, default=0), rtt_ms, cloud_ms)
         if block.copied is not None:
             self.metrics.copy_nodes += sum(block.copied)
             self.metrics.copy_accepted += sum(block.copied[j] for j in accepted)

@@ -58,8 +58,11 @@ class TreeControl:
     rtt_weight: float = 0.4
     # exponentially weighted sums of the verify fit: weight, x, y, x^2, x y (x = nodes + 1, y = ms)
     _fit: list[float] = field(default_factory=lambda: [0.0] * 5)
-    # copy branches grafted into each tree, and their running acceptance
+    # copy branches grafted into each tree, the longest (they may run deeper than the draft's levels: a copied
+    # run often goes on for many tokens, and each node is valued by the copies' own acceptance), and their
+    # running acceptance
     copy_branches: bool = True
+    copy_depth: int = 16
     copy: CopyConfidence = field(default_factory=CopyConfidence)
     _rounds: int = 0
 

@@ -4,7 +4,8 @@ Text often repeats its own context: a summary quotes its passage, an answer from
 phrases, code repeats its names, a translation carries names and numbers over (prompt lookup decoding;
 SpecInfer merges several drafts into one tree the same way). `lookup_path` finds the latest earlier
 occurrence of the context's longest suffix of `max_match` down to `min_match` tokens and returns the tokens
-that followed it; `graft` merges that path into the draft's tree, following the nodes that already carry
+that followed it (a run that reaches the context's end goes on copying its own copy, so a text repeating
+with period d predicts d tokens and then the same again); `graft` merges that path into the draft's tree, following the nodes that already carry
 its tokens and adding the rest as new nodes.
 
 The tree rule (shared/tree.py) accepts a node iff the target's own draw matched its whole path, whatever
@@ -27,8 +28,9 @@ from .tree import TINY_Q
 
 def lookup_path(context: Sequence[int], depth: int, max_match: int = 4, min_match: int = 2,
                 scan: int = 8192) -> list[int]:
-    """Up to `depth` tokens that followed the latest earlier occurrence of the longest suffix of `context`
-    (`max_match` down to `min_match` tokens) within its last `scan` tokens; [] when none recurs."""
+    """`depth` tokens that followed the latest earlier occurrence of the longest suffix of `context`
+    (`max_match` down to `min_match` tokens) within its last `scan` tokens, continued periodically past the
+    context's end; [] when none recurs."""
     if depth < 1 or len(context) <= min_match:
         return []
     ctx = torch.as_tensor(list(context[-scan:]), dtype=torch.long)  # [L]
@@ -38,7 +40,10 @@ def lookup_path(context: Sequence[int], depth: int, max_match: int = 4, min_matc
         hits = (windows == ctx[-n:]).all(1).nonzero()  # [h, 1] starts of earlier occurrences
         if hits.numel():
             start = int(hits[-1, 0]) + n
-            return ctx[start:start + depth].tolist()
+            seq = ctx.tolist()
+            for j in range(depth):  # copying on past the context's end copies the copy (a repeating run)
+                seq.append(seq[start + j])
+            return seq[n_ctx:]
     return []
 
 

@@ -114,7 +114,7 @@ def test_accepted_copy_branches_keep_the_target_only_text(tiny_cloud_server: Clo
                                                           tiny_pair: tuple[Path, Path], tokenizer: Any,
                                                           temperature: float) -> None:
     """Copy nodes accepted, and the text still the seed's target-only text: greedy (the random target's text
-    repeats itself, so its own earlier continuations come true) and sampled."""
+    repeats itself, so its own earlier continuations come true, some rounds more than 10 of them) and sampled."""
     s = EdgeSettings(cloud_url=tiny_cloud_server.http_url, temperature=temperature, top_p=0.9, max_new_tokens=96,
                      seed=5, stop_at_eos=False, head="none", draft=str(tiny_pair[1]), timeout_ms=60_000,
                      stream_switch=False, tree="auto")
@@ -124,6 +124,9 @@ def test_accepted_copy_branches_keep_the_target_only_text(tiny_cloud_server: Clo
     assert r.metrics.copy_nodes > 0 and r.metrics.local_commits == 0
     if temperature == 0.0:
         assert r.metrics.copy_accepted > 0 and r.metrics.accepted == r.metrics.copy_accepted
+        # a copy branch runs deeper than any level the draft grows (at most depth_max = 10): some round
+        # accepted more than 10 of its tokens
+        assert sum(r.metrics.position_accepted[10:]) > 0, r.metrics.position_accepted
 
 
 class RandomWays(WayControl):

@@ -17,7 +17,9 @@ def test_lookup_takes_the_latest_occurrence_of_the_longest_suffix() -> None:
     assert lookup_path(ctx, 4, max_match=2) == [7, 8, 5, 1]
     assert lookup_path(ctx, 2) == [9, 9]
     assert lookup_path([4, 5, 6, 7], 3) == []  # nothing recurs
-    assert lookup_path([5, 5, 5, 5], 3) == [5]  # the continuation stops at the context's end
+    assert lookup_path([5, 5, 5, 5], 3) == [5, 5, 5]  # past the context's end it copies its own copy
+    assert lookup_path([7, 1, 2, 1, 2], 5) == [1, 2, 1, 2, 1]  # period 2
+    assert lookup_path(ctx, 12) == [9, 9, 2, 3, 7, 8, 5, 1, 2, 3, 9, 9]
     assert lookup_path(ctx, 0) == [] and lookup_path([1, 2], 3) == []
 
 
