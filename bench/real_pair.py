@@ -179,13 +179,14 @@ def fixed_k(cloud_url: str, tokenizer: Any, n_new: int, prompts: list[str],
 def measure(s: Any, tokenizer: Any, prompts: list[str], row: dict[str, Any]) -> dict[str, Any]:
     """Totals of one setting over the prompts: tokens per verify call, acceptance, by position (depth), bytes."""
     tot: dict[str, Any] = {"emitted": 0, "verify": 0, "drafted": 0, "accepted": 0, "down": 0, "up": 0,
-                           "pos_d": [], "pos_a": [], "feature": 0, "nodes": 0, "copy": 0, "copy_acc": 0}
+                           "pos_d": [], "pos_a": [], "feature": 0, "nodes": 0, "copy": 0, "copy_acc": 0,
+                           "open_down": 0, "opens": 0}
     for text in prompts:
         m = run_session(s, tokenizer, text).metrics
         for key, v in (("emitted", m.emitted), ("verify", m.verify_calls), ("drafted", m.drafted),
                        ("accepted", m.accepted), ("down", m.bytes_down), ("up", m.bytes_up),
                        ("feature", m.feature_bytes), ("nodes", m.tree_nodes), ("copy", m.copy_nodes),
-                       ("copy_acc", m.copy_accepted)):
+                       ("copy_acc", m.copy_accepted), ("open_down", m.open_bytes_down), ("opens", 1 + m.reopens)):
             tot[key] += v
         for i, (d, a) in enumerate(zip(m.position_drafted, m.position_accepted, strict=True)):
             if i == len(tot["pos_d"]):
@@ -197,7 +198,8 @@ def measure(s: Any, tokenizer: Any, prompts: list[str], row: dict[str, Any]) -> 
     return {**row, "tokens_per_call": tot["emitted"] / calls,
             "acceptance": tot["accepted"] / max(tot["drafted"], 1),
             "by_position": [a / d if d else 0.0 for a, d in zip(tot["pos_a"], tot["pos_d"], strict=True)][:8],
-            "down_bytes_per_round": tot["down"] / calls, "up_bytes_per_round": tot["up"] / calls,
+            "down_bytes_per_round": (tot["down"] - tot["open_down"]) / calls, "up_bytes_per_round": tot["up"] / calls,
+            "open_down_bytes": tot["open_down"] / max(tot["opens"], 1),
             "feature_bytes_per_round": tot["feature"] / calls, "nodes_per_round": tot["nodes"] / calls,
             "copy_nodes_per_round": tot["copy"] / calls, "copy_accepted_per_round": tot["copy_acc"] / calls}
 
@@ -290,14 +292,16 @@ def render(c: dict[str, Any], fk: list[dict[str, Any]], e2e: list[dict[str, Any]
               "over drafted tokens; a tree's is accepted over nodes sent. By position: the share of rounds that "
               "reached a draft position (a tree depth) and accepted it.", "",
               "| draft | shape | T | repetition penalty | tokens per verify call | acceptance | by position (depth) | "
-              "uplink bytes per round | downlink bytes per round (feature) |", "|---|---|---|---|---|---|---|---|---|"]
+              "uplink bytes per round | downlink bytes per round, opens apart (of which the target's states) | "
+              "downlink bytes per open |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in fk:
         pos = " / ".join(f"{a:.2f}" for a in r["by_position"])
         shape = f"chain k = {r['k']}" if r.get("shape", "chain") == "chain" else f"tree of {r['k']}"
         lines.append(f"| {r['draft']} | {shape} | {r['temperature']:g} | {r.get('penalty', 1.1):g} | "
                      f"**{r['tokens_per_call']:.2f}** | "
                      f"{r['acceptance']:.3f} | {pos} | {r.get('up_bytes_per_round', 0):.0f} | "
-                     f"{r['down_bytes_per_round']:.0f} ({r['feature_bytes_per_round']:.0f}) |")
+                     f"{r['down_bytes_per_round']:.0f} ({r['feature_bytes_per_round']:.0f}) | "
+                     f"{r.get('open_down_bytes', 0):.0f} |")
     if sb:
         from edge.settings import default_head
 

@@ -132,6 +132,8 @@ class EdgeMetrics:
     fallback_rounds: int = 0
     feature_bytes: int = 0
     open_feature_bytes: int = 0
+    # bytes received with open answers (reopens included; also in bytes_down): the prompt's states, when asked
+    open_bytes_down: int = 0
     # token trees: verified rounds that sent a tree, and the nodes they sent (also counted in `drafted`)
     tree_rounds: int = 0
     tree_nodes: int = 0

@@ -64,6 +64,11 @@ class EdgePrometheus:
     # copy branches: tree nodes only a copy branch proposed, sent and accepted
     copy_nodes: Counter
     copy_accepted: Counter
+    # bytes exchanged with the cloud by direction ("up" | "down"), and received with open answers (also in
+    # "down"); the target's state bytes (before framing) received, by answer ("verify" | "open")
+    wire_bytes: Counter
+    open_bytes: Counter
+    state_bytes: Counter
     # generated tokens by way (speculated in rounds, streamed by the cloud on the session), stream calls, and
     # switches between the two (edge/waycontrol.py)
     way_tokens: Counter
@@ -121,6 +126,12 @@ class EdgePrometheus:
             copy_nodes=Counter(p + "copy_nodes", "Tree nodes only a copy branch proposed (also in tree_nodes).",
                                registry=r),
             copy_accepted=Counter(p + "copy_accepted", "Copy-branch nodes the target accepted.", registry=r),
+            wire_bytes=Counter(p + "wire_bytes", "Bytes exchanged with the cloud, framing included, by direction.",
+                               ["direction"], registry=r),
+            open_bytes=Counter(p + "open_bytes", "Bytes received with open answers, reopens included (also in "
+                               "wire_bytes down).", registry=r),
+            state_bytes=Counter(p + "state_bytes", "The target's state bytes received (before framing), with "
+                                "verify answers or opens.", ["answer"], registry=r),
             way_tokens=Counter(p + "way_tokens", "Generated tokens by way: speculated (rounds) or streamed (the "
                                "cloud streaming on the session).", ["way"], registry=r),
             stream_calls=Counter(p + "stream_calls", "Streams of target-only tokens on a session.", registry=r),
@@ -163,6 +174,11 @@ class EdgePrometheus:
         self.tree_nodes.inc(m.tree_nodes)
         self.copy_nodes.inc(m.copy_nodes)
         self.copy_accepted.inc(m.copy_accepted)
+        self.wire_bytes.labels("up").inc(m.bytes_up)
+        self.wire_bytes.labels("down").inc(m.bytes_down)
+        self.open_bytes.inc(m.open_bytes_down)
+        self.state_bytes.labels("verify").inc(m.feature_bytes)
+        self.state_bytes.labels("open").inc(m.open_feature_bytes)
         if m.rounds or m.streamed:  # a speculative generation
             self.way_tokens.labels("speculated").inc(max(0, m.emitted - m.streamed))
             self.way_tokens.labels("streamed").inc(m.streamed)

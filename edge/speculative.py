@@ -157,7 +157,9 @@ class SpeculativeRun:
                                  correction=self.params.correction, max_new_tokens=self._budget,
                                  feature_encoding=self.params.feature_encoding,
                                  feature_window=self.params.feature_window)
+        down = self.transport.traffic.bytes_down
         info = self._call(lambda: self.transport.open_session(req, self.policy.open_timeout_s), retry_timeouts=True)
+        self.metrics.open_bytes_down += self.transport.traffic.bytes_down - down
         if info.ctx_len != len(self.S) or info.ctx_hash != self.hash_at(len(self.S)):
             raise SpecSplitError(f"opened session holds {info.ctx_len} tokens / hash {info.ctx_hash}, "
                                  f"expected {len(self.S)} / {self.hash_at(len(self.S))}")

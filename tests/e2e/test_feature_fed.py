@@ -137,5 +137,7 @@ def test_an_attention_head_gets_every_committed_state_and_keeps_the_text(
     assert res.token_ids == ref and m.reopens == 1 and m.local_commits == 0
     assert m.head_rounds >= m.verify_calls - 2 and (m.tree_rounds > 0) == (tree == "auto")
     assert m.open_feature_bytes == 2 * 8 * (64 + 4)  # two opens, the prompt's last 8 states each
+    # the opens' answers carry those states (on REST in base64, 4/3 of them) and are counted apart
+    assert m.open_feature_bytes < m.open_bytes_down < m.bytes_down - m.feature_bytes
     per_round = (m.accepted + m.verify_calls) * (64 + 4) / m.verify_calls  # la + 1 states a round
     assert m.feature_bytes_per_round == pytest.approx(per_round, rel=0.05)

@@ -81,3 +81,17 @@ def test_record_counts_tokens_by_way_and_the_switches() -> None:
     assert v[(p + "way_tokens_total", (("way", "speculated"),))] == 18
     assert v[(p + "way_tokens_total", (("way", "streamed"),))] == 32
     assert v[(p + "stream_calls_total", ())] == 2 and v[(p + "way_switches_total", ())] == 3
+
+
+def test_record_counts_bytes_by_direction_and_the_opens_and_states() -> None:
+    prom = EdgePrometheus.create()
+    prom.record(EdgeMetrics(bytes_up=400, bytes_down=9000, open_bytes_down=5000, feature_bytes=1160,
+                            open_feature_bytes=3712))
+    prom.record(EdgeMetrics(bytes_up=100, bytes_down=300, open_bytes_down=200))
+    v = values(prom)
+    p = "specsplit_edge_"
+    assert v[(p + "wire_bytes_total", (("direction", "up"),))] == 500
+    assert v[(p + "wire_bytes_total", (("direction", "down"),))] == 9300
+    assert v[(p + "open_bytes_total", ())] == 5200
+    assert v[(p + "state_bytes_total", (("answer", "verify"),))] == 1160
+    assert v[(p + "state_bytes_total", (("answer", "open"),))] == 3712
