@@ -5,8 +5,8 @@ phrases, code repeats its names, a translation carries names and numbers over (p
 SpecInfer merges several drafts into one tree the same way). `lookup_path` finds the latest earlier
 occurrence of the context's longest suffix of `max_match` down to `min_match` tokens and returns the tokens
 that followed it (a run that reaches the context's end goes on copying its own copy, so a text repeating
-with period d predicts d tokens and then the same again); `graft` merges that path into the draft's tree, following the nodes that already carry
-its tokens and adding the rest as new nodes.
+with period d predicts d tokens and then the same again); `graft` merges that path into the draft's tree,
+following the nodes that already carry its tokens and adding the rest as new nodes.
 
 The tree rule (shared/tree.py) accepts a node iff the target's own draw matched its whole path, whatever
 proposed it, so a grafted tree is exactly as exact as any other: text and seeds are unchanged, only the
@@ -40,10 +40,10 @@ def lookup_path(context: Sequence[int], depth: int, max_match: int = 4, min_matc
         hits = (windows == ctx[-n:]).all(1).nonzero()  # [h, 1] starts of earlier occurrences
         if hits.numel():
             start = int(hits[-1, 0]) + n
-            seq = ctx.tolist()
-            for j in range(depth):  # copying on past the context's end copies the copy (a repeating run)
-                seq.append(seq[start + j])
-            return seq[n_ctx:]
+            path, period = ctx[start:start + depth].tolist(), n_ctx - start
+            for j in range(len(path), depth):  # past the context's end the copy copies itself (a repeating run)
+                path.append(path[j - period])
+            return path
     return []
 
 
