@@ -58,3 +58,12 @@ def tokenizer(tiny_pair: tuple[Path, Path]) -> Any:
 @pytest.fixture(scope="module")
 def drafter(tiny_pair: tuple[Path, Path]) -> ModelDrafter:
     return ModelDrafter(tiny_pair[1])
+
+
+@pytest.fixture(scope="module")
+def attention_head_dir(tiny_pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random attention head (window 8) for the tiny target, saved as the edge loads one (--head DIR)."""
+    from tests.edge.test_attention_drafter import build_head
+    out = tmp_path_factory.mktemp("attention") / "head"
+    build_head(tiny_pair[0]).save(out)
+    return out

@@ -13,6 +13,11 @@ Token trees (shared/tree.py, draw and match): the same test over N generations t
 nodes (width 3, depth 3) every round through the real cloud, and the tree rule's lossy shortcut variant
 (children tried with min(1, p/q), then a draw from p) must fail it with N = 500.
 
+The attention head (edge/drafters/attention_drafter.py, a random head of window 8 fed the tiny target's
+states at every committed position): the same test over N_HEAD generations drafting chains of k = 2 and over
+N_HEAD drafting the 6-node trees, and its tree shortcut must fail it with N_BIASED. Its first draft after an
+open comes from the target's own state; the second from the head's prediction, which the rule must correct.
+
 Power: the same statistic on the biased variant (correction "shortcut": corrections drawn from p)
 must fail the same threshold, shown with N = 500 generations (a quarter of the sample: the biased
 variant fails even with far less data). Split residual and q_dists draw their residual with the same
@@ -40,6 +45,7 @@ from tests.server import CloudProcess
 
 N = 2000
 N_BIASED = 500
+N_HEAD = 1000
 P_THRESHOLD = 1e-3
 MIN_EXPECTED = 5.0
 CFG = SamplingConfig(temperature=1.0, top_p=1.0, top_k=5, repetition_penalty=1.3)
@@ -97,7 +103,8 @@ Sample = tuple[Counter[tuple[int, int]], Counter[str]]
 
 
 def first_pairs(cloud: CloudProcess, tokenizer: Any, drafter: ModelDrafter, n: int, **kw: Any) -> Sample:
-    """(t1, t2) counts and first-two-token origins of n seeded generations (seeds 0..n-1)."""
+    """(t1, t2) counts and first-two-token origins of n seeded generations (seeds 0..n-1); the origins also
+    count, under "head rounds", the rounds a head drafted."""
     values: dict[str, Any] = {
         "grpc_target": cloud.grpc_target, "temperature": CFG.temperature, "top_p": CFG.top_p, "top_k": CFG.top_k,
         "repetition_penalty": CFG.repetition_penalty, "max_new_tokens": 3, "fixed_k": 2, "stop_at_eos": False,
@@ -110,10 +117,13 @@ def first_pairs(cloud: CloudProcess, tokenizer: Any, drafter: ModelDrafter, n: i
     origins: Counter[str] = Counter()
     for seed in range(n):
         first_two = []
-        for tok in client.stream(ids, seed=seed):  # leaving early closes the session: no third round
+        gen = client.stream(ids, seed=seed)
+        for tok in gen:
             first_two.append(tok)
             if len(first_two) == 2:
                 break
+        gen.close()  # closes the session: no third round
+        origins["head rounds"] += gen.result().metrics.head_rounds
         pairs[(first_two[0].token_id, first_two[1].token_id)] += 1
         origins.update(t.origin for t in first_two)
         assert "local" not in origins
@@ -122,12 +132,17 @@ def first_pairs(cloud: CloudProcess, tokenizer: Any, drafter: ModelDrafter, n: i
 
 
 @pytest.fixture(scope="module")
-def samples(cloud: CloudProcess, tokenizer: Any, drafter: ModelDrafter) -> dict[str, Sample]:
-    """The three variants, generated concurrently (one drafter fork each) against one cloud."""
+def samples(cloud: CloudProcess, tokenizer: Any, drafter: ModelDrafter,
+            attention_head_dir: Path) -> dict[str, Sample]:
+    """Every variant, generated concurrently (one drafter fork each) against one cloud; the head's variants
+    wrap the fork in the attention head (the draft model is their fallback)."""
+    head = {"head": str(attention_head_dir)}
     variants: dict[str, tuple[int, dict[str, Any]]] = {
         "split_residual": (N, {}), "q_dists": (N, {"send_q_dists": True}),
         "shortcut": (N_BIASED, {"correction": "shortcut"}), "tree": (N, TREE),
-        "tree_shortcut": (N_BIASED, {**TREE, "correction": "shortcut"})}
+        "tree_shortcut": (N_BIASED, {**TREE, "correction": "shortcut"}),
+        "head": (N_HEAD, head), "head_tree": (N_HEAD, {**TREE, **head}),
+        "head_tree_shortcut": (N_BIASED, {**TREE, **head, "correction": "shortcut"})}
     with ThreadPoolExecutor(len(variants)) as pool:
         futures = {name: pool.submit(first_pairs, cloud, tokenizer, drafter.fork(), n, **kw)
                    for name, (n, kw) in variants.items()}
@@ -187,3 +202,25 @@ def test_the_tree_shortcut_fails_the_same_test(samples: dict[str, Sample],
     p, dof = chi_square_pvalue(pairs, expected)
     print(f"tree shortcut (biased): chi-square p = {p:.2e} with {dof} dof over {N_BIASED} generations")
     assert p < P_THRESHOLD, f"the biased tree variant passed (p = {p:.2e}, {dof} dof): the test has no power"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["head", "head_tree"])
+def test_the_attention_head_keeps_target_sampling(samples: dict[str, Sample],
+                                                  expected: dict[tuple[int, int], float], variant: str) -> None:
+    pairs, origins = samples[variant]
+    p, dof = chi_square_pvalue(pairs, expected)
+    print(f"attention head, {variant}: chi-square p = {p:.3f} with {dof} dof over {N_HEAD} generations")
+    assert origins["head rounds"] >= N_HEAD  # the head drafted every first round
+    assert origins["accepted"] > 0.05 * N_HEAD and origins["residual"] + origins["correction"] > 0.05 * N_HEAD
+    assert p >= P_THRESHOLD, f"chi-square p = {p:.2e} ({dof} dof): not the target's distribution"
+
+
+@pytest.mark.slow
+def test_the_attention_heads_tree_shortcut_fails_the_same_test(samples: dict[str, Sample],
+                                                               expected: dict[tuple[int, int], float]) -> None:
+    pairs, origins = samples["head_tree_shortcut"]
+    p, dof = chi_square_pvalue(pairs, expected)
+    print(f"attention head, tree shortcut (biased): chi-square p = {p:.2e} with {dof} dof over {N_BIASED} generations")
+    assert origins["head rounds"] >= N_BIASED
+    assert p < P_THRESHOLD, f"the biased variant passed (p = {p:.2e}, {dof} dof): the test has no power"

@@ -112,14 +112,6 @@ def test_int8_features_keep_the_text(tiny_cloud_server: CloudProcess, tiny_pair:
     assert res.metrics.feature_bytes_per_round == 64 + 4 and res.metrics.open_feature_bytes == 64 + 4
 
 
-@pytest.fixture(scope="module")
-def attention_head_dir(tiny_pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.edge.test_attention_drafter import build_head
-    out = tmp_path_factory.mktemp("attention") / "head"
-    build_head(tiny_pair[0]).save(out)
-    return out
-
-
 @pytest.mark.parametrize("transport,tree", [("rest", "auto"), ("grpc", "off")])
 def test_an_attention_head_gets_every_committed_state_and_keeps_the_text(
         tiny_cloud_server: CloudProcess, tiny_pair: tuple[Path, Path], attention_head_dir: Path, tokenizer: Any,

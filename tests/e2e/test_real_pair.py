@@ -1,10 +1,10 @@
 """The real default pair end to end: SmolLM2-135M-Instruct verifies its drafts' guesses.
 
 `scripts/setup.sh` converts the target into models/smollm2-135m-instruct (so CI has it); the drafts
-models/smollm2-135m-head (feature-fed), models/smollm2-135m-draft (distilled) and
+models/smollm2-135m-head (feature-fed), models/smollm2-135m-attention-head, models/smollm2-135m-draft (distilled) and
 models/smollm2-135m-draft-from-target (cut from the target) are committed. For a chat prompt sent
 through the tokenizer's template, the greedy speculative text (the feature-fed head, also across a
-reopen, each tokens-only draft and the n-gram drafter, over REST and gRPC) must equal the
+reopen, the attention head, each tokens-only draft and the n-gram drafter, over REST and gRPC) must equal the
 target's own greedy text (the cloud's POST /v1/generate) over 64 tokens, token for token, with no
 token committed unverified. A divergence is accepted only where the target's two candidates are a
 float tie (see test_edge_greedy.assert_equal_or_tie).
@@ -29,6 +29,7 @@ REPO = Path(__file__).resolve().parents[2]
 TARGET = REPO / "models" / "smollm2-135m-instruct"
 DRAFT = REPO / "models" / "smollm2-135m-draft"
 HEAD = REPO / "models" / "smollm2-135m-head"
+ATTN = REPO / "models" / "smollm2-135m-attention-head"
 CUT = REPO / "models" / "smollm2-135m-draft-from-target"
 N_NEW = 64
 QUESTION = "Write a Python function that returns the n-th Fibonacci number."
@@ -74,13 +75,14 @@ def settings(cloud: CloudProcess, transport: str, **kw: Any) -> EdgeSettings:
 
 
 @pytest.mark.parametrize("transport", ["rest", "grpc"])
-@pytest.mark.parametrize("kind", ["head", "head-reopen", "model", "cut", "ngram"])
+@pytest.mark.parametrize("kind", ["head", "head-reopen", "attention", "model", "cut", "ngram"])
 def test_real_pair_greedy_speculative_equals_the_target(real_cloud: CloudProcess, real_tokenizer: Any,
                                                         references: dict[str, Any], kind: str,
                                                         transport: str) -> None:
     """kind "head": the feature-fed head (the committed one) with the draft cut from the target as its fallback
     (the edge's defaults);
-    "head-reopen": the same with the session closed behind the edge's back before its 4th round; "model":
+    "head-reopen": the same with the session closed behind the edge's back before its 4th round; "attention":
+    the committed attention head (states at every committed position), its fallback the same; "model":
     the distilled draft; "cut": the tokens-only draft cut from the target (a compact directory)."""
     from transformers import AutoModelForCausalLM
 
@@ -88,10 +90,13 @@ def test_real_pair_greedy_speculative_equals_the_target(real_cloud: CloudProcess
 
     if kind.startswith("head") and not HEAD.is_dir():
         raise RuntimeError(f"{HEAD} is missing: it is committed with the repository")
+    if kind == "attention" and not ATTN.is_dir():
+        raise RuntimeError(f"{ATTN} is missing: it is committed with the repository")
     if kind == "cut" and not CUT.is_dir():
         raise RuntimeError(f"{CUT} is missing: it is committed with the repository")
     tokens_only = DRAFT if kind == "model" else CUT
-    s = settings(real_cloud, transport, head=str(HEAD) if kind.startswith("head") else "none", draft=str(tokens_only))
+    head = {"attention": str(ATTN)}.get(kind, str(HEAD) if kind.startswith("head") else "none")
+    s = settings(real_cloud, transport, head=head, draft=str(tokens_only))
     ref = references["result"]
     drafter = NGramDrafter(order=4) if kind == "ngram" else ModelDrafter(tokens_only)
     transport_ = ClosesOnce(EdgeClient(s).transport) if kind == "head-reopen" else None
@@ -104,7 +109,7 @@ def test_real_pair_greedy_speculative_equals_the_target(real_cloud: CloudProcess
     assert spec.metrics.local_commits == 0 and spec.metrics.verify_calls >= 1
     if kind != "ngram":  # a trained draft: some of its guesses are kept
         assert spec.metrics.accepted > 0
-    if kind.startswith("head"):  # drafted from the cloud's features, a few hundred bytes each
+    if kind.startswith("head") or kind == "attention":  # drafted from the cloud's states, a few hundred bytes each
         assert spec.metrics.head_rounds > 0 and spec.metrics.fallback_rounds <= 1 and spec.metrics.feature_bytes > 0
         assert (spec.metrics.reopens == 1) == (kind == "head-reopen")
 
