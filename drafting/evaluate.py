@@ -105,6 +105,21 @@ def on_wire(rows: list[dict[str, Any]], encoding: str) -> list[dict[str, Any]]:
     return [{**r, "states": decode_states(encode_states(r["states"], encoding, 0))} for r in rows]
 
 
+def open_rows(rows: list[dict[str, Any]], w: int, first: int = 64, k: int = 8) -> list[dict[str, Any]]:
+    """`rows` as a session opened with `feature_window` w sees their start: of the prompt's states only its
+    last w (the open answer's), and only the answer's first `first` starts (t = prompt_len - 2 ..; later
+    ones see the answer's own states in their window whatever the open sent), with the `k` tokens their
+    drafts are compared to."""
+    out = []
+    for r in rows:
+        pl, start = r["prompt_len"], r["start"]
+        drop = max(0, pl - w - start)  # states of prompt positions before pl - w
+        last = pl + first - 3  # the last start kept
+        n = max(0, min(r["states"].shape[0] - drop, last - start - drop + 1))
+        out.append({**r, "states": r["states"][drop:drop + n], "start": start + drop, "ids": r["ids"][:last + k + 2]})
+    return [r for r in out if r["states"].shape[0] > 0]
+
+
 def heldout_rows(cfg: TrainConfig, greedy_only: bool = True) -> tuple[list[dict[str, Any]], list[int]]:
     """The first `cfg.eval_rows` held-out states rows (greedy answers only by default) and their shards."""
     d = Path(cfg.work) / "states"

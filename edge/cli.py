@@ -54,7 +54,7 @@ _FLAGS: dict[str, str] = {"cloud": "cloud_url", "grpc": "grpc_target", "api_key"
                           "filler_top_k": "filler_top_k", "device": "device", "r_hard": "r_hard",
                           "hybrid": "hybrid", "route_key": "route_key", "k_policy": "k_policy",
                           "draft_ahead": "draft_ahead", "max_body_bytes": "max_body_bytes", "head": "head",
-                          "feature_encoding": "feature_encoding", "check_last": "check_last", "tree": "tree",
+                          "feature_encoding": "feature_encoding", "open_states": "open_states", "check_last": "check_last", "tree": "tree",
                           "tree_width": "tree_width", "tree_depth": "tree_depth", "tree_max_nodes": "tree_max_nodes",
                           "tree_copy": "tree_copy",
                           "stream_switch": "stream_switch", "objective": "objective"}
@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--feature-encoding", choices=["auto", "float16", "int8"],
                    help="how the cloud sends the target's states (default auto: int8, 580 bytes a state for "
                         "SmolLM2, when the cloud offers it, else float16, 1,152)")
+    g.add_argument("--open-states", type=int,
+                   help="with a head that attends over past states: the prompt's last N states an open asks for "
+                        "(default 16, at most the head's window; 580 bytes each in int8)")
     g.add_argument("--tokenizer", help="tokenizer directory (default: the draft's; with --draft ngram, "
                                        "models/smollm2-135m-draft-from-target, SmolLM2-135M-Instruct's tokenizer)")
     g.add_argument("--mode", choices=["speculative", "edge_only", "cloud_only"])

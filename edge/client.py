@@ -435,7 +435,7 @@ class EdgeClient:
         if fed is not None:
             drafter = fed
             # a drafter that attends over past states asks for every committed position's (when offered)
-            window = min(int(getattr(fed, "states_window", 0)), info.max_feature_window)
+            window = min(int(getattr(fed, "states_window", 0)), s.open_states, info.max_feature_window)
             job.params = replace(job.params, feature_encoding=self.encoding_for(info), feature_window=window)
         rows = _draft_part(drafter, "logit_rows")
         support = check_pairing(info, self.tokenizer, self.settings.tokenizer_dir(), _draft_fingerprint(drafter),

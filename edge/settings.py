@@ -66,6 +66,10 @@ class EdgeSettings(BaseSettings):
     # how the cloud sends the feature: "float16" (1,152 bytes a state for SmolLM2), "int8" (580: the heads draft
     # as well from it, models/README.md) or "auto": int8 when the cloud offers it, else float16
     feature_encoding: Literal["auto", "float16", "int8"] = "auto"
+    # prompt positions whose states an open (or a reopen) asks for when the head attends over past states, at
+    # most its window: 16 draft as well held out as its whole window of 64 for a quarter of the bytes
+    # (models/README.md, "The open's states")
+    open_states: int = Field(default=16, ge=1)
     # tokenizer directory; default: the draft directory, else the first default draft present
     tokenizer: str | None = None
     # torch device of the draft model

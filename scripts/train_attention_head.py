@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from drafting.evaluate import evaluate, export, heldout_rows, on_wire, prompt_rows  # noqa: E402
+from drafting.evaluate import evaluate, export, heldout_rows, on_wire, open_rows, prompt_rows  # noqa: E402
 from drafting.states import make_states, output_ids  # noqa: E402
 from drafting.target import load_target  # noqa: E402
 from drafting.train import TrainConfig, train, trained_head  # noqa: E402
@@ -48,6 +48,9 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, TrainConfig]:
                          "are made once and kept in <work>/prompts-<name>.pt")
     ap.add_argument("--encoding", choices=["float16", "int8"], default="float16",
                     help="eval: the states' precision on the wire (each row's states encoded and decoded)")
+    ap.add_argument("--open-window", type=int, default=None,
+                    help="eval: score only the answers' first 64 starts, with the prompt's last this many states "
+                         "(what a session opened with feature_window W sees; drafting.evaluate.open_rows)")
     ap.add_argument("--states-batch", type=int, default=16, help="states: rows per target forward")
     for f in dataclasses.fields(TrainConfig):
         ap.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default,
@@ -102,7 +105,10 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({name: evaluate(head, on_wire(rows, args.encoding), cfg.eval_k)
                               for name, rows in sets.items()}, indent=1))
         else:
-            print(json.dumps(evaluate(head, on_wire(heldout_rows(cfg)[0], args.encoding), cfg.eval_k), indent=1))
+            rows = heldout_rows(cfg)[0]
+            if args.open_window is not None:
+                rows = open_rows(rows, args.open_window, k=cfg.eval_k)
+            print(json.dumps(evaluate(head, on_wire(rows, args.encoding), cfg.eval_k), indent=1))
     else:
         print(json.dumps(export(cfg, args.out, command), indent=1))
     return 0

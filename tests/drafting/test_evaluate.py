@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from drafting.evaluate import evaluate, row_hits, summarise
+from drafting.evaluate import evaluate, open_rows, row_hits, summarise
 from drafting.states import load_states, states_path
 from edge.drafters.attention_head import AttentionHead, AttentionHeadConfig
 from edge.drafters.feature_head import FeatureHead, FeatureHeadConfig
@@ -128,3 +128,26 @@ def test_on_wire_rows_carry_the_states_the_edge_decodes() -> None:
     q = on_wire([row], "int8")[0]["states"]
     step = S.abs().amax(-1, keepdim=True) / 127
     assert bool(((q - S).abs() <= step / 2 + 1e-6).all()) and not torch.equal(q, S)
+
+
+def test_open_rows_keep_the_prompts_last_w_states_and_the_answers_first_starts(tiny_work: Path,
+                                                                               tiny_model: Any) -> None:
+    """What an open with W states leaves: the states of positions prompt_len - W on, at their own positions,
+    and the answer's first `first` starts; the next-state oracle still agrees on all of them."""
+    rows = load_states(states_path(tiny_work, 0))
+    oracle = NextStateOracle(AttentionHeadConfig(hidden_size=64, vocab_size=4096, n_out=4096, window=8))
+    with torch.no_grad():
+        oracle.out.copy_(tiny_model.lm_head.weight)
+        oracle.out_ids.copy_(torch.arange(4096))
+    k, first = 3, 5
+    for w in (1, 4):
+        cut = open_rows(rows, w, first=first, k=k)
+        assert len(cut) == len(rows)
+        for r, c in zip(rows, cut, strict=True):
+            assert c["start"] == max(r["start"], r["prompt_len"] - w)
+            i0 = c["start"] - r["start"]
+            assert torch.equal(c["states"], r["states"][i0:i0 + c["states"].shape[0]])
+            oracle.row = r  # it reads the next states from the whole row, the cut row's drafts run past it
+            h = row_hits(oracle, c, k)
+            # the first start, t = prompt_len - 2, drafts from f_t: an open of one state has not sent it
+            assert h.shape == (first if w >= 2 else first - 1, k) and bool(h.all())

@@ -112,23 +112,25 @@ def test_int8_features_keep_the_text(tiny_cloud_server: CloudProcess, tiny_pair:
     assert res.metrics.feature_bytes_per_round == 64 + 4 and res.metrics.open_feature_bytes == 64 + 4
 
 
-@pytest.mark.parametrize("transport,tree", [("rest", "auto"), ("grpc", "off")])
+@pytest.mark.parametrize("transport,tree,open_states", [("rest", "auto", 16), ("grpc", "off", 3)])
 def test_an_attention_head_gets_every_committed_state_and_keeps_the_text(
         tiny_cloud_server: CloudProcess, tiny_pair: tuple[Path, Path], attention_head_dir: Path, tokenizer: Any,
-        transport: str, tree: str) -> None:
-    """The attention head asks for states at every committed position (its window, 8, at the open): int8,
-    68 bytes a state; across a reopen the greedy text is the target's, with trees and with chains."""
+        transport: str, tree: str, open_states: int) -> None:
+    """The attention head asks for states at every committed position and, at an open, the prompt's last
+    `open_states` (at most its window, 8): int8, 68 bytes a state; across a reopen the greedy text is the
+    target's, with trees and with chains."""
     ref = reference(tiny_cloud_server, tokenizer)
     kw = {"fixed_k": None} if tree == "auto" else {}
     s = settings(tiny_cloud_server, transport, head=str(attention_head_dir), draft=str(tiny_pair[1]),
-                 feature_encoding="int8", tree=tree, **kw)
+                 feature_encoding="int8", tree=tree, open_states=open_states, **kw)
     plain = EdgeClient(s, tokenizer=tokenizer)
     client = EdgeClient(s, tokenizer=tokenizer, drafter=ModelDrafter(tiny_pair[1]),
                         transport=ClosesOnce(plain.transport))
     m = (res := client.generate(PROMPT)).metrics
     assert res.token_ids == ref and m.reopens == 1 and m.local_commits == 0
     assert m.head_rounds >= m.verify_calls - 2 and (m.tree_rounds > 0) == (tree == "auto")
-    assert m.open_feature_bytes == 2 * 8 * (64 + 4)  # two opens, the prompt's last 8 states each
+    opened = min(open_states, 8)
+    assert m.open_feature_bytes == 2 * opened * (64 + 4)  # two opens, the prompt's last `opened` states each
     # the opens' answers carry those states (on REST in base64, 4/3 of them) and are counted apart
     assert m.open_feature_bytes < m.open_bytes_down < m.bytes_down - m.feature_bytes
     per_round = (m.accepted + m.verify_calls) * (64 + 4) / m.verify_calls  # la + 1 states a round
