@@ -3,7 +3,7 @@ cloud_only, at several session counts.
 
     python -m bench.real_capacity [--sessions 4,16,32] [--tokens 64]
 
-Recording (once per run, greedy, the edge's own client over REST with the feature-fed head and its fallback):
+Recording (once per run, greedy, the edge's own client over REST with its default head and its fallback):
 each of the real-pair bench's chat prompts (bench/real_pair.py PROMPTS) generated with the edge's defaults
 (token trees, sized per round) and with chains (`--tree off`, the cost-model k), every verify request kept
 with its answer (bench/traces.py). Replaying (bench/loadgen.py): n concurrent cheap edges send the recorded

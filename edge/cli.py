@@ -72,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
                                        "a load balancer hashing on it keeps the session on one replica")
     g.add_argument("--draft", help="tokens-only draft: a model directory or 'ngram' (default "
                                    "models/smollm2-135m-draft-from-target)")
-    g.add_argument("--head", help="feature-fed draft head directory, or 'none' (default models/smollm2-135m-head); "
+    g.add_argument("--head", help="draft head directory fed the target's states, or 'none' (default "
+                                  "models/smollm2-135m-attention-head; models/smollm2-135m-head the one-state head); "
                                   "used whenever the cloud offers features that match it, --draft otherwise")
     g.add_argument("--feature-encoding", choices=["auto", "float16", "int8"],
                    help="how the cloud sends the target's states (default auto: int8, 580 bytes a state for "

@@ -28,8 +28,10 @@ Mode = Literal["speculative", "edge_only", "cloud_only"]
 DEFAULT_DRAFTS = ("smollm2-135m-draft-from-target", "smollm2-135m-draft", "demo-draft")
 
 
-# The feature-fed head of the real pair (edge/drafters/feature_head.py), used when the cloud offers features.
-DEFAULT_HEAD = "smollm2-135m-head"
+# The real pair's head, used when the cloud offers features: the attention head (edge/drafters/attention_head.py,
+# fed the target's state at every committed position); models/smollm2-135m-head, the one-state feature-fed head
+# (edge/drafters/feature_head.py), stays loadable with --head.
+DEFAULT_HEAD = "smollm2-135m-attention-head"
 
 
 def default_head() -> str:

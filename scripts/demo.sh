@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The README's demo command: install (setup converts the standard target once), start the cloud
 # verifier on loopback with SmolLM2-135M-Instruct (models/smollm2-135m-instruct), run the edge
-# client against it with the feature-fed head (models/smollm2-135m-head, fed the target's hidden
-# state by the cloud; the draft cut from the target, models/smollm2-135m-draft-from-target, as its fallback), the prompt sent as a
+# client against it with the attention head (models/smollm2-135m-attention-head, fed the target's
+# states by the cloud; the draft cut from the target, models/smollm2-135m-draft-from-target, as its fallback), the prompt sent as a
 # user message through the tokenizer's chat template, greedy (the target's own greedy answer;
 # pass --temperature 0.7 for a sampled one), text streaming as it is committed, then stop the cloud.
 # Usage: bash scripts/demo.sh ["PROMPT"] [extra specsplit-edge flags]
@@ -22,7 +22,7 @@ if [ "${SPECSPLIT_DEMO_PAIR:-real}" = tiny ]; then
   target=models/demo-target; draft=models/demo-draft; edge_flags=()
 else
   target=models/smollm2-135m-instruct; draft=models/smollm2-135m-draft-from-target; edge_flags=(--chat --temperature 0)
-  draft_note="the feature-fed head models/smollm2-135m-head, falling back to "
+  draft_note="the attention head models/smollm2-135m-attention-head, falling back to "
 fi
 echo "demo pair: target $target, draft ${draft_note:-}$draft${edge_flags:+ (prompt sent as a chat user message, greedy)}"
 port_free() {

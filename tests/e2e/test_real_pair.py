@@ -79,10 +79,11 @@ def settings(cloud: CloudProcess, transport: str, **kw: Any) -> EdgeSettings:
 def test_real_pair_greedy_speculative_equals_the_target(real_cloud: CloudProcess, real_tokenizer: Any,
                                                         references: dict[str, Any], kind: str,
                                                         transport: str) -> None:
-    """kind "head": the feature-fed head (the committed one) with the draft cut from the target as its fallback
-    (the edge's defaults);
+    """kind "head": the one-state feature-fed head (the committed one) with the draft cut from the target as its
+    fallback;
     "head-reopen": the same with the session closed behind the edge's back before its 4th round; "attention":
-    the committed attention head (states at every committed position), its fallback the same; "model":
+    the committed attention head (states at every committed position), its fallback the same (the edge's
+    defaults); "model":
     the distilled draft; "cut": the tokens-only draft cut from the target (a compact directory)."""
     from transformers import AutoModelForCausalLM
 
