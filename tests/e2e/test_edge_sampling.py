@@ -14,7 +14,7 @@ nodes (width 3, depth 3) every round through the real cloud, and the tree rule's
 (children tried with min(1, p/q), then a draw from p) must fail it with N = 500.
 
 The attention head (edge/drafters/attention_drafter.py, a random head of window 8 fed the tiny target's
-states at every committed position): the same test over N_HEAD generations drafting chains of k = 2 and over
+states at every committed position): the same test over N_HEAD = 600 generations drafting chains of k = 2 and over
 N_HEAD drafting the 6-node trees, and its tree shortcut must fail it with N_BIASED. Its first draft after an
 open comes from the target's own state; the second from the head's prediction, which the rule must correct.
 
@@ -45,7 +45,7 @@ from tests.server import CloudProcess
 
 N = 2000
 N_BIASED = 500
-N_HEAD = 1000
+N_HEAD = 600
 P_THRESHOLD = 1e-3
 MIN_EXPECTED = 5.0
 CFG = SamplingConfig(temperature=1.0, top_p=1.0, top_k=5, repetition_penalty=1.3)
