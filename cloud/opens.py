@@ -3,8 +3,10 @@ the open of the same API key, id and body that is still in flight, or was answer
 instead of prefilling the prompt again. An edge that timed out resends its open with the same id; the
 retry gets the first attempt's session. When every caller of such an open has gone, it waits `grace_s`
 for a retry (an edge's backoff is at most 2 s) and is then cancelled: it leaves the queue or stops after
-its chunk in progress, as an open without a request id does at once (cloud/service.py). Runs on the event
-loop only.
+its chunk in progress, as an open without a request id does at once (cloud/service.py). An open that
+failed or was cancelled is forgotten at once (a retry starts anew; no exception, traceback or request is
+kept), and each owner (API key) has at most `max_per_owner` entries: a new one first drops that owner's
+answered opens whose session is gone, then its oldest. Runs on the event loop only.
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ class OpenJoiner:
     keep_s: float
     # seconds an open nobody waits for any more stays in flight for a retry to join
     grace_s: float = 5.0
+    # entries one owner may have (in flight or answered); the service sizes it to what the owner can hold at
+    # once, its sessions plus its opens in flight, past which an entry could only name a session gone
+    max_per_owner: int = 256
     # (owner, request id) -> the open
     _opens: dict[tuple[str, str], _Open] = field(default_factory=dict)
 
@@ -55,6 +60,7 @@ class OpenJoiner:
         key, fp = (owner, request_id), open_fingerprint(req)
         got = self._opens.get(key)
         if got is None or got.fp != fp or _failed(got.task) or (got.task.done() and not alive(got.task.result().ctx_id)):
+            self._make_room(owner, key, alive)
             task = asyncio.ensure_future(start())
             got = self._opens[key] = _Open(fp, task)
             task.add_done_callback(lambda t: self._answered(key, t))
@@ -74,9 +80,25 @@ class OpenJoiner:
         if not got.waiters:
             got.task.cancel()
 
+    def _make_room(self, owner: str, key: tuple[str, str], alive: Callable[[str], bool]) -> None:
+        """Below `max_per_owner` entries of `owner` once `key`'s is replaced: its answered opens whose
+        session is gone go first, then its oldest (forgotten, not cancelled: their callers still get them)."""
+        self._opens.pop(key, None)
+        mine = [k for k in self._opens if k[0] == owner]
+        if len(mine) < self.max_per_owner:
+            return
+        for k in mine:
+            task = self._opens[k].task
+            if _failed(task) or (task.done() and not alive(task.result().ctx_id)):
+                del self._opens[k]
+        mine = [k for k in self._opens if k[0] == owner]
+        for k in mine[:max(len(mine) - self.max_per_owner + 1, 0)]:
+            del self._opens[k]
+
     def _answered(self, key: tuple[str, str], task: asyncio.Task[SessionInfo]) -> None:
-        if not task.cancelled():
-            task.exception()  # each caller had it through its shield; nobody may be left to read it
+        if task.cancelled() or task.exception() is not None:  # each caller had it through its shield
+            self._forget(key, task)  # now: its exception's traceback holds the request's frames
+            return
         asyncio.get_running_loop().call_later(self.keep_s, self._forget, key, task)
 
     def _forget(self, key: tuple[str, str], task: asyncio.Task[SessionInfo]) -> None:

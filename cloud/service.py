@@ -124,7 +124,8 @@ class VerifierService:
                                 blocks_available=lambda: self.model.pool.manager.available(),
                                 make_room=self._make_room)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.opens = OpenJoiner(OPEN_JOIN_S)
+        self.opens = OpenJoiner(OPEN_JOIN_S, max_per_owner=settings.sessions_per_key_limit()
+                                + settings.queue_depth_per_key_limit())
         self._hits_seen = self._evicted_seen = 0
         # prefills under way (model thread only): an open sharing a full block they are computing waits
         self._prefilling: list[Prefill] = []
