@@ -57,7 +57,8 @@ class TextRequest:
     stop: tuple[str, ...] = ()
     # "completions" | "chat" (a metrics label)
     endpoint: str = "completions"
-    # the X-Request-Id sent on every cloud call of the generation and logged ("" = none)
+    # the caller's X-Request-Id, logged and answered with ("" = none); the cloud calls carry it with a nonce
+    # of this run (cloud_request_id)
     request_id: str = ""
     # time.monotonic() at the request's arrival (time to first token counts from here)
     arrived: float = field(default_factory=time.monotonic)
@@ -95,6 +96,17 @@ class Finished:
 
 
 Event = TextDelta | Finished | SpecSplitError
+# hex digits of the nonce that makes a run's cloud request id its own
+NONCE_DIGITS = 8
+
+
+def cloud_request_id(caller: str) -> str:
+    """The X-Request-Id of one run's cloud calls: the caller's id (cut to fit 128 characters) and a nonce of
+    this run. The cloud joins an open to an earlier one of the same id and body (PROTOCOL.md "Request ids"),
+    so two runs of one seeded request under one caller's id would otherwise share a session and step on each
+    other; the caller's id still leads, so the cloud's log lines are found by it."""
+    nonce = secrets.token_hex(NONCE_DIGITS // 2)
+    return f"{caller[:128 - NONCE_DIGITS - 1]}.{nonce}"
 
 
 @dataclass
@@ -237,8 +249,11 @@ class OpenAIEngine:
         # depends on where the last round ended; without check_last they take a k that ignores timing
         seeded = req.seed is not None and not req.sampling.greedy
         policy = "dynamic" if seeded and not self.settings.check_last else None
+        cloud_id = cloud_request_id(req.request_id) if req.request_id else None
+        if cloud_id:
+            summary["cloud_request_id"] = cloud_id
         gen = client.stream(req.prompt_ids, max_new_tokens=req.max_tokens, seed=seed, sampling=req.sampling,
-                            k_policy=policy, request_id=req.request_id or None, feature_fed=not seeded)
+                            k_policy=policy, request_id=cloud_id, feature_fed=not seeded)
         clock = self.prometheus.token_clock(req.arrived)
         n, last = 0, None
         try:
