@@ -302,9 +302,12 @@ class SpeculativeRun:
             out = self._tree_step(remaining, max_context)
             if out is not None:
                 return out
-            # no room for a tree: a round of k = 0, whose token is drawn as draw and match draws it (the
-            # target-only draw at its position), so a tree session's text stays the seed's target-only text
-            plain = remaining <= 1 or bool(max_context and max_context - len(self.S) - 1 < 1)
+            # no tree here (no room, or the drafter could not grow one): a round of k = 0, whose token is drawn
+            # as draw and match draws it (the target-only draw at its position), so a tree session's text stays
+            # the seed's target-only text. Greedy may run a chain (its tokens are the argmax either way); a
+            # sampled chain's coin and residual are other draws
+            plain = not self.params.sampling.greedy or remaining <= 1 \
+                or bool(max_context and max_context - len(self.S) - 1 < 1)
         # k drafts run through the target, plus the checked last one with check_last (no bonus then)
         extra = int(self.params.check_last)
         k = 0 if plain else max(0, min(self.k_ctl.k + extra, remaining - 1 + extra))
