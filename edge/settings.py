@@ -126,7 +126,7 @@ class EdgeSettings(BaseSettings):
     # copy branches (edge/drafters/lookup.py): what followed the context's last tokens earlier in it, grafted
     # into every tree (exact like any tree; only tokens per call move)
     tree_copy: bool = True
-    # speculate or stream per session (edge/waycontrol.py): greedy and tree sessions let the cloud stream
+    # speculate or stream per session (edge/waycontrol.py): greedy and "strict" tree sessions let the cloud stream
     # target-only tokens on the session while that is cheaper by `objective` ("latency": the edge's wall
     # time per token; "cloud": the cloud's forward time per token); off: always speculate
     stream_switch: bool = True

@@ -137,8 +137,9 @@ class SpeculativeRun:
         self.tree = tree if tree is not None and hasattr(drafter, "propose_tree") and gate is None else None
         self._copy_path: list[int] = []  # the copy branch grafted into this round's tree
         # speculate or stream (edge/waycontrol.py): only where every committed token is the target's own draw
-        # whichever way decided it (greedy, or draw-and-match trees), so the text does not depend on switches
-        same_text = params.sampling.greedy or self.tree is not None
+        # whichever way decided it (greedy, or draw-and-match trees of a "strict" session: "shortcut" draws
+        # its corrections otherwise), so the text does not depend on switches
+        same_text = params.sampling.greedy or (self.tree is not None and params.correction == "strict")
         self.way = way if way is not None and same_text and gate is None and not params.send_q_dists else None
         self.stop_at_eos = stop_at_eos
 

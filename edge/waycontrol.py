@@ -23,8 +23,9 @@ ends streaming for the session; the next session tries again. The probe's cost i
 the choice towards streaming, the way the cloud alone would go.
 
 Either way every committed token is the target's own draw at its position when the session's rounds are
-greedy or draw-and-match trees (shared/tree.py), so the text does not depend on the switches; the edge
-switches only for such sessions (edge/speculative.py). Clocks stay outside: the caller feeds `observe_*`.
+greedy or draw-and-match trees (shared/tree.py) of a "strict" session (whose rounds without a tree are k = 0
+rounds), so the text does not depend on the switches; the edge switches only for such sessions
+(edge/speculative.py). Clocks stay outside: the caller feeds `observe_*`.
 """
 
 from __future__ import annotations

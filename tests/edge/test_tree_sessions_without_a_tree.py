@@ -43,3 +43,14 @@ def test_a_sampled_tree_session_without_trees_keeps_the_seeds_text_across_switch
     want = fake_cloud.generate(PROMPT, client.settings.sampling(), seed, 30, 1.0).token_ids
     assert got.token_ids == want
     assert 0 < got.metrics.streamed < 30 and got.metrics.drafted == 0  # every round was k = 0
+
+
+def test_a_sampled_shortcut_tree_session_never_streams(make_client: Any, model_drafter: ModelDrafter,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """"shortcut" draws a tree round's correction from its own rule, not the target's draw at the position: the
+    text would depend on the switches, so the session only speculates; the same session with "strict" switches."""
+    for correction, streams in (("shortcut", False), ("strict", True)):
+        client, _ = make_client(NoTrees(model_drafter), temperature=1.0, max_new_tokens=12, correction=correction)
+        monkeypatch.setattr(client, "_tree_control", lambda info: TreeControl(max_nodes=8))
+        monkeypatch.setattr(client, "_way_control", lambda info, transport: RandomWays(0))
+        assert (client.generate(PROMPT).metrics.streamed > 0) == streams
