@@ -197,11 +197,20 @@ class RoundPlan:
         return self.row_run
 
 
-def plan_round(session: Session, req: VerifyRequest, fp: str) -> RoundPlan | VerifyResponse:
-    """What the round needs from the model, or the cached answer of a duplicate. Reads, never writes."""
-    if session.closed or session.slot is None:
+def check_held(session: Session) -> int:
+    """The session's slot; NotFound (404) once it was closed or evicted: before its round is planned, and
+    again when the round's forward is done (a DELETE or shutdown may have come meanwhile; the slot goes
+    back to the pool only after that forward's batch)."""
+    slot = session.slot
+    if session.closed or slot is None:
         raise NotFound(f"session {session.ctx_id!r} was closed or evicted; reopen it with the full context",
                        ctx_id=session.ctx_id)
+    return slot
+
+
+def plan_round(session: Session, req: VerifyRequest, fp: str) -> RoundPlan | VerifyResponse:
+    """What the round needs from the model, or the cached answer of a duplicate. Reads, never writes."""
+    slot = check_held(session)
     ctx = session.context
     m = check_context(ctx, req)
     cached = _replay(session, req, fp)
@@ -212,7 +221,7 @@ def plan_round(session: Session, req: VerifyRequest, fp: str) -> RoundPlan | Ver
     c = min(session.kv_len, m, L - 1)
     fed = req.draft.draft_tokens[:-1] if req.check_last else req.draft.draft_tokens  # check_last: y_k is not run
     tree = req.draft.tree_parents
-    row = Row(session.slot, c, list(new.ids[c:]) + fed, keep=len(fed) + 1,  # a tree's nodes are stored after S'
+    row = Row(slot, c, list(new.ids[c:]) + fed, keep=len(fed) + 1,  # a tree's nodes are stored after S'
               tree=None if tree is None else tuple(tree), tree_base=L)
     return RoundPlan(new, c, row, fp, tree=tree)
 
@@ -230,6 +239,7 @@ def finish_round(model: TargetModel, session: Session, req: VerifyRequest, q_den
     """The verify rule on this round's logits ([fed + 1, vocab]), then the commit. `p` is their processed
     probabilities when the forward's rows were processed together (`round_sampling`). A raised error
     leaves context and counters as they were; the caller's abort() crops the KV back to `plan.past`."""
+    check_held(session)  # closed while in the forward: 404, a chain or a tree alike
     d, L, new = req.draft, req.ctx_len, plan.new
     k = len(d.draft_tokens)
     fed = k - 1 if req.check_last else k  # drafts run through the target
@@ -286,6 +296,7 @@ def _finish_tree(model: TargetModel, session: Session, req: VerifyRequest, plan:
     it now holds, drop every other node's."""
     d, L, new, tree = req.draft, req.ctx_len, plan.new, plan.tree
     assert tree is not None and plan.row_run is not None
+    slot = check_held(session)  # held until this batch ends, even if the session is closed from now on
     out = verify_tree(p, d.draft_tokens, tree, d.q_token_probs, seed=session.seed, ctx_len=L,
                       greedy=session.sampling_cfg.greedy, correction=session.correction)
     la, k = len(out.path), len(d.draft_tokens)
@@ -309,8 +320,7 @@ def _finish_tree(model: TargetModel, session: Session, req: VerifyRequest, plan:
                              prefill_ms=prefill_ms), feature=feature, accepted_nodes=list(out.path), states=states)
     # The nodes' KV sits at storage offsets L + j, computed at positions L + depth(j) - 1: the path's nodes
     # move to offsets L .. L + la - 1 (their own positions), the rest is cropped. The next token has no KV yet.
-    assert session.slot is not None
-    model.keep_path(session.slot, L, out.path, path_tokens)
+    model.keep_path(slot, L, out.path, path_tokens)
     session.set_kv_len(model.pool, L + la)
     session.context = final
     cnt = session.counters
