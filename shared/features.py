@@ -14,15 +14,32 @@ from shared.protocol import TargetFeature, TargetStates
 ENCODINGS = ("float16", "int8")
 
 
+def finite_states(h: torch.Tensor) -> torch.Tensor:
+    """[n, ...] states as [n, d] float32 on the CPU; a state that is not finite (NaN, inf) is refused with
+    ValueError, whatever the encoding: neither float16 nor int8 (whose scale it would poison) can carry it."""
+    x = h.detach().float().cpu().reshape(h.shape[0], -1)  # [n, d]
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError("a target state is not finite")
+    return x
+
+
+def int8_states(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Finite [n, d] states as (q [n, d] int8, scale [n]): each state by its own max |x| / 127, an all-zero
+    state by 1."""
+    scale = x.abs().amax(-1) / 127.0  # [n]
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # [n]
+    q = (x / scale[:, None]).round().clamp(-127, 127).to(torch.int8)  # [n, d]
+    return q, scale
+
+
 def encode_feature(h: torch.Tensor, encoding: str, prefix_len: int) -> TargetFeature:
-    """A [d] state as a TargetFeature."""
-    x = h.detach().reshape(-1).float().cpu()  # [d]
+    """A [d] state as a TargetFeature (a state that is not finite is refused: ValueError)."""
+    x = finite_states(h.reshape(1, -1))  # [1, d]
     if encoding == "float16":
-        return TargetFeature(prefix_len, encoding, x.half().numpy().astype("<f2").tobytes())
+        return TargetFeature(prefix_len, encoding, x[0].half().numpy().astype("<f2").tobytes())
     if encoding == "int8":
-        scale = float(x.abs().max()) / 127.0 or 1.0
-        q = (x / scale).round().clamp(-127, 127).to(torch.int8)  # [d]
-        return TargetFeature(prefix_len, encoding, q.numpy().tobytes(), scale)
+        q, scale = int8_states(x)  # [1, d], [1]
+        return TargetFeature(prefix_len, encoding, q[0].numpy().tobytes(), float(scale[0]))
     raise ValueError(f"unknown feature encoding {encoding!r}: one of {', '.join(ENCODINGS)}")
 
 
@@ -64,15 +81,11 @@ def feature_from_json(d: dict[str, object] | None) -> TargetFeature | None:
 def encode_states(h: torch.Tensor, encoding: str, first: int) -> TargetStates:
     """[n, d] states at consecutive positions (state i after S[:first + i]) as one TargetStates; int8 scales
     each state by its own max |x| / 127 (a state that is not finite is refused: ValueError)."""
-    x = h.detach().float().cpu().reshape(h.shape[0], -1)  # [n, d]
-    if not bool(torch.isfinite(x).all()):
-        raise ValueError("a target state is not finite")
+    x = finite_states(h)  # [n, d]
     if encoding == "float16":
         return TargetStates(first, x.shape[0], encoding, x.half().numpy().astype("<f2").tobytes())
     if encoding == "int8":
-        scale = x.abs().amax(-1) / 127.0  # [n]
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-        q = (x / scale[:, None]).round().clamp(-127, 127).to(torch.int8)  # [n, d]
+        q, scale = int8_states(x)  # [n, d], [n]
         return TargetStates(first, x.shape[0], encoding, q.numpy().tobytes(), scale.tolist())
     raise ValueError(f"unknown feature encoding {encoding!r}: one of {', '.join(ENCODINGS)}")
 
