@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import json
+import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -28,7 +30,7 @@ from shared.protocol import (
 from shared.request_id import REQUEST_ID_HEADER, check_request_id
 
 from .base import ROUTE_HEADER, GenerateResult, ModelInfo, Traffic, check_route_key
-from .errors import CloudUnavailable, error_from_grpc, with_key_hint
+from .errors import CloudTimeout, CloudUnavailable, error_from_grpc, with_key_hint
 
 
 def sampling_to_pb(c: SamplingConfig) -> pb.SamplingConfig:
@@ -89,6 +91,44 @@ def streamed_from_pb(m: pb.StreamSessionEvent) -> StreamedToken | StreamDone:
     t = m.token
     return StreamedToken(t.token_id, t.ctx_len, feature_from_pb(t.feature) if t.HasField("feature") else None,
                          states_from_pb(t.states) if t.HasField("states") else None)
+
+
+class _EventWatchdog:
+    """Calls `expire` once when `timeout_s` pass without an event: counted from the start and from each
+    `touch()`, not while `pause()`d (the caller holds an event)."""
+
+    def __init__(self, timeout_s: float, expire: Callable[[], object]) -> None:
+        self._timeout_s, self._expire = timeout_s, expire
+        self._cond = threading.Condition()
+        self._due: float | None = time.monotonic() + timeout_s
+        self._stopped = False
+        self.expired = False
+        threading.Thread(target=self._watch, daemon=True, name="specsplit-stream-watchdog").start()
+
+    def touch(self) -> None:
+        with self._cond:
+            self._due = time.monotonic() + self._timeout_s
+            self._cond.notify()
+
+    def pause(self) -> None:
+        with self._cond:
+            self._due = None
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+
+    def _watch(self) -> None:
+        with self._cond:
+            while not self._stopped:
+                left = None if self._due is None else self._due - time.monotonic()
+                if left is not None and left <= 0:
+                    self.expired = True
+                    break
+                self._cond.wait(left)
+        if self.expired:
+            self._expire()
 
 
 class GrpcTransport:
@@ -168,23 +208,30 @@ class GrpcTransport:
 
     def stream_session(self, ctx_id: str, ctx_len: int, ctx_hash: str, max_new_tokens: int, stop_at_eos: bool,
                        timeout: float) -> Iterator[StreamedToken | StreamDone]:
-        """StreamSession. gRPC has no deadline per message: the call's is `timeout` per event it may carry
-        (max_new_tokens + 1). Closing the iterator early cancels the call (the cloud then stops the stream)."""
+        """StreamSession; `timeout` bounds each wait for an event, as on REST. gRPC has no deadline per message:
+        a watchdog cancels the call when no event came within `timeout` of the last (CloudTimeout then).
+        Closing the iterator early cancels the call (the cloud then stops the stream)."""
         msg = pb.StreamSessionRequest(ctx_id=ctx_id, ctx_len=ctx_len, ctx_hash=ctx_hash,
                                       max_new_tokens=max_new_tokens, stop_at_eos=stop_at_eos)
         self.traffic.calls += 1
         self.traffic.bytes_up += msg.ByteSize()
-        call = self._stub.StreamSession(msg, timeout=timeout * (max(max_new_tokens, 0) + 1), metadata=self._metadata)
+        call = self._stub.StreamSession(msg, metadata=self._metadata)
+        watchdog = _EventWatchdog(timeout, call.cancel)
         try:
             for m in call:
+                watchdog.pause()
                 self.traffic.bytes_down += m.ByteSize()
                 e = streamed_from_pb(m)
                 yield e
                 if isinstance(e, StreamDone):
                     return
+                watchdog.touch()  # the wait for the next event starts when the caller asks for it
         except grpc.RpcError as err:
+            if watchdog.expired:
+                raise CloudTimeout(f"StreamSession: no event within {timeout:.3f} s") from None
             raise self._error(err) from None
         finally:
+            watchdog.stop()
             call.cancel()  # a no-op once the call has ended
         raise CloudUnavailable("StreamSession: the stream ended without 'done'")
 
