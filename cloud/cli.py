@@ -106,7 +106,7 @@ def _main_tensor_parallel(settings: CloudSettings) -> int:
     if first and not _ports_free(settings):
         return 2
     setup_logging(settings.log_level)
-    group = TensorGroup(settings.device)
+    group = TensorGroup(settings.device, op_stale_s=settings.tp_op_timeout_s)
     try:
         model = TargetModel(settings.model, settings.device, settings.dtype, group=group)
     except (OSError, ValueError) as e:

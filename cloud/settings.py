@@ -14,6 +14,10 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 Dtype = Literal["float32", "bfloat16", "float16"]
+# tensor parallelism: seconds one op may run before its rank counts as hung (the default of tp_op_timeout_s),
+# and the least it may be set to: well above a lost rank's silence (cloud/tensor_parallel.STALE_S, 2.5 s)
+OP_STALE_S = 60.0
+OP_STALE_FLOOR_S = 10.0
 
 
 class CloudSettings(BaseSettings):
@@ -118,6 +122,10 @@ class CloudSettings(BaseSettings):
     # of any proxy's pooled connections (nginx's upstream keepalive_timeout, 60 s): a backend that closes
     # first races the proxy's next request on that connection, which the proxy counts as the replica failing
     keep_alive_s: int = Field(default=75, ge=1)
+    # tensor parallelism (torchrun): a rank inside one op (a forward, a KV move) for longer than this (seconds)
+    # counts as hung, stops beating, and the group is restarted; keep it above the longest forward (a
+    # max_batch_tokens prefill chunk of the target, on CPU over gloo that can take minutes for a large one)
+    tp_op_timeout_s: float = Field(default=OP_STALE_S, ge=OP_STALE_FLOOR_S)
     # at SIGTERM, the drain waits at most this long (seconds) for open sessions to close and rounds to finish
     shutdown_grace_s: float = Field(default=2.0, ge=0)
     # logging level of the process

@@ -20,9 +20,11 @@ count (budget // bytes of one block of the local heads) is the same on every ran
 split evenly (`check_splits`), and rank 0's pool size is sent with `use_pool`.
 
 Failure. Every rank bumps a counter in torchrun's store every `BEAT_S` from a thread, unless its main
-thread has been inside one op (a forward, a move) for more than `OP_STALE_S` (`OpWatch`): a rank whose
-serving loop hangs stops beating although its heartbeat thread runs. Rank 0 watches the workers'
-counters and each worker rank 0's. A counter that has not moved for `STALE_S` (a rank that died, hangs
+thread has been inside one op (a forward, a move) for more than `--tp-op-timeout-s` (`OpWatch`; default
+`OP_STALE_S`, at least `OP_STALE_FLOOR_S`): a rank whose serving loop hangs stops beating although its
+heartbeat thread runs. Raise it when one forward (a prefill chunk of `--max-batch-tokens` of a large
+target, on CPU over gloo) can take longer, or the group is restarted in the middle of it. Rank 0 watches the
+workers' counters and each worker rank 0's. A counter that has not moved for `STALE_S` (a rank that died, hangs
 or was stopped) makes rank 0 unready (`/readyz` 503; new calls and forwards answer
 503 with Retry-After) and, `EXIT_GRACE_S` later, exit with status 3, so torchrun tears the group
 down and an orchestrator restarts it; a worker that loses rank 0 exits at once. Collectives of the
@@ -45,6 +47,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from cloud.settings import OP_STALE_FLOOR_S, OP_STALE_S
 from shared.kvpool import ForwardPlan, UnsupportedModel
 
 log = logging.getLogger(__name__)
@@ -52,8 +55,6 @@ log = logging.getLogger(__name__)
 BEAT_S = 0.5
 # a rank whose heartbeat has not moved for this long is lost
 STALE_S = 2.5
-# a rank whose main thread has been inside one op for this long is hung: it stops beating
-OP_STALE_S = 20.0
 # seconds rank 0 stays up (unready, answering 503) after losing a rank, then it exits
 EXIT_GRACE_S = 3.0
 # exit status of a rank that lost another
@@ -127,7 +128,10 @@ class OpWatch:
 class TensorGroup:
     """This process's place in the group: rank, size, the op broadcast, heartbeats and health."""
 
-    def __init__(self, device: str = "cpu") -> None:
+    # seconds inside one op after which this rank counts as hung and stops beating (--tp-op-timeout-s)
+    op_stale_s: float = OP_STALE_S
+
+    def __init__(self, device: str = "cpu", op_stale_s: float = OP_STALE_S) -> None:
         self.rank, self.size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         local = int(os.environ.get("LOCAL_RANK", "0"))
         # every rank uses its own GPU: "cuda" (or "cuda:K") becomes cuda:LOCAL_RANK
@@ -139,8 +143,9 @@ class TensorGroup:
         # held by whoever uses the process group (a forward: plan, broadcast and run), so an idle op
         # never interleaves its broadcast with a forward's collectives
         self.lock = threading.Lock()
-        # the op the main thread is inside (a forward, a move): no heartbeat while it hangs
+        # the op the main thread is inside (a forward, a move): no heartbeat once it has run `op_stale_s`
         self.watch = OpWatch()
+        self.op_stale_s = max(op_stale_s, OP_STALE_FLOOR_S)
         self._last_op = time.monotonic()
         self._lost: str | None = None
         self._store = _heartbeat_store()
@@ -183,7 +188,7 @@ class TensorGroup:
     def _beat_once(self, now: float) -> None:
         """Bump this rank's counter (not while its main thread hangs in an op) and check the watched ones."""
         try:
-            self._store.add(f"specsplit/beat/{self.rank}", 0 if self.watch.hung() else 1)
+            self._store.add(f"specsplit/beat/{self.rank}", 0 if self.watch.hung(self.op_stale_s) else 1)
             for r in self._watch:
                 count = self._store.add(f"specsplit/beat/{r}", 0)
                 if count != self._seen[r][0]:
