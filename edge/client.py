@@ -374,7 +374,9 @@ class EdgeClient:
         s = self.settings
         if not s.stream_switch or not info.session_stream or not getattr(transport, "supports_session_stream", False):
             return None
-        way = WayControl(objective=s.objective).carry(self._last_way)
+        # chunks within the cloud's --max-generate-tokens (an older cloud does not say: 0)
+        way = WayControl(objective=s.objective).carry(self._last_way).limit(
+            int(getattr(info, "max_generate_tokens", 0) or 0))
         self._last_way = way  # the next session starts from this one's costs (one link, one cloud)
         return way
 

@@ -261,7 +261,8 @@ class SpeculativeRun:
 
     def stream(self, n: int) -> Iterator[tuple[int, Origin]]:
         """Up to n target-only tokens streamed on the session (PROTOCOL.md "Streaming on a session"), each
-        committed as it arrives. A failure ends the chunk early; the next round recovers as rounds do."""
+        committed as it arrives. A failure ends the chunk early and never fails the generation: an evicted
+        session is reopened by the next round, any other failure ends streaming for the session."""
         assert self.ctx_id is not None and self.way is not None
         t0, got, cloud_ms = self.clock(), 0, 0.0
         self.metrics.cloud_calls += 1
@@ -287,9 +288,7 @@ class SpeculativeRun:
                 yield ev.token_id, "target"
         except NotFound:
             self.ctx_id = None  # evicted: the next round reopens with the full S
-        except SpecSplitError as e:
-            if not (is_retryable(e) or isinstance(e, (CloudTimeout, ContextMismatch))):
-                raise
+        except SpecSplitError as e:  # refused (422), cut, late: the session itself is intact, rounds go on
             log.info("stream stopped after %d tokens (%s): this session speculates from now on", got, e.code)
             self.way.stream_failed()
         finally:

@@ -18,8 +18,9 @@ The session starts speculating; after `min_rounds` rounds it streams when stream
 `margin`. It streams `chunk` tokens (from `chunk_min`, doubling after each chunk while streaming stays
 cheaper, up to `chunk_max`); after every chunk one speculative round (the probe) measures speculation
 again, and the session speculates once more when that has become cheaper by `margin` (acceptance rose,
-the link improved). A stream that fails (a proxy that cannot pass server-sent events, a cloud in trouble)
-ends streaming for the session; the next session tries again. The probe's cost includes the drafter catching up on the streamed tokens, which leans
+the link improved). Chunks never exceed the cloud's `max_generate_tokens` (GET /v1/model; `limit`). A stream
+that fails (a proxy that cannot pass server-sent events, a cloud in trouble, a cloud refusing the chunk) ends
+streaming for the session; the next session tries again. The probe's cost includes the drafter catching up on the streamed tokens, which leans
 the choice towards streaming, the way the cloud alone would go.
 
 Either way every committed token is the target's own draw at its position when the session's rounds are
@@ -79,6 +80,13 @@ class WayControl:
             self._spec, self._stream = list(last._spec), list(last._stream)
             self.one_step_ms, self.rounds = last.one_step_ms, last.rounds
             self.chunk = last.chunk if last.streaming else 0  # a streaming link goes on with its chunk size
+        return self
+
+    def limit(self, most: int) -> WayControl:
+        """Chunks of at most `most` tokens (the cloud's --max-generate-tokens; 0 = unknown); returns self."""
+        if most > 0:
+            self.chunk_min, self.chunk_max = min(self.chunk_min, most), min(self.chunk_max, most)
+            self.chunk = min(self.chunk, self.chunk_max)
         return self
 
     # -- costs per token ------------------------------------------------------------------------

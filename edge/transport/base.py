@@ -61,6 +61,13 @@ class Traffic:
     calls: int = 0
 
 
+def with_max_generate_tokens(info: ModelInfo, n: int) -> ModelInfo:
+    """`info` with the cloud's `max_generate_tokens` (0 = unknown) where ModelInfo has that field; returns info."""
+    if n > 0 and hasattr(info, "max_generate_tokens"):
+        info.max_generate_tokens = n
+    return info
+
+
 class Transport(Protocol):
     traffic: Traffic
     # False: no target-only generate call (gRPC); cloud_only then runs k = 0 verify rounds

@@ -29,7 +29,7 @@ from shared.protocol import (
 )
 from shared.request_id import REQUEST_ID_HEADER, check_request_id
 
-from .base import ROUTE_HEADER, GenerateResult, ModelInfo, Traffic, check_route_key
+from .base import ROUTE_HEADER, GenerateResult, ModelInfo, Traffic, check_route_key, with_max_generate_tokens
 from .errors import CloudTimeout, CloudUnavailable, error_from_grpc, with_key_hint
 
 
@@ -190,13 +190,14 @@ class GrpcTransport:
 
     def get_model(self, timeout: float) -> ModelInfo:
         m = self._call(self._stub.GetModel, pb.GetModelRequest(), timeout)
-        return ModelInfo(model_id=m.model_id, vocab_size=m.vocab_size, eos_ids=list(m.eos_ids),
+        info = ModelInfo(model_id=m.model_id, vocab_size=m.vocab_size, eos_ids=list(m.eos_ids),
                          max_context=m.max_context, dtype=m.dtype, device=m.device,
                          tokenizer_fingerprint=m.tokenizer_fingerprint, max_k=m.max_k,
                          tokenizer_size=m.tokenizer_size, feature_size=m.feature_size,
                          feature_encodings=list(m.feature_encodings), tensor_parallel=m.tensor_parallel,
                          max_tree_nodes=m.max_tree_nodes, max_feature_window=m.max_feature_window,
                          session_stream=m.session_stream)
+        return with_max_generate_tokens(info, int(getattr(m, "max_generate_tokens", 0)))
 
     def generate(self, prompt_ids: list[int], cfg: SamplingConfig, seed: int, max_new_tokens: int,
                  timeout: float) -> GenerateResult:

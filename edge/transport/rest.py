@@ -25,7 +25,7 @@ from shared.protocol import (
 )
 from shared.request_id import REQUEST_ID_HEADER, check_request_id
 
-from .base import ROUTE_HEADER, GenerateResult, ModelInfo, Traffic, check_route_key
+from .base import ROUTE_HEADER, GenerateResult, ModelInfo, Traffic, check_route_key, with_max_generate_tokens
 from .errors import CloudTimeout, CloudUnavailable, error_from_body, error_from_http, with_key_hint
 
 
@@ -150,7 +150,7 @@ class RestTransport:
 
     def get_model(self, timeout: float) -> ModelInfo:
         d = self._call("GET", "/v1/model", None, timeout)
-        return ModelInfo(model_id=str(d.get("model_id", "")), vocab_size=int(d["vocab_size"]),
+        info = ModelInfo(model_id=str(d.get("model_id", "")), vocab_size=int(d["vocab_size"]),
                          eos_ids=[int(i) for i in d.get("eos_ids") or []], max_context=int(d.get("max_context") or 0),
                          dtype=str(d.get("dtype", "")), device=str(d.get("device", "")),
                          tokenizer_fingerprint=str(d.get("tokenizer_fingerprint", "")), max_k=int(d.get("max_k") or 0),
@@ -161,6 +161,7 @@ class RestTransport:
                          max_feature_window=int(d.get("max_feature_window") or 0),
                          tensor_parallel=int(d.get("tensor_parallel") or 0),
                          session_stream=d.get("session_stream") is True)
+        return with_max_generate_tokens(info, int(d.get("max_generate_tokens") or 0))
 
     def generate(self, prompt_ids: list[int], cfg: SamplingConfig, seed: int, max_new_tokens: int,
                  timeout: float) -> GenerateResult:

@@ -63,6 +63,10 @@ class FakeCloud:
     supports_session_stream: bool = True
     # tokens a stream yields before it fails with the next `stream` fault (None: the fault comes first)
     stream_fail_after: int | None = None
+    # the cloud's --max-generate-tokens (0: not announced, no limit): a longer stream is refused with 422
+    max_generate_tokens: int = 0
+    # max_new_tokens of each stream asked for
+    stream_sizes: list[int] = field(default_factory=list)
     # routing keys and request ids the client asked for, one per routed() view
     route_keys: list[str] = field(default_factory=list)
     request_ids: list[str | None] = field(default_factory=list)
@@ -167,6 +171,9 @@ class FakeCloud:
         """Each token is a k = 0 round on the session, as the cloud streams them."""
         self.calls.append("stream")
         self.traffic.calls += 1
+        self.stream_sizes.append(max_new_tokens)
+        if 0 < self.max_generate_tokens < max_new_tokens:
+            raise InvalidArgument(f"max_new_tokens {max_new_tokens} over --max-generate-tokens {self.max_generate_tokens}")
         fault = self._fault("stream")
         if fault is not None and self.stream_fail_after is None:
             raise fault.error
@@ -202,8 +209,11 @@ class FakeCloud:
 
     def get_model(self, timeout: float) -> ModelInfo:
         self._enter("model")
-        return ModelInfo("fake", self.vocab, list(self.eos_ids), self.max_context,
+        info = ModelInfo("fake", self.vocab, list(self.eos_ids), self.max_context,
                          session_stream=self.supports_session_stream)
+        if self.max_generate_tokens:  # set whether or not ModelInfo has the field yet
+            object.__setattr__(info, "max_generate_tokens", self.max_generate_tokens)
+        return info
 
     def generate(self, prompt_ids: list[int], cfg: SamplingConfig, seed: int, max_new_tokens: int,
                  timeout: float) -> GenerateResult:

@@ -184,3 +184,41 @@ def test_a_stream_that_never_answers_falls_back_to_rounds(make_client: Any, fake
     got = client.generate(PROMPT)
     want = fake_cloud.generate(PROMPT, client.settings.sampling(), 0, 20, 1.0).token_ids
     assert got.token_ids == want and got.metrics.stream_calls == 1 and got.metrics.streamed == 0
+
+
+def test_stream_chunks_stay_within_the_clouds_max_generate_tokens(make_client: Any, fake_cloud: FakeCloud,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cloud announcing max_generate_tokens 5: chunks start at 5 (not 16) and never double past it, so no
+    stream is refused and the text is the target's."""
+    fake_cloud.max_generate_tokens = 5
+    client, _ = make_client(temperature=0, max_new_tokens=40, tree="off", stop_at_eos=False)
+    real = client._way_control
+
+    def cheap_streams(info: Any, transport: Any) -> WayControl | None:
+        ways = real(info, transport)
+        assert ways is not None
+        ways.min_rounds, ways.one_step_ms, ways._spec = 0, 1.0, [500.0, 1.0]  # streaming looks far cheaper
+        return ways
+
+    monkeypatch.setattr(client, "_way_control", cheap_streams)
+    got = client.generate(PROMPT)
+    want = fake_cloud.generate(PROMPT, client.settings.sampling(), 0, 40, 1.0).token_ids
+    assert got.token_ids == want and got.metrics.streamed > 5
+    assert fake_cloud.stream_sizes and max(fake_cloud.stream_sizes) <= 5
+    assert WayControl().limit(0).chunk_max == 256 and WayControl().limit(300).chunk_max == 256
+
+
+def test_a_refused_stream_ends_streaming_and_the_generation_goes_on(make_client: Any, fake_cloud: FakeCloud,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chunk the cloud refuses (422: over a --max-generate-tokens it did not announce) is not the user's
+    error: the session speculates from then on and the text is the target's."""
+    fake_cloud.max_generate_tokens = 8
+    client, _ = make_client(temperature=0, max_new_tokens=30, tree="off", stop_at_eos=False)
+    ways = WayControl(min_rounds=0)  # not limited: as with an older cloud that does not announce its limit
+    ways.one_step_ms, ways._spec = 1.0, [500.0, 1.0]
+    monkeypatch.setattr(client, "_way_control", lambda info, transport: ways)
+    got = client.generate(PROMPT)
+    want = fake_cloud.generate(PROMPT, client.settings.sampling(), 0, 30, 1.0).token_ids
+    assert got.token_ids == want and got.metrics.stream_calls == 1 and got.metrics.streamed == 0
+    assert ways.stream_broken and fake_cloud.stream_sizes == [16]
+
