@@ -101,7 +101,7 @@ class VerifierService:
                                        feature_size=model.feature_size if offer else 0,
                                        feature_encodings=list(ENCODINGS) if offer else [],
                                        max_feature_window=settings.max_feature_window if offer else 0,
-                                       session_stream=True)
+                                       session_stream=True, max_generate_tokens=settings.max_generate_tokens)
         self.prompt_limit = settings.prompt_limit(model.info.max_context)
         self.limits = RoundLimits(max_k=settings.max_k, max_return_top_k=settings.max_return_top_k,
                                   max_context=model.info.max_context, vocab_size=model.support,

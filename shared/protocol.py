@@ -101,6 +101,9 @@ class ModelInfo:
     # the cloud streams the target's own tokens on an open session (PROTOCOL.md, "Streaming on a session");
     # False: an older cloud, which lacks the call
     session_stream: bool = False
+    # largest max_new_tokens of a /v1/generate and longest stream chunk (`n`) on a session: --max-generate-tokens
+    # (0 = unknown: an older cloud, which answers 422 past its limit)
+    max_generate_tokens: int = 0
 
 
 @dataclass
