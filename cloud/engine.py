@@ -316,8 +316,8 @@ def _finish_tree(model: TargetModel, session: Session, req: VerifyRequest, plan:
     resp = VerifyResponse(
         accepted_len=la, correction=out.next_token, next_kind=out.next_kind, target_dist=None,
         ctx_len=len(final), ctx_hash=final.hash_at(len(final)), top_k_ids=top,
-        metrics=RoundMetrics(alpha_mean=sum(out.alphas) / k if k else 0.0, la_over_k=la / depth if depth else 0.0,
-                             prefill_ms=prefill_ms), feature=feature, accepted_nodes=list(out.path), states=states)
+        metrics=RoundMetrics(alpha_mean=sum(out.alphas) / k if k else 0.0, la_over_k=la / k if k else 0.0,
+                             prefill_ms=prefill_ms, la_over_depth=la / depth if depth else 0.0), feature=feature, accepted_nodes=list(out.path), states=states)
     # The nodes' KV sits at storage offsets L + j, computed at positions L + depth(j) - 1: the path's nodes
     # move to offsets L .. L + la - 1 (their own positions), the rest is cropped. The next token has no KV yet.
     model.keep_path(slot, L, out.path, path_tokens)

@@ -5,7 +5,8 @@ Names follow Prometheus' conventions: base units (`_seconds`, `_bytes`), `_total
 `process_*` series (CPU, resident memory, open file descriptors, start time) come with them.
 Each server builds its own registry, so several servers (or tests) in one process never share
 counts. Acceptance per position i = position_accepted{position=i} / position_checked{position=i}:
-the rate at which y_i is kept once the check reaches it. docs/PROTOCOL.md ("Metrics") lists every
+the rate at which y_i is kept once the check reaches it (for a token tree, depth i: reached when the
+accepted path did not end at a leaf before it). docs/PROTOCOL.md ("Metrics") lists every
 series and the names they had before.
 """
 
@@ -48,13 +49,16 @@ class CloudMetrics:
     replayed: Counter
     # accepted_len per round
     accepted_len: Histogram
-    # per draft position i (1-based): rounds whose check reached y_i
+    # per draft position i (1-based; a tree's depth i): rounds whose check reached y_i (a chain: i <= la + 1
+    # and i <= k; a tree: i <= la, or i = la + 1 when the accepted path's last node has children)
     position_checked: Counter
     # per draft position i: rounds that kept y_i
     position_accepted: Counter
-    # fed in ms: the target forward time of one request (a verify round's forward, a session's
-    # prompt prefill over all its chunks, a generation's prompt prefill); exported in seconds
+    # fed in ms: the target forward time of one verify round (its forwards, a resync's chunks included);
+    # exported in seconds
     prefill_ms: SecondsHistogram
+    # fed in ms: the prompt prefill of a session's open or of a generation (all its chunks); exported in seconds
+    prompt_prefill_ms: SecondsHistogram
     # fed in ms: time a request waited for the model (its session and the queue); exported in seconds
     queue_ms: SecondsHistogram
     # fed in ms by record_round: queue wait + forward of each verify round; exported in seconds
@@ -118,12 +122,15 @@ class CloudMetrics:
                              registry=r),
             accepted_len=Histogram(p + "accepted_length", "Draft tokens accepted per verify round (accepted_len).",
                                    buckets=[*range(0, max_k + 1), float("inf")], registry=r),
-            position_checked=Counter(p + "position_checked", "Verify rounds whose check reached draft position i.",
+            position_checked=Counter(p + "position_checked", "Verify rounds whose check reached draft position i "
+                                     "(a token tree's depth i: not once its accepted path ended at a leaf).",
                                      ["position"], registry=r),
             position_accepted=Counter(p + "position_accepted", "Verify rounds that kept the draft token at "
                                       "position i.", ["position"], registry=r),
-            prefill_ms=seconds("target_forward_seconds", "Target forward time of one request: a verify round's "
-                               "forward, a session's prompt prefill (all chunks), a generation's prompt prefill."),
+            prefill_ms=seconds("target_forward_seconds", "Target forward time of one verify round (prompt prefills "
+                               "are in prompt_prefill_seconds)."),
+            prompt_prefill_ms=seconds("prompt_prefill_seconds", "Target forward time of one prompt prefill (all "
+                                      "chunks): a session's open or a generation's prompt."),
             queue_ms=seconds("request_wait_seconds", "Time a request waited for the model (its session's earlier "
                              "rounds and the queue) before its forward started."),
             verify_round_ms=seconds("verify_round_seconds", "Queue wait plus target forward of each verify round "
@@ -172,7 +179,10 @@ class CloudMetrics:
         self.accepted.inc(la)
         self.emitted.inc(la + (out.next_token is not None))
         self.accepted_len.observe(la)
-        for i in range(1, min(la + 1, k) + 1):
+        # the deepest position checked: a chain's y_{la + 1} unless all k were kept; a tree's depth la + 1
+        # only when the draw was tried against the children of the path's last node ("correction")
+        reached = la + (out.next_kind == "correction") if isinstance(out, TreeOutcome) else min(la + 1, k)
+        for i in range(1, reached + 1):
             self.position_checked.labels(position=str(i)).inc()
             if i <= la:
                 self.position_accepted.labels(position=str(i)).inc()

@@ -240,7 +240,7 @@ class VerifierService:
                         kv_len=len(pre.ids), replay_bytes_limit=self.settings.replay_cache_bytes,
                         feature_encoding=encoding, feature_window=window)
             self.store.add(s)
-        self.metrics.prefill_ms.observe(ms)
+        self.metrics.prompt_prefill_ms.observe(ms)
         self.metrics.queue_ms.observe(queue_ms)
         log.info("session opened", extra={"fields": {"event": "open", "ctx_id": s.ctx_id,
                                                      "prompt_len": len(req.prompt_ids), "prefill_ms": round(ms, 3)}})
@@ -536,6 +536,8 @@ class VerifierService:
                   "alpha_mean": round(m.alpha_mean, 4), "next_kind": resp.next_kind,
                   "prefill_ms": round(m.prefill_ms, 3), "queue_ms": round(m.queue_ms, 3),
                   "ctx_len": resp.ctx_len, "replayed": replayed}
+        if req.draft.tree_parents is not None:
+            fields["la_over_depth"] = round(m.la_over_depth, 4)
         if req.draft.hard_mask:
             fields["hard_ratio"] = round(sum(req.draft.hard_mask) / max(k, 1), 4)
         round_log.info("verify round", extra={"fields": fields})
@@ -590,7 +592,7 @@ class VerifierService:
         finally:
             self.worker.between_batches(lambda: self._end_generate(st))
             self.worker.forget(f"generate-{id(st)}")
-        self.metrics.prefill_ms.observe(prefill_ms)
+        self.metrics.prompt_prefill_ms.observe(prefill_ms)
         yield GenerateEvent(metrics={"tokens": len(st.ids) - len(req.prompt_ids), "prefill_ms": prefill_ms,
                                      "decode_ms": decode_ms, "queue_ms": queue_ms,
                                      "total_ms": (self.clock() - t_start) * 1000.0, "stop_reason": reason})

@@ -206,12 +206,14 @@ class StreamDone:
 class RoundMetrics:
     # mean of min(1, p_i / q_i) over the k draft positions
     alpha_mean: float = 0.0
-    # accepted_len / k (0 when k = 0)
+    # accepted_len / k (0 when k = 0); for a token tree k is its number of nodes
     la_over_k: float = 0.0
     # wall time of the target forward for this round
     prefill_ms: float = 0.0
     # time the request waited for the model
     queue_ms: float = 0.0
+    # a token tree: accepted_len / its depth, the longest path it could accept (0 for a chain)
+    la_over_depth: float = 0.0
 
 
 @dataclass

@@ -109,7 +109,8 @@ def test_metrics_count_rounds_tokens_positions_and_errors(client: Callable[..., 
     assert m[("specsplit_cloud_errors_total", (("code", "invalid_argument"),))] == 1
     assert m[("specsplit_cloud_open_sessions", ())] == 1
     assert m[("specsplit_cloud_kv_bytes", ())] > 0
-    assert m[("specsplit_cloud_target_forward_seconds_count", ())] == rounds + 1  # the rounds and the open's prefill
+    assert m[("specsplit_cloud_target_forward_seconds_count", ())] == rounds  # the rounds only
+    assert m[("specsplit_cloud_prompt_prefill_seconds_count", ())] == 1  # the open's prefill
     assert m[("specsplit_cloud_verify_round_seconds_count", ())] == rounds
     assert m[("specsplit_cloud_kv_budget_bytes", ())] == 2 * 1024**3
     rest = {k[1]: v for k, v in m.items() if k[0] == "specsplit_cloud_responses_total"}
