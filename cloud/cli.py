@@ -108,7 +108,8 @@ def _main_tensor_parallel(settings: CloudSettings) -> int:
     setup_logging(settings.log_level)
     group = TensorGroup(settings.device, op_stale_s=settings.tp_op_timeout_s)
     try:
-        model = TargetModel(settings.model, settings.device, settings.dtype, group=group)
+        model = TargetModel(settings.model, settings.device, settings.dtype, group=group,
+                            invariant=settings.batch_invariant)
     except (OSError, ValueError) as e:
         if first:  # every rank refuses alike; one line says why
             print(f"specsplit-cloud: cannot start: {e}", file=sys.stderr)

@@ -89,6 +89,9 @@ class CloudMetrics:
     kv_pool_bytes: Gauge
     # model-bound requests admitted and not finished
     queue_depth: Gauge
+    # 1, labelled with the dtype the target runs in, why (what --dtype auto saw) and whether forwards are
+    # batch-invariant
+    model_dtype: Gauge
     # sessions removed other than by DELETE, by reason ("ttl", "kv_budget": evicted for KV blocks)
     evictions: Counter
     # error answers by code (invalid_argument, not_found, ...)
@@ -159,6 +162,8 @@ class CloudMetrics:
             kv_pool_bytes=Gauge(p + "kv_pool_bytes", "Bytes the KV pool has allocated (never above the budget).",
                                 registry=r),
             queue_depth=Gauge(p + "queue_depth", "Model-bound requests admitted and not finished.", registry=r),
+            model_dtype=Gauge(p + "model_dtype", "1, labelled with the target's dtype, why it was chosen and whether "
+                              "its forwards are batch-invariant.", ["dtype", "reason", "batch_invariant"], registry=r),
             evictions=Counter(p + "evictions", "Sessions removed other than by close, by reason (ttl, kv_budget).",
                               ["reason"], registry=r),
             errors=Counter(p + "errors", "Error answers by error code (invalid_argument, not_found, ...).", ["code"],

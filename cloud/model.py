@@ -32,8 +32,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from shared.dtypes import resolve_dtype
 from shared.errors import Unavailable
 from shared.hf_model import DTYPES, check_rollback, eos_ids, load_causal_lm
+from shared.invariant import tile_linears
 from shared.kvpool import BLOCK_SIZE, ForwardPlan, KVPool, Row, UnsupportedModel, attention_layout
 from shared.protocol import ModelInfo
 from shared.tokenizer_id import load_tokenizer, tokenizer_fingerprint
@@ -49,7 +51,7 @@ class TargetModel:
 
     def __init__(self, model_dir: Path, device: str = "cpu", dtype: str = "float32", *,
                  kv_budget_bytes: int | None = None, block_size: int = BLOCK_SIZE, prefix_cache: bool = True,
-                 group: TensorGroup | None = None) -> None:
+                 group: TensorGroup | None = None, invariant: bool = True) -> None:
         # the tensor-parallel group this rank belongs to (None: the whole model in this process)
         self.group = group
         if group is not None:
@@ -60,9 +62,12 @@ class TargetModel:
             check_splits(AutoConfig.from_pretrained(model_dir), group.size)
             device = group.device
         self.device = torch.device(device)
+        dtype, self.dtype_reason = resolve_dtype(dtype, str(device))
         torch_dtype = DTYPES[dtype]
         tokenizer = load_tokenizer(model_dir)
         self.model = load_causal_lm(model_dir, device, torch_dtype, tensor_parallel=group is not None)
+        if invariant:
+            tile_linears(self.model)
         cfg = self.model.config.get_text_config()
         n_ctx = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or 2048
         vocab = int(self.model.get_output_embeddings().weight.shape[0])
@@ -70,11 +75,13 @@ class TargetModel:
         self.support = min(len(tokenizer), vocab)
         self.info = ModelInfo(
             model_id=model_dir.resolve().name, vocab_size=vocab, eos_ids=eos_ids(self.model),
-            max_context=int(n_ctx), dtype=dtype, device=str(self.device),
+            max_context=int(n_ctx), dtype=dtype, dtype_reason=self.dtype_reason, batch_invariant=invariant,
+            device=str(self.device),
             tokenizer_fingerprint=tokenizer_fingerprint(tokenizer), tokenizer_size=self.support,
             tensor_parallel=group.size if group is not None else 1)
         self.pool = KVPool(attention_layout(self.model.config), int(n_ctx), self.device, torch_dtype,
-                           budget_bytes=kv_budget_bytes, block_size=block_size, prefix_cache=prefix_cache)
+                           budget_bytes=kv_budget_bytes, block_size=block_size, prefix_cache=prefix_cache,
+                           invariant=invariant)
         try:
             self.pool.prepare(self.model)
         except ValueError as e:
@@ -92,7 +99,8 @@ class TargetModel:
         # bytes of this process's weights (its shard under tensor parallelism)
         self.weight_bytes = sum(_local(p).numel() * p.element_size() for p in self.model.parameters()) + \
             getattr(self.model, "packed_copy_bytes", 0)
-        log.info("target loaded: %s", self.info)
+        log.info("target loaded: %s; dtype %s (%s), batch-invariant forwards %s", self.info, dtype,
+                 self.dtype_reason, "on" if invariant else "off")
         if group is not None:
             log.info("tensor-parallel rank memory", extra={"fields": {
                 "event": "rank_memory", "rank": group.rank, "weight_bytes": self.weight_bytes,
@@ -107,7 +115,8 @@ class TargetModel:
             with self.group.lock:
                 self.group.send(Op("use_pool", pool=(kv_budget_bytes, block_size, prefix_cache)))
         pool = KVPool(self.pool.layout, self.pool.max_positions, self.device, self.pool.dtype,
-                      budget_bytes=kv_budget_bytes, block_size=block_size, prefix_cache=prefix_cache)
+                      budget_bytes=kv_budget_bytes, block_size=block_size, prefix_cache=prefix_cache,
+                      invariant=self.pool.invariant)
         try:
             pool.prepare_like(self.pool)
         except ValueError as e:

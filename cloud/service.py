@@ -107,6 +107,8 @@ class VerifierService:
                                   max_context=model.info.max_context, vocab_size=model.support,
                                   max_tree_nodes=settings.max_tree_nodes)
         self.metrics = CloudMetrics.create(max(settings.max_k, settings.max_tree_nodes), settings.kv_budget_bytes)
+        self.metrics.model_dtype.labels(self.info.dtype, self.info.dtype_reason,
+                                        str(self.info.batch_invariant).lower()).set(1)
         self.store = SessionStore(max_sessions=settings.max_sessions, ttl_s=settings.session_ttl_s,
                                   kv_budget_bytes=settings.kv_budget_bytes, clock=clock, on_remove=self._removed,
                                   max_sessions_per_owner=settings.sessions_per_key_limit())
@@ -140,7 +142,8 @@ class VerifierService:
 
     @classmethod
     def load(cls, settings: CloudSettings, **kw) -> VerifierService:  # type: ignore[no-untyped-def]
-        model = TargetModel(settings.model, settings.device, settings.dtype)  # the service sizes its pool
+        # the service sizes its pool
+        model = TargetModel(settings.model, settings.device, settings.dtype, invariant=settings.batch_invariant)
         return cls(settings, model, **kw)
 
     @property

@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-Dtype = Literal["float32", "bfloat16", "float16"]
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 # tensor parallelism: seconds one op may run before its rank counts as hung (the default of tp_op_timeout_s),
 # and the least it may be set to: well above a lost rank's silence (cloud/tensor_parallel.STALE_S, 2.5 s)
 OP_STALE_S = 60.0
@@ -39,8 +39,13 @@ class CloudSettings(BaseSettings):
     metrics_auth: bool = False
     # torch device of the target: "cpu" or "cuda" / "cuda:N"
     device: str = "cpu"
-    # weights and KV dtype
-    dtype: Dtype = "float32"
+    # weights and KV dtype; auto: bfloat16 where the CPU has AMX or AVX512-BF16 (or on a CUDA device with
+    # bfloat16), float32 elsewhere (shared/dtypes.py); the choice and why are logged and in GET /v1/model
+    dtype: Dtype = "auto"
+    # every forward batch-invariant (shared/invariant.py): a token's logits and KV are bit for bit the same
+    # whatever else shares its forward (one session or 16, a decode step, a chain, a tree, a prefill chunk), so
+    # greedy text is one text in every mode; false: the plain kernels (measured in BENCHMARKS.md)
+    batch_invariant: bool = True
     # torch intra-op threads for the model worker; 0 = torch's default
     torch_threads: int = Field(default=0, ge=0)
 

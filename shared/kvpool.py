@@ -45,6 +45,7 @@ import torch
 from transformers import AttentionInterface, Cache, DynamicCache
 
 from shared.blocks import BlockManager, OutOfBlocks
+from shared.invariant import InvariantCall, attend, build_calls
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 
@@ -152,8 +153,10 @@ class KVPool:
 
     def __init__(self, layout: AttentionLayout, max_positions: int, device: torch.device | str,
                  dtype: torch.dtype, *, budget_bytes: int | None = None, block_size: int = BLOCK_SIZE,
-                 prefix_cache: bool = False) -> None:
+                 prefix_cache: bool = False, invariant: bool = False) -> None:
         self.layout = layout
+        # batch-invariant attention (shared/invariant.py): a query's result whatever its forward's other rows
+        self.invariant = invariant
         # position ids past this are clamped (callers check real rows against the model's context)
         self.max_positions = max_positions
         self.device, self.dtype = torch.device(device), dtype
@@ -426,8 +429,8 @@ class _Batch:
     positions: torch.Tensor
     # [T] pool rows where the new K/V go
     write: torch.Tensor
-    # per window kind (None = full): the attention calls of one layer
-    read: dict[int | None, list[_Group | _Single]]
+    # per window kind (None = full): the attention calls of one layer (`InvariantCall`s in an invariant pool)
+    read: dict[int | None, list[Any]]
 
     @classmethod
     def build(cls, pool: KVPool, rows: list[Row]) -> _Batch:
@@ -441,8 +444,11 @@ class _Batch:
             ids.extend(r.ids)
             pos.extend(r.positions())
             write.extend(m.slots(r.slot, r.past, r.past + len(r.ids)))
-        read: dict[int | None, list[_Group | _Single]] = {}
+        read: dict[int | None, list[Any]] = {}
         for w in pool.layout.kinds:
+            if pool.invariant:
+                read[w] = build_calls(m, rows, starts, w, dev)
+                continue
             calls: list[_Group | _Single] = []
             short = []
             for r, start in zip(rows, starts, strict=True):
@@ -599,6 +605,9 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     hq, hk = q_all.shape[0], k_pool.shape[0]
     out = query.new_empty(q_all.shape[1], hq, v_pool.shape[-1])  # [T, Hq, Dv]
     for call in batch.read[pool.layout.windows[layer]]:
+        if isinstance(call, InvariantCall):
+            attend(call, q_all, k_pool, v_pool, out, scaling, softcap)
+            continue
         if isinstance(call, _Single):
             q = q_all[:, call.start: call.start + call.n]  # [Hq, n, D]
             k = k_pool.index_select(1, call.keys)  # [H, W, D]

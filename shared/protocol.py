@@ -77,8 +77,13 @@ class ModelInfo:
     eos_ids: list[int] = field(default_factory=list)
     # positions the target attends over, prompt + generated (0 = unknown)
     max_context: int = 0
-    # "float32" | "bfloat16" | "float16"
+    # "float32" | "bfloat16" | "float16": what the target runs in (after --dtype auto chose)
     dtype: str = ""
+    # why that dtype ("asked for", or what auto saw: e.g. "auto: the CPU has avx512_bf16")
+    dtype_reason: str = ""
+    # every forward is batch-invariant: a token's logits do not depend on what shares its forward, so greedy
+    # text is one text in every mode (False: the plain kernels, or an older cloud)
+    batch_invariant: bool = False
     # torch device string
     device: str = ""
     # shared/tokenizer_id.py: the edge's draft must speak the tokenizer with this fingerprint

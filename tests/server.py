@@ -35,7 +35,9 @@ class CloudProcess:
     model_dir: target model directory; api_keys: keys that turn auth on; extra_args: more CLI
     flags (e.g. ("--max-sessions", "4")); env: extra environment variables. By default the model
     worker uses one torch thread (SPECSPLIT_CLOUD_TORCH_THREADS=1), which is fastest on a small
-    shared machine; pass env={"SPECSPLIT_CLOUD_TORCH_THREADS": "0"} for torch's default.
+    shared machine; pass env={"SPECSPLIT_CLOUD_TORCH_THREADS": "0"} for torch's default. The dtype is
+    float32 (the references tests compare with are float32) unless SPECSPLIT_TEST_DTYPE names another or a
+    test passes --dtype.
     """
 
     def __init__(self, model_dir: str | Path, api_keys: Sequence[str] = (), extra_args: Sequence[str] = (),
@@ -43,7 +45,8 @@ class CloudProcess:
         self.model_dir = Path(model_dir)
         self.api_keys = tuple(api_keys)
         self.extra_args = tuple(extra_args)
-        self.env = {"SPECSPLIT_CLOUD_TORCH_THREADS": "1", **(env or {})}
+        self.env = {"SPECSPLIT_CLOUD_TORCH_THREADS": "1",
+                    "SPECSPLIT_CLOUD_DTYPE": os.environ.get("SPECSPLIT_TEST_DTYPE", "float32"), **(env or {})}
         self.startup_timeout_s = startup_timeout_s
         self.host = "127.0.0.1"
         self.http_port = free_port()

@@ -53,7 +53,7 @@ def make_service(tiny_pair: tuple[Path, Path], tiny_target: TargetModel) -> Iter
     made: list[VerifierService] = []
 
     def make(clock: Any = None, **overrides: Any) -> VerifierService:
-        settings = CloudSettings(model=tiny_pair[0], **overrides)
+        settings = CloudSettings(model=tiny_pair[0], **{"dtype": "float32", **overrides})
         kw = {"clock": clock} if clock is not None else {}
         made.append(VerifierService(settings, tiny_target, **kw))
         return made[-1]
