@@ -8,6 +8,7 @@ write BENCHMARKS.md plus its PNG figures.
     specsplit-bench --only network       # speculation over 0-100 ms round trips alone (about 15 minutes)
     specsplit-bench --only real-pair     # SmolLM2-135M-Instruct and its drafts (about 15 minutes)
     specsplit-bench --only tp            # the target over 1, 2, 3 tensor-parallel ranks (--target; a few minutes)
+    specsplit-bench --only coder-pair    # Qwen2.5-Coder-1.5B/0.5B-Instruct on HumanEval (about 20 minutes)
 """
 
 from __future__ import annotations
@@ -46,13 +47,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip later repeats that would end the run after this many seconds "
                         "(default 570 for the full run, none with --quick; 0 = no budget)")
     p.add_argument("--from-json", type=Path, default=None, help="re-render the report from a results.json")
-    p.add_argument("--only", choices=["capacity", "network", "real-pair", "tp"], default=None,
+    p.add_argument("--only", choices=["capacity", "network", "real-pair", "tp", "coder-pair"], default=None,
                    help="run only this section and splice it into OUT and the results JSON")
     p.add_argument("--real-pair-drafts", default="",
                    help="real-pair: the drafts of the fixed-shape table, comma-separated (default: every one present: "
                         "attention head, feature-fed head, distilled draft, draft from the target, n-gram)")
     p.add_argument("--real-pair-head", default="",
                    help="real-pair: the head the Spec-Bench and end-to-end sections use (default: the edge's default head)")
+    p.add_argument("--coder-prompts", type=int, default=6, help="coder-pair: HumanEval prompts (default 6, at most 20)")
+    p.add_argument("--coder-new-tokens", type=int, default=96, help="coder-pair: new tokens per prompt (default 96)")
+    p.add_argument("--coder-dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                   help="coder-pair: the cloud's --dtype (default auto)")
+    p.add_argument("--coder-sessions", default="1",
+                   help="coder-pair: concurrent sessions of the cloud CPU-time measure, comma-separated (default 1)")
+    p.add_argument("--coder-specbench", type=int, default=1,
+                   help="coder-pair: Spec-Bench questions per category (default 1)")
     p.add_argument("--skip-capacity", action="store_true", help="full run without the cloud capacity section")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                    help="the cloud's dtype in the capacity section")
@@ -201,6 +210,12 @@ def main(argv: list[str] | None = None) -> int:
 
         only = tuple(d.strip() for d in args.real_pair_drafts.split(",") if d.strip())
         return run_real_pair(args.out, command, only=only, head=args.real_pair_head)
+    if args.only == "coder-pair":  # Qwen2.5-Coder-1.5B-Instruct and its 0.5B draft (bench/coder_pair.py)
+        from bench.coder_pair import run as run_coder_pair
+
+        sessions = tuple(int(x) for x in args.coder_sessions.split(",") if x.strip())
+        return run_coder_pair(args.out, command, prompts=args.coder_prompts, n_new=args.coder_new_tokens,
+                              dtype=args.coder_dtype, sessions=sessions or (1,), specbench_per_category=args.coder_specbench)
     if args.only == "tp":  # the target split over 1, 2, 3 tensor-parallel ranks (bench/tensor_parallel.py)
         from bench.tensor_parallel import TARGET as TP_TARGET
         from bench.tensor_parallel import run as run_tp
