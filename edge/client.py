@@ -28,7 +28,7 @@ from .kcontrol import CostModelK
 from .metrics import CommittedToken, EdgeMetrics, Origin, RoundRecord
 from .pairing import check_pairing, fit_drafter
 from .round_control import KController
-from .settings import EdgeSettings, Mode, default_head
+from .settings import EdgeSettings, Mode, default_head, draft_torch_dtype
 from .speculative import RecoveryPolicy, SessionParams, SpeculativeRun
 from .transport.base import ModelInfo, Transport, check_route_key, new_route_key
 from .transport.errors import CloudTimeout, is_retryable, retry_delay
@@ -216,7 +216,8 @@ class EdgeClient:
             if s.draft == "ngram":
                 self._drafter = NGramDrafter(order=s.ngram_order, filler_top_k=s.filler_top_k)
             else:
-                model = ModelDrafter(s.draft, device=s.device, mc_dropout_samples=s.mc_dropout_samples)
+                model = ModelDrafter(s.draft, device=s.device, mc_dropout_samples=s.mc_dropout_samples,
+                                     dtype=draft_torch_dtype(s))
                 self._drafter = model
                 if s.hybrid:
                     ngram = NGramDrafter(order=s.ngram_order, filler_top_k=s.filler_top_k)
@@ -398,6 +399,35 @@ class EdgeClient:
                                        "attention_head.json): pass --head DIR or --head none")
         return self._head
 
+    def _head_fits(self, info: ModelInfo) -> bool:
+        """The head's config (read without its weights) names the cloud's width and tokenizer: a head made
+        for another target is never loaded (False, said once; quietly for the default head)."""
+        if self.settings.head == "none":
+            return False
+        if self._head is not None:
+            return True
+        import json
+
+        from .drafters.attention_head import CONFIG_NAME as ATTENTION_CONFIG
+        from .drafters.feature_head import CONFIG_NAME as FEATURE_CONFIG
+
+        for name in (ATTENTION_CONFIG, FEATURE_CONFIG):
+            path = Path(self.settings.head) / name
+            if path.is_file():
+                cfg = json.loads(path.read_text())
+                width, fingerprint = int(cfg.get("hidden_size", 0)), str(cfg.get("tokenizer_fingerprint", ""))
+                if width == info.feature_size and fingerprint in ("", info.tokenizer_fingerprint):
+                    return True
+                if not self._head_warned:
+                    self._head_warned = True
+                    quiet = self.settings.head == default_head()  # the default head meets other targets silently
+                    (log.info if quiet else log.warning)(
+                        "the head %s was trained on another target (width %d, tokenizer %s; the cloud's: %d, %s): "
+                        "drafting without it (not loaded)", self.settings.head, width, fingerprint,
+                        info.feature_size, info.tokenizer_fingerprint)
+                return False
+        return True  # not a head directory: head() names the problem
+
     def encoding_for(self, info: ModelInfo) -> str:
         """The feature encoding to ask for: the setting's when the cloud offers it; "auto": int8, else float16."""
         want = self.settings.feature_encoding
@@ -409,7 +439,7 @@ class EdgeClient:
     def _feature_fed(self, info: ModelInfo, drafter: Drafter) -> Drafter | None:
         """`drafter` wrapped by the feature-fed head when the cloud offers features the head was trained on."""
         if not isinstance(drafter, NoDrafter) and info.feature_size and self.encoding_for(info) \
-                and self.head() is not None:
+                and self._head_fits(info) and self.head() is not None:
             from .drafters.attention_drafter import AttentionDrafter
             from .drafters.attention_head import AttentionHead
             from .drafters.feature_head import FeatureDrafter

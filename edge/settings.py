@@ -11,7 +11,7 @@ la/k <= 0.4, within [3, 12]).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -76,6 +76,10 @@ class EdgeSettings(BaseSettings):
     tokenizer: str | None = None
     # torch device of the draft model
     device: str = "cpu"
+    # dtype of the draft model's weights and KV: float32, bfloat16, or auto (bfloat16 where the CPU has AMX or
+    # AVX512-BF16, shared/dtypes.py). Exact in any dtype: q is whatever the draft computed and the cloud's rule
+    # reads it as sent. float32 by default: one drafted row is no faster in bfloat16 on these CPUs (BENCHMARKS.md)
+    draft_dtype: Literal["auto", "float32", "bfloat16"] = "float32"
     # speculative | edge_only | cloud_only
     mode: Mode = "speculative"
 
@@ -224,3 +228,12 @@ class EdgeSettings(BaseSettings):
             if (REPO_ROOT / "models" / name).is_dir():
                 return str(REPO_ROOT / "models" / name)
         raise ValueError("the n-gram drafter needs --tokenizer DIR (no default draft under models/)")
+
+
+def draft_torch_dtype(settings: EdgeSettings) -> Any:
+    """The torch dtype of the draft model (`draft_dtype`, auto resolved for the settings' device)."""
+    import torch
+
+    from shared.dtypes import resolve_dtype
+
+    return getattr(torch, resolve_dtype(settings.draft_dtype, settings.device)[0])

@@ -62,17 +62,19 @@ class ModelDrafter:
     kind: DraftKind = "sampled"
     wants_top_k = 0
 
-    def __init__(self, model_dir: str | Path, device: str = "cpu", mc_dropout_samples: int = 0) -> None:
+    def __init__(self, model_dir: str | Path, device: str = "cpu", mc_dropout_samples: int = 0,
+                 dtype: torch.dtype = torch.float32) -> None:
         if not Path(model_dir).is_dir():
             raise UnsupportedModel(f"the draft model directory {model_dir} does not exist: pass --draft DIR (a local "
                                    "Hugging Face model directory; nothing is downloaded) or --draft ngram")
         # the ids of a compact draft's output rows (edge/drafters/compact.py); None: one row per id
         self.out_ids: torch.Tensor | None = None
         if is_compact(Path(model_dir)):
-            self.model, self.out_ids = load_compact(Path(model_dir), device, torch.float32)
+            self.model, self.out_ids = load_compact(Path(model_dir), device, dtype)
         else:
-            self.model = load_causal_lm(Path(model_dir), device, torch.float32)
-        self.device = device
+            self.model = load_causal_lm(Path(model_dir), device, dtype)
+        # weights and KV (q is whatever the draft computes: draw and match and the verify rule read it as sent)
+        self.device, self.dtype = device, dtype
         # the ids the draft speaks (its embedding's rows), and the ids q is taken over (the target's
         # tokenizer_size once paired: rows past it are padding of the embedding table, never a token)
         self.logit_rows = int(self.model.get_input_embeddings().weight.shape[0] if self.out_ids is not None
@@ -86,7 +88,7 @@ class ModelDrafter:
         # fingerprint of the tokenizer stored with the draft (None when its directory has none)
         self.tokenizer_fingerprint = _own_tokenizer_fingerprint(Path(model_dir))
         self._layout = attention_layout(self.model.config)
-        check_rollback(self.model, self._new_pool(), self.logit_rows, torch.float32)
+        check_rollback(self.model, self._new_pool(), self.logit_rows, dtype)
         self.reset()
 
     @property
@@ -95,7 +97,7 @@ class ModelDrafter:
         return self._pool.length(self._slot)
 
     def _new_pool(self) -> KVPool:
-        pool = KVPool(self._layout, self.max_context or 1 << 20, self.device, torch.float32)
+        pool = KVPool(self._layout, self.max_context or 1 << 20, self.device, self.dtype)
         template = self.__dict__.get("_template")
         if template is None:
             pool.prepare(self.model)

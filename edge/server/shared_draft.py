@@ -21,7 +21,7 @@ from shared.tokenizer_id import tokenizer_fingerprint
 from shared.verify import DraftKind
 
 from ..drafters.base import DraftBlock, Drafter
-from ..settings import EdgeSettings
+from ..settings import EdgeSettings, draft_torch_dtype
 
 
 class LockedDrafter:
@@ -69,7 +69,8 @@ class SharedDraftModel:
         self.model: ModelDrafter | None = None
         if settings.draft != "ngram":
             self.model = ModelDrafter(settings.draft, device=settings.device,
-                                      mc_dropout_samples=settings.mc_dropout_samples)
+                                      mc_dropout_samples=settings.mc_dropout_samples,
+                                      dtype=draft_torch_dtype(settings))
 
     def for_generation(self) -> Drafter:
         """A fresh drafter for one generation (the n-gram drafter needs no lock: it holds no model)."""
