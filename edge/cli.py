@@ -139,6 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dtype of the draft model (default float32; auto: bfloat16 where the CPU has bfloat16 units)")
     g.add_argument("--threads", type=int, help="torch threads of the draft model (default: torch's)")
     g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.add_argument("--against-cloud-only", action="store_true",
+                   help="then run the same prompt with --mode cloud_only (quietly) and print both decode rates")
     g.add_argument("--log", metavar="FILE.jsonl", help="one JSON line per round")
     g.add_argument("-v", "--verbose", action="store_true")
     g.add_argument("--request-id", help="sent as X-Request-Id on every cloud call (the cloud logs it with the "
@@ -209,6 +211,8 @@ def summary_table(result: GenerationResult) -> str:
             ("tree rounds, nodes sent", f"{m.tree_rounds}, {m.tree_nodes}"),
             ("copy-branch nodes sent / accepted", f"{m.copy_nodes} / {m.copy_accepted}"),
             ("tokens per cloud call", f"{m.tokens_per_call:.2f}"),
+            ("tokens per verify call (streamed apart)", f"{m.tokens_per_verify:.2f}"),
+            ("decode tokens/s (after the first)", f"{m.decode_tokens_per_s:.2f}"),
             ("tokens speculated / streamed, switches", f"{m.emitted - m.streamed} / {m.streamed}, {m.switches}"),
             ("by origin", ", ".join(f"{k}={v}" for k, v in m.by_origin.items() if v)),
             ("local commits (unverified)", m.local_commits),
@@ -255,7 +259,23 @@ def generate(args: argparse.Namespace) -> int:
         print(json.dumps(result.to_json()))
     else:
         print(summary_table(result), file=sys.stderr)
+    if args.against_cloud_only and settings.mode != "cloud_only":
+        print(against_cloud_only(settings, args, result), file=sys.stderr)
     return 0
+
+
+def against_cloud_only(settings: EdgeSettings, args: argparse.Namespace, result: GenerationResult) -> str:
+    """The same prompt in cloud_only mode (the cloud's own decoding), and the two decode rates."""
+    client = EdgeClient(settings.model_copy(update={"mode": "cloud_only"}))
+    try:
+        alone = client.generate(chat_prompt(client, args) if args.chat else args.prompt)
+    finally:
+        client.close()
+    spec = result.metrics.decode_tokens_per_s
+    base = alone.metrics.decode_tokens_per_s
+    same = "the same text" if list(alone.token_ids) == list(result.token_ids) else "another text"
+    return (f"decode: {spec:.2f} tokens/s speculating against {base:.2f} tokens/s for the cloud alone "
+            f"({spec / base if base else 0:.2f}x; {same})")
 
 
 def chat_prompt(client: EdgeClient, args: argparse.Namespace) -> list[int]:

@@ -160,6 +160,18 @@ class EdgeMetrics:
         return self.accepted / self.verify_calls if self.verify_calls else 0.0
 
     @property
+    def tokens_per_verify(self) -> float:
+        """Tokens each verify round committed (its accepted drafts and the one token of the cloud's): streamed
+        tokens and local commits are not in it."""
+        return (self.accepted + self.verify_calls) / self.verify_calls if self.verify_calls else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens after the first over the time after the first (the prompt's prefill left out)."""
+        ms = self.wall_ms - self.ttft_ms
+        return (self.emitted - 1) / ms * 1000 if self.emitted > 1 and ms > 0 else 0.0
+
+    @property
     def tokens_per_call(self) -> float:
         """Emitted tokens per cloud request (every attempt counted)."""
         return self.emitted / self.cloud_calls if self.cloud_calls else 0.0

