@@ -139,14 +139,13 @@ def settings(url: str, n_new: int, **kw: Any) -> Any:
 
 def tally(client: Any, prompts: list[list[int]]) -> dict[str, Any]:
     """One client over the prompts: sums of its metrics, the texts, decode time (after the first token)."""
-    t: dict[str, Any] = {"emitted": 0, "streamed": 0, "verify": 0, "drafted": 0, "accepted": 0, "nodes": 0,
+    t: dict[str, Any] = {"emitted": 0, "streamed": 0, "verify": 0, "drafted": 0, "accepted": 0,
                          "switches": 0, "pos_d": [], "pos_a": [], "decode_tokens": 0, "decode_ms": 0.0, "texts": []}
     for ids in prompts:
         r = client.generate(ids)
         m = r.metrics
         for key, v in (("emitted", m.emitted), ("streamed", m.streamed), ("verify", m.verify_calls),
-                       ("drafted", m.drafted), ("accepted", m.accepted), ("nodes", m.tree_nodes),
-                       ("switches", m.switches), ("decode_tokens", max(len(r.token_ids) - 1, 0)),
+                       ("drafted", m.drafted), ("accepted", m.accepted), ("switches", m.switches), ("decode_tokens", max(len(r.token_ids) - 1, 0)),
                        ("decode_ms", m.wall_ms - m.ttft_ms)):
             t[key] += v
         for i, (d, a) in enumerate(zip(m.position_drafted, m.position_accepted, strict=True)):
@@ -162,10 +161,12 @@ def tally(client: Any, prompts: list[list[int]]) -> dict[str, Any]:
 def summary(t: dict[str, Any], **row: Any) -> dict[str, Any]:
     """Tokens per verify call (streamed tokens left out), acceptance (by position), nodes per round, decode tok/s."""
     calls = max(t["verify"], 1)
-    return {**row, "tokens_per_verify": (t["emitted"] - t["streamed"]) / calls,
+    # None: no verify call (every token streamed, or cloud_only)
+    return {**row, "tokens_per_verify": (t["emitted"] - t["streamed"]) / calls if t["verify"] else None,
             "acceptance": t["accepted"] / max(t["drafted"], 1),
             "by_position": [a / d if d else 0.0 for a, d in zip(t["pos_a"], t["pos_d"], strict=True)][:8],
-            "nodes_per_round": t["nodes"] / calls, "streamed": t["streamed"], "switches": t["switches"],
+            # `drafted` counts a tree's nodes too
+            "nodes_per_round": t["drafted"] / calls, "streamed": t["streamed"], "switches": t["switches"],
             "tokens_per_s": t["decode_tokens"] / t["decode_ms"] * 1000 if t["decode_ms"] > 0 else 0.0,
             "tokens": t["emitted"]}
 
@@ -187,7 +188,7 @@ def fixed_shapes(url: str, tokenizer: Any, drafter: Any, ids: list[list[int]], n
         rows.append(summary(tally(client, ids), shape=name))
         client.close()
         r = rows[-1]
-        print(f"coder-pair: greedy {name}: {r['tokens_per_verify']:.2f} tokens/verify, first position "
+        print(f"coder-pair: greedy {name}: {per_verify(r)} tokens/verify, first position "
               f"{(r['by_position'] or [0.0])[0]:.3f}, {r['nodes_per_round']:.1f} nodes/round", flush=True)
     return rows
 
@@ -201,7 +202,7 @@ def sampled(url: str, tokenizer: Any, drafter: Any, ids: list[list[int]], n_new:
     ref.close()
     equal = sum(a == b for a, b in zip(ts["texts"], tr["texts"], strict=True))
     row = {**summary(ts), "equal": equal, "prompts": len(ids)}
-    print(f"coder-pair: T={T_SAMPLED}, seed {SEED}: {row['tokens_per_verify']:.2f} tokens/verify, texts equal to the "
+    print(f"coder-pair: T={T_SAMPLED}, seed {SEED}: {per_verify(row)} tokens/verify, texts equal to the "
           f"cloud's {equal}/{len(ids)}", flush=True)
     return row
 
@@ -211,7 +212,8 @@ def specbench(url: str, tokenizer: Any, drafter: Any, per_category: int, n_new: 
     rows = []
     for cat, texts in specbench_groups(per_category).items():
         rows.append(summary(tally(client, [chat_ids(tokenizer, q) for q in texts]), category=cat, questions=len(texts)))
-        print(f"coder-pair: spec-bench {cat}: {rows[-1]['tokens_per_verify']:.2f} tokens/verify", flush=True)
+        print(f"coder-pair: spec-bench {cat}: {per_verify(rows[-1])} tokens/verify, {rows[-1]['streamed']} streamed",
+              flush=True)
     client.close()
     return rows
 
@@ -232,8 +234,12 @@ def end_to_end(cloud: CloudServer, tokenizer: Any, drafter: Any, ids: list[list[
                 if rtt == 0:
                     cpu.append(cpu_row(mode, 1, used, t["emitted"]))
                 print(f"coder-pair: rtt {rtt} ms, {mode}: {rows[-1]['tokens_per_s']:.2f} decode tok/s, "
-                      f"{rows[-1]['tokens_per_verify']:.2f} tokens/verify, cloud {used:.1f} CPU-s", flush=True)
+                      f"{per_verify(rows[-1])} tokens/verify, cloud {used:.1f} CPU-s", flush=True)
     return rows, cpu
+
+
+def per_verify(row: dict[str, Any]) -> str:
+    return "-" if row["tokens_per_verify"] is None else f"{row['tokens_per_verify']:.2f}"
 
 
 def cpu_row(mode: str, sessions: int, cpu_s: float, tokens: int) -> dict[str, Any]:
@@ -277,11 +283,12 @@ def render(res: dict[str, Any]) -> str:
     m = res["machine"]
     flags = ", ".join(f"{f} {'present' if m[f] else 'absent'}" for f in ("amx_bf16", "avx512_bf16"))
     dtype = res.get("dtype") or "unknown"
+    reason = f" ({res['dtype_reason']})" if res.get("dtype_reason") else ""
     lines = [START, "## The coder pair: Qwen2.5-Coder-1.5B-Instruct verifying Qwen2.5-Coder-0.5B-Instruct drafts", "",
              f"Command: `{res['command']}` ({res['total_s'] / 60:.0f} minutes). CPU: {m['cpu']} ({flags}); load average "
              f"{m['load_start']:.2f} at the start, {m['load_end']:.2f} at the end. Edge and cloud each have one core "
              f"(one torch thread each{', each process pinned to its own core' if m.get('pinned') else ''}) on one "
-             f"2-core machine; the cloud's dtype {dtype}, the draft float32. GPU figures are unmeasured.", "",
+             f"2-core machine; the cloud's dtype {dtype}{reason}, the draft's {res.get('draft_dtype', 'float32')}. GPU figures are unmeasured.", "",
              f"Prompts: the first {res['prompts']} HumanEval problems (`bench/humaneval/`, MIT licence), each as the chat "
              "message \"Complete this Python function:\" and the prompt in a python code block, through the target's "
              f"chat template; {res['new_tokens']} new tokens at most, stopping at the end of the answer. The edge: draft "
@@ -295,19 +302,20 @@ def render(res: dict[str, Any]) -> str:
     for r in res["fixed"]:
         pos = " / ".join(f"{a:.2f}" for a in r["by_position"])
         auto = r["shape"] == "trees (auto)"
-        tpv = aim(r["tokens_per_verify"], AIM_TOKENS_PER_VERIFY) if auto else f"{r['tokens_per_verify']:.2f}"
+        tpv = aim(r["tokens_per_verify"] or 0.0, AIM_TOKENS_PER_VERIFY) if auto else per_verify(r)
         first = f"; first {aim(r['by_position'][0], AIM_FIRST_POSITION, '.3f')}" if auto and r["by_position"] else ""
         lines.append(f"| {r['shape']} | {tpv} | {pos}{first} | {r['nodes_per_round']:.1f} |")
     s = res["sampled"]
     lines += ["", f"### T = {T_SAMPLED}, seed {SEED}, the edge's automatic trees (no drafting ahead, no streaming)", "",
               "| tokens per verify call | texts equal to the cloud's own seeded /v1/generate text (cloud_only) |",
-              "|---|---|", f"| {aim(s['tokens_per_verify'], AIM_SAMPLED_TOKENS_PER_VERIFY)} | **{s['equal']} of "
-              f"{s['prompts']}** (aim: all) |", "",
-              "### Spec-Bench subset by category, the edge's defaults, greedy (`bench/specbench/`)", "",
-              "| category | questions | tokens per verify call (streamed tokens left out) | tokens streamed |",
-              "|---|---|---|---|"]
+              "|---|---|", f"| {aim(s['tokens_per_verify'] or 0.0, AIM_SAMPLED_TOKENS_PER_VERIFY)} | **{s['equal']} of "
+              f"{s['prompts']}** (aim: all) |"]
+    if res["specbench"]:
+        lines += ["", "### Spec-Bench subset by category, the edge's defaults, greedy (`bench/specbench/`)", "",
+                  "| category | questions | tokens per verify call (streamed tokens left out) | tokens streamed |",
+                  "|---|---|---|---|"]
     for r in res["specbench"]:
-        lines.append(f"| {r['category']} | {r['questions']} | **{r['tokens_per_verify']:.2f}** | {r['streamed']} |")
+        lines.append(f"| {r['category']} | {r['questions']} | **{per_verify(r)}** | {r['streamed']} |")
     lines += ["", "### One session end to end, greedy: the edge's defaults against cloud_only", "",
               "Decode tokens/s: the tokens after the first over the time after the first, summed over the prompts (as "
               "`real_pair.end_to_end`); one client per mode and RTT (a delay proxy), its draft loaded first.", "",
@@ -318,7 +326,7 @@ def render(res: dict[str, Any]) -> str:
         base, spec = cell["cloud_only"]["tokens_per_s"], cell["speculative"]
         lines.append(f"| {rtt} ms | {base:.2f} | {spec['tokens_per_s']:.2f} | "
                      f"{aim(spec['tokens_per_s'] / max(base, 1e-9), AIM_SPEEDUP[rtt], unit='x')} | "
-                     f"{spec['tokens_per_verify']:.2f} | {spec['streamed']} / {spec['switches']} |")
+                     f"{per_verify(spec)} | {spec['streamed']} / {spec['switches']} |")
     lines += ["", "### The cloud's CPU-seconds per generated token (utime + stime of its process, greedy, RTT 0)", "",
               "Sessions run at once (threads of this process, each over every prompt). The prompts' prefill is "
               "included; the cloud may hold their prefixes from earlier runs in both modes.", "",
@@ -348,7 +356,7 @@ def run(out: Path, command: str, prompts: int = 6, n_new: int = 96, dtype: str =
     import torch
     from transformers import AutoTokenizer
 
-    from edge.drafters import ModelDrafter
+    from edge.client import EdgeClient
 
     t0 = time.perf_counter()
     torch.set_num_threads(1)
@@ -358,18 +366,20 @@ def run(out: Path, command: str, prompts: int = 6, n_new: int = 96, dtype: str =
         print(f"coder-pair: {note}", flush=True)
     tokenizer = AutoTokenizer.from_pretrained(TARGET)
     ids = [chat_ids(tokenizer, humaneval_message(p["prompt"])) for p in humaneval_prompts(prompts)]
-    drafter = ModelDrafter(DRAFT)
+    drafter: Any = EdgeClient(settings("http://127.0.0.1:1", n_new)).drafter  # as the edge builds it (draft_dtype)
     res: dict[str, Any] = {"command": command, "prompts": len(ids), "new_tokens": n_new, "dtype_note": note,
+                           "draft_dtype": str(getattr(getattr(drafter, "model", None), "dtype", "?")).removeprefix("torch."),
                            "draft_ms": draft_ms_per_token(drafter.fork(), ids[0])}
     print(f"coder-pair: the draft: {res['draft_ms']:.1f} ms per drafted token", flush=True)
     with CloudServer(TARGET, torch_threads=1, extra_args=extra, startup_timeout_s=600.0) as cloud:
         machine["pinned"] = machine["pinned"] and pin(cloud.pid, 1)
         info = client_for(settings(cloud.url, n_new, mode="cloud_only"), tokenizer, drafter)
-        res["dtype"] = info.model_info().dtype
+        res["dtype"], res["dtype_reason"] = info.model_info().dtype, getattr(info.model_info(), "dtype_reason", "")
         info.close()
         res["fixed"] = fixed_shapes(cloud.url, tokenizer, drafter, ids, n_new)
         res["sampled"] = sampled(cloud.url, tokenizer, drafter, ids, n_new)
-        res["specbench"] = specbench(cloud.url, tokenizer, drafter, specbench_per_category, n_new)
+        res["specbench"] = (specbench(cloud.url, tokenizer, drafter, specbench_per_category, n_new)
+                            if specbench_per_category > 0 else [])
         res["e2e"], res["cpu"] = end_to_end(cloud, tokenizer, drafter, ids, n_new)
         res["rss_mb"] = {"edge": rss_mb(), "edge_peak": rss_mb(key="VmHWM"), "cloud": rss_mb(cloud.pid),
                          "cloud_peak": rss_mb(cloud.pid, "VmHWM")}

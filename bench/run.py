@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--coder-sessions", default="1",
                    help="coder-pair: concurrent sessions of the cloud CPU-time measure, comma-separated (default 1)")
     p.add_argument("--coder-specbench", type=int, default=1,
-                   help="coder-pair: Spec-Bench questions per category (default 1)")
+                   help="coder-pair: Spec-Bench questions per category (default 1; 0 = none)")
     p.add_argument("--skip-capacity", action="store_true", help="full run without the cloud capacity section")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                    help="the cloud's dtype in the capacity section")

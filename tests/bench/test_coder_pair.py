@@ -118,3 +118,23 @@ def test_the_cli_takes_the_coder_pair_flags() -> None:
     assert (args.only, args.coder_prompts, args.coder_new_tokens, args.coder_sessions, args.coder_dtype) == (
         "coder-pair", 1, 8, "1,4", "bfloat16")
     assert build_parser().parse_args(["--only", "coder-pair"]).coder_dtype == "auto"
+
+
+class FakeClient:
+    """Answers each prompt with fixed metrics: 10 tokens, 2 of them streamed, 2 verify calls of 8 nodes."""
+
+    def generate(self, ids: list[int]) -> Any:
+        from types import SimpleNamespace
+
+        m = SimpleNamespace(emitted=10, streamed=2, verify_calls=2, drafted=16, accepted=6, switches=1,
+                            position_drafted=[2, 2], position_accepted=[2, 1], wall_ms=1100.0, ttft_ms=200.0)
+        return SimpleNamespace(token_ids=list(range(10)), metrics=m)
+
+
+def test_tally_and_summary_leave_streamed_tokens_out_of_tokens_per_verify() -> None:
+    t = coder_pair.tally(FakeClient(), [[1, 2], [3]])
+    r = coder_pair.summary(t, shape="x")
+    assert r["shape"] == "x" and r["tokens_per_verify"] == (20 - 4) / 4 and r["streamed"] == 4 and r["switches"] == 2
+    assert r["by_position"] == [1.0, 0.5] and r["nodes_per_round"] == 8 and r["acceptance"] == 6 / 16
+    assert r["tokens_per_s"] == pytest.approx(18 / 1800 * 1000) and t["texts"] == [list(range(10))] * 2
+    assert coder_pair.summary({**t, "verify": 0})["tokens_per_verify"] is None
