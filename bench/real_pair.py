@@ -333,11 +333,12 @@ def render(c: dict[str, Any], fk: list[dict[str, Any]], e2e: list[dict[str, Any]
     return "\n".join(lines)
 
 
-def splice(section: str, out: Path) -> Path:
+def splice(section: str, out: Path, start: str = START, end: str = END) -> Path:
+    """`section` (which begins with `start` and ends with `end`) in place of OUT's, else appended."""
     text = out.read_text() if out.exists() else ""
-    if START in text and END in text:
-        head, rest = text.split(START, 1)
-        text = head + section + rest.split(END, 1)[1]
+    if start in text and end in text:
+        head, rest = text.split(start, 1)
+        text = head + section + rest.split(end, 1)[1]
     else:
         text = text.rstrip("\n") + "\n\n" + section + "\n"
     out.write_text(text)

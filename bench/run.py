@@ -9,6 +9,7 @@ write BENCHMARKS.md plus its PNG figures.
     specsplit-bench --only real-pair     # SmolLM2-135M-Instruct and its drafts (about 15 minutes)
     specsplit-bench --only tp            # the target over 1, 2, 3 tensor-parallel ranks (--target; a few minutes)
     specsplit-bench --only coder-pair    # Qwen2.5-Coder-1.5B/0.5B-Instruct on HumanEval (about 20 minutes)
+    specsplit-bench --only forward-cost  # one cloud forward by dtype and batch shape, both targets (~10 minutes)
 """
 
 from __future__ import annotations
@@ -47,13 +48,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip later repeats that would end the run after this many seconds "
                         "(default 570 for the full run, none with --quick; 0 = no budget)")
     p.add_argument("--from-json", type=Path, default=None, help="re-render the report from a results.json")
-    p.add_argument("--only", choices=["capacity", "network", "real-pair", "tp", "coder-pair"], default=None,
+    p.add_argument("--only", choices=["capacity", "network", "real-pair", "tp", "coder-pair", "forward-cost"], default=None,
                    help="run only this section and splice it into OUT and the results JSON")
     p.add_argument("--real-pair-drafts", default="",
                    help="real-pair: the drafts of the fixed-shape table, comma-separated (default: every one present: "
                         "attention head, feature-fed head, distilled draft, draft from the target, n-gram)")
     p.add_argument("--real-pair-head", default="",
                    help="real-pair: the head the Spec-Bench and end-to-end sections use (default: the edge's default head)")
+    p.add_argument("--forward-models", default="smollm2,coder",
+                   help="forward-cost: the targets, comma-separated (smollm2, coder; default both)")
+    p.add_argument("--forward-threads", type=int, default=1, help="forward-cost: torch threads (default 1)")
     p.add_argument("--coder-prompts", type=int, default=6, help="coder-pair: HumanEval prompts (default 6, at most 20)")
     p.add_argument("--coder-new-tokens", type=int, default=96, help="coder-pair: new tokens per prompt (default 96)")
     p.add_argument("--coder-dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
@@ -210,6 +214,11 @@ def main(argv: list[str] | None = None) -> int:
 
         only = tuple(d.strip() for d in args.real_pair_drafts.split(",") if d.strip())
         return run_real_pair(args.out, command, only=only, head=args.real_pair_head)
+    if args.only == "forward-cost":  # one cloud forward by dtype and batch shape (bench/forward_cost.py)
+        from bench.forward_cost import run as run_forward_cost
+
+        models = tuple(m.strip() for m in args.forward_models.split(",") if m.strip())
+        return run_forward_cost(args.out, command, models, args.forward_threads)
     if args.only == "coder-pair":  # Qwen2.5-Coder-1.5B-Instruct and its 0.5B draft (bench/coder_pair.py)
         from bench.coder_pair import run as run_coder_pair
 

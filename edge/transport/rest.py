@@ -160,7 +160,8 @@ class RestTransport:
                          max_tree_nodes=int(d.get("max_tree_nodes") or 0),
                          max_feature_window=int(d.get("max_feature_window") or 0),
                          tensor_parallel=int(d.get("tensor_parallel") or 0),
-                         session_stream=d.get("session_stream") is True)
+                         session_stream=d.get("session_stream") is True,
+                         dtype_reason=str(d.get("dtype_reason", "")), batch_invariant=d.get("batch_invariant") is True)
         return with_max_generate_tokens(info, int(d.get("max_generate_tokens") or 0))
 
     def generate(self, prompt_ids: list[int], cfg: SamplingConfig, seed: int, max_new_tokens: int,
