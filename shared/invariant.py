@@ -68,13 +68,13 @@ def tile_linears(model: torch.nn.Module) -> int:
 
 @dataclass
 class InvariantCall:
-    """Queries of several rows attended as one batch: G pseudo-rows of N queries (a whole number of tiles)
-    over W keys (whole chunks), each pseudo-row's keys in position order. Padding is masked."""
+    """Queries of several rows attended as one batch: G pseudo-rows of N queries over W keys (whole chunks),
+    each pseudo-row's keys in position order. Padding is masked."""
     # [G x N] flat index of each query (padding repeats a real one; its output is dropped)
     queries: torch.Tensor
     # [G x W] pool rows of each pseudo-row's keys (padding repeats a valid row; masked)
     keys: torch.Tensor
-    # [G, 1, 1, N, W] True where query t of pseudo-row g sees key j
+    # [G, 1, N, W] True where query t of pseudo-row g sees key j
     mask: torch.Tensor
     # real queries: their place in the padded [G x N] output and their flat indices
     src: torch.Tensor
@@ -97,6 +97,11 @@ class _Pseudo:
 
 def _tiles(n: int, size: int) -> int:
     return -(-n // size) * size
+
+
+def _bucket(n: int) -> int:
+    """Pseudo-rows of one bucket share a call: short ones by their exact query count, long ones by tiles."""
+    return n if n <= ROW_TILE else _tiles(n, ROW_TILE)
 
 
 def pseudo_rows(m: BlockManager, r: Row, start: int, window: int | None) -> list[_Pseudo]:
@@ -128,15 +133,15 @@ def pseudo_rows(m: BlockManager, r: Row, start: int, window: int | None) -> list
 
 def build_calls(m: BlockManager, rows: list[Row], starts: list[int], window: int | None,
                 dev: torch.device) -> list[InvariantCall]:
-    """The attention calls of one layer kind: pseudo-rows grouped by tiles of queries, while padded keys
-    stay within twice the real ones."""
+    """The attention calls of one layer kind: pseudo-rows grouped by query count (`_bucket`), while padded
+    keys stay within twice the real ones."""
     pseudo = [p for r, s in zip(rows, starts, strict=True) for p in pseudo_rows(m, r, s, window)]
-    pseudo.sort(key=lambda p: (_tiles(len(p.queries), ROW_TILE), len(p.keys)))
+    pseudo.sort(key=lambda p: (_bucket(len(p.queries)), len(p.keys)))
     calls: list[InvariantCall] = []
     group: list[_Pseudo] = []
     for p in pseudo:
         trial = group + [p]
-        n_tiles = {_tiles(len(x.queries), ROW_TILE) for x in trial}
+        n_tiles = {_bucket(len(x.queries)) for x in trial}
         padded = len(trial) * _tiles(len(p.keys), KEY_CHUNK)
         if group and (len(n_tiles) > 1 or padded > 2 * sum(_tiles(len(x.keys), KEY_CHUNK) for x in trial)):
             calls.append(_call(group, window, dev))
@@ -149,13 +154,13 @@ def build_calls(m: BlockManager, rows: list[Row], starts: list[int], window: int
 
 def _call(group: list[_Pseudo], window: int | None, dev: torch.device) -> InvariantCall:
     G = len(group)
-    N = _tiles(max(len(p.queries) for p in group), ROW_TILE)
+    N = max(len(p.queries) for p in group)
     W = _tiles(max(len(p.keys) for p in group), KEY_CHUNK)
     queries: list[int] = []
     keys: list[int] = []
     src: list[int] = []
     dst: list[int] = []
-    mask = torch.zeros(G, 1, 1, N, W, dtype=torch.bool)
+    mask = torch.zeros(G, 1, N, W, dtype=torch.bool)
     for g, p in enumerate(group):
         n, w = len(p.queries), len(p.keys)
         queries.extend(p.queries + [p.queries[0]] * (N - n))
@@ -165,8 +170,8 @@ def _call(group: list[_Pseudo], window: int | None, dev: torch.device) -> Invari
         seen = kp <= qp
         if window is not None:
             seen &= (qp - kp) < window
-        mask[g, 0, 0, :n, :w] = seen
-        mask[g, 0, 0, n:, 0] = True  # padded queries see one key (no empty softmax); their output is dropped
+        mask[g, 0, :n, :w] = seen
+        mask[g, 0, n:, 0] = True  # padded queries see one key (no empty softmax); their output is dropped
         src.extend(range(g * N, g * N + n))
         dst.extend(p.queries)
 
@@ -178,24 +183,33 @@ def _call(group: list[_Pseudo], window: int | None, dev: torch.device) -> Invari
 
 def attend(call: InvariantCall, q_all: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
            out: torch.Tensor, scaling: float | None, softcap: float | None) -> None:
-    """One call's attention (see the module docstring), written into `out` ([T, Hq, Dv]) at its queries."""
+    """One call's attention (see the module docstring), written into `out` ([T, Hq, Dv]) at its queries. The
+    rep query heads of one KV head and the N queries form the M = rep x N rows of its products, padded with
+    rows that see key 0 to a whole number of `ROW_TILE`s."""
     G, N, W = call.shape
     hq, hk, d = q_all.shape[0], k_pool.shape[0], q_all.shape[-1]
     rep = hq // hk
+    M, pad = rep * N, -(rep * N) % ROW_TILE
     q = q_all.index_select(1, call.queries).float().view(hk, rep, G, N, d)  # [Hk, rep, G, N, D]
-    q = q.permute(2, 0, 1, 3, 4).reshape(G, hk, rep * N, d)  # [G, Hk, rep x N, D]
+    q = q.permute(2, 0, 1, 3, 4).reshape(G, hk, M, d)  # [G, Hk, rep x N, D]
+    mask = call.mask.expand(G, rep, N, W).reshape(G, 1, M, W)  # [G, 1, rep x N, W]
+    if pad:
+        q = torch.cat([q, q.new_zeros(G, hk, pad, d)], 2)  # [G, Hk, M + pad, D]
+        extra = torch.zeros(G, 1, pad, W, dtype=torch.bool, device=mask.device)
+        extra[..., 0] = True
+        mask = torch.cat([mask, extra], 2)  # [G, 1, M + pad, W]
     k = k_pool.index_select(1, call.keys).float().view(hk, G, W, d).transpose(0, 1)  # [G, Hk, W, D]
     v = v_pool.index_select(1, call.keys).float().view(hk, G, W, -1).transpose(0, 1)  # [G, Hk, W, Dv]
-    s = (q @ k.transpose(-1, -2)) * (scaling if scaling is not None else d ** -0.5)  # [G, Hk, rep x N, W]
+    s = (q @ k.transpose(-1, -2)) * (scaling if scaling is not None else d ** -0.5)  # [G, Hk, M + pad, W]
     if softcap is not None:
         s = torch.tanh(s / softcap) * softcap
-    s = s.view(G, hk, rep, N, W).masked_fill(~call.mask, float("-inf")).view(G, hk, rep * N, W)
-    p = torch.exp(s - s.amax(-1, keepdim=True))  # [G, Hk, rep x N, W]
-    total = p.new_zeros(G, hk, rep * N, 1)
-    o = p.new_zeros(G, hk, rep * N, v.shape[-1])  # [G, Hk, rep x N, Dv]
+    s = s.masked_fill(~mask, float("-inf"))
+    p = torch.exp(s - s.amax(-1, keepdim=True))  # [G, Hk, M + pad, W]
+    total = p.new_zeros(G, hk, M + pad, 1)
+    o = p.new_zeros(G, hk, M + pad, v.shape[-1])  # [G, Hk, M + pad, Dv]
     for c in range(0, W, KEY_CHUNK):  # a fixed order of fixed-size sums: extra chunks add exact zeros
         pc = p[..., c: c + KEY_CHUNK]
         total = total + pc.sum(-1, keepdim=True)
         o = o + pc @ v[:, :, c: c + KEY_CHUNK]
-    o = (o / total).view(G, hk, rep, N, -1).permute(0, 3, 1, 2, 4).reshape(G * N, hq, -1)  # [G x N, Hq, Dv]
-    out.index_copy_(0, call.dst, o.index_select(0, call.src).to(out.dtype))
+    o = (o / total)[:, :, :M].reshape(G, hk, rep, N, -1).permute(0, 3, 1, 2, 4).reshape(G * N, hq, -1)
+    out.index_copy_(0, call.dst, o.index_select(0, call.src).to(out.dtype))  # o: [G x N, Hq, Dv]
