@@ -14,15 +14,16 @@ batch:
   that the unpadded path fails there).
 - **Attention** of a query at position p runs over the keys at positions 0, 1, ... in chunks of
   `KEY_CHUNK` positions aligned to absolute multiples of it, the chunk's keys in position order
-  whatever their storage order (a token tree's node gets its own ancestors' keys, laid out as the chain
-  the node's path would be): scores in float32 (`q k^T`, the query among whole tiles of queries), one
+  whatever their storage order: scores in float32 (`q k^T`, its rows among whole tiles of rows), one
   maximum over every visible key, then the sum and `p v` chunk after chunk in a fixed order. Keys a query
   does not see (later positions, a padded chunk, another branch, padding) are masked to probability 0,
   which adds an exact zero: a query's result is the same in a decode step, a chain, a tree, a prefill
-  chunk and beside any batch mates.
+  chunk and beside any batch mates. A token tree's nodes (`TreeCall`) share the chunks before the tree
+  as one set of rows; from the chunk holding the tree's first position on, each node attends over its
+  own keys laid out as its path's chain would be (the positions before the tree, its ancestors, itself).
 
-Costs: a decode row's linear work is 16 rows' (on matrix units, or for bfloat16, nearly what one costs;
-measured in BENCHMARKS.md), a tree node's attention is a tile of its own.
+Costs (BENCHMARKS.md, "What a cloud forward costs"): a decode row's linear work is 16 rows' (on
+bfloat16 units nearly what one costs), and each session's attention rows are a tile of their own.
 """
 
 from __future__ import annotations
@@ -104,40 +105,87 @@ def _bucket(n: int) -> int:
     return n if n <= ROW_TILE else _tiles(n, ROW_TILE)
 
 
+def _lower(r: Row, window: int | None) -> int:
+    """The first key position `r`'s queries may see, rounded down to a chunk."""
+    lo = 0 if window is None else max(0, min(r.positions()) - window + 1)
+    return lo - lo % KEY_CHUNK
+
+
 def pseudo_rows(m: BlockManager, r: Row, start: int, window: int | None) -> list[_Pseudo]:
-    """`r`'s queries as pseudo-rows whose keys are laid out by position (see the module docstring)."""
-    pos = r.positions()
-    first = min(pos)
-    lo = 0 if window is None else max(0, first - window + 1)
-    lo -= lo % KEY_CHUNK
-    end = r.past + len(r.ids)
+    """`r`'s chain queries (all of a chain row; a tree row's tokens before its first node) as pseudo-rows
+    whose keys are laid out by position (see the module docstring)."""
+    pos, lo = r.positions(), _lower(r, window)
     if r.tree is None:
-        return [_Pseudo(list(range(start, start + len(r.ids))), pos, m.slots(r.slot, lo, end), lo)]
-    base = r.tree_base
-    out = []
-    chain = [t for t in range(len(r.ids)) if r.past + t < base]  # tokens before the tree's first node
-    if chain:
-        out.append(_Pseudo([start + t for t in chain], [pos[t] for t in chain], m.slots(r.slot, lo, base), lo))
-    prefix = m.slots(r.slot, lo, base) if base > lo else []
-    parents = r.tree or ()
-    for t in range(len(chain), len(r.ids)):
-        node = r.past + t - base
-        path = []
+        return [_Pseudo(list(range(start, start + len(r.ids))), pos, m.slots(r.slot, lo, r.past + len(r.ids)), lo)]
+    chain = [t for t in range(len(r.ids)) if r.past + t < r.tree_base]
+    if not chain:
+        return []
+    return [_Pseudo([start + t for t in chain], [pos[t] for t in chain], m.slots(r.slot, lo, r.tree_base), lo)]
+
+
+@dataclass
+class TreeCall:
+    """A token tree's nodes: over the chunks wholly before the tree (`prefix`) all nodes attend as one
+    pseudo-row; from the chunk holding the tree's first position on (`tail`), each node over its own keys
+    laid out as the chain its path would be (the positions before the tree, then its ancestors and itself)."""
+    # [n] flat index of each node's query
+    queries: torch.Tensor
+    # [Wp] pool rows of the positions lo .. cut - 1 (whole chunks; may be empty)
+    prefix: torch.Tensor
+    # [n x Wt] pool rows of each node's positions cut, cut + 1, ... (padding repeats a valid row; masked)
+    tail: torch.Tensor
+    # [n, Wp] and [n, Wt]: True where node t sees the key
+    prefix_mask: torch.Tensor
+    tail_mask: torch.Tensor
+
+    def to(self, dev: torch.device) -> TreeCall:
+        return TreeCall(self.queries.to(dev), self.prefix.to(dev), self.tail.to(dev), self.prefix_mask.to(dev),
+                        self.tail_mask.to(dev))
+
+
+def tree_call(m: BlockManager, r: Row, start: int, window: int | None, dev: torch.device) -> TreeCall | None:
+    """The TreeCall of `r`'s tree nodes (None: the row holds none)."""
+    base, parents, pos, lo = r.tree_base, r.tree or (), r.positions(), _lower(r, window)
+    nodes = [t for t in range(len(r.ids)) if r.past + t >= base]
+    if not nodes:
+        return None
+    cut = lo + (max(base - lo, 0) // KEY_CHUNK) * KEY_CHUNK  # the chunk holding position base starts here
+    before = m.slots(r.slot, cut, base) if base > cut else []
+    tails = []
+    for t in nodes:
+        node, path = r.past + t - base, []
         while node >= 0:  # the node and its ancestors, deepest first
             path.append(node)
             node = parents[node]
-        path_rows = [m.slots(r.slot, base + j, base + j + 1)[0] for j in reversed(path)]
-        out.append(_Pseudo([start + t], [pos[t]], prefix + path_rows, lo))
-    return out
+        tails.append(before + [m.slots(r.slot, base + j, base + j + 1)[0] for j in reversed(path)])
+    wt = _tiles(max(len(x) for x in tails), KEY_CHUNK)
+    qp = torch.tensor([pos[t] for t in nodes])[:, None]  # [n, 1]
+    kp = torch.arange(lo, cut)[None, :]  # [1, Wp]
+    prefix_mask = kp <= qp
+    kt = torch.arange(cut, cut + wt)[None, :]  # [1, Wt]
+    tail_mask = torch.arange(wt)[None, :] < torch.tensor([len(x) for x in tails])[:, None]
+    if window is not None:
+        prefix_mask &= (qp - kp) < window
+        tail_mask &= (qp - kt) < window
+
+    def ints(x: list[int]) -> torch.Tensor:
+        return torch.tensor(x, dtype=torch.long, device=dev)
+
+    return TreeCall(ints([start + x for x in nodes]), ints(m.slots(r.slot, lo, cut) if cut > lo else []),
+                    ints([k for x in tails for k in x + [x[0]] * (wt - len(x))]), prefix_mask, tail_mask)
 
 
 def build_calls(m: BlockManager, rows: list[Row], starts: list[int], window: int | None,
-                dev: torch.device) -> list[InvariantCall]:
+                dev: torch.device) -> list[InvariantCall | TreeCall]:
     """The attention calls of one layer kind: pseudo-rows grouped by query count (`_bucket`), while padded
     keys stay within twice the real ones."""
     pseudo = [p for r, s in zip(rows, starts, strict=True) for p in pseudo_rows(m, r, s, window)]
     pseudo.sort(key=lambda p: (_bucket(len(p.queries)), len(p.keys)))
-    calls: list[InvariantCall] = []
+    calls: list[InvariantCall | TreeCall] = []
+    for r, start in zip(rows, starts, strict=True):
+        tc = tree_call(m, r, start, window, dev) if r.tree is not None else None
+        if tc is not None:
+            calls.append(tc)
     group: list[_Pseudo] = []
     for p in pseudo:
         trial = group + [p]
@@ -213,3 +261,50 @@ def attend(call: InvariantCall, q_all: torch.Tensor, k_pool: torch.Tensor, v_poo
         o = o + pc @ v[:, :, c: c + KEY_CHUNK]
     o = (o / total)[:, :, :M].reshape(G, hk, rep, N, -1).permute(0, 3, 1, 2, 4).reshape(G * N, hq, -1)
     out.index_copy_(0, call.dst, o.index_select(0, call.src).to(out.dtype))  # o: [G x N, Hq, Dv]
+
+
+def _tiled_rows(x: torch.Tensor) -> torch.Tensor:
+    """x ([..., M, K]) with zero rows added to a whole number of `ROW_TILE`s."""
+    pad = -x.shape[-2] % ROW_TILE
+    return torch.cat([x, x.new_zeros(*x.shape[:-2], pad, x.shape[-1])], -2) if pad else x
+
+
+def attend_tree(call: TreeCall, q_all: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                out: torch.Tensor, scaling: float | None, softcap: float | None) -> None:
+    """A TreeCall's attention: the same sums, in the same order, as each node's path run as a chain."""
+    hq, hk, d = q_all.shape[0], k_pool.shape[0], q_all.shape[-1]
+    rep, n = hq // hk, int(call.queries.shape[0])
+    wp, wt = int(call.prefix.shape[0]), call.tail.shape[0] // n
+    q = q_all.index_select(1, call.queries).float().view(hk, rep, n, d)  # [Hk, rep, n, D]
+    kp = k_pool.index_select(1, call.prefix).float()  # [Hk, Wp, D]
+    vp = v_pool.index_select(1, call.prefix).float()  # [Hk, Wp, Dv]
+    kt = k_pool.index_select(1, call.tail).float().view(hk, n, wt, d).transpose(0, 1)  # [n, Hk, Wt, D]
+    vt = v_pool.index_select(1, call.tail).float().view(hk, n, wt, -1).transpose(0, 1)  # [n, Hk, Wt, Dv]
+    dv = vt.shape[-1]
+    qt = _tiled_rows(q.permute(2, 0, 1, 3))  # [n, Hk, rep + pad, D]: each node's rows its own tile
+    st = (qt @ kt.transpose(-1, -2))[:, :, :rep].permute(1, 2, 0, 3)  # [Hk, rep, n, Wt]
+    if wp:
+        sp = (_tiled_rows(q.reshape(hk, rep * n, d)) @ kp.transpose(-1, -2))[:, : rep * n]  # [Hk, rep x n, Wp]
+        s = torch.cat([sp.view(hk, rep, n, wp), st], -1)  # [Hk, rep, n, Wp + Wt]
+    else:
+        s = st
+    s = s * (scaling if scaling is not None else d ** -0.5)
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    mask = torch.cat([call.prefix_mask, call.tail_mask], -1)  # [n, Wp + Wt]
+    s = s.masked_fill(~mask, float("-inf"))
+    p = torch.exp(s - s.amax(-1, keepdim=True))  # [Hk, rep, n, Wp + Wt]
+    total = p.new_zeros(hk, rep, n, 1)
+    o = p.new_zeros(hk, rep, n, dv)
+    for c in range(0, wp, KEY_CHUNK):  # the chunks before the tree: all nodes in one product
+        pc = p[..., c: c + KEY_CHUNK]
+        total = total + pc.sum(-1, keepdim=True)
+        pv = _tiled_rows(pc.reshape(hk, rep * n, KEY_CHUNK)) @ vp[:, c: c + KEY_CHUNK]  # [Hk, rep x n + pad, Dv]
+        o = o + pv[:, : rep * n].view(hk, rep, n, dv)
+    for c in range(0, wt, KEY_CHUNK):  # then each node's own chunks
+        pc = p[..., wp + c: wp + c + KEY_CHUNK]
+        total = total + pc.sum(-1, keepdim=True)
+        pv = _tiled_rows(pc.permute(2, 0, 1, 3)) @ vt[:, :, c: c + KEY_CHUNK]  # [n, Hk, rep + pad, Dv]
+        o = o + pv[:, :, :rep].permute(1, 2, 0, 3)
+    o = (o / total).permute(2, 0, 1, 3).reshape(n, hq, dv)  # [n, Hq, Dv]
+    out.index_copy_(0, call.queries, o.to(out.dtype))

@@ -45,7 +45,7 @@ import torch
 from transformers import AttentionInterface, Cache, DynamicCache
 
 from shared.blocks import BlockManager, OutOfBlocks
-from shared.invariant import InvariantCall, attend, build_calls
+from shared.invariant import InvariantCall, TreeCall, attend, attend_tree, build_calls
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 
@@ -607,6 +607,9 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     for call in batch.read[pool.layout.windows[layer]]:
         if isinstance(call, InvariantCall):
             attend(call, q_all, k_pool, v_pool, out, scaling, softcap)
+            continue
+        if isinstance(call, TreeCall):
+            attend_tree(call, q_all, k_pool, v_pool, out, scaling, softcap)
             continue
         if isinstance(call, _Single):
             q = q_all[:, call.start: call.start + call.n]  # [Hq, n, D]

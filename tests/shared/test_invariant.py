@@ -3,8 +3,9 @@
 For each model and dtype, one sequence of random tokens is run three ways through a paged pool: one token
 at a time (the reference: a decode step per position), and under schedules that cut it into rows of
 1..64 tokens (whole prefills, chains, a prefill chunk beside decode rows) with up to three random batch
-mates of random lengths, in random order, and as token trees whose path is the sequence (every other
-node a random sibling). Every position's logits must equal the reference bit for bit (torch.equal).
+mates of random lengths, in random order, and as token trees whose path is the sequence (each path
+node with a random sibling half the time, sometimes after a chain token or two, as a verify row carries them; its
+prefix beyond a key chunk). Every position's logits must equal the reference bit for bit (torch.equal).
 The same schedules through the plain (not invariant) path must differ somewhere for SmolLM2-135M in
 bfloat16, so the test can fail: it does on the naive path (measured: 231 of 240 positions differ, 13
 argmax flips).
@@ -26,7 +27,7 @@ from tests.tiny_models import ATTENTION, build
 
 REPO = Path(__file__).resolve().parents[2]
 SMOLLM2 = REPO / "models" / "smollm2-135m-instruct"
-LENGTH = 72
+LENGTH = 100
 CHUNKS = (1, 2, 3, 5, 7, 8, 13, 16, 17, 31, 33, 64)
 
 
@@ -70,31 +71,34 @@ def chained(model: Any, pool: KVPool, seq: list[int], g: random.Random, vocab: i
 
 
 def treed(model: Any, pool: KVPool, seq: list[int], g: random.Random, vocab: int) -> list[torch.Tensor]:
-    """A prefill of 9, then trees whose path is the sequence's next tokens (siblings random), the path kept."""
+    """A prefill of 9, then rows of 0-2 chain tokens followed by a tree whose path is the sequence's next
+    tokens (siblings random), the path kept."""
     a, mate = pool.allocate(), pool.allocate()
     out = list(pool.forward(model, [Row(a, 0, seq[:9], 9)])[0])
     mate_len = 0
     while len(out) < len(seq):
-        base = len(out)
+        past = len(out)
+        base = min(past + g.randint(0, 2), len(seq) - 1)
         depth = min(g.randint(1, 6), len(seq) - base)
         parents: list[int] = []
-        ids: list[int] = []
+        ids: list[int] = list(seq[past:base])
         path: list[int] = []
         for d in range(depth):  # the path node at this depth, then a random sibling
             par = path[-1] if path else -1
             if g.random() < 0.5:
                 parents.append(par)
                 ids.append(g.randrange(vocab))
-            path.append(len(ids))
+            path.append(len(parents))
             parents.append(par)
             ids.append(seq[base + d])
-        rows = [Row(a, base, ids, len(ids), tree=tuple(parents), tree_base=base)]
+        rows = [Row(a, past, ids, len(ids), tree=tuple(parents), tree_base=base)]
         if g.random() < 0.7:
             rows.append(Row(mate, mate_len, [g.randrange(vocab) for _ in range(5)], 2))
             mate_len += 5
         g.shuffle(rows)
         logits = pool.forward(model, rows)[[r.slot for r in rows].index(a)]
-        out.extend(logits[j] for j in path)
+        out.extend(logits[: base - past])
+        out.extend(logits[base - past + j] for j in path)
         pool.keep_path(a, base, path, seq[base: base + depth])
         pool.set_length(a, base + depth)
     pool.release(a)
