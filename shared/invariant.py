@@ -238,29 +238,38 @@ def attend(call: InvariantCall, q_all: torch.Tensor, k_pool: torch.Tensor, v_poo
     hq, hk, d = q_all.shape[0], k_pool.shape[0], q_all.shape[-1]
     rep = hq // hk
     M, pad = rep * N, -(rep * N) % ROW_TILE
+    # KV-head-major: the gathered keys are contiguous per (KV head, pseudo-row), products need no copies
     q = q_all.index_select(1, call.queries).float().view(hk, rep, G, N, d)  # [Hk, rep, G, N, D]
-    q = q.permute(2, 0, 1, 3, 4).reshape(G, hk, M, d)  # [G, Hk, rep x N, D]
-    mask = call.mask.expand(G, rep, N, W).reshape(G, 1, M, W)  # [G, 1, rep x N, W]
+    q = q.transpose(1, 2).reshape(hk, G, M, d)  # [Hk, G, rep x N, D]
+    mask = call.mask.view(1, G, 1, N, W).expand(1, G, rep, N, W).reshape(1, G, M, W)  # [1, G, rep x N, W]
     if pad:
-        q = torch.cat([q, q.new_zeros(G, hk, pad, d)], 2)  # [G, Hk, M + pad, D]
-        extra = torch.zeros(G, 1, pad, W, dtype=torch.bool, device=mask.device)
+        q = torch.cat([q, q.new_zeros(hk, G, pad, d)], 2)  # [Hk, G, M + pad, D]
+        extra = torch.zeros(1, G, pad, W, dtype=torch.bool, device=mask.device)
         extra[..., 0] = True
-        mask = torch.cat([mask, extra], 2)  # [G, 1, M + pad, W]
-    k = k_pool.index_select(1, call.keys).float().view(hk, G, W, d).transpose(0, 1)  # [G, Hk, W, D]
-    v = v_pool.index_select(1, call.keys).float().view(hk, G, W, -1).transpose(0, 1)  # [G, Hk, W, Dv]
-    s = (q @ k.transpose(-1, -2)) * (scaling if scaling is not None else d ** -0.5)  # [G, Hk, M + pad, W]
+        mask = torch.cat([mask, extra], 2)  # [1, G, M + pad, W]
+    k = k_pool.index_select(1, call.keys).float().view(hk, G, W, d)  # [Hk, G, W, D]
+    v = v_pool.index_select(1, call.keys).float().view(hk, G, W, -1)  # [Hk, G, W, Dv]
+    s = (q @ k.transpose(-1, -2)) * (scaling if scaling is not None else d ** -0.5)  # [Hk, G, M + pad, W]
     if softcap is not None:
         s = torch.tanh(s / softcap) * softcap
     s = s.masked_fill(~mask, float("-inf"))
-    p = torch.exp(s - s.amax(-1, keepdim=True))  # [G, Hk, M + pad, W]
-    total = p.new_zeros(G, hk, M + pad, 1)
-    o = p.new_zeros(G, hk, M + pad, v.shape[-1])  # [G, Hk, M + pad, Dv]
-    for c in range(0, W, KEY_CHUNK):  # a fixed order of fixed-size sums: extra chunks add exact zeros
-        pc = p[..., c: c + KEY_CHUNK]
-        total = total + pc.sum(-1, keepdim=True)
-        o = o + pc @ v[:, :, c: c + KEY_CHUNK]
-    o = (o / total)[:, :, :M].reshape(G, hk, rep, N, -1).permute(0, 3, 1, 2, 4).reshape(G * N, hq, -1)
+    p = torch.exp(s - s.amax(-1, keepdim=True))  # [Hk, G, M + pad, W]
+    nc = W // KEY_CHUNK
+    pc = p.view(hk, G, M + pad, nc, KEY_CHUNK)
+    sums = pc.sum(-1).unsqueeze(-1)  # [Hk, G, M + pad, nc, 1]: each chunk's sum
+    pv = pc.transpose(2, 3) @ v.view(hk, G, nc, KEY_CHUNK, -1)  # [Hk, G, nc, M + pad, Dv]: each chunk's p v
+    total, o = _in_order(sums.movedim(3, 2), pv)  # [Hk, G, M + pad, 1], [Hk, G, M + pad, Dv]
+    o = (o / total)[:, :, :M].reshape(hk, G, rep, N, -1).permute(1, 3, 0, 2, 4).reshape(G * N, hq, -1)
     out.index_copy_(0, call.dst, o.index_select(0, call.src).to(out.dtype))  # o: [G x N, Hq, Dv]
+
+
+def _in_order(sums: torch.Tensor, pv: torch.Tensor, dim: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunks' sums and p v (chunks along `dim`) added one chunk after the other, first to last: the
+    same additions in the same order however many chunks follow (masked ones add exact zeros)."""
+    total, o = sums.select(dim, 0), pv.select(dim, 0)
+    for c in range(1, pv.shape[dim]):
+        total, o = total + sums.select(dim, c), o + pv.select(dim, c)
+    return total, o
 
 
 def _tiled_rows(x: torch.Tensor) -> torch.Tensor:
@@ -294,17 +303,14 @@ def attend_tree(call: TreeCall, q_all: torch.Tensor, k_pool: torch.Tensor, v_poo
     mask = torch.cat([call.prefix_mask, call.tail_mask], -1)  # [n, Wp + Wt]
     s = s.masked_fill(~mask, float("-inf"))
     p = torch.exp(s - s.amax(-1, keepdim=True))  # [Hk, rep, n, Wp + Wt]
-    total = p.new_zeros(hk, rep, n, 1)
-    o = p.new_zeros(hk, rep, n, dv)
-    for c in range(0, wp, KEY_CHUNK):  # the chunks before the tree: all nodes in one product
-        pc = p[..., c: c + KEY_CHUNK]
-        total = total + pc.sum(-1, keepdim=True)
-        pv = _tiled_rows(pc.reshape(hk, rep * n, KEY_CHUNK)) @ vp[:, c: c + KEY_CHUNK]  # [Hk, rep x n + pad, Dv]
-        o = o + pv[:, : rep * n].view(hk, rep, n, dv)
-    for c in range(0, wt, KEY_CHUNK):  # then each node's own chunks
-        pc = p[..., wp + c: wp + c + KEY_CHUNK]
-        total = total + pc.sum(-1, keepdim=True)
-        pv = _tiled_rows(pc.permute(2, 0, 1, 3)) @ vt[:, :, c: c + KEY_CHUNK]  # [n, Hk, rep + pad, Dv]
-        o = o + pv[:, :, :rep].permute(1, 2, 0, 3)
+    npc, ntc = wp // KEY_CHUNK, wt // KEY_CHUNK
+    sums = p.view(hk, rep, n, npc + ntc, KEY_CHUNK).sum(-1).permute(3, 0, 1, 2).unsqueeze(-1)  # [chunks, Hk, rep, n, 1]
+    pp = p[..., :wp].reshape(hk, rep * n, npc, KEY_CHUNK).transpose(1, 2)  # [Hk, npc, rep x n, C]: all nodes
+    pv_pre = (_tiled_rows(pp) @ vp.view(hk, npc, KEY_CHUNK, dv))[:, :, : rep * n]  # [Hk, npc, rep x n, Dv]
+    pt = p[..., wp:].reshape(hk, rep, n, ntc, KEY_CHUNK).permute(2, 0, 3, 1, 4)  # [n, Hk, ntc, rep, C]: per node
+    pv_tail = (_tiled_rows(pt) @ vt.view(n, hk, ntc, KEY_CHUNK, dv))[:, :, :, :rep]  # [n, Hk, ntc, rep, Dv]
+    pv = torch.cat([pv_pre.view(hk, npc, rep, n, dv).permute(1, 0, 2, 3, 4),
+                    pv_tail.permute(2, 1, 3, 0, 4)])  # [chunks, Hk, rep, n, Dv]
+    total, o = _in_order(sums, pv, dim=0)  # [Hk, rep, n, 1], [Hk, rep, n, Dv]
     o = (o / total).permute(2, 0, 1, 3).reshape(n, hq, dv)  # [n, Hq, Dv]
     out.index_copy_(0, call.queries, o.to(out.dtype))
