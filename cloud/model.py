@@ -35,7 +35,7 @@ import torch
 from shared.dtypes import resolve_dtype
 from shared.errors import Unavailable
 from shared.hf_model import DTYPES, check_rollback, eos_ids, load_causal_lm
-from shared.invariant import tile_linears
+from shared.invariant import ROW_TILE, calibrate_row_tile, tile_linears
 from shared.kvpool import BLOCK_SIZE, ForwardPlan, KVPool, Row, UnsupportedModel, attention_layout
 from shared.protocol import ModelInfo
 from shared.tokenizer_id import load_tokenizer, tokenizer_fingerprint
@@ -68,6 +68,10 @@ class TargetModel:
         self.model = load_causal_lm(model_dir, device, torch_dtype, tensor_parallel=group is not None)
         if invariant:
             tile_linears(self.model)
+        # the linear layers' row tile: ROW_TILE until the model thread measures its own (`_calibrate`); a
+        # tensor-parallel group keeps ROW_TILE on every rank (a probe there would run collectives)
+        self.row_tile = ROW_TILE if invariant else 0
+        self._calibrated = not invariant or group is not None
         cfg = self.model.config.get_text_config()
         n_ctx = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or 2048
         vocab = int(self.model.get_output_embeddings().weight.shape[0])
@@ -129,6 +133,8 @@ class TargetModel:
         the columns of the tokenizer's ids only. Each row's sequence then holds its ids' KV; the caller crops
         back what it does not keep."""
         self._captured.clear()
+        if not self._calibrated:
+            self._calibrate()
         if self.group is None:
             out = self.pool.forward(self.model, rows)
         else:
@@ -143,6 +149,15 @@ class TargetModel:
                 i += r.keep
         self._captured.clear()
         return out
+
+    def _calibrate(self) -> None:
+        """The smallest row tile that keeps this machine's linear kernels batch-invariant, measured once on the
+        thread (and thread count) that runs every forward (shared/invariant.py `calibrate_row_tile`)."""
+        self._calibrated = True
+        self.row_tile = calibrate_row_tile(self.model)
+        self._captured.clear()
+        log.info("linear layers run their rows in tiles of %d (measured: the smallest that gives every row the "
+                 "same bits at any row count)", self.row_tile)
 
     def keep_path(self, slot: int, start: int, src: list[int], tokens: list[int]) -> None:
         """A token tree's accepted path moves to the positions it holds (`KVPool.keep_path`); every rank of a

@@ -15,16 +15,22 @@ admitted round finish and be applied, and no further round is asked for.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Protocol
 
 from cloud.engine import HASH_RE, check_context
 from cloud.session import Session
 from shared.errors import InvalidArgument
 from shared.protocol import DraftProposal, StreamDone, StreamedToken, StreamSessionRequest, VerifyRequest
 
-if TYPE_CHECKING:
-    from cloud.service import VerifierService
+
+class RoundRunner(Protocol):
+    """What a stream needs of the service (cloud/service.py) that runs its rounds."""
+    clock: Callable[[], float]
+    info: Any  # ModelInfo: max_context, eos_ids
+    metrics: Any  # CloudMetrics: streamed
+
+    async def verify(self, req: VerifyRequest, owner: str, declared_k: int) -> Any: ...
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +55,7 @@ def first_round(req: StreamSessionRequest, s: Session, max_tokens: int) -> Verif
     return first
 
 
-async def stream_rounds(service: VerifierService, s: Session, first: VerifyRequest, req: StreamSessionRequest,
+async def stream_rounds(service: RoundRunner, s: Session, first: VerifyRequest, req: StreamSessionRequest,
                         owner: str) -> AsyncIterator[StreamedToken | StreamDone]:
     """Each token as its round commits it, then StreamDone; stops at max_new_tokens ("length"), after an eos
     token with stop_at_eos ("eos"), or when the next round would pass the model's context ("context")."""

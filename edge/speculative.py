@@ -35,6 +35,7 @@ from shared.protocol import (
     VerifyRequest,
     VerifyResponse,
 )
+from shared.tree import depths
 from shared.verify import sample_residual
 
 from .deadline import DeadlineConfig, VerifyDeadline
@@ -573,9 +574,7 @@ class SpeculativeRun:
                       accepted: list[int]) -> None:
         """A verified tree round: the tree controller's estimates, acceptance by depth, and copy branches'."""
         assert block.parents is not None and block.values is not None and self.tree is not None
-        depth: list[int] = []
-        for par in block.parents:
-            depth.append(1 if par < 0 else depth[par] + 1)
+        depth = depths(block.parents)
         deepest = max(depth, default=0)
         # the draft's own levels steer the next tree's depth; a copy branch may run deeper than them
         drafted = [d for d, c in zip(depth, block.copied or [False] * block.k, strict=True) if not c]

@@ -28,43 +28,85 @@ bfloat16 units nearly what one costs), and each session's attention rows are a t
 
 from __future__ import annotations
 
+import functools
 import types
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from shared.tree import paths
+
 if TYPE_CHECKING:
     from shared.blocks import BlockManager
-    from shared.kvpool import Row
+    from shared.rows import Row
 
-# rows of every linear layer's input, and queries of every attention call, come in whole tiles of this many
+# rows of every attention call's products, and by default of every linear layer's input, come in whole tiles
+# of this many (`calibrate_row_tile` measures a smaller tile for the linear layers where the kernels allow it)
 ROW_TILE = 16
+# the linear layers' tiles `calibrate_row_tile` tries, smallest first
+TILE_CANDIDATES = (2, 4, 8, 16)
 # keys are summed in chunks of this many positions, aligned to absolute multiples of it
 KEY_CHUNK = 64
 
 
 def _tiled_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     flat = x.reshape(-1, x.shape[-1])  # [T, in]
-    pad = -flat.shape[0] % ROW_TILE
+    pad = -flat.shape[0] % int(self._row_tile)  # type: ignore[arg-type]
     if pad:
         flat = torch.cat([flat, flat.new_zeros(pad, flat.shape[1])])  # [T + pad, in]
     y = self._untiled_forward(flat)[: flat.shape[0] - pad]  # type: ignore[operator]  # [T, out]
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-def tile_linears(model: torch.nn.Module) -> int:
-    """Make every Linear of `model` (and GPT-2's Conv1D, a Linear with its weight transposed) run its rows
-    in whole `ROW_TILE`s (idempotent); returns how many."""
+def _linears(model: torch.nn.Module) -> list[torch.nn.Module]:
     from transformers.pytorch_utils import Conv1D
 
-    n = 0
-    for m in model.modules():
-        if isinstance(m, (torch.nn.Linear, Conv1D)) and not hasattr(m, "_untiled_forward"):
+    return [m for m in model.modules() if isinstance(m, (torch.nn.Linear, Conv1D))]
+
+
+def tile_linears(model: torch.nn.Module, tile: int = ROW_TILE) -> int:
+    """Make every Linear of `model` (and GPT-2's Conv1D, a Linear with its weight transposed) run its rows
+    in whole tiles of `tile` (idempotent; a second call sets the tile); returns how many."""
+    for m in _linears(model):
+        if not hasattr(m, "_untiled_forward"):
             m._untiled_forward = m.forward  # type: ignore[assignment]  # the plain or packed forward
             m.forward = types.MethodType(_tiled_forward, m)  # type: ignore[method-assign]
-            n += 1
-    return n
+        m._row_tile = tile  # type: ignore[assignment]
+    return len(_linears(model))
+
+
+@torch.inference_mode()
+def calibrate_row_tile(model: torch.nn.Module, seed: int = 0) -> int:
+    """The smallest tile of TILE_CANDIDATES whose every multiple up to 64 rows (and 96, 128) gives every linear
+    layer of `model` the same bits per row as 128 rows do, measured on random rows in this thread (kernels
+    pick their path by the row count and the thread count); sets it on the model's tiled layers and returns
+    it. ROW_TILE when none passes. One probe per distinct layer shape (an output layer over its first 8,192
+    rows). A single row (a matrix-vector path on most CPUs) is never a tile."""
+    g = torch.Generator().manual_seed(seed)
+    probes: dict[tuple[int, ...], Any] = {}
+    for m in _linears(model):
+        w = getattr(m, "weight", None)
+        if w is None or not hasattr(m, "_untiled_forward"):
+            continue
+        fin = int(w.shape[0] if type(m).__name__ == "Conv1D" else w.shape[1])
+        probes.setdefault((fin, int(w.numel() // fin), int(w.is_mkldnn)), m)
+    passing = list(TILE_CANDIDATES)
+    for (fin, fout, _), m in probes.items():
+        f = m._untiled_forward  # type: ignore[union-attr]
+        if fout > 8192 and isinstance(m, torch.nn.Linear) and not m.weight.is_mkldnn:
+            w8, b8 = m.weight[:8192], None if m.bias is None else m.bias[:8192]
+            f = functools.partial(torch.nn.functional.linear, weight=w8, bias=b8)
+        dtype = next(p for p in m.parameters()).dtype if any(True for _ in m.parameters()) else torch.float32
+        x = torch.randn(128, fin, generator=g).to(dtype)  # [128, in]
+        ref = f(x)  # [128, out]
+        passing = [t for t in passing
+                   if all(torch.equal(f(x[:rows]), ref[:rows]) for rows in [*range(t, 65, t), 96, 128])]
+        if not passing:
+            break
+    tile = passing[0] if passing else ROW_TILE
+    tile_linears(model, tile)
+    return tile
 
 
 @dataclass
@@ -151,13 +193,9 @@ def tree_call(m: BlockManager, r: Row, start: int, window: int | None, dev: torc
         return None
     cut = lo + (max(base - lo, 0) // KEY_CHUNK) * KEY_CHUNK  # the chunk holding position base starts here
     before = m.slots(r.slot, cut, base) if base > cut else []
-    tails = []
-    for t in nodes:
-        node, path = r.past + t - base, []
-        while node >= 0:  # the node and its ancestors, deepest first
-            path.append(node)
-            node = parents[node]
-        tails.append(before + [m.slots(r.slot, base + j, base + j + 1)[0] for j in reversed(path)])
+    rows = m.slots(r.slot, base, base + len(parents))  # the pool row of every node
+    node_paths = paths(parents)  # each node's ancestors, then itself
+    tails = [before + [rows[j] for j in node_paths[r.past + t - base]] for t in nodes]
     wt = _tiles(max(len(x) for x in tails), KEY_CHUNK)
     qp = torch.tensor([pos[t] for t in nodes])[:, None]  # [n, 1]
     kp = torch.arange(lo, cut)[None, :]  # [1, Wp]

@@ -6,6 +6,7 @@ at a time (the reference: a decode step per position), and under schedules that 
 mates of random lengths, in random order, and as token trees whose path is the sequence (each path
 node with a random sibling half the time, sometimes after a chain token or two, as a verify row carries them; its
 prefix beyond a key chunk). Every position's logits must equal the reference bit for bit (torch.equal).
+The linear layers run in the row tile `calibrate_row_tile` measures on this machine, as the cloud does.
 The same schedules through the plain (not invariant) path must differ somewhere for SmolLM2-135M in
 bfloat16, so the test can fail: it does on the naive path (measured: 231 of 240 positions differ, 13
 argmax flips).
@@ -21,7 +22,7 @@ import pytest
 import torch
 
 from shared.hf_model import load_causal_lm
-from shared.invariant import tile_linears
+from shared.invariant import calibrate_row_tile, tile_linears
 from shared.kvpool import KVPool, Row, attention_layout
 from tests.tiny_models import ATTENTION, build
 
@@ -35,6 +36,7 @@ def load(model_dir: Path, dtype: torch.dtype, invariant: bool) -> tuple[Any, KVP
     model = load_causal_lm(model_dir, "cpu", dtype)
     if invariant:
         tile_linears(model)
+        calibrate_row_tile(model)  # the tile the cloud measures for itself (at most ROW_TILE)
     pool = KVPool(attention_layout(model.config), 4096, "cpu", dtype, invariant=invariant)
     pool.prepare(model)
     return model, pool
