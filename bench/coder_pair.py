@@ -252,10 +252,13 @@ def cpu_row(mode: str, sessions: int, cpu_s: float, tokens: int) -> dict[str, An
 
 def concurrent_cpu(cloud: CloudServer, tokenizer: Any, drafter: Any, ids: list[list[int]], n_new: int,
                    sessions: int) -> list[dict[str, Any]]:
-    """`sessions` clients at once (threads, each over every prompt), greedy, no proxy: the cloud's CPU-s per token."""
+    """`sessions` clients at once (threads, each over every prompt), greedy, no proxy: the cloud's CPU-s per token.
+    The speculating clients never switch to streaming: they share this process's one core, where a device each
+    would draft as fast as one alone, and a starved drafter would stream (k = 0 rounds, a decode step a token)."""
     rows = []
     for mode in ("cloud_only", "speculative"):
-        clients = [client_for(settings(cloud.url, n_new, temperature=0.0, mode=mode), tokenizer, drafter)
+        extra = {"stream_switch": False} if mode == "speculative" and sessions > 1 else {}
+        clients = [client_for(settings(cloud.url, n_new, temperature=0.0, mode=mode, **extra), tokenizer, drafter)
                    for _ in range(sessions)]
         c0 = cpu_seconds(cloud.pid)
         with ThreadPoolExecutor(sessions) as pool:
@@ -333,7 +336,9 @@ def render(res: dict[str, Any]) -> str:
                      f"{per_verify(spec)} | {spec['streamed']} / {spec['switches']} |")
     lines += ["", "### The cloud's CPU-seconds per generated token (utime + stime of its process, greedy, RTT 0)", "",
               "Sessions run at once (threads of this process, each over every prompt). The prompts' prefill is "
-              "included; the cloud may hold their prefixes from earlier runs in both modes.", "",
+              "included; the cloud may hold their prefixes from earlier runs in both modes. Above one session the "
+              "speculating edges never switch to streaming: they share one core here, where each would have a "
+              "device of its own.", "",
               "| sessions | cloud_only CPU-s per token | defaults CPU-s per token | cloud_only / defaults |",
               "|---|---|---|---|"]
     for n in sorted({r["sessions"] for r in res["cpu"]}):
