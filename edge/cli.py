@@ -57,7 +57,8 @@ _FLAGS: dict[str, str] = {"cloud": "cloud_url", "grpc": "grpc_target", "api_key"
                           "feature_encoding": "feature_encoding", "open_states": "open_states", "check_last": "check_last", "tree": "tree",
                           "tree_width": "tree_width", "tree_depth": "tree_depth", "tree_max_nodes": "tree_max_nodes",
                           "tree_copy": "tree_copy",
-                          "stream_switch": "stream_switch", "objective": "objective", "draft_dtype": "draft_dtype"}
+                          "stream_switch": "stream_switch", "objective": "objective", "draft_dtype": "draft_dtype",
+                          "capacity_wait_s": "capacity_wait_s"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -135,6 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--hybrid", action=argparse.BooleanOptionalAction, default=None,
                    help="n-gram continuation while confident, the draft model for the rest")
     g.add_argument("--device")
+    g.add_argument("--capacity-wait-s", type=float,
+                   help="past its retries, keep waiting out the cloud's 429 capacity answers this long (default 300)")
     g.add_argument("--draft-dtype", choices=["auto", "float32", "bfloat16"],
                    help="dtype of the draft model (default float32; auto: bfloat16 where the CPU has bfloat16 units)")
     g.add_argument("--threads", type=int, help="torch threads of the draft model (default: torch's)")

@@ -240,15 +240,17 @@ class EdgeClient:
 
     def _retrying(self, fn: Callable[[], T]) -> T:
         """fn() with backoff on retryable errors and timeouts (calls that change nothing)."""
-        policy, attempt = self._policy(), 0
+        policy, attempt, waited = self._policy(), 0, 0.0
         while True:
             try:
                 return fn()
             except SpecSplitError as e:
-                if not (is_retryable(e) or isinstance(e, CloudTimeout)) or attempt >= policy.max_retries:
+                if not (is_retryable(e) or isinstance(e, CloudTimeout)) or policy.gives_up(attempt, e, waited):
                     raise
                 attempt += 1
-                self.sleep(retry_delay(e, policy.backoff(attempt)))
+                delay = retry_delay(e, policy.backoff(attempt))
+                waited += delay
+                self.sleep(delay)
 
     def encode(self, prompt: str) -> list[int]:
         ids = list(self.tokenizer.encode(prompt))
@@ -348,6 +350,7 @@ class EdgeClient:
             multiplier=s.deadline_multiplier)
         return RecoveryPolicy(deadline=deadline, timeout_fallback=s.timeout_fallback,
                               open_timeout_s=s.open_timeout_s, max_retries=s.max_retries,
+                              capacity_wait_s=s.capacity_wait_s,
                               backoff_s=s.backoff_ms / 1000, backoff_max_s=s.backoff_max_ms / 1000)
 
     def _k_controller(self, policy: str) -> KController | CostModelK:
@@ -535,7 +538,7 @@ class EdgeClient:
             yield from self._speculative(job, NoDrafter(), origin_map={"bonus": "target"})
             return
         up, down = transport.traffic.bytes_up, transport.traffic.bytes_down
-        policy, attempt = self._policy(), 0
+        policy, attempt, waited = self._policy(), 0, 0.0
         got: list[int] = []
         job.metrics.rounds += 1
         try:
@@ -553,11 +556,13 @@ class EdgeClient:
                             job.stop_reason = str(item.metrics.get("stop_reason", ""))
                     return
                 except SpecSplitError as e:
-                    if not (is_retryable(e) or isinstance(e, CloudTimeout)) or attempt >= policy.max_retries:
+                    if not (is_retryable(e) or isinstance(e, CloudTimeout)) or policy.gives_up(attempt, e, waited):
                         raise
                     attempt += 1
                     job.metrics.retries += 1
-                    self.sleep(retry_delay(e, policy.backoff(attempt)))
+                    delay = retry_delay(e, policy.backoff(attempt))
+                    waited += delay
+                    self.sleep(delay)
         finally:
             job.metrics.bytes_up += transport.traffic.bytes_up - up
             job.metrics.bytes_down += transport.traffic.bytes_down - down

@@ -165,6 +165,9 @@ class EdgeSettings(BaseSettings):
     open_timeout_s: float = Field(default=30.0, gt=0)
     # attempts after 429 / 413 / 5xx / connection errors, exponential backoff between them
     max_retries: int = Field(default=6, ge=0)
+    # past max_retries, keep waiting out the cloud's capacity answers (429, and sessions evicted again at
+    # once) for this many seconds of backoff per call, at its Retry-After: a generation waits its turn
+    capacity_wait_s: float = Field(default=300.0, ge=0)
     backoff_ms: float = Field(default=50.0, ge=0)
     backoff_max_ms: float = Field(default=2000.0, ge=0)
 

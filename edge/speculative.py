@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 from shared.config import SamplingConfig
-from shared.errors import ContextMismatch, NotFound, SpecSplitError
+from shared.errors import ContextMismatch, NotFound, ResourceExhausted, SpecSplitError
 from shared.features import decode_feature, decode_states, feature_bytes, states_bytes
 from shared.hashing import FNV_OFFSET, hash_hex, prefix_hashes
 from shared.protocol import (
@@ -67,6 +67,10 @@ class RecoveryPolicy:
     open_timeout_s: float = 30.0
     # resends after retryable errors, per call
     max_retries: int = 6
+    # past max_retries, a call keeps waiting out the cloud's capacity answers (429 resource_exhausted, and
+    # reopens of a session evicted again at once) for this many seconds of backoff in all, at the cloud's
+    # Retry-After or the backoff: under a tight KV budget a generation waits its turn instead of failing
+    capacity_wait_s: float = 300.0
     # first backoff and its cap (seconds); doubled per attempt
     backoff_s: float = 0.05
     backoff_max_s: float = 2.0
@@ -75,6 +79,12 @@ class RecoveryPolicy:
 
     def backoff(self, attempt: int) -> float:
         return min(self.backoff_s * 2 ** (attempt - 1), self.backoff_max_s)
+
+    def gives_up(self, attempt: int, err: SpecSplitError, waited_s: float) -> bool:
+        """After `attempt` resends and `waited_s` seconds of backoff for capacity: stop and raise `err`?"""
+        if attempt < self.max_retries:
+            return False
+        return not (isinstance(err, (ResourceExhausted, NotFound)) and waited_s < self.capacity_wait_s)
 
 
 @dataclass(frozen=True)
@@ -117,6 +127,8 @@ class SpeculativeRun:
         self.detokenize = detokenize or (lambda ids: "")
         self.clock = clock
         self.sleep = sleep
+        # seconds of backoff this round has waited so far (RecoveryPolicy.capacity_wait_s)
+        self._capacity_waited = 0.0
         self.S: list[int] = []
         # FNV-1a state after each token of S: the hash of any prefix without rehashing
         self._states: list[int] = []
@@ -223,19 +235,21 @@ class SpeculativeRun:
 
     def _call(self, fn: Callable[[], object], retry_timeouts: bool = False):  # type: ignore[no-untyped-def]
         """fn() with backoff on retryable errors (and on timeouts when asked)."""
-        attempt = 0
+        attempt, waited = 0, 0.0
         while True:
             self.metrics.cloud_calls += 1
             try:
                 return fn()
             except SpecSplitError as e:
                 retry = is_retryable(e) or (retry_timeouts and isinstance(e, CloudTimeout))
-                if not retry or attempt >= self.policy.max_retries:
+                if not retry or self.policy.gives_up(attempt, e, waited):
                     raise
                 attempt += 1
                 self.metrics.retries += 1
                 log.info("retrying after %s (attempt %d)", e.code, attempt)
-                self.sleep(retry_delay(e, self.policy.backoff(attempt)))
+                delay = retry_delay(e, self.policy.backoff(attempt))
+                waited += delay
+                self.sleep(delay)
 
     # -- one round or one stream chunk ------------------------------------------------------------
 
@@ -491,10 +505,15 @@ class SpeculativeRun:
             self.metrics.resyncs += 1
 
     def _backoff_or_raise(self, attempt: int, err: SpecSplitError) -> int:
-        if attempt >= self.policy.max_retries:
+        """Wait before the next attempt of this round (RecoveryPolicy.gives_up: else raise `err`)."""
+        if attempt == 0:
+            self._capacity_waited = 0.0
+        if self.policy.gives_up(attempt, err, self._capacity_waited):
             raise err
         self.metrics.retries += 1
-        self.sleep(retry_delay(err, self.policy.backoff(attempt + 1)))
+        delay = retry_delay(err, self.policy.backoff(attempt + 1))
+        self._capacity_waited += delay
+        self.sleep(delay)
         return attempt + 1
 
     def _check_answer(self, block: DraftBlock, resp: VerifyResponse) -> None:

@@ -76,11 +76,30 @@ def test_answer_lost_after_the_cloud_applied_it_is_resent_idempotently(make_clie
 
 
 def test_retries_are_bounded(make_client, fake_cloud: FakeCloud) -> None:
-    client, clock = make_client(temperature=0, max_new_tokens=N, max_retries=2)
+    client, clock = make_client(temperature=0, max_new_tokens=N, max_retries=2, capacity_wait_s=0)
     fake_cloud.fail("verify", ResourceExhausted("busy"), times=3)
     with pytest.raises(ResourceExhausted):
         client.generate(PROMPT)
     assert len(clock.sleeps) == 2
+
+
+def test_a_generation_waits_out_capacity_answers_past_its_retries(make_client, fake_cloud: FakeCloud) -> None:
+    """A tight KV budget answers 429 for as long as another session holds the blocks: the generation waits
+    its turn (Retry-After honoured) within capacity_wait_s and ends with the text it would have had."""
+    ref = reference(make_client)
+    client, clock = make_client(temperature=0, max_new_tokens=N, max_retries=2, capacity_wait_s=60)
+    fake_cloud.fail("verify", ResourceExhausted("the KV cache is full", retry_after_s=1.0), times=20)
+    r = client.generate(PROMPT)
+    assert r.token_ids == ref and r.metrics.retries == 20
+    assert sum(clock.sleeps) <= 60 + 2
+
+
+def test_capacity_waits_are_bounded_by_capacity_wait_s(make_client, fake_cloud: FakeCloud) -> None:
+    client, clock = make_client(temperature=0, max_new_tokens=N, max_retries=2, capacity_wait_s=5)
+    fake_cloud.fail("verify", ResourceExhausted("the KV cache is full", retry_after_s=1.0), times=50)
+    with pytest.raises(ResourceExhausted):
+        client.generate(PROMPT)
+    assert 5 <= sum(clock.sleeps) <= 7
 
 
 @pytest.mark.parametrize("error", [Unauthenticated("no key"), InvalidArgument("bad")])
@@ -130,9 +149,9 @@ def test_a_session_evicted_again_after_each_reopen_waits_and_goes_on(make_client
 
 
 def test_a_session_evicted_without_end_fails_with_the_clouds_404(make_client, fake_cloud: FakeCloud) -> None:
-    """Evicted after every reopen, always: after max_retries waits the edge gives up with the cloud's own
-    status (404 not_found), not an internal error."""
-    client, _ = make_client(temperature=0, max_new_tokens=N)
+    """Evicted after every reopen, always: after max_retries waits and capacity_wait_s of backoff the edge gives
+    up with the cloud's own status (404 not_found), not an internal error."""
+    client, _ = make_client(temperature=0, max_new_tokens=N, capacity_wait_s=10)
     fake_cloud.fail("verify", NotFound("evicted"), times=100)
     with pytest.raises(NotFound) as e:
         client.generate(PROMPT)

@@ -1,0 +1,94 @@
+"""Under a KV budget that holds about one session, concurrent generations wait their turn: none fails.
+
+The real cloud (the demo pair's target, float32) gets a budget of 14 blocks of 16 positions; three edges
+(threads, two API keys) each generate 24 greedy tokens after a prompt of about 150 tokens, which needs 12
+blocks: only one session's cache fits at a time, so the others are answered 429 (resource_exhausted, with
+Retry-After) or evicted and reopened until blocks free up. Every generation must end, with the text it has
+alone on the same cloud (greedy: the target's own). Before `capacity_wait_s` a generation gave up after
+its retries (six, about 3 s of backoff); `test_without_capacity_waits_a_generation_can_fail` shows the load
+refuses a generation when the edge does not wait (capacity_wait_s = 0, one retry).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from edge.client import EdgeClient
+from edge.drafters import ModelDrafter
+from edge.settings import EdgeSettings
+from shared.errors import NotFound, ResourceExhausted
+from tests.server import CloudProcess
+
+KEYS = ("key-a", "key-b")
+BLOCKS, BLOCK = 14, 16
+EDGES = 3
+
+
+def kv_per_token(model_dir: Path) -> int:
+    cfg = json.loads((model_dir / "config.json").read_text())
+    return 2 * cfg["n_layer"] * cfg["n_embd"] * 4  # K and V, every layer, float32
+
+
+@pytest.fixture(scope="module")
+def cloud(demo_target_dir: Path) -> Iterator[CloudProcess]:
+    args = ("--kv-budget-bytes", str(BLOCKS * BLOCK * kv_per_token(demo_target_dir)), "--kv-block-size", str(BLOCK))
+    with CloudProcess(demo_target_dir, api_keys=KEYS, extra_args=args) as c:
+        yield c
+
+
+def prompt(i: int) -> str:
+    return "".join(f"def f{i}_{j}(x):\n    return x * {j} + {i}\n" for j in range(9))
+
+
+@pytest.fixture(scope="module")
+def draft(demo_draft_dir: Path) -> ModelDrafter:
+    return ModelDrafter(demo_draft_dir)
+
+
+def client(cloud: CloudProcess, draft: ModelDrafter, demo_draft_dir: Path, i: int, **kw: Any) -> EdgeClient:
+    """Edge i's client (key A or B), its draft forked from one loaded model (loads are not thread-safe)."""
+    s = EdgeSettings(cloud_url=cloud.http_url, api_key=KEYS[i % 2], draft=str(demo_draft_dir), head="none",
+                     temperature=0, max_new_tokens=24, stop_at_eos=False, seed=i, **kw)
+    return EdgeClient(s, drafter=draft.fork())
+
+
+def generate(c: EdgeClient, i: int) -> list[int]:
+    try:
+        return c.generate(prompt(i)).token_ids
+    finally:
+        c.close()
+
+
+@pytest.mark.slow
+def test_concurrent_generations_under_a_one_session_budget_all_end_exact(cloud: CloudProcess, draft: ModelDrafter,
+                                                                          demo_draft_dir: Path) -> None:
+    alone = [generate(client(cloud, draft, demo_draft_dir, i), i) for i in range(EDGES)]
+    clients = [client(cloud, draft, demo_draft_dir, i, capacity_wait_s=300) for i in range(EDGES)]
+    with ThreadPoolExecutor(EDGES) as pool:
+        together = list(pool.map(lambda i: generate(clients[i], i), range(EDGES)))
+    assert together == alone
+
+
+@pytest.mark.slow
+def test_without_capacity_waits_a_generation_can_fail(cloud: CloudProcess, draft: ModelDrafter,
+                                                       demo_draft_dir: Path) -> None:
+    """The same load with capacity_wait_s = 0 (the old behaviour: six retries, then the 429 surfaces)
+    loses a generation: the budget is tight enough that the test above has power."""
+    clients = [client(cloud, draft, demo_draft_dir, i, capacity_wait_s=0, max_retries=1, backoff_ms=10,
+                      backoff_max_ms=10) for i in range(EDGES)]
+
+    def run(i: int) -> str:
+        try:
+            generate(clients[i], i)
+            return "ok"
+        except (ResourceExhausted, NotFound):
+            return "refused"
+    with ThreadPoolExecutor(EDGES) as pool:
+        outcomes = list(pool.map(run, range(EDGES)))
+    assert "refused" in outcomes
