@@ -89,17 +89,21 @@ def measure(model_dir: Path, dtype: str, invariant: bool) -> dict[str, float]:
     for s in SESSIONS:
         out[f"decode{s}"] = timed(m, lambda s=s: [Row(x, CONTEXT, ids(1), 1) for x in slots[:s]])
         out[f"chain{s}"] = timed(m, lambda s=s: [Row(x, CONTEXT, ids(7), 7) for x in slots[:s]])
+    out["tile"] = float(m.row_tile)  # the linear layers' row tile (0: plain)
     return out
 
 
 def render(results: dict[str, dict[tuple[str, bool], dict[str, float]]], command: str, threads: int,
            load: str) -> str:
+    tiles = ", ".join(sorted({f"{NAMES[k]} {d} {int(r['tile'])}" for k, by in results.items()
+                              for (d, inv), r in by.items() if inv and "tile" in r}))
     lines = [START, "## What a cloud forward costs, float32 against bfloat16, plain against batch-invariant", "",
              f"Command: `{command}` ({cpu_line()}; {threads} torch thread(s); {load}). Each target as the cloud "
              f"loads it, timed through `TargetModel.forward` with a KV cache of {CONTEXT} positions per session, "
              f"median of {REPEATS} (`bench/forward_cost.py`). *Invariant* is the cloud's default "
-             "(`--batch-invariant`: rows in tiles of 16, attention in fixed key chunks; one text for every batch "
-             "shape), *plain* the kernels as they come. GPU figures are unmeasured.", ""]
+             "(`--batch-invariant`: linear rows in the tile the cloud measures at its first forward, this "
+             f"run: {tiles}; attention rows in tiles of 16 and keys in fixed chunks; one text for "
+             "every batch shape), *plain* the kernels as they come. GPU figures are unmeasured.", ""]
     cols = [f"new{n}" for n in NEW] + ["tree16"] + [f"decode{s}" for s in SESSIONS] + [f"chain{s}" for s in SESSIONS]
     heads = [f"{n} new" for n in NEW] + ["tree of 16"] + [f"{s} x 1 (decode)" for s in SESSIONS] + \
         [f"{s} x 7 (chains)" for s in SESSIONS]
@@ -140,7 +144,7 @@ def run(out: Path, command: str, models: tuple[str, ...] = ("smollm2", "coder"),
             r = measure(MODELS[key], dtype, inv)
             results[key][(dtype, inv)] = r
             print(f"forward-cost: {key} {dtype} {'invariant' if inv else 'plain'}: "
-                  + ", ".join(f"{k} {v:.0f}" for k, v in r.items()), flush=True)
+                  + ", ".join(f"{k} {v:.0f}" for k, v in r.items()), flush=True)  # tile: the row tile
     load += f", {os.getloadavg()[0]:.2f} at the end"
     path = splice(render(results, command, threads, load), out, START, END)
     print(f"wrote the forward-cost section into {path}")

@@ -1,0 +1,57 @@
+"""The coder pair, one session at 0 ms: cloud_only against the edge's defaults and against the defaults without
+speculate-or-stream, on the coder-pair bench's HumanEval prompts: decode tokens/s, tokens per verify call,
+tokens streamed and the cloud's CPU-seconds per token, in one run (edge and cloud one core each).
+
+    nice -n 19 .venv/bin/python scripts/measure_stream_switch.py [PROMPTS] [NEW_TOKENS]
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+from transformers import AutoTokenizer
+
+from bench.cloud_proc import CloudServer
+from bench.coder_pair import (
+    TARGET,
+    client_for,
+    cpu_seconds,
+    humaneval_message,
+    humaneval_prompts,
+    pin,
+    settings,
+    summary,
+    tally,
+)
+from bench.real_pair import chat_ids
+from edge.client import EdgeClient
+
+
+def main() -> None:
+    prompts, n_new = (int(sys.argv[1]) if len(sys.argv) > 1 else 6), (int(sys.argv[2]) if len(sys.argv) > 2 else 96)
+    torch.set_num_threads(1)
+    pin("self", 0)
+    tok = AutoTokenizer.from_pretrained(TARGET)
+    ids = [chat_ids(tok, humaneval_message(p["prompt"])) for p in humaneval_prompts(prompts)]
+    drafter = EdgeClient(settings("http://127.0.0.1:1", n_new)).drafter
+    print(f"load average {os.getloadavg()[0]:.2f} at the start")
+    with CloudServer(TARGET, torch_threads=1, startup_timeout_s=600.0) as cloud:
+        pin(cloud.pid, 1)
+        for name, kw in (("cloud_only", {"mode": "cloud_only"}), ("defaults", {}),
+                         ("defaults without streaming", {"stream_switch": False})):
+            c = client_for(settings(cloud.url, n_new, temperature=0.0, **kw), tok, drafter)
+            c0 = cpu_seconds(cloud.pid)
+            s = summary(tally(c, ids))
+            cpu = cpu_seconds(cloud.pid) - c0
+            c.close()
+            per_verify = f"{s['tokens_per_verify']:.2f}" if s["tokens_per_verify"] else "-"
+            print(f"{name}: {s['tokens_per_s']:.2f} decode tok/s, {per_verify} tokens per verify call, "
+                  f"{s['streamed']} streamed ({s['switches']} switches), {cpu / s['tokens']:.3f} cloud CPU-s per token",
+                  flush=True)
+    print(f"load average {os.getloadavg()[0]:.2f} at the end")
+
+
+if __name__ == "__main__":
+    main()
