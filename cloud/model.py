@@ -63,6 +63,9 @@ class TargetModel:
             device = group.device
         self.device = torch.device(device)
         dtype, self.dtype_reason = resolve_dtype(dtype, str(device))
+        # a tensor-parallel group runs the plain kernels: a row's sums are split over its ranks (not made
+        # batch-invariant yet)
+        invariant = invariant and group is None
         torch_dtype = DTYPES[dtype]
         tokenizer = load_tokenizer(model_dir)
         self.model = load_causal_lm(model_dir, device, torch_dtype, tensor_parallel=group is not None)

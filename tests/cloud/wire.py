@@ -127,7 +127,8 @@ class GrpcClient:
                 "tokenizer_size": m.tokenizer_size, "feature_size": m.feature_size,
                 "feature_encodings": list(m.feature_encodings), "tensor_parallel": m.tensor_parallel,
                 "max_tree_nodes": m.max_tree_nodes, "max_feature_window": m.max_feature_window,
-                "session_stream": m.session_stream}
+                "session_stream": m.session_stream, "max_generate_tokens": m.max_generate_tokens,
+                "dtype_reason": m.dtype_reason, "batch_invariant": m.batch_invariant}
 
     def shutdown(self) -> None:
         self.channel.close()

@@ -332,7 +332,9 @@ def test_behind_nginx_the_edge_fails_over_from_a_group_that_loses_a_rank(target_
     nginx_binary()  # scripts/test.sh installs it; a clear error otherwise
     prompt = PROMPTS[0]
     same = {"repetition_penalty": 1.0, "stop_at_eos": False}
-    with Cluster(ClusterConfig(replicas=2, model_dir=target_dir, ranks=(2,), fail_timeout="30s")) as cluster:
+    # float32, as the reference (the replicas would pick bfloat16 on a CPU with bfloat16 units)
+    with Cluster(ClusterConfig(replicas=2, model_dir=target_dir, ranks=(2,), fail_timeout="30s",
+                               replica_args=("--dtype", "float32"))) as cluster:
         group = cluster.replicas[0]
         for i in range(64):  # a routing key nginx sends to the group
             key, since = f"tp-failover-{i}", cluster.nginx.access_log_size()
