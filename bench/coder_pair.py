@@ -34,7 +34,7 @@ from typing import Any
 
 from bench.cloud_proc import REPO, CloudServer
 from bench.delay_proxy import DelayProxy
-from bench.real_pair import chat_ids, draft_ms_per_token
+from bench.real_pair import chat_ids, draft_ms_per_token, splice
 
 TARGET = REPO / "models" / "qwen2.5-coder-1.5b-instruct"
 DRAFT = REPO / "models" / "qwen2.5-coder-0.5b-instruct"
@@ -404,12 +404,5 @@ def run(out: Path, command: str, prompts: int = 6, n_new: int = 96, dtype: str =
 
 
 def splice_section(section: str, out: Path) -> Path:
-    """real_pair.splice with the coder-pair markers: `section` replaces the text between them, or is appended."""
-    text = out.read_text() if out.exists() else ""
-    if START in text and END in text:
-        head, rest = text.split(START, 1)
-        text = head + section + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    out.write_text(text)
-    return out
+    """`section` in place of OUT's coder-pair section (real_pair.splice with this section's markers)."""
+    return splice(section, out, START, END)
