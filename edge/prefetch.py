@@ -22,6 +22,17 @@ tokens it made ready. From running means (weight `weight`) of the hit rate, the 
 and the wait per attempt, a round drafts ahead while hit rate x saved > wait and the hit rate is at
 least `min_hit`; otherwise it stops, and tries again once every `probe_every` rounds.
 
+A tree round (edge/drafters/tree.py) guesses the same way: the sent tree's main path (the most valuable
+child at every level) is kept whole and the next token is the draft's own choice after it; the worker then
+grows the next tree after that context, stopping between two levels when the answer comes. A tree is used
+only when complete and when the guess held; either way the draft model's cache keeps the guessed context,
+which the next sync crops to its common prefix with the committed one (a guess that held for a few tokens
+saves feeding them).
+
+The same worker catches the draft up where the edge would otherwise wait for it later: on the prompt while
+the cloud opens the session, and on streamed tokens while the stream goes on (`catch_up`), so the first
+round and the round after a stream chunk do not pay a long draft prefill on the critical path.
+
 Only the model drafter drafts ahead (alone, or behind the OpenAI server's lock, which the worker
 then takes per token like any proposal): the n-gram drafter's block costs microseconds (0.08 ms
 per token in BENCHMARKS.md), so there is nothing to hide, and drafting after guessed tokens would
@@ -34,12 +45,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 from shared.config import SamplingConfig
 
 from .drafters.base import DraftBlock, Drafter
 from .drafters.model import ModelDrafter
+from .drafters.tree import TreeShape, TreeStopped, main_path
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +95,9 @@ class _Ahead:
     block: DraftBlock
     elapsed_ms: list[float] = field(default_factory=list)
     error: BaseException | None = None
+    # a tree round's: the shape of the next tree, and the tree once grown whole
+    shape: TreeShape | None = None
+    tree: DraftBlock | None = None
 
 
 class DraftAhead:
@@ -175,6 +191,80 @@ class DraftAhead:
         except BaseException as e:  # noqa: BLE001 - reported by take(); the round goes on without it
             ahead.error = e
 
+    def start_tree(self, context: Sequence[int], block: DraftBlock, shape: TreeShape, remaining: int,
+                   room: int | None = None) -> bool:
+        """Grow the tree after context + the sent tree's main path + the guess, in a worker, until `stop`.
+        `remaining` is the round's token budget, `room` the context positions left (None: unbounded)."""
+        path = main_path(block)
+        after = len(path) + 1  # tokens the guessed round commits
+        depth = min(shape.depth, remaining - after - 1)
+        nodes = shape.nodes if room is None else min(shape.nodes, room - after - 1)
+        limit = self.model.max_context
+        if limit is not None:
+            nodes = min(nodes, limit - len(context) - after - 1)
+        if not path or depth < 1 or nodes < 1 or not self.worth_it():
+            return False
+        self._stop.clear()
+        self._ahead = _Ahead(context=[int(t) for t in context] + path, kv_before=self.model.kv_len,
+                             block=DraftBlock([], [], "sampled"), shape=TreeShape(nodes, depth, shape.width))
+        self._thread = threading.Thread(target=self._grow, args=(self._ahead,), name="draft-ahead", daemon=True)
+        self._thread.start()
+        return True
+
+    def _grow(self, ahead: _Ahead) -> None:
+        assert ahead.shape is not None
+        t0 = self.clock()
+        try:
+            guess = self.drafter.propose(ahead.context, 1, self.cfg, self.seed)
+            ahead.context.append(guess.tokens[0])
+            if not self._stop.is_set():
+                ahead.tree = self.model.propose_tree(ahead.context, ahead.shape, self.cfg, self.seed,
+                                                     stop=self._stop.is_set)
+                ahead.elapsed_ms.append((self.clock() - t0) * 1000)
+        except TreeStopped:
+            pass
+        except BaseException as e:  # noqa: BLE001 - reported by take_tree(); the round goes on without it
+            ahead.error = e
+
+    def take_tree(self, committed: Sequence[int], depth: int, nodes: int) -> tuple[DraftBlock | None, AheadOutcome]:
+        """The tree grown ahead when `committed` is the guessed context and it fits this round (at most
+        `depth` levels and `nodes` nodes), else None."""
+        self.stop()
+        ahead, self._ahead = self._ahead, None
+        if ahead is None or ahead.shape is None:
+            return None, AheadOutcome()
+        if ahead.error is not None:
+            log.warning("growing a tree ahead failed, growing it on the critical path: %s", ahead.error)
+        held = ahead.error is None and list(committed) == ahead.context
+        tree = ahead.tree
+        if not held or tree is None or ahead.shape.depth > depth or tree.k > nodes:
+            outcome = AheadOutcome("miss" if ahead.error is None else "")
+            self._learn(outcome, self._last_wait)
+            return None, outcome
+        outcome = AheadOutcome("hit", tree.k, ahead.elapsed_ms[-1])
+        self._learn(outcome, self._last_wait)
+        return tree, outcome
+
+    def catch_up(self, context: Sequence[int]) -> bool:
+        """Feed the draft model `context` in a worker (the prompt while the cloud opens, streamed tokens while
+        the stream goes on); False while the last catch-up is still running."""
+        if self._thread is not None and self._thread.is_alive():
+            return False
+        self.stop()
+        self._ahead = None  # a guess from before is stale now (the next sync crops to the common prefix)
+        self._thread = threading.Thread(target=self._feed, args=([int(t) for t in context],),
+                                        name="draft-catch-up", daemon=True)
+        self._thread.start()
+        return True
+
+    def _feed(self, context: list[int]) -> None:
+        lock = getattr(self.drafter, "lock", None)
+        try:
+            with lock if lock is not None else nullcontext():
+                self.model.logits_after(context)
+        except Exception as e:  # noqa: BLE001 - the next proposal syncs on the critical path instead
+            log.info("catching the draft up failed: %s", e)
+
     def stop(self) -> None:
         """The answer is in (or the round failed): let the worker finish its token and end."""
         if self._thread is None:
@@ -191,7 +281,7 @@ class DraftAhead:
         (the drafter is then cropped back to the plain path's state)."""
         self.stop()
         ahead, self._ahead = self._ahead, None
-        if ahead is None:
+        if ahead is None or ahead.shape is not None:  # nothing, or a tree grown for a tree round
             return None, AheadOutcome()
         if ahead.error is not None:
             log.warning("drafting ahead failed, drafting on the critical path: %s", ahead.error)

@@ -163,6 +163,8 @@ class SpeculativeRun:
         self._extend([int(t) for t in prompt_ids])
         self._budget = max_new_tokens
         self.drafter.reset()
+        if self.ahead is not None:
+            self.ahead.catch_up(self.S)  # the draft reads the prompt while the cloud does
         self._open()
 
     def _open(self) -> None:
@@ -298,6 +300,8 @@ class SpeculativeRun:
                 self.cloud_len = len(self.S)
                 self._take_feature(ev.feature)
                 self._take_states(ev.states)
+                if self.ahead is not None:  # the draft reads streamed tokens while the next ones come
+                    self.ahead.catch_up(self.S)
                 got += 1
                 self.metrics.streamed += 1
                 yield ev.token_id, "target"
@@ -371,26 +375,45 @@ class SpeculativeRun:
         if depth < 1 or nodes < 1:
             return None
         t0 = self.clock()
-        grow = self.drafter.propose_tree  # type: ignore[attr-defined]
-        block = grow(self.S, replace(shape, depth=depth), self.params.sampling, self.params.seed)
-        if block is None or block.k == 0:
-            return None
+        block: DraftBlock | None = None
+        self._outcome = AheadOutcome()
+        if self.ahead is not None:
+            # any depth the budget allows: the controller's depth may have moved by a level since
+            block, self._outcome = self.ahead.take_tree(self.S, remaining - 1, nodes)
+        if block is not None:  # grown during the last verify, after the context that was committed
+            self._count_ahead(block, self._outcome)
+        else:
+            grow = self.drafter.propose_tree  # type: ignore[attr-defined]
+            block = grow(self.S, replace(shape, depth=depth), self.params.sampling, self.params.seed)
+            if block is None or block.k == 0:
+                return None
         copy_depth = min(max(depth, self.tree.copy_depth), remaining - 1)
         self._copy_path = lookup_path(self.S, copy_depth) if self.tree.copy_branches else []
         if self._copy_path:
             block = graft(block, self._copy_path, self.tree.copy.value)
+        assert block.values is not None
         block = prune(block, min(nodes, self.tree.choose(block.values)))
-        edge_ms = (self.clock() - t0) * 1000
+        wait_ms = 0.0
+        if self.ahead is not None:
+            wait_ms, self.ahead.wait_ms = self.ahead.wait_ms, 0.0
+        edge_ms = (self.clock() - t0) * 1000 + wait_ms
         self.metrics.edge_time_ms += edge_ms
+        self.metrics.ahead_wait_ms += wait_ms
         from_head = getattr(self.drafter, "last_from_head", None)
         if from_head is not None:
             self.metrics.head_rounds += int(from_head)
             self.metrics.fallback_rounds += int(not from_head)
-        self._outcome = AheadOutcome()
         up, down = self.transport.traffic.bytes_up, self.transport.traffic.bytes_down
         t1 = self.clock()
         calls_before = self.metrics.cloud_calls
-        resp = self._verify(block, None)
+        room = None if not max_context else max_context - len(self.S)
+        if self.ahead is not None and self.ahead.start_tree(self.S, block, self.tree.shape(), remaining, room):
+            self.metrics.ahead_rounds += 1
+        try:
+            resp = self._verify(block, None)
+        finally:
+            if self.ahead is not None:  # the worker ends before anything else touches the drafter
+                self.ahead.stop()
         rtt_ms = (self.clock() - t1) * 1000
         self.metrics.rtt_ms += rtt_ms
         traffic = (self.transport.traffic.bytes_up - up, self.transport.traffic.bytes_down - down)
@@ -416,13 +439,16 @@ class SpeculativeRun:
         ready, outcome = self.ahead.take(self.S, k)
         if ready is None:
             return self.drafter.propose(self.S, k, self.params.sampling, self.params.seed), outcome
-        self.metrics.ahead_hits += 1
-        self.metrics.ahead_tokens += ready.k
-        self.metrics.ahead_saved_ms += outcome.saved_ms
+        self._count_ahead(ready, outcome)
         if ready.k >= k:
             return ready, outcome
         rest = self.drafter.propose(self.S + ready.tokens, k - ready.k, self.params.sampling, self.params.seed)
         return concat_blocks(ready, rest), outcome
+
+    def _count_ahead(self, ready: DraftBlock, outcome: AheadOutcome) -> None:
+        self.metrics.ahead_hits += 1
+        self.metrics.ahead_tokens += ready.k
+        self.metrics.ahead_saved_ms += outcome.saved_ms
 
     def _request(self, block: DraftBlock, decision: GateDecision | None, request_id: str) -> VerifyRequest:
         q_dists = None

@@ -20,8 +20,9 @@ cheaper, up to `chunk_max`); after every chunk one speculative round (the probe)
 again, and the session speculates once more when that has become cheaper by `margin` (acceptance rose,
 the link improved). Chunks never exceed the cloud's `max_generate_tokens` (GET /v1/model; `limit`). A stream
 that fails (a proxy that cannot pass server-sent events, a cloud in trouble, a cloud refusing the chunk) ends
-streaming for the session; the next session tries again. The probe's cost includes the drafter catching up on the streamed tokens, which leans
-the choice towards streaming, the way the cloud alone would go.
+streaming for the session; the next session tries again. A draft model reads the streamed tokens while the
+stream goes on (edge/prefetch.py `catch_up`), so the probe pays only the last few of them; other drafters
+catch up within the probe, which leans the choice towards streaming, the way the cloud alone would go.
 
 Either way every committed token is the target's own draw at its position when the session's rounds are
 greedy or draw-and-match trees (shared/tree.py) of a "strict" session (whose rounds without a tree are k = 0

@@ -11,7 +11,7 @@ the bonus), more after local commits or a reopen.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -26,7 +26,7 @@ from shared.verify import DraftKind
 
 from .base import DraftBlock
 from .compact import is_compact, load_compact
-from .tree import TreeShape, grow_tree
+from .tree import TreeShape, TreeStopped, grow_tree
 
 # rng stream of the edge's draft samples, apart from the cloud's COIN (0) and SAMPLE (1) streams
 DRAFT_STREAM = 2
@@ -191,15 +191,19 @@ class ModelDrafter:
         return block
 
     @torch.no_grad()
-    def propose_tree(self, context: Sequence[int], shape: TreeShape, cfg: SamplingConfig, seed: int) -> DraftBlock:
+    def propose_tree(self, context: Sequence[int], shape: TreeShape, cfg: SamplingConfig, seed: int,
+                     stop: Callable[[], bool] | None = None) -> DraftBlock:
         """A token tree after `context` (edge/drafters/tree.py): one forward per level over its frontier, each
-        node attending to the context and its own path; the nodes' KV is dropped afterwards."""
+        node attending to the context and its own path; the nodes' KV is dropped afterwards. `stop` is asked
+        before each level after the first: when it answers True growth ends with TreeStopped."""
         root = self._sync(context)  # [vocab]
         base = len(self._ids)
         fed: dict[int, int] = {}  # grown node -> its offset after the context
         tree: list[int] = []  # parents of the fed nodes, by offset
 
         def expand(nodes: list[int], tokens: list[int], parents: list[int]) -> torch.Tensor:
+            if stop is not None and stop():
+                raise TreeStopped
             for j, par in zip(nodes, parents, strict=True):
                 fed[j] = len(tree)
                 tree.append(-1 if par < 0 else fed[par])

@@ -35,6 +35,10 @@ Expand = Callable[[list[int], list[int], list[int]], torch.Tensor]
 TINY_Q = 1e-30
 
 
+class TreeStopped(Exception):
+    """Growth was asked to stop between two levels (edge/prefetch.py drafting a tree ahead)."""
+
+
 @dataclass(frozen=True)
 class TreeShape:
     # nodes sent at most
@@ -94,6 +98,19 @@ def grow_tree(root_logits: torch.Tensor, expand: Expand, shape: TreeShape, cfg: 
     return DraftBlock(tokens=[tokens[j] for j in keep], q_probs=[qs[j] for j in keep], kind="sampled",
                       parents=[-1 if parents[j] < 0 else new_index[parents[j]] for j in keep],
                       values=[values[j] for j in keep])
+
+
+def main_path(block: DraftBlock) -> list[int]:
+    """The tokens of the path that takes the most valuable child at every level, from the root to a leaf."""
+    assert block.parents is not None and block.values is not None
+    path: list[int] = []
+    at = -1
+    while True:
+        kids = [j for j, p in enumerate(block.parents) if p == at]
+        if not kids:
+            return path
+        at = max(kids, key=lambda j: (block.values[j], -j))  # type: ignore[index]
+        path.append(block.tokens[at])
 
 
 def prune(block: DraftBlock, n: int) -> DraftBlock:

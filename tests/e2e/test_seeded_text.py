@@ -102,10 +102,25 @@ def test_tree_sessions_give_the_target_only_text_of_the_seed(tiny_cloud_server: 
     assert copy[3] == 0 and sum(n > 0 for n in copy) == 5, copy
 
 
+def test_trees_grown_while_the_cloud_verifies_keep_the_text(tiny_cloud_server: CloudProcess,
+                                                            tiny_pair: tuple[Path, Path], tokenizer: Any) -> None:
+    """Greedy tree sessions whose next tree is grown during the verify (edge/prefetch.py) give the text they
+    give without that and the cloud's own, and most rounds sent a tree grown ahead: the target drafts for
+    itself here, so the guess (the main path kept whole, then the draft's own next token) holds."""
+    c, d = tiny_cloud_server, tiny_pair[0]
+    want = run(c, tokenizer, d, 0, mode="cloud_only", temperature=0.0)
+    on, off = (run(c, tokenizer, d, 0, tree="8", temperature=0.0, stream_switch=False, draft_ahead=ahead,
+                   result=True) for ahead in (True, False))
+    assert on.token_ids == off.token_ids == want
+    assert on.metrics.tree_rounds > 2 and on.metrics.ahead_hits >= on.metrics.tree_rounds // 2, on.metrics
+    assert on.metrics.ahead_hits == sum(r.ahead == "hit" for r in on.rounds)
+    assert off.metrics.ahead_rounds == 0
+
+
 class OneWrongNode(ModelDrafter):
     """Trees of one node that is never the target's token: whatever a round accepts came from a copy branch."""
 
-    def propose_tree(self, context: Any, shape: Any, cfg: Any, seed: int) -> DraftBlock:
+    def propose_tree(self, context: Any, shape: Any, cfg: Any, seed: int, stop: Any = None) -> DraftBlock:
         return DraftBlock(tokens=[0], q_probs=[0.5], kind="sampled", parents=[-1], values=[0.01])
 
 

@@ -128,3 +128,57 @@ def test_drafting_ahead_stops_when_its_guess_never_holds_and_probes_again(model_
     for _ in range(12):
         ahead._learn(AheadOutcome("hit", 4, 12.0), waited=0.5)
     assert ahead.worth_it()
+
+
+@pytest.mark.parametrize("cfg", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_a_tree_grown_ahead_is_the_tree_the_plain_path_would_grow(model_drafter: ModelDrafter,
+                                                                   cfg: SamplingConfig) -> None:
+    from edge.drafters.tree import TreeShape, main_path
+
+    d, shape = model_drafter, TreeShape(nodes=12, depth=4, width=3)
+    sent = d.propose_tree(S0, shape, cfg, seed=7)
+    ahead = DraftAhead(d, cfg, seed=7)
+    assert ahead.start_tree(S0, sent, shape, remaining=40)
+    ahead._thread.join()  # type: ignore[union-attr]  # let it grow the whole tree
+    committed = list(ahead._ahead.context)  # type: ignore[union-attr]
+    path = main_path(sent)
+    assert committed[:len(S0) + len(path)] == S0 + path and len(committed) == len(S0) + len(path) + 1
+    ready, outcome = ahead.take_tree(committed, depth=4, nodes=12)
+    assert ready is not None and outcome.result == "hit" and outcome.used == ready.k
+    fresh = ModelDrafter.fork(d).propose_tree(committed, shape, cfg, seed=7)
+    assert (ready.tokens, ready.parents) == (fresh.tokens, fresh.parents)
+    assert ready.q_probs == pytest.approx(fresh.q_probs, rel=1e-5)
+    assert d.held_ids == committed  # the nodes' KV is dropped, the guessed context's kept
+
+
+def test_a_tree_grown_ahead_is_dropped_when_the_guess_fails_or_growth_was_stopped(model_drafter: ModelDrafter) -> None:
+    from edge.drafters.tree import TreeShape, main_path
+
+    d, shape = model_drafter, TreeShape(nodes=12, depth=4, width=3)
+    sent = d.propose_tree(S0, shape, GREEDY, seed=0)
+    ahead = DraftAhead(d, GREEDY, seed=0)
+    assert ahead.start_tree(S0, sent, shape, remaining=40)
+    ahead._thread.join()  # type: ignore[union-attr]
+    other = S0 + [(sent.tokens[0] + 1) % d.vocab_size]  # a correction at the first position
+    ready, outcome = ahead.take_tree(other, depth=4, nodes=12)
+    assert ready is None and outcome.result == "miss"
+    # stopped before its second level: no tree, and the drafter is whole for the next proposal
+    assert ahead.start_tree(S0, sent, shape, remaining=40)
+    ahead._stop.set()
+    ahead._thread.join()  # type: ignore[union-attr]
+    guessed = list(ahead._ahead.context)  # type: ignore[union-attr]
+    ready, outcome = ahead.take_tree(guessed, depth=4, nodes=12)
+    assert ready is None and outcome.result == "miss"
+    assert d.propose_tree(guessed, shape, GREEDY, seed=0).tokens == \
+        ModelDrafter.fork(d).propose_tree(guessed, shape, GREEDY, seed=0).tokens
+    # no room for another level after the guess: nothing is grown
+    assert not ahead.start_tree(S0, sent, shape, remaining=len(main_path(sent)) + 2)
+
+
+def test_catching_up_feeds_the_draft_the_context_in_a_worker(model_drafter: ModelDrafter) -> None:
+    d = model_drafter
+    ahead = DraftAhead(d, GREEDY, seed=0)
+    assert ahead.catch_up(S0)
+    ahead.stop()
+    assert d.held_ids == S0
+    assert d.propose(S0, 3, GREEDY, seed=0).tokens == ModelDrafter.fork(d).propose(S0, 3, GREEDY, seed=0).tokens
