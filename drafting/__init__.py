@@ -8,10 +8,19 @@ Modules, each one concern:
 - `shards`    the on-disk layout: committed shards of token ids under `data/head/`, one atomic file each.
 - `states`    the target's states teacher-forced over the answers (outside the tree), and the FR-Spec output ids.
 - `train`     the attention head's training loop (training-time test: unrolled on its own predictions).
-- `evaluate`  held-out agreement by draft position and tokens per verify call; export of a trained head.
+- `evaluate`  held-out agreement by draft position and tokens per verify call; export of a trained head;
+              greedy agreement and beta of a draft against its target.
+- `loop`      the one training loop (AdamW, warm-up and cosine, a budget in steps or minutes, checkpoints).
+- `corpus`    Python's own source as text, with one held-out rule (crc32 of the path).
+- `teacher`   the target's answers and its states over them or over text, in work-directory shards.
+- `feature_data`, `feature_train`, `cut_draft`  the feature-fed head and the tokens-only draft cut from
+              the target, on those shards (`scripts/train_heads.py`).
+- `distill_prompts`, `distill`  the small distilled Llama draft (`scripts/distill_draft.py`).
+- `demo_pair` the bundled demo tokenizer, GPT-2 target and draft (`scripts/train_demo_models.py`).
 
 The module being trained lives where the edge runs it (`edge/drafters/attention_head.py`). Every phase resumes
 from the shards or checkpoint it finds, so a stopped or lost machine costs at most one shard's time. Nothing
-here runs in setup or CI; `scripts/head_data.py` (data) and `scripts/train_attention_head.py` (states, train,
-eval, export) are the entry points.
+here runs in setup (the demo pair's smoke run is a test); `scripts/head_data.py` (data),
+`scripts/train_attention_head.py` (states, train, eval, export), `scripts/train_heads.py`,
+`scripts/distill_draft.py` and `scripts/train_demo_models.py` are the entry points.
 """

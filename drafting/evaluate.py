@@ -148,3 +148,12 @@ def export(cfg: TrainConfig, out_dir: Path, command: str) -> dict[str, Any]:
                 "config": state.get("config", asdict(cfg)), "log": state["log"]}
     (out_dir / "training.json").write_text(json.dumps(training, indent=1) + "\n")
     return report
+
+
+@torch.no_grad()
+def pair_agreement(p_logits: torch.Tensor, q_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per position ([..., V] logits of the target p and the draft q at the same positions): whether
+    their greedy choices agree, and beta = sum_x min(p(x), q(x)) at T = 1, the chance a sampled draft
+    token is accepted (both [...])."""
+    p, q = torch.softmax(p_logits.float(), -1), torch.softmax(q_logits.float(), -1)  # [..., V]
+    return p.argmax(-1) == q.argmax(-1), torch.minimum(p, q).sum(-1)

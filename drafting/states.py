@@ -46,9 +46,10 @@ def state_start(prompt_len: int, window: int) -> int:
 
 
 @torch.inference_mode()
-def target_states(model: Any, rows: list[dict[str, Any]], window: int, batch: int) -> list[dict[str, Any]]:
-    """For each row: its ids (int32), prompt_len, the answer's temperature, `start` and the float16 states
-    f_t ([n, d]) for t in start .. len(ids) - 2, in the order of `rows`; `batch` rows per forward."""
+def target_states(model: Any, rows: list[dict[str, Any]], window: int, batch: int,
+                  dtype: torch.dtype = torch.float16) -> list[dict[str, Any]]:
+    """For each row: its ids (int32), prompt_len, the answer's temperature, `start` and the states f_t
+    ([n, d], `dtype`) for t in start .. len(ids) - 2, in the order of `rows`; `batch` rows per forward."""
     order = sorted(range(len(rows)), key=lambda i: len(rows[i]["ids"]))
     out: list[dict[str, Any]] = [{} for _ in rows]
     for b0 in range(0, len(order), batch):
@@ -66,7 +67,7 @@ def target_states(model: Any, rows: list[dict[str, Any]], window: int, batch: in
             n, start = len(row["ids"]), state_start(row["prompt_len"], window)
             out[i] = {"ids": torch.tensor(row["ids"], dtype=torch.int32), "prompt_len": int(row["prompt_len"]),
                       "temperature": float(row.get("temperature", 0.0)), "start": start,
-                      "states": hidden[r, start:n - 1].to(torch.float16).clone()}  # [n - 1 - start, d]
+                      "states": hidden[r, start:n - 1].to(dtype).clone()}  # [n - 1 - start, d]
     return out
 
 

@@ -12,19 +12,15 @@ output rows (the target's restricted to them and renormalised, from the stored s
 to f_{t+j} (`feat_weight`) is off by default, as in EAGLE-3: it has not been measured to help here.
 Gradients flow through the whole chain.
 
-The loop is nanoGPT's: AdamW, warm-up then cosine to a floor, a budget in steps or in minutes of steps
-(a step stopped with SIGSTOP counts at most `pause_cap` seconds), a checkpoint (head, optimizer, step,
-generator) in the work directory every `checkpoint_minutes` and at the end; SIGTERM or SIGINT checkpoint
-and stop; rerunning the same command resumes. Run it under `nice -n 19` (scripts/train_attention_head.py).
+The loop is `drafting.loop.fit` (nanoGPT's): AdamW, warm-up then cosine to a floor, a budget in steps or
+in minutes of steps (a step stopped with SIGSTOP counts at most `pause_cap` seconds), a checkpoint (head,
+optimizer, step, generator) in the work directory every `checkpoint_minutes` and at the end; SIGTERM or
+SIGINT checkpoint and stop; rerunning the same command resumes. Run it under `nice -n 19` (scripts/train_attention_head.py).
 """
 
 from __future__ import annotations
 
 import logging
-import math
-import os
-import signal
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +28,7 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
+from drafting.loop import Budget, fit, save_checkpoint, warmup_cosine
 from drafting.shards import DATA
 from drafting.states import is_heldout, load_states, output_ids
 from drafting.target import TARGET_DIR
@@ -209,19 +206,6 @@ def ttt_loss(head: AttentionHead, bt: dict[str, torch.Tensor], cfg: TrainConfig,
     return loss, agree
 
 
-def lr_at(cfg: TrainConfig, step: int, progress: float) -> float:
-    """Linear warm-up over `warmup` steps, then cosine from lr to floor * lr over the budget."""
-    return cfg.lr * min(1.0, (step + 1) / cfg.warmup) * (cfg.floor + (1 - cfg.floor) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-def save_checkpoint(path: Path, head: AttentionHead, opt: torch.optim.Optimizer, state: dict[str, Any],
-                    gen: torch.Generator) -> None:
-    tmp = path.with_suffix(".tmp")
-    torch.save({"head": head.state_dict(), "head_config": asdict(head.cfg), "opt": opt.state_dict(), "state": state,
-                "gen": gen.get_state()}, tmp)
-    os.replace(tmp, path)
-
-
 def start(cfg: TrainConfig, command: str) -> tuple[AttentionHead, Windows, torch.optim.Optimizer, torch.Generator,
                                                   dict[str, Any]]:
     """The head, the training windows, the optimizer, the generator and the run's state: new, or resumed
@@ -255,42 +239,23 @@ def start(cfg: TrainConfig, command: str) -> tuple[AttentionHead, Windows, torch
 
 
 def train(cfg: TrainConfig, command: str = "") -> dict[str, Any]:
-    """Train (or resume) to the budget; returns the run's state (step, seconds, log, shards, commands)."""
+    """Train (or resume) to the budget (drafting.loop.fit); returns the run's state (step, seconds, log,
+    shards, commands)."""
     torch.set_num_threads(cfg.threads)
     head, data, opt, gen, state = start(cfg, command)
     params = [p for p in head.parameters() if p.requires_grad]
-    ck = Path(cfg.work) / "ckpt.pt"
-    stop: list[int] = []
-    old = {s: signal.signal(s, lambda sig, _frame: stop.append(sig)) for s in (signal.SIGTERM, signal.SIGINT)}
 
-    def progress() -> float:
-        return state["step"] / cfg.steps if cfg.steps else state["seconds"] / (60 * cfg.minutes)
+    def loss_of() -> tuple[torch.Tensor, dict[str, Any]]:
+        loss, agree = ttt_loss(head, data.batch(cfg.batch, gen), cfg, gen)
+        return loss, {"agree": [round(a, 3) for a in agree]}
 
-    t_ck = time.time()
-    try:
-        while progress() < 1.0 and not stop:
-            t0 = time.time()
-            for g in opt.param_groups:
-                g["lr"] = lr_at(cfg, state["step"], progress())
-            loss, agree = ttt_loss(head, data.batch(cfg.batch, gen), cfg, gen)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-            opt.step()
-            state["step"] += 1
-            state["seconds"] += min(time.time() - t0, cfg.pause_cap)
-            if state["step"] % cfg.log_every == 0 or state["step"] == 1:
-                state["log"].append({"step": state["step"], "loss": round(float(loss.detach()), 4),
-                                     "agree": [round(a, 3) for a in agree], "seconds": round(state["seconds"], 1)})
-                log.info("step %d %s", state["step"], state["log"][-1])
-            if time.time() - t_ck > 60 * cfg.checkpoint_minutes:
-                save_checkpoint(ck, head, opt, state, gen)
-                t_ck = time.time()
-        save_checkpoint(ck, head, opt, state, gen)
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-    return state
+    def save() -> None:
+        save_checkpoint(Path(cfg.work) / "ckpt.pt", {"head": head.state_dict(), "head_config": asdict(head.cfg),
+                                                     "opt": opt.state_dict(), "state": state, "gen": gen.get_state()})
+
+    budget = Budget(steps=cfg.steps, minutes=0.0 if cfg.steps else cfg.minutes, pause_cap=cfg.pause_cap)
+    return fit(params, opt, loss_of, warmup_cosine(cfg.lr, cfg.warmup, cfg.floor), budget, state,
+               grad_clip=cfg.grad_clip, log_every=cfg.log_every, save=save, checkpoint_s=60 * cfg.checkpoint_minutes)
 
 
 def trained_head(cfg: TrainConfig) -> tuple[AttentionHead, dict[str, Any]]:

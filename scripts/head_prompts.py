@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import random
 
-from distill_draft import CODE_TASKS as DISTILL_TASKS
-from distill_draft import TOPICS as DISTILL_TOPICS
+from drafting.distill_prompts import CODE_TASKS as DISTILL_TASKS
+from drafting.distill_prompts import TOPICS as DISTILL_TOPICS
 
-# the distillation's topics (scripts/distill_draft.py), then more
+# the distillation's topics (drafting/distill_prompts.py), then more
 SUBJECTS = [*DISTILL_TOPICS,
     "ancient Egypt", "the pyramids", "the Cold War", "nuclear power", "solar panels", "wind turbines",
     "the human skeleton", "digestion", "blood types", "bacteria", "viruses", "fungi", "coral reefs",
@@ -31,7 +31,7 @@ SUBJECTS = [*DISTILL_TOPICS,
     "the number zero", "infinity", "logic puzzles", "friendship", "habits", "motivation", "stress",
     "learning a language", "reading", "journaling", "volunteering", "city planning", "public transport",
 ]
-# the distillation's tasks (scripts/distill_draft.py) without the benchmark's own, then more
+# the distillation's tasks (drafting/distill_prompts.py) without the benchmark's own, then more
 CODE_TASKS = [*(("parse a URL into its parts" if t == "download nothing but parse a URL" else t)
                 for t in DISTILL_TASKS if t != "return the n-th Fibonacci number"),
     "implement a least-recently-used cache", "compute the dot product of two vectors",

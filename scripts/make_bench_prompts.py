@@ -1,6 +1,6 @@
 """Write bench/prompts/code.jsonl from standard-library files the demo pair never trained on.
 
-A file is held out by the same rule the training script uses (crc32 of its path). Each prompt
+A file is held out by the same rule training uses (drafting/corpus.py: crc32 of its path). Each prompt
 is the ~600 characters of source before the body of a function: the model writes the body.
 Rerun to regenerate; the committed file is what the benchmark uses.
 """
@@ -12,8 +12,8 @@ import sys
 import sysconfig
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_demo_models import stdlib_files  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from drafting.corpus import stdlib_files  # noqa: E402
 
 FILES = ["copy.py", "glob.py", "hmac.py", "sched.py", "shutil.py", "site.py", "symtable.py", "uu.py",
          "modulefinder.py", "http/server.py", "asyncio/subprocess.py", "email/contentmanager.py"]
