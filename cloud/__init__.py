@@ -2,8 +2,10 @@
 
 Layout: settings (CloudSettings) -> model (TargetModel, every session's KV in one pool) -> engine
 (the round on a session's KV) -> store (limits, eviction) -> scheduler (the model thread and its
-continuous batching) -> service (what both transports call) -> guards (checks before parsing) ->
-rest / grpc_server (the boundaries) -> app (one asyncio loop, drain) -> cli.
+continuous batching) -> kv_room (who gives KV blocks back) -> core (the service's parts and shared
+checks) -> opening / rounds / streaming / generate (one call's work each) -> service (what both
+transports call) -> guards (checks before parsing) -> rest / grpc_server (the boundaries) -> app (one
+asyncio loop, drain) -> cli.
 
 Behaviour beyond docs/PROTOCOL.md, which clients may rely on:
 - Replay cache: each session keeps its last `replay_cache_size` answers by request_id. A request

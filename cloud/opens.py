@@ -3,7 +3,7 @@ the open of the same API key, id and body that is still in flight, or was answer
 instead of prefilling the prompt again. An edge that timed out resends its open with the same id; the
 retry gets the first attempt's session. When every caller of such an open has gone, it waits `grace_s`
 for a retry (an edge's backoff is at most 2 s) and is then cancelled: it leaves the queue or stops after
-its chunk in progress, as an open without a request id does at once (cloud/service.py). An open that
+its chunk in progress, as an open without a request id does at once (cloud/opening.py). An open that
 failed or was cancelled is forgotten at once (a retry starts anew; no exception, traceback or request is
 kept), and each owner (API key) has at most `max_per_owner` entries: a new one first drops that owner's
 answered opens whose session is gone, then its oldest. Runs on the event loop only.

@@ -17,7 +17,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-import cloud.service
+import cloud.rounds
 from cloud.model import TargetModel
 from cloud.rest import VerifyBody
 from cloud.service import GenerateRequest, VerifierService
@@ -131,7 +131,7 @@ def test_a_session_closed_while_queued_gets_404_and_the_batch_goes_on(
 def test_an_error_in_one_rows_verify_rule_fails_that_request_only(
         make_service: Callable[..., VerifierService], prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch) -> None:
     svc = make_service()
-    real = cloud.service.finish_round
+    real = cloud.rounds.finish_round
 
     async def main() -> None:
         a = (await svc.open_session(OpenSessionRequest(prompts[0], GREEDY), "")).ctx_id
@@ -144,12 +144,12 @@ def test_an_error_in_one_rows_verify_rule_fails_that_request_only(
                 raise RuntimeError("bug in one row")
             return real(model, s, *args, **kw)
 
-        monkeypatch.setattr(cloud.service, "finish_round", broken)
+        monkeypatch.setattr(cloud.rounds, "finish_round", broken)
         got = await gated(svc, [svc.verify(draft_request(a, prompts[0], [1, 2], q=1.0), "", 2),
                                 svc.verify(draft_request(b, prompts[1], [1, 2], q=1.0), "", 2)])
         assert isinstance(got[0], RuntimeError) and isinstance(got[1], VerifyResponse)
         assert (sa.context, sa.kv_len, sa.counters.rounds) == before
-        monkeypatch.setattr(cloud.service, "finish_round", real)
+        monkeypatch.setattr(cloud.rounds, "finish_round", real)
         assert isinstance(await svc.verify(draft_request(a, prompts[0], [1, 2], q=1.0), "", 2), VerifyResponse)
 
     asyncio.run(main())
@@ -243,7 +243,7 @@ def test_sampled_rounds_in_one_forward_are_processed_together_as_they_would_be_a
             SamplingConfig(1.0, top_p=0.9, repetition_penalty=1.1), SamplingConfig(1.2, top_k=8),
             SamplingConfig(0.0, repetition_penalty=1.2), SamplingConfig(0.7)]
     ks = [4, 2, 5, 3, 1, 6]
-    real = cloud.service.finish_round
+    real = cloud.rounds.finish_round
     checked: list[int] = []
 
     def checking(model: TargetModel, s: Any, req: Any, q: Any, plan: Any, logits: torch.Tensor, *args: Any) -> Any:
@@ -254,7 +254,7 @@ def test_sampled_rounds_in_one_forward_are_processed_together_as_they_would_be_a
         checked.append(len(fed))
         return real(model, s, req, q, plan, logits, *rest, p)
 
-    monkeypatch.setattr(cloud.service, "finish_round", checking)
+    monkeypatch.setattr(cloud.rounds, "finish_round", checking)
     svc = make_service()
 
     async def main() -> None:

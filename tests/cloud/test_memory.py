@@ -14,6 +14,7 @@ import torch
 from transformers import AutoTokenizer
 
 from cloud.engine import DecodeState, Prefill
+from cloud.generate import decode_job
 from cloud.scheduler import PENDING
 from cloud.service import GenerateRequest, VerifierService
 from shared.config import SamplingConfig
@@ -64,11 +65,11 @@ def test_a_waiting_half_finished_prefill_gives_its_blocks_back_and_resumes_from_
         assert row is not None
         svc.model.forward([row])
         pre.advance(pool, row)
-        svc._prefilling.append(pre)  # as an open whose next chunk waits for a later forward
+        svc.room.prefilling.append(pre)  # as an open whose next chunk waits for a later forward
 
     svc.worker.call_sync(first_chunk)
     before = pool.manager.available()
-    svc.worker.call_sync(lambda: svc._make_room(1, True))
+    svc.worker.call_sync(lambda: svc.room.make_room(1, True))
     assert pre.slot is None and pool.manager.available() == before + 2  # its two blocks, now cached
     resumed = svc.worker.call_sync(lambda: pre.plan(pool, 32))
     assert resumed is not None and resumed.past == 32  # taken from the prefix cache, not computed again
@@ -84,7 +85,7 @@ def test_a_generate_prompt_half_prefilled_gives_its_blocks_back_and_its_token_is
     req = GenerateRequest(text[:100], GREEDY, max_new_tokens=1)
 
     def run(st: DecodeState, disturb: bool) -> int:
-        job = svc._decode_job(st, req, "", True)
+        job = decode_job(svc, st, req, "", True)
         out: Any = PENDING
         chunks = 0
         while out is PENDING:
@@ -93,14 +94,14 @@ def test_a_generate_prompt_half_prefilled_gives_its_blocks_back_and_its_token_is
             out = job.finish(logits[0], 1.0)
             chunks += 1
             if disturb and chunks == 1:
-                assert st in svc._gen_prefilling
+                assert st in svc.room.gen_prefilling
                 before = pool.manager.available()
-                svc._make_room(1, True)
+                svc.room.make_room(1, True)
                 assert st.slot is None and pool.manager.available() == before + 2  # its two blocks, cached
                 assert job.plan(32).past == 32  # from the prefix cache, not computed again
                 job.unplan()
-        assert st not in svc._gen_prefilling
-        svc._end_generate(st)
+        assert st not in svc.room.gen_prefilling
+        svc.room.end_generate(st)
         return int(out[0])
 
     disturbed = svc.worker.call_sync(lambda: run(DecodeState(list(text[:100]), salt=b"g"), True))

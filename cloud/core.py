@@ -1,0 +1,187 @@
+"""The verifier's parts and the checks every call shares: transport-free, async, on the event loop.
+
+`ServiceCore` builds one model's pool, session store, admission, scheduler, KV room (cloud/kv_room.py)
+and metrics from the settings. The calls on top of it live one job a module: opening (cloud/opening.py),
+verify rounds (cloud/rounds.py), session streams (cloud/streaming.py), target-only generation
+(cloud/generate.py); `VerifierService` (cloud/service.py) is what REST and gRPC call.
+
+Order of checks for every call: auth (401) -> session lookup (404) and owner (403) -> request
+checks (422) -> admission (429) -> per-session lock -> context check (409) and the round on the
+model worker. Every rejection happens before anything is written, so a rejected request never
+changes a session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from cloud.admission import Admission
+from cloud.engine import RoundLimits, check_ids
+from cloud.kv_room import KvRoom
+from cloud.metrics import CloudMetrics
+from cloud.model import ModelInfo, TargetModel
+from cloud.opens import OpenJoiner
+from cloud.scheduler import BatchStats, Job, Scheduler
+from cloud.session import Session
+from cloud.settings import CloudSettings
+from cloud.store import CLOSED, SessionStore
+from shared.errors import InvalidArgument, NotFound, Unauthenticated, Unavailable
+from shared.features import ENCODINGS
+from shared.protocol import SessionInfo
+
+# the service's log lines keep the logger name they have always had
+log = logging.getLogger("cloud.service")
+# seconds an answered open stays joinable by a retry with the same request id (cloud/opens.py)
+OPEN_JOIN_S = 60.0
+
+
+def key_owner(key: str) -> str:
+    """What a session stores about its API key: a fingerprint, never the key."""
+    return hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+class ServiceCore:
+    def __init__(self, settings: CloudSettings, model: TargetModel, *, clock: Callable[[], float] = time.monotonic,
+                 new_id: Callable[[], str] = lambda: secrets.token_urlsafe(24)) -> None:
+        self.settings, self.model, self.clock, self.new_id = settings, model, clock, new_id
+        model.use_pool(settings.kv_budget_bytes, settings.kv_block_size, settings.prefix_cache)
+        offer = settings.features and model.feature_size > 0
+        self.info: ModelInfo = replace(model.info, max_k=settings.max_k, max_tree_nodes=settings.max_tree_nodes,
+                                       feature_size=model.feature_size if offer else 0,
+                                       feature_encodings=list(ENCODINGS) if offer else [],
+                                       max_feature_window=settings.max_feature_window if offer else 0,
+                                       session_stream=True, max_generate_tokens=settings.max_generate_tokens)
+        self.prompt_limit = settings.prompt_limit(model.info.max_context)
+        self.limits = RoundLimits(max_k=settings.max_k, max_return_top_k=settings.max_return_top_k,
+                                  max_context=model.info.max_context, vocab_size=model.support,
+                                  max_tree_nodes=settings.max_tree_nodes)
+        self.metrics = CloudMetrics.create(max(settings.max_k, settings.max_tree_nodes), settings.kv_budget_bytes)
+        self.metrics.model_dtype.labels(self.info.dtype, self.info.dtype_reason,
+                                        str(self.info.batch_invariant).lower()).set(1)
+        self.store = SessionStore(max_sessions=settings.max_sessions, ttl_s=settings.session_ttl_s,
+                                  kv_budget_bytes=settings.kv_budget_bytes, clock=clock, on_remove=self._removed,
+                                  max_sessions_per_owner=settings.sessions_per_key_limit())
+        self.admission = Admission(max_new=settings.max_queue_depth,
+                                   max_new_per_key=settings.queue_depth_per_key_limit(),
+                                   max_total=settings.max_queue_depth + settings.max_sessions)
+        self.room = KvRoom(settings, model, self.store, clock)
+        self.worker = Scheduler(clock, max_batch_size=settings.max_batch_size,
+                                max_batch_tokens=settings.max_batch_tokens, batch_wait_ms=settings.batch_wait_ms,
+                                max_prefill_tokens_with_rounds=settings.max_prefill_tokens_with_rounds,
+                                active_s=settings.session_active_ms / 1000.0,
+                                torch_threads=settings.torch_threads,
+                                forward=lambda rows: self.model.forward(rows),
+                                on_batch=self._batched,
+                                blocks_needed=lambda row: self.model.pool.blocks_needed(row),
+                                blocks_available=lambda: self.model.pool.manager.available(),
+                                make_room=self.room.make_room)
+        self.opens = OpenJoiner(OPEN_JOIN_S, max_per_owner=settings.sessions_per_key_limit()
+                                + settings.queue_depth_per_key_limit())
+        self._hits_seen = self._evicted_seen = 0
+        self._keys = settings.api_key_values()
+        self._ready = True
+        # set at SIGTERM (cloud.app.drain): new sessions and generations are refused, verify is still served
+        self.draining = False
+
+    @property
+    def ready(self) -> bool:
+        """Serving (/readyz 200): not draining, and no tensor-parallel rank lost."""
+        return self._ready and self.model.healthy()
+
+    @ready.setter
+    def ready(self, value: bool) -> None:
+        self._ready = value
+
+    # --- auth ---------------------------------------------------------------------------------
+    def authenticate(self, key: str | None) -> str:
+        """The caller's owner id; Unauthenticated when keys are configured and `key` is not one."""
+        if not self._keys:
+            return ""
+        if not key:
+            raise Unauthenticated("missing API key: send 'Authorization: Bearer KEY'")
+        if not any(hmac.compare_digest(key.encode(), k.encode()) for k in self._keys):
+            raise Unauthenticated("wrong API key")
+        return key_owner(key)
+
+    # --- checks every call shares -------------------------------------------------------------
+    def check_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise InvalidArgument("prompt_ids is empty: a session needs at least one token")
+        if len(ids) > self.prompt_limit:
+            raise InvalidArgument(f"the prompt has {len(ids)} tokens, more than the limit of {self.prompt_limit} "
+                                  f"(model context {self.info.max_context})", limit=self.prompt_limit)
+        check_ids(ids, self.model.support, "prompt_ids")
+
+    def refuse_when_draining(self, what: str) -> None:
+        if self.draining:
+            raise Unavailable(f"this replica is shutting down and takes no new {what}: retry (elsewhere)")
+        self.refuse_when_unhealthy()
+
+    def refuse_when_unhealthy(self) -> None:
+        if not self.model.healthy():
+            raise Unavailable("this verifier lost a tensor-parallel rank and is restarting: retry (elsewhere)")
+
+    def lookup(self, ctx_id: str, owner: str) -> Session:
+        """The session; while draining, one this replica does not hold is Unavailable (503), not NotFound:
+        it may live on another replica, where a load balancer sends the call next."""
+        try:
+            return self.store.get(ctx_id, owner)
+        except NotFound:
+            if self.draining:
+                raise Unavailable(f"this replica is shutting down and holds no session {ctx_id!r}: retry "
+                                  "(elsewhere)") from None
+            raise
+
+    def session_info(self, s: Session, counters: bool = False) -> SessionInfo:
+        ctx = s.context
+        return SessionInfo(ctx_id=s.ctx_id, ctx_len=len(ctx), ctx_hash=ctx.hash_at(len(ctx)),
+                           vocab_size=self.model.support,
+                           counters=s.describe(self.clock()) if counters else {})
+
+    # --- KV and the model thread --------------------------------------------------------------
+    def kv_bytes(self, positions: int) -> int:
+        """The KV bytes a sequence of `positions` takes in whole blocks, with one block more for a
+        copy-on-write: what the never-fits check compares with the budget (the pool holds whole blocks)."""
+        size = self.model.pool.block_size
+        return (-(-positions // size) + 1) * size * self.model.kv_bytes_per_token
+
+    def salt(self, owner: str) -> bytes:
+        """The prefix-cache salt of an owner's sequences: blocks are shared within one API key only,
+        unless the operator shares them across keys."""
+        return b"" if self.settings.share_prefix_across_keys else owner.encode()
+
+    async def abandon(self, job: Job[Any], task: asyncio.Future[Any]) -> None:
+        """Nobody waits for `job` (its caller left, or it failed): it runs no further forward; returns once the
+        model thread has let go of it."""
+        self.worker.cancel(job)
+        await asyncio.wait({task})
+        if not task.cancelled():
+            task.exception()  # retrieved: the caller has its own error
+
+    def release(self, slot: int | None) -> None:
+        if slot is not None:
+            self.worker.between_batches(lambda: self.model.pool.release(slot))
+
+    def _removed(self, s: Session, reason: str) -> None:
+        slot, s.slot = s.slot, None
+        self.release(slot)  # on the model thread, after any batch that still uses it
+        self.worker.forget(s.ctx_id)
+        if reason != CLOSED:
+            self.metrics.evictions.labels(reason=reason).inc()
+        log.info("session removed", extra={"fields": {"event": "remove", "ctx_id": s.ctx_id, "reason": reason}})
+
+    def _batched(self, b: BatchStats) -> None:
+        self.metrics.batch_size.observe(b.rows)
+        self.metrics.batch_tokens.observe(b.tokens)
+        self.metrics.padded_tokens.inc(b.padded_tokens)
+        self.metrics.forward_ms.observe(b.ms)
+        for kind, waited in b.waits:
+            self.metrics.queue_wait.labels(kind=kind).observe(waited)

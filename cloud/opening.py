@@ -1,0 +1,159 @@
+"""Opening a session: the checks, then the prompt's prefill in chunks on the model thread.
+
+With a `request_id` (the call's X-Request-Id) a retry joins the first attempt (cloud/opens.py); without,
+an open whose caller goes away leaves the queue (or stops after its chunk in progress) and leaves nothing
+behind. The limits count the opens already admitted, before any compute (cloud/admission.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import torch
+
+from cloud.core import ServiceCore
+from cloud.engine import Prefill
+from cloud.scheduler import PENDING, PREFILL, WAIT, Job, Pending, Wait
+from cloud.session import Context, Session
+from shared.errors import Internal, InvalidArgument
+from shared.features import ENCODINGS, encode_feature, encode_states
+from shared.kvpool import Row
+from shared.protocol import OpenSessionRequest, SessionInfo
+
+# the service's log lines keep the logger name they have always had
+log = logging.getLogger("cloud.service")
+CORRECTIONS = ("strict", "shortcut")
+
+
+async def open_session(core: ServiceCore, req: OpenSessionRequest, owner: str, request_id: str = "") -> SessionInfo:
+    """A new session; a retry with the same `request_id` joins the first attempt (cloud/opens.py)."""
+    check_open(core, req)
+    if request_id:
+        return await core.opens.join(owner, request_id, req, lambda: open_new(core, req, owner),
+                                     alive=lambda ctx_id: core.store.holds(ctx_id))
+    return await open_new(core, req, owner)
+
+
+def check_open(core: ServiceCore, req: OpenSessionRequest) -> None:
+    core.refuse_when_draining("sessions")
+    core.check_prompt(req.prompt_ids)
+    if req.correction not in CORRECTIONS:
+        raise InvalidArgument(f"correction must be 'strict' or 'shortcut', not {req.correction!r}")
+    if not 0 <= req.seed < 2**64:
+        raise InvalidArgument("seed must be in [0, 2**64)")
+    if req.max_new_tokens < 0:
+        raise InvalidArgument("max_new_tokens must be >= 0")
+    if req.feature_encoding not in ("", *ENCODINGS):
+        raise InvalidArgument(f"feature_encoding must be '', 'float16' or 'int8', not {req.feature_encoding!r}")
+    most = core.info.max_feature_window
+    if not (isinstance(req.feature_window, int) and 0 <= req.feature_window <= max(most, 0)) \
+            or (req.feature_window and not req.feature_encoding):
+        raise InvalidArgument(f"feature_window must be in [0, {most}] (max_feature_window) and needs a "
+                              f"feature_encoding, not {req.feature_window!r}", limit="max_feature_window")
+
+
+async def open_new(core: ServiceCore, req: OpenSessionRequest, owner: str) -> SessionInfo:
+    """The session of a checked request: admitted, its prompt prefilled, then added to the store."""
+    # a cloud that does not offer features answers without them, as an older cloud would
+    encoding = req.feature_encoding if core.info.feature_size else ""
+    need = core.kv_bytes(len(req.prompt_ids) + 1)  # the prompt and its first round's token
+    core.room.loop = asyncio.get_running_loop()
+    core.store.check_room(need, owner, core.admission.opening(owner), core.admission.opening())
+    with core.admission.new_work(owner, opening=True):
+        admitted = core.clock()
+        # the prompt's prefix hashes (pure Python, per token) on a worker thread, during the prefill
+        hashed = asyncio.ensure_future(asyncio.to_thread(Context.of, req.prompt_ids))
+        # with a feature the whole prompt is run (its last position's state is the first feature); without,
+        # S[:-1] (the first round feeds the last token)
+        ids = req.prompt_ids if encoding else req.prompt_ids[:-1]
+        window = req.feature_window if encoding else 0
+        pre = Prefill(ids, chunk=core.settings.max_batch_tokens, salt=core.salt(owner),
+                      keep_last=max(window, 1) if encoding else 0)
+        first: list[torch.Tensor] = []
+        prefill = prefill_job(core, pre, owner, encoding, first)
+        job = asyncio.ensure_future(core.worker.submit(prefill, since=admitted))
+        try:
+            (ms, queue_ms) = await asyncio.shield(job)
+        except BaseException:
+            # gone before the session exists (disconnect, failure): the prefill leaves the queue or stops
+            # after its chunk in progress, and its slot goes back to the pool
+            await core.abandon(prefill, job)
+            core.release(pre.slot)
+            raise
+        try:
+            context = await hashed
+        except BaseException:
+            core.release(pre.slot)
+            raise
+        now = core.clock()
+        s = Session(ctx_id=core.new_id(), owner=owner, sampling_cfg=req.sampling_cfg, seed=req.seed,
+                    correction=req.correction, max_new_tokens=req.max_new_tokens,
+                    prompt_len=len(req.prompt_ids), context=context, slot=pre.slot,
+                    kv_bytes_per_token=core.model.kv_bytes_per_token, last_used=now, created=now,
+                    kv_len=len(pre.ids), replay_bytes_limit=core.settings.replay_cache_bytes,
+                    feature_encoding=encoding, feature_window=window)
+        core.store.add(s)
+    core.metrics.prompt_prefill_ms.observe(ms)
+    core.metrics.queue_ms.observe(queue_ms)
+    log.info("session opened", extra={"fields": {"event": "open", "ctx_id": s.ctx_id,
+                                                 "prompt_len": len(req.prompt_ids), "prefill_ms": round(ms, 3)}})
+    info = core.session_info(s)
+    if first:  # the prompt's last states: the whole window's, or the last one as the feature
+        h = torch.cat(first)[-max(window, 1):]  # [n, d]
+        if window:
+            info.states = encode_states(h, encoding, len(ids) - h.shape[0] + 1)
+        else:
+            info.feature = encode_feature(h[-1], encoding, len(ids))
+    return info
+
+
+def prefill_job(core: ServiceCore, pre: Prefill, owner: str, encoding: str = "",
+                states: list[torch.Tensor] | None = None) -> Job[float]:
+    """KV of a prompt's S[:-1] (all of S with `encoding`: then the states of its last `pre.keep_last`
+    positions go into `states`, chunk by chunk), in chunks; the result is the forward time (ms) summed."""
+    room, model = core.room, core.model
+    spent = [0.0]
+    rows: list[Row] = []
+
+    def plan(budget: int) -> Row | None | Wait:
+        if pre.slot is None:
+            if room.shares_a_running_prefill(pre):
+                return WAIT
+            room.prefilling.append(pre)
+        row = pre.plan(model.pool, budget)
+        rows[:] = [row] if row is not None else []
+        if row is None:
+            room.forget_prefill(pre)
+        else:
+            room.in_forward.add(id(pre))
+        return row
+
+    def finish(_: object, ms: float) -> float | Pending:
+        room.in_forward.discard(id(pre))
+        spent[0] += ms
+        hidden = model.hidden_of(rows[0]) if encoding and rows[0].keep else None
+        if hidden is not None and states is not None:
+            if not bool(torch.isfinite(hidden).all()):  # checked before the session exists
+                raise Internal.of(FloatingPointError("the target's state at the end of the prompt is not "
+                                                     "finite: no feature (nor session) can be made of it"))
+            states.append(hidden.detach().clone())
+        if pre.advance(model.pool, rows[0]):
+            room.forget_prefill(pre)
+            return spent[0]
+        return PENDING
+
+    def abort() -> None:
+        room.in_forward.discard(id(pre))
+        room.forget_prefill(pre)
+        if pre.slot is not None:
+            model.pool.crop(pre.slot, pre.done)
+
+    def unplan() -> None:
+        room.in_forward.discard(id(pre))
+        pre.unplan(model.pool)
+        if pre.slot is None:
+            room.forget_prefill(pre)
+
+    return Job(plan=plan, finish=finish, abort=abort, answer=lambda: spent[0], kind=PREFILL, owner=owner,
+               unplan=unplan)

@@ -1,0 +1,121 @@
+"""Verify rounds on a session: checked, admitted, run as a scheduler job, counted and logged.
+
+The round itself (plan, forward row, the verify rule, commit) is cloud/engine.py's; this module takes a
+request through the service's order of checks (cloud/core.py) to the model thread and back. An admitted
+round is applied even if its caller goes away, so the edge's retry is answered from the replay cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from cloud.core import ServiceCore
+from cloud.engine import (
+    RoundPlan,
+    RoundResult,
+    check_request,
+    fingerprint,
+    finish_round,
+    plan_round,
+    round_sampling,
+)
+from cloud.scheduler import PENDING, ROUND, Job, Pending
+from cloud.session import Session
+from shared.config import SamplingConfig
+from shared.kvpool import Row
+from shared.protocol import VerifyRequest, VerifyResponse
+
+round_log = logging.getLogger("specsplit.cloud.rounds")
+
+
+async def verify(core: ServiceCore, req: VerifyRequest, owner: str, declared_k: int,
+                 sampling_cfg: SamplingConfig | None = None) -> VerifyResponse:
+    core.refuse_when_unhealthy()
+    s = core.lookup(req.ctx_id, owner)
+    q_dense = check_request(req, declared_k, core.limits, s.sampling_cfg, sampling_cfg)
+    k = len(req.draft.draft_tokens)
+    core.room.loop = asyncio.get_running_loop()
+    with core.admission.round():
+        admitted = core.clock()
+        s.inflight += 1
+        try:
+            async with s.lock:
+                core.store.make_room(core.kv_bytes(req.ctx_len + k), s)
+                job = asyncio.ensure_future(core.worker.submit(round_job(core, s, req, q_dense), since=admitted))
+                try:
+                    res, queue_ms = await asyncio.shield(job)
+                except asyncio.CancelledError:
+                    # the caller went away (deadline, disconnect): an admitted round is still applied,
+                    # so the edge's retry with the same request_id is answered from the replay cache
+                    await asyncio.wait({job})
+                    raise
+        finally:
+            s.inflight -= 1
+            s.last_used = core.clock()
+    resp = res.response
+    if res.replayed:
+        core.metrics.replayed.inc()
+    else:
+        resp.metrics.queue_ms = queue_ms
+        assert res.outcome is not None
+        core.metrics.record_round(res.outcome, k, resp.metrics.prefill_ms, queue_ms)
+    log_round(req, resp, k, res.replayed)
+    return resp
+
+
+def round_job(core: ServiceCore, s: Session, req: VerifyRequest, q_dense: Any) -> Job[RoundResult]:
+    """One verify round as a scheduler job: plan on the model thread, run in a batch, finish alone."""
+    fp = fingerprint(req)
+    planned: list[RoundPlan] = []
+    rows: list[Row] = []
+
+    def plan(budget: int) -> Row | None:
+        if not planned:  # the first forward: check and plan (later ones continue a chunked resync)
+            p = plan_round(s, req, fp)
+            if isinstance(p, VerifyResponse):
+                return None
+            planned.append(p)
+        elif s.closed or s.slot is None:
+            plan_round(s, req, fp)  # raises NotFound
+        rows[:] = [planned[0].next_row(budget)]
+        return rows[0]
+
+    def answer() -> RoundResult:
+        s.counters.replayed += 1
+        cached = plan_round(s, req, fp)
+        assert isinstance(cached, VerifyResponse)
+        return RoundResult(cached, None, replayed=True)
+
+    def finish(logits: Any, ms: float) -> RoundResult | Pending:
+        row = rows[0]
+        if row.keep == 0:  # a chunk of a long resync: its KV is written, the verify row comes next
+            planned[0].fed = row.past + len(row.ids)
+            spent[0] += ms
+            return PENDING
+        return finish_round(core.model, s, req, q_dense, planned[0], logits, ms + spent[0],
+                            core.settings.replay_cache_size, job.p)
+
+    def abort() -> None:
+        if planned:
+            s.set_kv_len(core.model.pool, min(s.kv_len, planned[0].past))
+
+    spent = [0.0]
+    job: Job[RoundResult] = Job(plan=plan, finish=finish, abort=abort, answer=answer, key=s.ctx_id, kind=ROUND,
+                                owner=s.owner, sampling=lambda _: round_sampling(s, req, planned[0]))
+    return job
+
+
+def log_round(req: VerifyRequest, resp: VerifyResponse, k: int, replayed: bool) -> None:
+    m = resp.metrics
+    fields = {"event": "verify_round", "request_id": req.request_id, "ctx_id": req.ctx_id, "k": k,
+              "accepted_len": resp.accepted_len, "la_over_k": round(m.la_over_k, 4),
+              "alpha_mean": round(m.alpha_mean, 4), "next_kind": resp.next_kind,
+              "prefill_ms": round(m.prefill_ms, 3), "queue_ms": round(m.queue_ms, 3),
+              "ctx_len": resp.ctx_len, "replayed": replayed}
+    if req.draft.tree_parents is not None:
+        fields["la_over_depth"] = round(m.la_over_depth, 4)
+    if req.draft.hard_mask:
+        fields["hard_ratio"] = round(sum(req.draft.hard_mask) / max(k, 1), 4)
+    round_log.info("verify round", extra={"fields": fields})
