@@ -21,6 +21,7 @@ a drafter whose own node is always wrong shows accepted copy nodes leave the tex
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -109,12 +110,35 @@ def test_trees_grown_while_the_cloud_verifies_keep_the_text(tiny_cloud_server: C
     itself here, so the guess (the main path kept whole, then the draft's own next token) holds."""
     c, d = tiny_cloud_server, tiny_pair[0]
     want = run(c, tokenizer, d, 0, mode="cloud_only", temperature=0.0)
-    on, off = (run(c, tokenizer, d, 0, tree="8", temperature=0.0, stream_switch=False, draft_ahead=ahead,
-                   result=True) for ahead in (True, False))
+
+    def generate(ahead: bool) -> Any:
+        s = EdgeSettings(max_new_tokens=N_NEW, stop_at_eos=False, head="none", draft=str(d), timeout_ms=60_000,
+                         cloud_url=c.http_url, tree="8", temperature=0.0, stream_switch=False, draft_ahead=ahead)
+        slow = SlowVerify(EdgeClient(s, tokenizer=tokenizer).transport)  # the worker finishes each tree
+        return EdgeClient(s, tokenizer=tokenizer, drafter=ModelDrafter(d), transport=slow).generate(PROMPT)
+
+    on, off = generate(True), generate(False)
     assert on.token_ids == off.token_ids == want
     assert on.metrics.tree_rounds > 2 and on.metrics.ahead_hits >= on.metrics.tree_rounds // 2, on.metrics
     assert on.metrics.ahead_hits == sum(r.ahead == "hit" for r in on.rounds)
     assert off.metrics.ahead_rounds == 0
+
+
+class SlowVerify:
+    """A transport whose verify answers take 0.2 s more: time for the tiny draft to grow a whole tree ahead."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.traffic, self.supports_generate = inner, inner.traffic, inner.supports_generate
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def routed(self, route_key: str, request_id: str | None = None) -> SlowVerify:
+        return self
+
+    def verify(self, *a: Any, **kw: Any) -> Any:
+        time.sleep(0.2)
+        return self.inner.verify(*a, **kw)
 
 
 class OneWrongNode(ModelDrafter):
