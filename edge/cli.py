@@ -7,8 +7,9 @@
     specsplit-edge serve --cloud URL --draft DIR|ngram [--chat-template FILE] [--served-model-name NAME]
         --host 127.0.0.1 --port 8001      (an OpenAI-compatible server: see docs/OPENAI.md)
 
-Defaults (EdgeSettings, overridable by SPECSPLIT_EDGE_* variables): --draft models/demo-draft when
-present (else ngram), temperature 1.0, top-p 0.9, top-k 0 (off), repetition penalty 1.1, seed 0,
+Defaults (EdgeSettings, overridable by SPECSPLIT_EDGE_* variables): without --draft, the draft under models/
+that speaks the cloud's tokenizer (models/qwen2.5-coder-0.5b-instruct for the coder pair's cloud, the
+SmolLM2 draft for SmolLM2's; else the first present of edge/settings.py DEFAULT_DRAFTS, else ngram), temperature 1.0, top-p 0.9, top-k 0 (off), repetition penalty 1.1, seed 0,
 128 new tokens, dynamic k (start 6, range [3, 12]), gating off, an adaptive verify deadline with every
 token verified (--timeout-fallback opts into committing a late round's first draft token unverified),
 a random routing key (X-Specsplit-Route) per run.
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from typing import Any, TextIO
 
@@ -32,7 +34,7 @@ from shared.errors import SpecSplitError
 from shared.logs import setup_logging
 
 from .client import EdgeClient, GenerationResult
-from .settings import EdgeSettings
+from .settings import EdgeSettings, draft_for_tokenizer
 
 COLOURS = {"accepted": "\x1b[32m", "correction": "\x1b[33m", "bonus": "\x1b[36m", "residual": "\x1b[35m",
            "local": "\x1b[31m", "target": ""}
@@ -179,7 +181,32 @@ def settings_from_args(args: argparse.Namespace) -> EdgeSettings:
         value = getattr(args, flag, None)
         if value is not None:
             overrides[name] = value
-    return EdgeSettings(**overrides)
+    settings = EdgeSettings(**overrides)
+    if "draft" in overrides or "SPECSPLIT_EDGE_DRAFT" in os.environ or settings.mode == "cloud_only":
+        return settings
+    return settings.model_copy(update={"draft": draft_for_cloud(settings)})
+
+
+def draft_for_cloud(settings: EdgeSettings) -> str:
+    """Without --draft: the draft under models/ that speaks the cloud's tokenizer (the coder pair's draft for
+    a Qwen2.5-Coder cloud, SmolLM2's for SmolLM2's), else the default draft. A cloud that does not answer
+    leaves the default; the client then reports it."""
+    from .transport.grpc_transport import GrpcTransport
+    from .transport.rest import RestTransport
+
+    key = settings.api_key.get_secret_value() if settings.api_key else None
+    transport = GrpcTransport(settings.grpc_target, key) if settings.grpc_target else \
+        RestTransport(settings.cloud_url, key)
+    try:
+        info = transport.get_model(5.0)
+    except SpecSplitError:
+        return settings.draft
+    finally:
+        transport.close()
+    chosen = draft_for_tokenizer(info.tokenizer_fingerprint, info.vocab_size) if info.tokenizer_fingerprint else None
+    if chosen is not None and chosen != settings.draft:
+        logging.getLogger(__name__).info("drafting with %s: it speaks the cloud's tokenizer", chosen)
+    return chosen or settings.draft
 
 
 class LiveText:

@@ -65,3 +65,47 @@ def test_round_log_has_one_line_per_round_with_the_guide_fields(make_client: Any
     assert len(lines) == len(result.rounds) and all(set(line) == set(LOG_FIELDS) for line in lines)
     table = summary_table(result)
     assert "acceptance rate" in table and "bytes up / down" in table
+
+
+def test_without_draft_the_edge_drafts_with_the_model_that_speaks_the_clouds_tokenizer(
+        tiny_pair: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two drafts under models/ with different tokenizers: the cloud's fingerprint picks one; a cloud that
+    speaks neither, or does not answer, leaves the default; --draft always wins."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    import edge.settings
+    from edge.transport.rest import RestTransport
+    from shared.protocol import ModelInfo
+    from shared.tokenizer_id import load_tokenizer, tokenizer_fingerprint
+
+    models = tmp_path / "models"
+    coder = models / "qwen2.5-coder-0.5b-instruct"
+    shutil.copytree(tiny_pair[1], coder)
+    other = models / "demo-draft"
+    shutil.copytree(tiny_pair[1], other)
+    tok = AutoTokenizer.from_pretrained(other)
+    tok.add_special_tokens({"additional_special_tokens": ["<|only-here|>"]})  # another tokenizer
+    tok.save_pretrained(other)
+    monkeypatch.setattr(edge.settings, "REPO_ROOT", tmp_path)
+    fp = {d: tokenizer_fingerprint(load_tokenizer(d)) for d in (coder, other)}
+    assert fp[coder] != fp[other]
+    answer: list[Any] = []
+
+    def get_model(self: RestTransport, timeout: float) -> ModelInfo:
+        if not answer:
+            from edge.transport.errors import CloudUnavailable
+            raise CloudUnavailable("down")
+        return ModelInfo(model_id="m", vocab_size=256, tokenizer_fingerprint=answer[0])
+
+    monkeypatch.setattr(RestTransport, "get_model", get_model)
+    monkeypatch.delenv("SPECSPLIT_EDGE_DRAFT", raising=False)
+    parse = build_parser().parse_args
+    default = settings_from_args(parse(["generate", "hi"])).draft  # the cloud does not answer
+    for d in (other, coder):
+        answer[:] = [fp[d]]
+        assert settings_from_args(parse(["generate", "hi"])).draft == str(d)
+        assert settings_from_args(parse(["generate", "hi", "--draft", "ngram"])).draft == "ngram"
+    answer[:] = ["0" * 16]
+    assert settings_from_args(parse(["generate", "hi"])).draft == default
