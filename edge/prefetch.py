@@ -191,22 +191,20 @@ class DraftAhead:
         except BaseException as e:  # noqa: BLE001 - reported by take(); the round goes on without it
             ahead.error = e
 
-    def start_tree(self, context: Sequence[int], block: DraftBlock, shape: TreeShape, remaining: int,
-                   room: int | None = None) -> bool:
-        """Grow the tree after context + the sent tree's main path + the guess, in a worker, until `stop`.
-        `remaining` is the round's token budget, `room` the context positions left (None: unbounded)."""
+    def start_tree(self, context: Sequence[int], block: DraftBlock, shape: TreeShape, remaining: int) -> bool:
+        """Grow the tree after context + the sent tree's main path + the guess, in a worker, until `stop`:
+        `shape` is the next round's (the tree controller's depth after this round), `remaining` this round's
+        token budget. The next round takes it only if it would grow the same shape."""
         path = main_path(block)
         after = len(path) + 1  # tokens the guessed round commits
         depth = min(shape.depth, remaining - after - 1)
-        nodes = shape.nodes if room is None else min(shape.nodes, room - after - 1)
         limit = self.model.max_context
-        if limit is not None:
-            nodes = min(nodes, limit - len(context) - after - 1)
-        if not path or depth < 1 or nodes < 1 or not self.worth_it():
+        room = 1 << 30 if limit is None else limit - len(context) - after - depth
+        if not path or depth < 1 or room < 1 or not self.worth_it():
             return False
         self._stop.clear()
         self._ahead = _Ahead(context=[int(t) for t in context] + path, kv_before=self.model.kv_len,
-                             block=DraftBlock([], [], "sampled"), shape=TreeShape(nodes, depth, shape.width))
+                             block=DraftBlock([], [], "sampled"), shape=TreeShape(shape.nodes, depth, shape.width))
         self._thread = threading.Thread(target=self._grow, args=(self._ahead,), name="draft-ahead", daemon=True)
         self._thread.start()
         return True
@@ -226,9 +224,9 @@ class DraftAhead:
         except BaseException as e:  # noqa: BLE001 - reported by take_tree(); the round goes on without it
             ahead.error = e
 
-    def take_tree(self, committed: Sequence[int], depth: int, nodes: int) -> tuple[DraftBlock | None, AheadOutcome]:
-        """The tree grown ahead when `committed` is the guessed context and it fits this round (at most
-        `depth` levels and `nodes` nodes), else None."""
+    def take_tree(self, committed: Sequence[int], shape: TreeShape) -> tuple[DraftBlock | None, AheadOutcome]:
+        """The tree grown ahead when `committed` is the guessed context and `shape` the one it was grown in
+        (the tree the plain path would grow: the round's structure does not depend on timing), else None."""
         self.stop()
         ahead, self._ahead = self._ahead, None
         if ahead is None or ahead.shape is None:
@@ -237,7 +235,7 @@ class DraftAhead:
             log.warning("growing a tree ahead failed, growing it on the critical path: %s", ahead.error)
         held = ahead.error is None and list(committed) == ahead.context
         tree = ahead.tree
-        if not held or tree is None or ahead.shape.depth > depth or tree.k > nodes:
+        if not held or tree is None or ahead.shape != shape:
             outcome = AheadOutcome("miss" if ahead.error is None else "")
             self._learn(outcome, self._last_wait)
             return None, outcome

@@ -41,7 +41,7 @@ from shared.verify import sample_residual
 from .deadline import DeadlineConfig, VerifyDeadline
 from .drafters.base import DraftBlock, Drafter
 from .drafters.lookup import graft, lookup_path
-from .drafters.tree import prune
+from .drafters.tree import TreeShape, prune
 from .gating import GateDecision, GateThresholds, decide
 from .kcontrol import CostModelK, RoundCosts
 from .metrics import EdgeMetrics, Origin, RoundRecord
@@ -378,8 +378,7 @@ class SpeculativeRun:
         block: DraftBlock | None = None
         self._outcome = AheadOutcome()
         if self.ahead is not None:
-            # any depth the budget allows: the controller's depth may have moved by a level since
-            block, self._outcome = self.ahead.take_tree(self.S, remaining - 1, nodes)
+            block, self._outcome = self.ahead.take_tree(self.S, replace(shape, depth=depth))
         if block is not None:  # grown during the last verify, after the context that was committed
             self._count_ahead(block, self._outcome)
         else:
@@ -406,8 +405,7 @@ class SpeculativeRun:
         up, down = self.transport.traffic.bytes_up, self.transport.traffic.bytes_down
         t1 = self.clock()
         calls_before = self.metrics.cloud_calls
-        room = None if not max_context else max_context - len(self.S)
-        if self.ahead is not None and self.ahead.start_tree(self.S, block, self.tree.shape(), remaining, room):
+        if self.ahead is not None and self.ahead.start_tree(self.S, block, self._next_shape(block), remaining):
             self.metrics.ahead_rounds += 1
         try:
             resp = self._verify(block, None)
@@ -422,6 +420,12 @@ class SpeculativeRun:
             return self._commit_local(block, block.tokens[:1], "timeout", edge_ms, None, rtt_ms, traffic,
                                       extra_calls)
         return self._commit_verified(block, resp, edge_ms, rtt_ms, traffic, None, extra_calls)
+
+    def _next_shape(self, block: DraftBlock) -> TreeShape:
+        """The tree controller's shape after this round (its depth moves by the sent tree's drafted levels)."""
+        assert self.tree is not None and block.parents is not None
+        levels = [d for d, c in zip(depths(block.parents), block.copied or [False] * block.k, strict=True) if not c]
+        return replace(self.tree.shape(), depth=self.tree.next_depth(max(levels, default=0)))
 
     def _draft(self, k: int) -> tuple[DraftBlock, AheadOutcome]:
         """This round's block; counts whether a feature-fed drafter drafted it from the cloud's feature."""

@@ -117,7 +117,12 @@ class TreeControl:
                                                                          strict=True)]
         rtt = max(0.0, exchange_ms - cloud_ms)
         self.rtt_ms = rtt if self.rtt_ms is None else (1 - self.rtt_weight) * self.rtt_ms + self.rtt_weight * rtt
+        self.depth = self.next_depth(deepest)
+
+    def next_depth(self, deepest: int) -> int:
+        """The depth after a round whose deepest drafted node sat at `deepest` (known when the tree is sent)."""
         if deepest >= self.depth:
-            self.depth = min(self.depth + 1, self.depth_max)
-        elif deepest <= self.depth - 2:
-            self.depth = max(self.depth - 1, self.depth_min)
+            return min(self.depth + 1, self.depth_max)
+        if deepest <= self.depth - 2:
+            return max(self.depth - 1, self.depth_min)
+        return self.depth

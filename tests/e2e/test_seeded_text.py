@@ -119,6 +119,8 @@ def test_trees_grown_while_the_cloud_verifies_keep_the_text(tiny_cloud_server: C
 
     on, off = generate(True), generate(False)
     assert on.token_ids == off.token_ids == want
+    # a tree grown ahead is the tree the round would grow: the rounds are the same rounds
+    assert [(r.k, r.accepted_len) for r in on.rounds] == [(r.k, r.accepted_len) for r in off.rounds]
     assert on.metrics.tree_rounds > 2 and on.metrics.ahead_hits >= on.metrics.tree_rounds // 2, on.metrics
     assert on.metrics.ahead_hits == sum(r.ahead == "hit" for r in on.rounds)
     assert off.metrics.ahead_rounds == 0

@@ -143,7 +143,7 @@ def test_a_tree_grown_ahead_is_the_tree_the_plain_path_would_grow(model_drafter:
     committed = list(ahead._ahead.context)  # type: ignore[union-attr]
     path = main_path(sent)
     assert committed[:len(S0) + len(path)] == S0 + path and len(committed) == len(S0) + len(path) + 1
-    ready, outcome = ahead.take_tree(committed, depth=4, nodes=12)
+    ready, outcome = ahead.take_tree(committed, shape)
     assert ready is not None and outcome.result == "hit" and outcome.used == ready.k
     fresh = ModelDrafter.fork(d).propose_tree(committed, shape, cfg, seed=7)
     assert (ready.tokens, ready.parents) == (fresh.tokens, fresh.parents)
@@ -160,14 +160,14 @@ def test_a_tree_grown_ahead_is_dropped_when_the_guess_fails_or_growth_was_stoppe
     assert ahead.start_tree(S0, sent, shape, remaining=40)
     ahead._thread.join()  # type: ignore[union-attr]
     other = S0 + [(sent.tokens[0] + 1) % d.vocab_size]  # a correction at the first position
-    ready, outcome = ahead.take_tree(other, depth=4, nodes=12)
+    ready, outcome = ahead.take_tree(other, shape)
     assert ready is None and outcome.result == "miss"
     # stopped before its second level: no tree, and the drafter is whole for the next proposal
     assert ahead.start_tree(S0, sent, shape, remaining=40)
     ahead._stop.set()
     ahead._thread.join()  # type: ignore[union-attr]
     guessed = list(ahead._ahead.context)  # type: ignore[union-attr]
-    ready, outcome = ahead.take_tree(guessed, depth=4, nodes=12)
+    ready, outcome = ahead.take_tree(guessed, shape)
     assert ready is None and outcome.result == "miss"
     assert d.propose_tree(guessed, shape, GREEDY, seed=0).tokens == \
         ModelDrafter.fork(d).propose_tree(guessed, shape, GREEDY, seed=0).tokens
