@@ -106,7 +106,9 @@ def test_greedy_over_grpc_equals_rest(cloud: CloudProcess, tokenizer: Any, draft
         for transport in ("rest", "grpc"):
             d = drafter if kind != "ngram" else NGramDrafter(order=4, filler_top_k=2)
             # the round structure is compared too: k (or the tree) must not depend on the transports' timings
+            # (speculate-or-stream does, by design: it is off here)
             shape = {"tree": "12"} if kind == "model-tree" else {"tree": "off", "k_policy": "dynamic"}
+            shape["stream_switch"] = False
             outs.append(EdgeClient(settings(cloud, transport, **shape), drafter=d,
                                    tokenizer=tokenizer).generate(prompt))
         assert outs[0].token_ids == outs[1].token_ids
