@@ -239,96 +239,90 @@ def finish_round(model: TargetModel, session: Session, req: VerifyRequest, q_den
     """The verify rule on this round's logits ([fed + 1, vocab]), then the commit. `p` is their processed
     probabilities when the forward's rows were processed together (`round_sampling`). A raised error
     leaves context and counters as they were; the caller's abort() crops the KV back to `plan.past`."""
-    check_held(session)  # closed while in the forward: 404, a chain or a tree alike
-    d, L, new = req.draft, req.ctx_len, plan.new
-    k = len(d.draft_tokens)
-    fed = k - 1 if req.check_last else k  # drafts run through the target
+    slot = check_held(session)  # closed while in the forward: 404, a chain or a tree alike
+    d, L = req.draft, req.ctx_len
+    fed = len(d.draft_tokens) - 1 if req.check_last else len(d.draft_tokens)  # drafts run through the target
     cfg = session.sampling_cfg
     if p is None:
         spec = round_sampling(session, req, plan)
         p = processed_probs(logits, cfg, spec.context_ids, spec.draft_ids, spec.parents)  # [fed + 1, vocab]
-    if plan.tree is not None:
-        return _finish_tree(model, session, req, plan, logits, p, prefill_ms, replay_keep)
-    out = verify_round(p, d.draft_tokens, d.q_token_probs, seed=session.seed, ctx_len=L, greedy=cfg.greedy,
-                       correction=session.correction,  # type: ignore[arg-type]
-                       draft_kind=d.draft_kind,  # type: ignore[arg-type]
-                       q_dists=q_dense, check_last=req.check_last)
-    la = out.accepted_len
-    committed = d.draft_tokens[:la] + ([out.next_token] if out.next_token is not None else [])
-    final = new.cut_and_extend(L, committed)
-    top: list[list[int]] = []
-    if req.return_top_k:
-        top = logits[: la + 1].topk(min(req.return_top_k, logits.size(-1)), dim=-1).indices.tolist()
-    target = None
-    if out.next_kind == "residual":
-        assert out.target_ids is not None and out.target_probs is not None
-        target = SparseDist(out.target_ids.tolist(), out.target_probs.tolist())
-    feature, states = None, None
-    hidden = model.hidden_of(plan.row_run) if session.feature_encoding and plan.row_run is not None else None
-    if hidden is not None:  # row la: the state after S' + y_1..y_La, which decides the next token
-        row = min(la, fed)  # (check_last, all kept: the last state computed, after y_1..y_{k-1})
-        if session.feature_window:  # every committed position's: after S', then after each accepted draft
-            states = encode_states(hidden[: row + 1], session.feature_encoding, L)
-        else:
-            feature = encode_feature(hidden[row], session.feature_encoding, L + row)
-    resp = VerifyResponse(
-        accepted_len=la, correction=out.next_token, next_kind=out.next_kind, target_dist=target,
-        ctx_len=len(final), ctx_hash=final.hash_at(len(final)), top_k_ids=top,
-        metrics=RoundMetrics(alpha_mean=sum(out.alphas) / k if k else 0.0, la_over_k=la / k if k else 0.0,
-                             prefill_ms=prefill_ms), feature=feature, states=states)
-    # KV stays valid for S' + y_1..y_La: the last accepted draft token's KV was filled in by this
-    # forward (it was an input; with check_last y_k was not, so at most y_1..y_{k-1}). The correction/
-    # bonus token has no KV yet; the next round feeds it as S[kv_len:]. For "residual", S ends at y_La
-    # and the edge's token arrives as append_ids.
-    session.set_kv_len(model.pool, L + min(la, fed))
-    session.context = final
-    cnt = session.counters
-    cnt.rounds, cnt.drafted, cnt.accepted = cnt.rounds + 1, cnt.drafted + k, cnt.accepted + la
-    cnt.emitted += len(committed)
-    cnt.prefill_ms += prefill_ms
-    session.remember(req.request_id, plan.fp, resp, replay_keep)
+    out: VerifyOutcome | TreeOutcome
+    if plan.tree is not None:  # walk the tree (shared/tree.py)
+        assert plan.row_run is not None
+        out = verify_tree(p, d.draft_tokens, plan.tree, d.q_token_probs, seed=session.seed, ctx_len=L,
+                          greedy=cfg.greedy, correction=session.correction)
+        path_tokens = [d.draft_tokens[j] for j in out.path]
+        committed = path_tokens + [out.next_token]
+        rows = [0] + [j + 1 for j in out.path]  # kept logit rows: after S', then after each accepted node
+        resp, final = _answer(model, session, req, plan, logits, out, committed, rows, prefill_ms,
+                              depth=max(depths(plan.tree), default=0), accepted_nodes=list(out.path))
+        # The nodes' KV sits at storage offsets L + j, computed at positions L + depth(j) - 1: the path's nodes
+        # move to offsets L .. L + la - 1 (their own positions), the rest is cropped. The next token has no KV yet.
+        model.keep_path(slot, L, out.path, path_tokens)  # the slot is held until this batch ends
+    else:
+        out = verify_round(p, d.draft_tokens, d.q_token_probs, seed=session.seed, ctx_len=L, greedy=cfg.greedy,
+                           correction=session.correction,  # type: ignore[arg-type]
+                           draft_kind=d.draft_kind,  # type: ignore[arg-type]
+                           q_dists=q_dense, check_last=req.check_last)
+        la = out.accepted_len
+        committed = d.draft_tokens[:la] + ([out.next_token] if out.next_token is not None else [])
+        # kept logit rows: after S', then after each accepted draft (check_last, all kept: the last computed,
+        # after y_1..y_{k-1})
+        rows = list(range(min(la, fed) + 1))
+        target = None
+        if out.next_kind == "residual":
+            assert out.target_ids is not None and out.target_probs is not None
+            target = SparseDist(out.target_ids.tolist(), out.target_probs.tolist())
+        resp, final = _answer(model, session, req, plan, logits, out, committed, rows, prefill_ms,
+                              target_dist=target)
+        # KV stays valid for S' + y_1..y_La: the last accepted draft token's KV was filled in by this
+        # forward (it was an input; with check_last y_k was not, so at most y_1..y_{k-1}). The correction/
+        # bonus token has no KV yet; the next round feeds it as S[kv_len:]. For "residual", S ends at y_La
+        # and the edge's token arrives as append_ids.
+    _commit(model, session, req, plan, final, len(committed), L + len(rows) - 1, prefill_ms, replay_keep, resp)
     return RoundResult(resp, out)
 
 
-def _finish_tree(model: TargetModel, session: Session, req: VerifyRequest, plan: RoundPlan, logits: torch.Tensor,
-                 p: torch.Tensor, prefill_ms: float, replay_keep: int) -> RoundResult:
-    """`finish_round` for a token tree: walk it (shared/tree.py), keep the accepted path's KV at the positions
-    it now holds, drop every other node's."""
-    d, L, new, tree = req.draft, req.ctx_len, plan.new, plan.tree
-    assert tree is not None and plan.row_run is not None
-    slot = check_held(session)  # held until this batch ends, even if the session is closed from now on
-    out = verify_tree(p, d.draft_tokens, tree, d.q_token_probs, seed=session.seed, ctx_len=L,
-                      greedy=session.sampling_cfg.greedy, correction=session.correction)
-    la, k = len(out.path), len(d.draft_tokens)
-    path_tokens = [d.draft_tokens[j] for j in out.path]
-    final = new.cut_and_extend(L, path_tokens + [out.next_token])
-    rows = [0] + [j + 1 for j in out.path]  # kept logit rows: after S', then after each accepted node
+def _answer(model: TargetModel, session: Session, req: VerifyRequest, plan: RoundPlan, logits: torch.Tensor,
+            out: VerifyOutcome | TreeOutcome, committed: list[int], rows: list[int], prefill_ms: float,
+            depth: int = 0, target_dist: SparseDist | None = None,
+            accepted_nodes: list[int] | None = None) -> tuple[VerifyResponse, Context]:
+    """The round's answer and its context S' + `committed`, a chain's or a tree's: `rows` are the kept logit rows
+    of the committed positions (after S', then after each accepted draft), whose top ids and (for a session that
+    asked) target states it carries; `depth` is a tree's (0: a chain)."""
+    L, k, la = req.ctx_len, len(req.draft.draft_tokens), out.accepted_len
+    final = plan.new.cut_and_extend(L, committed)
     top: list[list[int]] = []
     if req.return_top_k:
         top = logits[rows].topk(min(req.return_top_k, logits.size(-1)), dim=-1).indices.tolist()
     feature, states = None, None
-    hidden = model.hidden_of(plan.row_run) if session.feature_encoding else None
-    if hidden is not None and session.feature_window:  # after S', then after each accepted node
+    hidden = model.hidden_of(plan.row_run) if session.feature_encoding and plan.row_run is not None else None
+    if hidden is not None and session.feature_window:  # every committed position's
         states = encode_states(hidden[rows], session.feature_encoding, L)
-    elif hidden is not None:  # the state after S' + the path, which decides the next token
-        feature = encode_feature(hidden[rows[-1]], session.feature_encoding, L + la)
-    depth = max(depths(tree), default=0)
-    resp = VerifyResponse(
-        accepted_len=la, correction=out.next_token, next_kind=out.next_kind, target_dist=None,
-        ctx_len=len(final), ctx_hash=final.hash_at(len(final)), top_k_ids=top,
-        metrics=RoundMetrics(alpha_mean=sum(out.alphas) / k if k else 0.0, la_over_k=la / k if k else 0.0,
-                             prefill_ms=prefill_ms, la_over_depth=la / depth if depth else 0.0), feature=feature, accepted_nodes=list(out.path), states=states)
-    # The nodes' KV sits at storage offsets L + j, computed at positions L + depth(j) - 1: the path's nodes
-    # move to offsets L .. L + la - 1 (their own positions), the rest is cropped. The next token has no KV yet.
-    model.keep_path(slot, L, out.path, path_tokens)
-    session.set_kv_len(model.pool, L + la)
+    elif hidden is not None:  # the state after S' + the accepted drafts, which decides the next token
+        feature = encode_feature(hidden[rows[-1]], session.feature_encoding, L + len(rows) - 1)
+    metrics = RoundMetrics(alpha_mean=sum(out.alphas) / k if k else 0.0, la_over_k=la / k if k else 0.0,
+                           prefill_ms=prefill_ms, la_over_depth=la / depth if depth else 0.0)
+    resp = VerifyResponse(accepted_len=la, correction=out.next_token, next_kind=out.next_kind,
+                          target_dist=target_dist, ctx_len=len(final), ctx_hash=final.hash_at(len(final)),
+                          top_k_ids=top, metrics=metrics, feature=feature, accepted_nodes=accepted_nodes,
+                          states=states)
+    return resp, final
+
+
+def _commit(model: TargetModel, session: Session, req: VerifyRequest, plan: RoundPlan, final: Context,
+            emitted: int, kv_len: int, prefill_ms: float, replay_keep: int, resp: VerifyResponse) -> None:
+    """The round's commit, a chain's or a tree's: `final` is the context, its first `kv_len` positions' KV is
+    valid, the counters count the round (`emitted` tokens) and the replay cache keeps its answer."""
+    session.set_kv_len(model.pool, kv_len)
     session.context = final
     cnt = session.counters
-    cnt.rounds, cnt.drafted, cnt.accepted = cnt.rounds + 1, cnt.drafted + k, cnt.accepted + la
-    cnt.emitted += la + 1
+    cnt.rounds += 1
+    cnt.drafted += len(req.draft.draft_tokens)
+    cnt.accepted += resp.accepted_len
+    cnt.emitted += emitted
     cnt.prefill_ms += prefill_ms
     session.remember(req.request_id, plan.fp, resp, replay_keep)
-    return RoundResult(resp, out)
 
 
 @dataclass

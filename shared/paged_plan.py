@@ -19,7 +19,8 @@ import torch
 from shared.attention_layout import AttentionLayout
 from shared.blocks import BlockManager
 from shared.invariant import build_calls
-from shared.rows import Row, _position
+from shared.rows import Row
+from shared.tree import paths
 
 # rows with at most this many new tokens (verify rows, decode steps) share one attention call per layer
 SHORT_ROW = 16
@@ -69,15 +70,13 @@ def _row_mask(r: Row, lo: int, w: int, window: int | None) -> torch.Tensor:
         kp = torch.arange(lo, lo + w)[None, :]  # [1, W]
         seen = kp <= qp
     else:
-        depth, base = r._depths(), r.tree_base
-        qp = torch.tensor([_position(s, base, depth) for s in range(r.past, r.past + n)])[:, None]  # [n, 1]
-        kp = torch.tensor([_position(s, base, depth) for s in range(lo, lo + w)])[None, :]  # [1, W]
+        base = r.tree_base
+        qp = torch.tensor(r.positions())[:, None]  # [n, 1]
+        kp = torch.tensor(r.positions_at(lo, lo + w))[None, :]  # [1, W]
         seen = kp <= qp
-        anc = torch.zeros(len(depth), len(depth), dtype=torch.bool)  # [N, N]: node j' is j or an ancestor of j
-        for j, par in enumerate(r.tree):
-            if par >= 0:
-                anc[j] = anc[par]
-            anc[j, j] = True
+        anc = torch.zeros(len(r.tree), len(r.tree), dtype=torch.bool)  # [N, N]: node j' is j or an ancestor of j
+        for j, path in enumerate(paths(r.tree)):
+            anc[j, path] = True
         q_node = [s - base for s in range(r.past, r.past + n)]
         k_from = max(0, base - lo)  # the first key that is a tree node
         for t, j in enumerate(q_node):

@@ -27,11 +27,10 @@ class Row:
 
     def positions(self) -> list[int]:
         """Each token's position (its storage offset is past + t either way)."""
-        return [_position(s, self.tree_base, self._depths()) for s in range(self.past, self.past + len(self.ids))]
+        return self.positions_at(self.past, self.past + len(self.ids))
 
-    def _depths(self) -> list[int]:
-        return depths(self.tree or ())
-
-
-def _position(offset: int, base: int, depth: list[int]) -> int:
-    return offset if offset < base or not depth else base - 1 + depth[offset - base]
+    def positions_at(self, lo: int, hi: int) -> list[int]:
+        """The positions of the sequence's storage offsets lo .. hi - 1: an offset before `tree_base` is its own
+        position, tree node j's (offset tree_base + j) is tree_base - 1 + its depth."""
+        base, depth = self.tree_base, depths(self.tree or ())
+        return [s if s < base or not depth else base - 1 + depth[s - base] for s in range(lo, hi)]

@@ -24,25 +24,18 @@ import torch
 from shared.config import SamplingConfig
 from shared.rng import position_uniform, sample_index
 from shared.sampling import process_logits
-from shared.verify import DraftKind
+from shared.tree import depths
 
 from .attention_head import AttentionHead
 from .base import DraftBlock
+from .head_drafter import HeadDrafter
 from .model import DRAFT_STREAM
 from .tree import TreeShape, grow_tree
 
 
-class AttentionDrafter:
-    kind: DraftKind = "sampled"
-
+class AttentionDrafter(HeadDrafter[AttentionHead]):
     def __init__(self, head: AttentionHead, fallback: object | None) -> None:
-        self.head = head
-        self.fallback = fallback
-        self.wants_top_k = int(getattr(fallback, "wants_top_k", 0))
-        self.max_context = getattr(fallback, "max_context", None)
-        self._vocab_size = head.cfg.vocab_size
-        # whether the last block with k > 0 came from the head (None: none drafted yet)
-        self.last_from_head: bool | None = None
+        super().__init__(head, fallback)
         self.reset()
 
     @property
@@ -50,19 +43,8 @@ class AttentionDrafter:
         """Prompt positions whose states the open should send (the head's attention window)."""
         return self.head.cfg.window
 
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
-
-    @vocab_size.setter
-    def vocab_size(self, n: int) -> None:
-        self._vocab_size = n
-        if self.fallback is not None and hasattr(self.fallback, "vocab_size"):
-            self.fallback.vocab_size = n
-
     def fork(self) -> AttentionDrafter:
-        fb = self.fallback
-        return AttentionDrafter(self.head, fb.fork() if fb is not None and hasattr(fb, "fork") else fb)
+        return AttentionDrafter(self.head, self._forked_fallback())
 
     def reset(self) -> None:
         cfg = self.head.cfg
@@ -72,8 +54,7 @@ class AttentionDrafter:
         self._ids: list[int] = []  # the committed tokens the cache was built on
         self._pred: tuple[int, torch.Tensor] | None = None  # (position, the head's state there) after the last pair
         self._pending: tuple[int, torch.Tensor] | None = None  # (position, a real state whose next token is unknown)
-        if self.fallback is not None and hasattr(self.fallback, "reset"):
-            self.fallback.reset()
+        self._reset_fallback()
 
     # -- states from the cloud ---------------------------------------------------------------------
 
@@ -149,6 +130,17 @@ class AttentionDrafter:
                                torch.cat([self._v, dv], 2).to(dev), mask[None].to(dev))
         return pred[0].cpu(), k.cpu(), v.cpu()
 
+    def _run_drafted(self, states: torch.Tensor, tokens: list[int], positions: list[int], nodes: list[int | None],
+                     extra: dict[str, object]) -> torch.Tensor:
+        """`_run` over pairs that never enter the cache: their keys and values join `extra`'s drafted keys (so the
+        pairs after them see them); the predicted states ([T, d])."""
+        pred, k, v = self._run(states, tokens, positions, nodes, extra)
+        extra["k"] = torch.cat([extra.get("k", self._k[:, :, :0]), k], 2)  # type: ignore[list-item]
+        extra["v"] = torch.cat([extra.get("v", self._v[:, :, :0]), v], 2)  # type: ignore[list-item]
+        extra["pos"] = [*extra.get("pos", []), *positions]  # type: ignore[misc]
+        extra["node"] = [*extra.get("node", []), *nodes]  # type: ignore[misc]
+        return pred
+
     # -- drafting -------------------------------------------------------------------------------
 
     def usable(self, context: Sequence[int]) -> bool:
@@ -164,29 +156,10 @@ class AttentionDrafter:
             return self._pending
         pos, s = self._pending if self._pending is not None else self._pred  # type: ignore[misc]
         while pos < len(context) - 1:
-            pred, k, v = self._run(s[None], [context[pos + 1]], [pos], [None], extra)
-            extra["k"] = torch.cat([extra.get("k", self._k[:, :, :0]), k], 2)  # type: ignore[list-item]
-            extra["v"] = torch.cat([extra.get("v", self._v[:, :, :0]), v], 2)  # type: ignore[list-item]
-            extra["pos"] = [*extra.get("pos", []), pos]  # type: ignore[misc]
-            extra["node"] = [*extra.get("node", []), None]  # type: ignore[misc]
-            pos, s = pos + 1, pred[0]
+            pos, s = pos + 1, self._run_drafted(s[None], [context[pos + 1]], [pos], [None], extra)[0]
         return pos, s
 
-    def _full_logits(self, s: torch.Tensor) -> torch.Tensor:
-        """The head's logits ([w, vocab]) of states ([w, d]): -inf on ids it has no output row for."""
-        rows = self.head.out_ids < self.vocab_size  # [n_out]
-        full = torch.full((s.shape[0], self.vocab_size), float("-inf"))  # [w, vocab]
-        full[:, self.head.out_ids[rows].cpu()] = self.head.logits(s.to(self.head.out.device))[:, rows].float().cpu()
-        return full
-
-    @torch.no_grad()
-    def propose(self, context: Sequence[int], k: int, cfg: SamplingConfig, seed: int) -> DraftBlock:
-        if k <= 0 or not self.usable(context):
-            if self.fallback is None or k <= 0:
-                return DraftBlock(tokens=[], q_probs=[], kind=self.kind)
-            self.last_from_head = False
-            return self.fallback.propose(context, k, cfg, seed)  # type: ignore[attr-defined, no-any-return]
-        self.last_from_head = True
+    def _head_chain(self, context: Sequence[int], k: int, cfg: SamplingConfig, seed: int) -> DraftBlock:
         extra: dict[str, object] = {}
         pos, s = self._start(context, extra)
         block = DraftBlock(tokens=[], q_probs=[], kind=self.kind)
@@ -201,47 +174,29 @@ class AttentionDrafter:
             block.q_full.append(q)
             seen[y] = True
             if i + 1 < k:
-                pred, kk, vv = self._run(s[None], [y], [pos], [None], extra)
-                extra["k"] = torch.cat([extra.get("k", self._k[:, :, :0]), kk], 2)  # type: ignore[list-item]
-                extra["v"] = torch.cat([extra.get("v", self._v[:, :, :0]), vv], 2)  # type: ignore[list-item]
-                extra["pos"] = [*extra.get("pos", []), pos]  # type: ignore[misc]
-                extra["node"] = [*extra.get("node", []), None]  # type: ignore[misc]
-                pos, s = pos + 1, pred[0]
+                pos, s = pos + 1, self._run_drafted(s[None], [y], [pos], [None], extra)[0]
         return block
 
-    @torch.no_grad()
-    def propose_tree(self, context: Sequence[int], shape: TreeShape, cfg: SamplingConfig,
-                     seed: int) -> DraftBlock | None:
-        if not self.usable(context):
-            grow = getattr(self.fallback, "propose_tree", None)
-            if grow is None:
-                return None
-            self.last_from_head = False
-            return grow(context, shape, cfg, seed)  # type: ignore[no-any-return]
-        self.last_from_head = True
+    def _head_tree(self, context: Sequence[int], shape: TreeShape, cfg: SamplingConfig) -> DraftBlock:
+        """One batched head step per level; node j sits at the position its depth gives it and attends to the
+        cached pairs in its window and to its own ancestors."""
         extra: dict[str, object] = {"anc": {}}
         pos0, s0 = self._start(context, extra)
         states: dict[int, torch.Tensor] = {}
         anc: dict[int, set[int]] = extra["anc"]  # type: ignore[assignment]
-        depth: dict[int, int] = {}
+        run: dict[int, int] = {}  # grown node -> its index among the nodes run so far
+        tree: list[int] = []  # parents of the nodes run so far, by that index
 
         def expand(nodes: list[int], tokens: list[int], parents: list[int]) -> torch.Tensor:
             for j, par in zip(nodes, parents, strict=True):
                 anc[j] = (anc[par] if par >= 0 else set()) | {j}
-                depth[j] = depth[par] + 1 if par >= 0 else 1
+                run[j] = len(tree)
+                tree.append(-1 if par < 0 else run[par])
+            depth = depths(tree)
             before = torch.stack([states[p] if p >= 0 else s0 for p in parents])  # [w, d]
-            positions = [pos0 + depth[j] - 1 for j in nodes]
-            pred, k, v = self._run(before, tokens, positions, list(nodes), extra)
-            extra["k"] = torch.cat([extra.get("k", self._k[:, :, :0]), k], 2)  # type: ignore[list-item]
-            extra["v"] = torch.cat([extra.get("v", self._v[:, :, :0]), v], 2)  # type: ignore[list-item]
-            extra["pos"] = [*extra.get("pos", []), *positions]  # type: ignore[misc]
-            extra["node"] = [*extra.get("node", []), *nodes]  # type: ignore[misc]
+            pred = self._run_drafted(before, tokens, [pos0 + depth[run[j]] - 1 for j in nodes], list(nodes), extra)
             for j, p in zip(nodes, pred, strict=True):
                 states[j] = p
             return self._full_logits(pred)  # [w, vocab]
 
         return grow_tree(self._full_logits(s0[None])[0], expand, shape, cfg, context, self.vocab_size)
-
-    def observe(self, context: Sequence[int], draft: Sequence[int], top_k_ids: Sequence[Sequence[int]]) -> None:
-        if self.fallback is not None:
-            self.fallback.observe(context, draft, top_k_ids)  # type: ignore[attr-defined]

@@ -34,9 +34,9 @@ from shared.config import SamplingConfig
 from shared.cpu_weights import linear, pack_weights, packed_parameter
 from shared.rng import position_uniform, sample_index
 from shared.sampling import process_logits
-from shared.verify import DraftKind
 
 from .base import DraftBlock
+from .head_drafter import HeadDrafter
 from .model import DRAFT_STREAM
 from .tree import TreeShape, grow_tree
 
@@ -143,7 +143,7 @@ class Feature:
     vector: torch.Tensor
 
 
-class FeatureDrafter:
+class FeatureDrafter(HeadDrafter[FeatureHead]):
     """Drafts from the cloud's latest feature; without a usable one, the tokens-only `fallback`.
 
     A feature is usable when the committed S still starts with its anchor: the head then steps
@@ -152,42 +152,20 @@ class FeatureDrafter:
     that sends none leaves every round on the fallback.
     """
 
-    kind: DraftKind = "sampled"
-
     def __init__(self, head: FeatureHead, fallback: object | None) -> None:
-        self.head = head
-        self.fallback = fallback
-        self.wants_top_k = int(getattr(fallback, "wants_top_k", 0))
-        self.max_context = getattr(fallback, "max_context", None)
-        self._vocab_size = head.cfg.vocab_size
+        super().__init__(head, fallback)
         self.feature: Feature | None = None
-        # whether the last block with k > 0 came from the head (None: none drafted yet)
-        self.last_from_head: bool | None = None
-
-    @property
-    def vocab_size(self) -> int:
-        """The ids q is taken over (the target's tokenizer_size once paired); the fallback's too."""
-        return self._vocab_size
-
-    @vocab_size.setter
-    def vocab_size(self, n: int) -> None:
-        self._vocab_size = n
-        if self.fallback is not None and hasattr(self.fallback, "vocab_size"):
-            self.fallback.vocab_size = n
 
     @classmethod
     def from_dir(cls, head_dir: str | Path, fallback: object | None, device: str = "cpu") -> FeatureDrafter:
         return cls(FeatureHead.load(Path(head_dir), device), fallback)
 
     def fork(self) -> FeatureDrafter:
-        fb = self.fallback
-        twin = FeatureDrafter(self.head, fb.fork() if fb is not None and hasattr(fb, "fork") else fb)
-        return twin
+        return FeatureDrafter(self.head, self._forked_fallback())
 
     def reset(self) -> None:
         self.feature = None
-        if self.fallback is not None and hasattr(self.fallback, "reset"):
-            self.fallback.reset()
+        self._reset_fallback()
 
     def set_feature(self, anchor: Sequence[int], vector: torch.Tensor) -> None:
         """The cloud's state after `anchor`; one of another width than the head's (a cloud serving another
@@ -202,28 +180,8 @@ class FeatureDrafter:
         n = len(f.anchor)
         return n == 0 or (context[n - 1] == f.anchor[-1] and list(context[:n]) == f.anchor)
 
-    @torch.no_grad()
-    def propose(self, context: Sequence[int], k: int, cfg: SamplingConfig, seed: int) -> DraftBlock:
-        if k > 0 and self.usable(context):
-            self.last_from_head = True
-            return self._draft(context, k, cfg, seed)
-        if self.fallback is None or k <= 0:
-            return DraftBlock(tokens=[], q_probs=[], kind=self.kind)
-        self.last_from_head = False
-        return self.fallback.propose(context, k, cfg, seed)  # type: ignore[attr-defined, no-any-return]
-
-    @torch.no_grad()
-    def propose_tree(self, context: Sequence[int], shape: TreeShape, cfg: SamplingConfig,
-                     seed: int) -> DraftBlock | None:
-        """A token tree from the cloud's feature (edge/drafters/tree.py: one batched step per level), else the
-        fallback's tree; None when neither can grow one."""
-        if not self.usable(context):
-            grow = getattr(self.fallback, "propose_tree", None)
-            if grow is None:
-                return None
-            self.last_from_head = False
-            return grow(context, shape, cfg, seed)  # type: ignore[no-any-return]
-        self.last_from_head = True
+    def _head_tree(self, context: Sequence[int], shape: TreeShape, cfg: SamplingConfig) -> DraftBlock:
+        """One batched head step per level from the feature (edge/drafters/tree.py)."""
         head = self.head
         s0 = self._state_after(context)  # [d]
         states: dict[int, torch.Tensor] = {}
@@ -237,13 +195,6 @@ class FeatureDrafter:
 
         return grow_tree(self._full_logits(s0[None])[0], expand, shape, cfg, context, self.vocab_size)
 
-    def _full_logits(self, s: torch.Tensor) -> torch.Tensor:
-        """The head's logits ([w, vocab]) of states ([w, d]): -inf on ids it has no output row for."""
-        rows = self.head.out_ids < self.vocab_size  # [n_out]
-        full = torch.full((s.shape[0], self.vocab_size), float("-inf"))  # [w, vocab]
-        full[:, self.head.out_ids[rows].cpu()] = self.head.logits(s)[:, rows].float().cpu()
-        return full
-
     def _state_after(self, context: Sequence[int]) -> torch.Tensor:
         """The head's state after `context`: the feature stepped through the tokens committed after its anchor
         (the round's correction or bonus, local commits)."""
@@ -255,7 +206,7 @@ class FeatureDrafter:
             s = head.step(s, torch.tensor(t, device=dev))
         return s
 
-    def _draft(self, context: Sequence[int], k: int, cfg: SamplingConfig, seed: int) -> DraftBlock:
+    def _head_chain(self, context: Sequence[int], k: int, cfg: SamplingConfig, seed: int) -> DraftBlock:
         head = self.head
         dev = head.out.device
         s = self._state_after(context)  # [d]
@@ -277,7 +228,3 @@ class FeatureDrafter:
             if i + 1 < k:
                 s = head.step(s, torch.tensor(y, device=dev))
         return block
-
-    def observe(self, context: Sequence[int], draft: Sequence[int], top_k_ids: Sequence[Sequence[int]]) -> None:
-        if self.fallback is not None:
-            self.fallback.observe(context, draft, top_k_ids)  # type: ignore[attr-defined]
