@@ -9,7 +9,9 @@
 Layout: drafters/ (the Drafter interface, ModelDrafter, NGramDrafter), gating.py (uncertainty
 gate), kcontrol.py (the cost-model k), round_control.py (fixed and dynamic k), prefetch.py
 (drafting while the cloud verifies), transport/ (REST and gRPC behind one interface, error
-mapping), speculative.py (one session's rounds and recovery), client.py (modes, streaming),
+mapping), exchange.py (a session's wire state, verify and recovery), speculative.py (its rounds:
+chains, trees, streams, commits), treecontrol.py and waycontrol.py (tree size, speculate or stream),
+client.py (modes, streaming) with generation.py, head_choice.py, run_controls.py and solo_modes.py,
 pairing.py (tokenizer and draft against the target's fingerprint), metrics.py, settings.py
 (EdgeSettings, env prefix SPECSPLIT_EDGE_), cli.py (specsplit-edge); the OpenAI-compatible server
 of `specsplit-edge serve`: the server/ package, with prom.py.

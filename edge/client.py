@@ -22,6 +22,7 @@ from shared.errors import InvalidArgument, SpecSplitError
 from shared.request_id import check_request_id
 
 from .drafters.base import Drafter
+from .exchange import RecoveryPolicy, SessionParams
 from .gating import GateThresholds
 from .generation import Generation, GenerationJob, GenerationResult, new_request_id
 from .head_choice import HeadChoice
@@ -30,7 +31,7 @@ from .pairing import check_pairing, fit_drafter
 from .run_controls import Backoff, k_controller, recovery_policy, tree_control, way_control
 from .settings import EdgeSettings, Mode, draft_torch_dtype
 from .solo_modes import NoDrafter, edge_only, target_only
-from .speculative import RecoveryPolicy, SessionParams, SpeculativeRun
+from .speculative import SpeculativeRun
 from .transport.base import ModelInfo, Transport, check_route_key, new_route_key
 from .treecontrol import TreeControl
 from .waycontrol import WayControl

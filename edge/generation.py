@@ -8,9 +8,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from .exchange import SessionParams
 from .metrics import CommittedToken, EdgeMetrics, RoundRecord
 from .settings import Mode
-from .speculative import SessionParams
 
 
 @dataclass

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 from shared.errors import SpecSplitError
 
 from .deadline import DeadlineConfig
+from .exchange import RecoveryPolicy
 from .kcontrol import CostModelK
 from .round_control import KController
 from .settings import EdgeSettings
-from .speculative import RecoveryPolicy
 from .transport.base import ModelInfo, Transport
 from .transport.errors import CloudTimeout, is_retryable, retry_delay
 from .treecontrol import TreeControl
