@@ -63,7 +63,8 @@ def trace(recs: list[Any]) -> dict[str, float]:
     def med(xs: list[float]) -> float:
         return statistics.median(xs) if xs else 0.0
 
-    return {"rtt": med([x.rtt_ms for x in recs]), "queue": med([x.cloud_queue_ms for x in recs]),
+    return {"round": med([float(x.index) for x in recs]), "rtt": med([x.rtt_ms for x in recs]),
+            "queue": med([x.cloud_queue_ms for x in recs]),
             "forward": med([x.cloud_prefill_ms for x in recs]),
             "rest": med([x.rtt_ms - x.cloud_queue_ms - x.cloud_prefill_ms for x in recs])}
 

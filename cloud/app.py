@@ -21,6 +21,7 @@ import uvicorn
 from grpc_health.v1 import health_pb2
 from grpc_health.v1.health import aio as health_aio
 
+from cloud.gc_pauses import freeze_and_watch
 from cloud.grpc_server import SERVICE_NAME, start_grpc
 from cloud.ports import bind_tcp
 from cloud.rest import create_app
@@ -90,6 +91,7 @@ async def serve(service: VerifierService) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
+    unwatch = freeze_and_watch(service.metrics.gc_pause)  # the model's objects out of the collector's walks
     http_task = asyncio.create_task(http.serve(sockets=[sock]))
     sweeper = asyncio.create_task(service.sweep_forever())
     ranks = asyncio.create_task(watch_ranks(service, health)) if getattr(service.model, "group", None) else None
@@ -116,4 +118,5 @@ async def serve(service: VerifierService) -> None:
         if t is not None:
             t.cancel()
     service.close()
+    unwatch()
     log.info("stopped", extra={"fields": {"event": "stopped"}})

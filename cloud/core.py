@@ -52,7 +52,8 @@ class ServiceCore:
     def __init__(self, settings: CloudSettings, model: TargetModel, *, clock: Callable[[], float] = time.monotonic,
                  new_id: Callable[[], str] = lambda: secrets.token_urlsafe(24)) -> None:
         self.settings, self.model, self.clock, self.new_id = settings, model, clock, new_id
-        model.use_pool(settings.kv_budget_bytes, settings.kv_block_size, settings.prefix_cache)
+        model.use_pool(settings.kv_budget_bytes, settings.kv_block_size, settings.prefix_cache,
+                       settings.kv_preallocate)
         offer = settings.features and model.feature_size > 0
         self.info: ModelInfo = replace(model.info, max_k=settings.max_k, max_tree_nodes=settings.max_tree_nodes,
                                        feature_size=model.feature_size if offer else 0,

@@ -103,6 +103,8 @@ class CloudMetrics:
     generated: Counter
     # tokens sent by session streams (POST /v1/sessions/{ctx_id}/stream, StreamSession): each a k = 0 round
     streamed: Counter
+    # pauses of the interpreter's garbage collections, by generation (cloud/gc_pauses.py)
+    gc_pause: Histogram
 
     @classmethod
     def create(cls, max_k: int, kv_budget_bytes: int = 0) -> CloudMetrics:
@@ -173,6 +175,8 @@ class CloudMetrics:
             generated=Counter(p + "generated_tokens", "Tokens produced by POST /v1/generate.", registry=r),
             streamed=Counter(p + "streamed_tokens", "Tokens sent by session streams, each one k = 0 verify round "
                              "(also counted in rounds).", registry=r),
+            gc_pause=Histogram(p + "gc_pause_seconds", "Pauses of the interpreter's garbage collections (every thread "
+                               "waits), by generation.", ["generation"], buckets=SECONDS_BUCKETS, registry=r),
         )
         m.kv_budget_bytes.set(kv_budget_bytes)
         return m

@@ -113,17 +113,18 @@ class TargetModel:
                 "event": "rank_memory", "rank": group.rank, "weight_bytes": self.weight_bytes,
                 "kv_bytes_per_token": self.kv_bytes_per_token}})
 
-    def use_pool(self, kv_budget_bytes: int | None, block_size: int = BLOCK_SIZE, prefix_cache: bool = True) -> None:
+    def use_pool(self, kv_budget_bytes: int | None, block_size: int = BLOCK_SIZE, prefix_cache: bool = True,
+                 preallocate: bool = False) -> None:
         """A fresh, empty pool with these limits (each service starts with its own); rank 0 of a
         tensor-parallel group has every rank do the same."""
         if self.group is not None and self.group.rank == 0:
             from cloud.tensor_parallel import Op
 
             with self.group.lock:
-                self.group.send(Op("use_pool", pool=(kv_budget_bytes, block_size, prefix_cache)))
+                self.group.send(Op("use_pool", pool=(kv_budget_bytes, block_size, prefix_cache, preallocate)))
         pool = KVPool(self.pool.layout, self.pool.max_positions, self.device, self.pool.dtype,
                       budget_bytes=kv_budget_bytes, block_size=block_size, prefix_cache=prefix_cache,
-                      invariant=self.pool.invariant)
+                      invariant=self.pool.invariant, preallocate=preallocate)
         try:
             pool.prepare_like(self.pool)
         except ValueError as e:

@@ -71,7 +71,11 @@ async def open_new(core: ServiceCore, req: OpenSessionRequest, owner: str) -> Se
         pre = Prefill(ids, chunk=core.settings.max_batch_tokens, salt=core.salt(owner),
                       keep_last=max(window, 1) if encoding else 0)
         first: list[torch.Tensor] = []
-        prefill = prefill_job(core, pre, owner, encoding, first)
+        # the session's id keys its prefill: once that is answered the session counts as active on the model
+        # thread at once (its first round is on its way), so the next forward already gives prefills only their
+        # slice instead of a whole forward the round would wait behind
+        ctx_id = core.new_id()
+        prefill = prefill_job(core, pre, owner, encoding, first, key=ctx_id)
         job = asyncio.ensure_future(core.worker.submit(prefill, since=admitted))
         try:
             (ms, queue_ms) = await asyncio.shield(job)
@@ -80,14 +84,16 @@ async def open_new(core: ServiceCore, req: OpenSessionRequest, owner: str) -> Se
             # after its chunk in progress, and its slot goes back to the pool
             await core.abandon(prefill, job)
             core.release(pre.slot)
+            core.worker.forget(ctx_id)
             raise
         try:
             context = await hashed
         except BaseException:
             core.release(pre.slot)
+            core.worker.forget(ctx_id)
             raise
         now = core.clock()
-        s = Session(ctx_id=core.new_id(), owner=owner, sampling_cfg=req.sampling_cfg, seed=req.seed,
+        s = Session(ctx_id=ctx_id, owner=owner, sampling_cfg=req.sampling_cfg, seed=req.seed,
                     correction=req.correction, max_new_tokens=req.max_new_tokens,
                     prompt_len=len(req.prompt_ids), context=context, slot=pre.slot,
                     kv_bytes_per_token=core.model.kv_bytes_per_token, last_used=now, created=now,
@@ -109,7 +115,7 @@ async def open_new(core: ServiceCore, req: OpenSessionRequest, owner: str) -> Se
 
 
 def prefill_job(core: ServiceCore, pre: Prefill, owner: str, encoding: str = "",
-                states: list[torch.Tensor] | None = None) -> Job[float]:
+                states: list[torch.Tensor] | None = None, key: str | None = None) -> Job[float]:
     """KV of a prompt's S[:-1] (all of S with `encoding`: then the states of its last `pre.keep_last`
     positions go into `states`, chunk by chunk), in chunks; the result is the forward time (ms) summed."""
     room, model = core.room, core.model
@@ -156,4 +162,4 @@ def prefill_job(core: ServiceCore, pre: Prefill, owner: str, encoding: str = "",
             room.forget_prefill(pre)
 
     return Job(plan=plan, finish=finish, abort=abort, answer=lambda: spent[0], kind=PREFILL, owner=owner,
-               unplan=unplan)
+               unplan=unplan, key=key)

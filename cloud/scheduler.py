@@ -12,8 +12,8 @@ decode steps. Whenever the model is free, the thread builds one forward under a 
    left. They are taken round-robin over API keys (the key whose prefill ran least recently first,
    each key's prefills in arrival order), so one key's burst of opens cannot starve another key's.
    A forward gives prefill chunks at most `max_prefill_tokens_with_rounds` of its tokens when it
-   carries rounds or decode steps, and also while any session is active (answered within the last
-   `active_s`, by `clock`: its next round is on its way; an edge sends it 10-30 ms after its answer,
+   carries rounds or decode steps, and also while any session is active (opened or answered within the
+   last `active_s`, by `clock`: its next round is on its way; an edge sends it 10-30 ms after its answer,
    commits, drafts and encodes meanwhile, far longer than `batch_wait_ms`). Only with no session
    active does a prefill-only forward take the whole budget.
 So a round that arrives during a burst of prefills, whenever it arrives, waits at most for the forward

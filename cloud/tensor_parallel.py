@@ -95,12 +95,12 @@ def check_splits(config: Any, n: int) -> None:
 @dataclass
 class Op:
     """What every rank does next (rank 0 sends it, workers mirror it)."""
-    # "forward" (run `plan`), "use_pool" (a fresh pool: `pool` = (budget bytes, block size, prefix cache)),
+    # "forward" (run `plan`), "use_pool" (a fresh pool: `pool` = (budget bytes, block size, prefix cache, preallocate)),
     # "move" (copy KV pool rows: a token tree's accepted path, `moves` = (source, destination) rows),
     # "idle" (nothing: keeps the workers' wait under the collective timeout), "stop"
     kind: str
     plan: ForwardPlan | None = None
-    pool: tuple[int | None, int, bool] | None = None
+    pool: tuple[int | None, int, bool, bool] | None = None
     moves: list[tuple[int, int]] | None = None
 
 

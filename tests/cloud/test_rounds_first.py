@@ -1,4 +1,4 @@
-"""Rounds first whatever their timing: while a session is active (answered within `session_active_ms`),
+"""Rounds first whatever their timing: while a session is active (opened or answered within `session_active_ms`),
 no forward gives prefills more than the slice (`max_prefill_tokens_with_rounds`), so a round that arrives
 between forwards waits behind at most that much prefill. Forward sizes are read from the scheduler, and
 time is a fake clock: nothing is timed."""
@@ -112,6 +112,24 @@ def test_opens_behind_an_active_session_run_in_slices_of_prefill(
     async def main() -> None:
         a = (await svc.open_session(OpenSessionRequest(short, GREEDY), "")).ctx_id
         await svc.verify(k0_request(a, short), "", 0)  # answered: the session is active
+        forwards = record_forwards(svc)
+        await asyncio.gather(*[svc.open_session(OpenSessionRequest(p, GREEDY), "") for p in long_prompts])
+        assert len(forwards) >= 4 * 199 // 64
+        assert max(b.tokens for b in forwards) <= 64
+
+    asyncio.run(main())
+
+
+def test_a_session_just_opened_is_active_before_its_first_round(
+        make_service: Callable[..., VerifierService], long_prompts: list[list[int]]) -> None:
+    """The same burst of four 200-token opens behind a session that has only been opened (no round yet: its
+    first round is on its way, bench.sustained's round 0): still no forward carries more than the slice.
+    Without the open counting as activity these opens run in whole 256-token forwards."""
+    svc = make_service(clock=FakeClock(), max_batch_tokens=256, batch_wait_ms=0)
+    short = long_prompts[0][:12]
+
+    async def main() -> None:
+        await svc.open_session(OpenSessionRequest(short, GREEDY), "")
         forwards = record_forwards(svc)
         await asyncio.gather(*[svc.open_session(OpenSessionRequest(p, GREEDY), "") for p in long_prompts])
         assert len(forwards) >= 4 * 199 // 64

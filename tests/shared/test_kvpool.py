@@ -138,6 +138,24 @@ def test_pool_sized_from_the_budget_never_grows_past_it(model: torch.nn.Module) 
 
 
 @torch.inference_mode()
+def test_a_preallocated_pool_holds_its_budget_from_the_start_and_never_grows(model: torch.nn.Module) -> None:
+    """--kv-preallocate: a budget of 40 blocks is allocated when the pool is sized; filling it moves no tensor
+    (no growth copies under load), and the logits equal a growing pool's."""
+    probe = new_pool(model)
+    budget = 40 * 4 * probe.bytes_per_position
+    pre, grows = new_pool(model, budget_bytes=budget, preallocate=True), new_pool(model, budget_bytes=budget)
+    assert pre.keys[0].shape[1] == 40 * 4 and grows.keys[0].shape[1] < 40 * 4
+    first = pre.keys[0].data_ptr()
+    x = seqs(1, 150)[0]
+    outs = []
+    for pool in (pre, grows):
+        s = pool.allocate()
+        outs.append(pool.forward(model, [Row(s, 0, x, 8)])[0])
+    assert pre.keys[0].data_ptr() == first and pre.keys[0].shape[1] == 40 * 4
+    assert torch.equal(outs[0], outs[1])
+
+
+@torch.inference_mode()
 def test_forwards_of_one_model_from_two_threads_do_not_overlap_and_stay_exact(model: torch.nn.Module) -> None:
     """Two threads run one set of weights through two pools (drafters forked from one model, as in
     the OpenAI server). The attention implementation lives on the shared config: a forward of thread A
