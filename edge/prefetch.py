@@ -98,6 +98,9 @@ class _Ahead:
     # a tree round's: the shape of the next tree, and the tree once grown whole
     shape: TreeShape | None = None
     tree: DraftBlock | None = None
+    # a tree round's: S + the main path (the context before the guess), and set once the guess is made
+    base: list[int] = field(default_factory=list)
+    guessed: threading.Event = field(default_factory=threading.Event)
 
 
 class DraftAhead:
@@ -119,6 +122,10 @@ class DraftAhead:
         self._ahead: _Ahead | None = None
         # time the caller waited for the worker to finish its token after the answer, ms (not yet booked)
         self.wait_ms = 0.0
+        # of it, the waits for a catch-up (the prompt, streamed tokens): a session's start or a stream's cost,
+        # not a round's (the way controller leaves it out of speculation's cost)
+        self.catch_up_ms = 0.0
+        self._catching = False
         # running means: hit rate, ms a hit saved, ms waited per attempt; rounds since the last attempt
         self.weight, self.min_hit, self.probe_every = 0.2, 0.05, 8
         self.hit_rate, self.saved_per_hit, self.wait_per_try = 0.5, 0.0, 0.0
@@ -203,8 +210,9 @@ class DraftAhead:
         if not path or depth < 1 or room < 1 or not self.worth_it():
             return False
         self._stop.clear()
-        self._ahead = _Ahead(context=[int(t) for t in context] + path, kv_before=self.model.kv_len,
-                             block=DraftBlock([], [], "sampled"), shape=TreeShape(shape.nodes, depth, shape.width))
+        base = [int(t) for t in context] + path
+        self._ahead = _Ahead(context=list(base), kv_before=self.model.kv_len, block=DraftBlock([], [], "sampled"),
+                             shape=TreeShape(shape.nodes, depth, shape.width), base=base)
         self._thread = threading.Thread(target=self._grow, args=(self._ahead,), name="draft-ahead", daemon=True)
         self._thread.start()
         return True
@@ -215,6 +223,7 @@ class DraftAhead:
         try:
             guess = self.drafter.propose(ahead.context, 1, self.cfg, self.seed)
             ahead.context.append(guess.tokens[0])
+            ahead.guessed.set()
             if not self._stop.is_set():
                 ahead.tree = self.model.propose_tree(ahead.context, ahead.shape, self.cfg, self.seed,
                                                      stop=self._stop.is_set)
@@ -223,10 +232,20 @@ class DraftAhead:
             pass
         except BaseException as e:  # noqa: BLE001 - reported by take_tree(); the round goes on without it
             ahead.error = e
+        finally:
+            ahead.guessed.set()
 
     def take_tree(self, committed: Sequence[int], shape: TreeShape) -> tuple[DraftBlock | None, AheadOutcome]:
         """The tree grown ahead when `committed` is the guessed context and `shape` the one it was grown in
-        (the tree the plain path would grow: the round's structure does not depend on timing), else None."""
+        (the tree the plain path would grow: the round's structure does not depend on timing), else None.
+        A tree takes longer to grow than a verify takes: when the main path was kept and the guess holds, the
+        worker is left to finish the tree (the rest of its growth is all the round waits for)."""
+        ahead = self._ahead
+        if ahead is not None and ahead.shape is not None and self._thread is not None \
+                and list(committed[:-1]) == ahead.base:
+            ahead.guessed.wait()
+            if list(committed) == ahead.context:
+                self.stop(finish=True)
         self.stop()
         ahead, self._ahead = self._ahead, None
         if ahead is None or ahead.shape is None:
@@ -245,11 +264,13 @@ class DraftAhead:
 
     def catch_up(self, context: Sequence[int]) -> bool:
         """Feed the draft model `context` in a worker (the prompt while the cloud opens, streamed tokens while
-        the stream goes on); False while the last catch-up is still running."""
-        if self._thread is not None and self._thread.is_alive():
+        the stream goes on); False while the last catch-up is still running. A tree still growing ahead is
+        stopped: its guess is stale once the session streams."""
+        if self._thread is not None and self._thread.is_alive() and self._catching:
             return False
         self.stop()
         self._ahead = None  # a guess from before is stale now (the next sync crops to the common prefix)
+        self._catching = True
         self._thread = threading.Thread(target=self._feed, args=([int(t) for t in context],),
                                         name="draft-catch-up", daemon=True)
         self._thread.start()
@@ -263,16 +284,21 @@ class DraftAhead:
         except Exception as e:  # noqa: BLE001 - the next proposal syncs on the critical path instead
             log.info("catching the draft up failed: %s", e)
 
-    def stop(self) -> None:
-        """The answer is in (or the round failed): let the worker finish its token and end."""
+    def stop(self, finish: bool = False) -> None:
+        """The answer is in (or the round failed): let the worker finish its token (`finish`: all its work)
+        and end."""
         if self._thread is None:
             return
         t0 = self.clock()
-        self._stop.set()
+        if not finish:
+            self._stop.set()
         self._thread.join()
         self._thread = None
         self._last_wait = (self.clock() - t0) * 1000
         self.wait_ms += self._last_wait
+        if self._catching:
+            self.catch_up_ms += self._last_wait
+            self._catching = False
 
     def take(self, committed: Sequence[int], k: int) -> tuple[DraftBlock | None, AheadOutcome]:
         """The ready part of the next block when `committed` is the guessed context, else None

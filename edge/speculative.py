@@ -105,12 +105,18 @@ class SpeculativeRun(CloudSession):
             return
         t0 = self.clock()
         rounds = len(self.records)
+        caught = self.ahead.catch_up_ms if self.ahead is not None else 0.0
         out = self.step(remaining, max_context)
         if self.way is not None and len(self.records) > rounds:
             last = self.records[-1]
             one = getattr(self.tree if self.tree is not None else self.k_ctl, "verify_ms", None)
-            self.way.observe_round(len(out), (self.clock() - t0) * 1000, last.cloud_prefill_ms,
-                                   one(0) if one is not None else None)
+            # the wait for the draft to finish reading the prompt or a stream's tokens is the session's start
+            # or the stream's cost, not this round's: a first round that paid a long prompt would otherwise
+            # make speculating look dear for many rounds (the costs are running means)
+            if self.ahead is not None:
+                caught = self.ahead.catch_up_ms - caught
+            wall_ms = (self.clock() - t0) * 1000 - caught
+            self.way.observe_round(len(out), wall_ms, last.cloud_prefill_ms, one(0) if one is not None else None)
             self.metrics.switches = self.way.switches
         yield from out
 
@@ -246,9 +252,12 @@ class SpeculativeRun(CloudSession):
             self.metrics.ahead_rounds += 1
         try:
             resp = self._verify(block, None)
-        finally:
+        except BaseException:
             if self.ahead is not None:  # the worker ends before anything else touches the drafter
                 self.ahead.stop()
+            raise
+        # on an answer the worker goes on: the next round's take_tree lets it finish when its guess held,
+        # else stops it (every use of the drafter goes through take, take_tree, catch_up or close first)
         rtt_ms = (self.clock() - t1) * 1000
         self.metrics.rtt_ms += rtt_ms
         traffic = (self.transport.traffic.bytes_up - up, self.transport.traffic.bytes_down - down)

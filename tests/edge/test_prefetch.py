@@ -182,3 +182,54 @@ def test_catching_up_feeds_the_draft_the_context_in_a_worker(model_drafter: Mode
     ahead.stop()
     assert d.held_ids == S0
     assert d.propose(S0, 3, GREEDY, seed=0).tokens == ModelDrafter.fork(d).propose(S0, 3, GREEDY, seed=0).tokens
+
+
+def test_waits_for_a_catch_up_are_counted_apart_from_drafting_ahead(model_drafter: ModelDrafter) -> None:
+    """The way controller leaves the wait for the draft to read a prompt (or streamed tokens) out of a round's
+    cost: stop() books it in catch_up_ms as well as wait_ms; a drafting-ahead worker's wait only in wait_ms."""
+    import threading
+
+    d = model_drafter
+    ahead = DraftAhead(d, GREEDY, seed=0)
+    release, feed = threading.Event(), ahead._feed
+
+    def slow(context: list[int]) -> None:
+        release.wait()
+        feed(context)
+
+    ahead._feed = slow  # type: ignore[method-assign]
+    assert ahead.catch_up(S0)
+    threading.Timer(0.05, release.set).start()
+    ahead.stop()
+    assert ahead.catch_up_ms == ahead.wait_ms >= 40
+    caught = ahead.catch_up_ms
+    block = d.propose(S0, 2, GREEDY, seed=0)
+    assert ahead.start(S0, block, 3)
+    ahead.stop()
+    assert ahead.catch_up_ms == caught and ahead.wait_ms >= caught
+
+
+def test_a_tree_still_growing_when_its_guess_holds_is_finished_not_dropped(model_drafter: ModelDrafter,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Growing a tree takes longer than a verify: the answer comes while the worker grows. When the main path
+    was kept and the guess holds, the round waits for the rest of the tree instead of growing it anew."""
+    import time
+
+    from edge.drafters.tree import TreeShape, main_path
+
+    d, shape = model_drafter, TreeShape(nodes=12, depth=4, width=3)
+    sent = d.propose_tree(S0, shape, GREEDY, seed=0)
+    guess = ModelDrafter.fork(d).propose(S0 + main_path(sent), 1, GREEDY, seed=0).tokens
+    committed = S0 + main_path(sent) + guess
+    want = ModelDrafter.fork(d).propose_tree(committed, shape, GREEDY, seed=0).tokens
+    grow = d.propose_tree
+
+    def slow(*a, **kw):  # type: ignore[no-untyped-def]
+        time.sleep(0.2)  # the answer comes before the tree is grown
+        return grow(*a, **kw)
+
+    monkeypatch.setattr(d, "propose_tree", slow)
+    ahead = DraftAhead(d, GREEDY, seed=0)
+    assert ahead.start_tree(S0, sent, shape, remaining=40)
+    ready, outcome = ahead.take_tree(committed, shape)
+    assert ready is not None and outcome.result == "hit" and ready.tokens == want
