@@ -1,7 +1,7 @@
 """`specsplit-bench --only coder-pair`: the coder pair on this machine, in one run.
 
     specsplit-bench --only coder-pair [--coder-prompts 6] [--coder-new-tokens 96] [--coder-dtype auto]
-                                      [--coder-sessions 1,4] [--coder-specbench 1] [--out BENCHMARKS.md]
+                                      [--coder-sessions 1,4,16] [--coder-specbench 1] [--out BENCHMARKS.md]
 
 The target is Qwen2.5-Coder-1.5B-Instruct (models/qwen2.5-coder-1.5b-instruct), the draft Qwen2.5-Coder-0.5B-Instruct
 (models/qwen2.5-coder-0.5b-instruct), both made by `specsplit-models prepare qwen-coder`. The cloud is one
@@ -16,9 +16,11 @@ first N HumanEval problems (bench/humaneval/prompts.jsonl), each sent as the cha
 3. Spec-Bench by category, the edge's automatic trees without streaming or drafting ahead: tokens per verify call.
 4. end to end, greedy: the edge's defaults against cloud_only at 0 / 50 / 100 ms round trip (a delay proxy): decode
    tokens/s as `real_pair.end_to_end` computes it, tokens per verify call, the speedup.
-5. the cloud's CPU-seconds per generated token (/proc/<pid>/stat utime + stime) for cloud_only and the defaults at
-   each --coder-sessions level (sessions run concurrently in threads; 1 session: the RTT 0 runs of 4.).
-6. the draft's ms per drafted token and the edge's and the cloud's resident memory.
+5. the cloud's CPU-seconds per generated token (/proc/<pid>/stat utime + stime) for cloud_only and the defaults: one
+   live session (the RTT 0 runs of 4.), and at each --coder-sessions level n edges at once replaying the defaults'
+   recorded rounds (they draft nothing: n devices' worth of rounds from one core) against n cloud_only streams.
+6. the draft's ms per drafted token (as the edge loads it, and in float32 and bfloat16: a chain and a tree) and the
+   edge's and the cloud's resident memory.
 The section is spliced into OUT between the coder-pair markers.
 """
 
@@ -26,15 +28,16 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from bench.cloud_proc import REPO, CloudServer
 from bench.delay_proxy import DelayProxy
 from bench.real_pair import chat_ids, draft_ms_per_token, splice
+from edge.drafters.tree import TreeShape
 
 TARGET = REPO / "models" / "qwen2.5-coder-1.5b-instruct"
 DRAFT = REPO / "models" / "qwen2.5-coder-0.5b-instruct"
@@ -250,24 +253,66 @@ def cpu_row(mode: str, sessions: int, cpu_s: float, tokens: int) -> dict[str, An
             "cpu_s_per_token": cpu_s / max(tokens, 1)}
 
 
-def concurrent_cpu(cloud: CloudServer, tokenizer: Any, drafter: Any, ids: list[list[int]], n_new: int,
-                   sessions: int) -> list[dict[str, Any]]:
-    """`sessions` clients at once (threads, each over every prompt), greedy, no proxy: the cloud's CPU-s per token.
-    The speculating clients never switch to streaming: they share this process's one core, where a device each
-    would draft as fast as one alone, and a starved drafter would stream (k = 0 rounds, a decode step a token)."""
+def record_traces(cloud: CloudServer, tokenizer: Any, drafter: Any, ids: list[list[int]], n_new: int) -> list[Any]:
+    """One greedy generation per prompt with the edge's defaults (trees; no streaming, so every token comes from a
+    round), every verify request kept with its answer (bench/traces.py)."""
+    from bench.traces import RecordingTransport, Trace
+    from edge.client import EdgeClient
+    from edge.transport import RestTransport
+
+    s = settings(cloud.url, n_new, temperature=0.0, draft_ahead=False, stream_switch=False)
+    transport = RecordingTransport(RestTransport(cloud.url))
+    client = EdgeClient(s, tokenizer=tokenizer, drafter=drafter.fork(), transport=transport)  # type: ignore[arg-type]
+    traces = []
+    for i, prompt in enumerate(ids):
+        transport.rounds = []
+        r = client.generate(prompt)
+        traces.append(Trace(f"humaneval-{i}", "the 0.5B draft, trees", SEED, prompt, list(r.token_ids),
+                            transport.rounds, feature_encoding=client.encoding_for(client.model_info())))
+    client.close()
+    return traces
+
+
+def replayed_cpu(cloud: CloudServer, traces: list[Any], sampling: dict[str, Any], n_new: int,
+                 sessions: int) -> list[dict[str, Any]]:
+    """`sessions` concurrent edges replaying the recorded rounds (bench/loadgen.py: they draft nothing, so 16
+    sessions keep the cloud as busy as 16 devices would), and as many streaming cloud_only's text from
+    /v1/generate: the cloud's CPU-s per token for each; every answer checked against its recording."""
+    import asyncio
+
+    from bench.loadgen import run_load
+
     rows = []
     for mode in ("cloud_only", "speculative"):
-        extra = {"stream_switch": False} if mode == "speculative" and sessions > 1 else {}
-        clients = [client_for(settings(cloud.url, n_new, temperature=0.0, mode=mode, **extra), tokenizer, drafter)
-                   for _ in range(sessions)]
         c0 = cpu_seconds(cloud.pid)
-        with ThreadPoolExecutor(sessions) as pool:
-            tallies = list(pool.map(lambda c: tally(c, ids), clients))
-        rows.append(cpu_row(mode, sessions, cpu_seconds(cloud.pid) - c0, sum(t["emitted"] for t in tallies)))
-        for c in clients:
-            c.close()
-        print(f"coder-pair: {sessions} sessions, {mode}: {rows[-1]['cpu_s_per_token']:.3f} cloud CPU-s/token", flush=True)
+        res = asyncio.run(run_load(mode, traces, sessions, n_new, sampling, f"127.0.0.1:{cloud.grpc_port}", cloud.url))
+        used = cpu_seconds(cloud.pid) - c0
+        tokens = sum(t.tokens for t in res.texts)
+        lat = sorted(ms for t in res.texts for ms in t.round_ms)
+        rows.append({**cpu_row(mode, sessions, used, tokens), "replayed": True,
+                     "p50_ms": statistics.median(lat) if lat else 0.0,
+                     "mismatches": sum(t.mismatches for t in res.texts),
+                     "errors": sum(t.error is not None for t in res.texts)})
+        print(f"coder-pair: {sessions} replayed sessions, {mode}: {rows[-1]['cpu_s_per_token']:.3f} cloud "
+              f"CPU-s/token, {rows[-1]['mismatches']} mismatches, {rows[-1]['errors']} errors", flush=True)
     return rows
+
+
+def cpu_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """One table row per session count: both modes' CPU-s per token and their ratio, with its aim at 1 and 16."""
+    out = []
+    for n in sorted({r["sessions"] for r in rows}):
+        cell = {r["mode"]: r for r in rows if r["sessions"] == n}
+        base, spec = cell["cloud_only"]["cpu_s_per_token"], cell["speculative"]["cpu_s_per_token"]
+        ratio = base / max(spec, 1e-9)
+        shown = aim(ratio, AIM_CPU_RATIO[n], unit="x") if n in AIM_CPU_RATIO else f"**{ratio:.2f}x**"
+        line = f"| {n} | {base:.3f} | {spec:.3f} | {shown} |"
+        if "p50_ms" in cell["speculative"]:
+            line += (f" {cell['speculative']['p50_ms']:.0f} | "
+                     f"{cell['speculative']['mismatches'] + cell['cloud_only']['mismatches']} | "
+                     f"{cell['speculative']['errors'] + cell['cloud_only']['errors']} |")
+        out.append(line)
+    return out
 
 
 # -- the section ----------------------------------------------------------------------------------------------
@@ -277,7 +322,7 @@ AIM_TOKENS_PER_VERIFY = 6.0
 AIM_FIRST_POSITION = 0.88
 AIM_SPEEDUP = {0: 2.0, 50: 1.6, 100: 1.0}
 AIM_SAMPLED_TOKENS_PER_VERIFY = 3.5
-AIM_CPU_RATIO = 3.0
+AIM_CPU_RATIO = {1: 3.0, 16: 2.0}
 
 
 def aim(value: float, target: float, fmt: str = ".2f", unit: str = "") -> str:
@@ -334,26 +379,65 @@ def render(res: dict[str, Any]) -> str:
         lines.append(f"| {rtt} ms | {base:.2f} | {spec['tokens_per_s']:.2f} | "
                      f"{aim(spec['tokens_per_s'] / max(base, 1e-9), AIM_SPEEDUP[rtt], unit='x')} | "
                      f"{per_verify(spec)} | {spec['streamed']} / {spec['switches']} |")
-    lines += ["", "### The cloud's CPU-seconds per generated token (utime + stime of its process, greedy, RTT 0)", "",
-              "Sessions run at once (threads of this process, each over every prompt). The prompts' prefill is "
-              "included; the cloud may hold their prefixes from earlier runs in both modes. Above one session the "
-              "speculating edges never switch to streaming: they share one core here, where each would have a "
-              "device of its own.", "",
-              "| sessions | cloud_only CPU-s per token | defaults CPU-s per token | cloud_only / defaults |",
-              "|---|---|---|---|"]
-    for n in sorted({r["sessions"] for r in res["cpu"]}):
-        cell = {r["mode"]: r for r in res["cpu"] if r["sessions"] == n}
-        base, spec = cell["cloud_only"]["cpu_s_per_token"], cell["speculative"]["cpu_s_per_token"]
-        ratio = base / max(spec, 1e-9)
-        lines.append(f"| {n} | {base:.3f} | {spec:.3f} | "
-                     f"{aim(ratio, AIM_CPU_RATIO, unit='x') if n == 1 else f'**{ratio:.2f}x**'} |")
+    live = [r for r in res["cpu"] if not r.get("replayed")]
+    replayed = [r for r in res["cpu"] if r.get("replayed")]
+    lines += ["", "### The cloud's CPU-seconds per generated token (utime + stime of its process, greedy, RTT 0)", ""]
+    if live:
+        lines += ["One live session (the RTT 0 runs above: the edge drafting, speculate-or-stream on). The prompts' "
+                  "prefill is included; the cloud may hold their prefixes from earlier runs in both modes.", "",
+                  "| sessions | cloud_only CPU-s per token | defaults CPU-s per token | cloud_only / defaults |",
+                  "|---|---|---|---|"]
+        lines += cpu_lines(live)
+    if replayed:
+        lines += ["", "Concurrent sessions, replayed (`record_traces`, `replayed_cpu`): each prompt's generation with the "
+                  "edge's defaults (trees, no streaming) is recorded once, then n edges that draft nothing replay its "
+                  "rounds over gRPC at once, as n devices each with its own draft would send them, and n cloud_only "
+                  "clients stream the same texts from /v1/generate (bench/loadgen.py: every session replays at least "
+                  "2 texts, every prompt is covered). Every answer is checked against its recording.", "",
+                  "| sessions | cloud_only CPU-s per token | defaults CPU-s per token | cloud_only / defaults | "
+                  "p50 round ms (defaults) | answers differing from the recording | errors |", "|---|---|---|---|---|---|---|"]
+        lines += cpu_lines(replayed)
     rss = res["rss_mb"]
     lines += ["", "### The draft's cost and memory", "",
-              f"The draft drafts at **{res['draft_ms']:.1f} ms per token** (`real_pair.draft_ms_per_token`: its "
-              "propose of 8 tokens, greedy, one thread). Resident memory after the end-to-end runs: the edge (this "
+              f"The draft, as the edge loads it ({res.get('draft_dtype', 'float32')}), drafts at **{res['draft_ms']:.1f} ms "
+              "per token** (`real_pair.draft_ms_per_token`: its propose of 8 tokens, greedy, one thread). Resident memory after the end-to-end runs: the edge (this "
               f"benchmark's process: tokenizer, draft, clients) {rss['edge']:.0f} MB (peak {rss['edge_peak']:.0f} MB), "
-              f"the cloud {rss['cloud']:.0f} MB (peak {rss['cloud_peak']:.0f} MB).", "", END]
+              f"the cloud {rss['cloud']:.0f} MB (peak {rss['cloud_peak']:.0f} MB).", ""]
+    if res.get("draft_costs"):
+        lines += [f"The draft in each dtype (`draft_costs`: the median of 3 after one, the first prompt's context; a tree "
+                  f"of the edge's first shape, {TREE_FOR_COST.nodes} nodes grown {TREE_FOR_COST.depth} levels deep, "
+                  f"{TREE_FOR_COST.width} children a node):", "",
+                  "| draft dtype | ms per drafted token (a chain of 8) | ms per tree |", "|---|---|---|"]
+        lines += [f"| {d} | {c['token_ms']:.1f} | {c['tree_ms']:.0f} |" for d, c in res["draft_costs"].items()]
+        lines.append("")
+    lines.append(END)
     return "\n".join(lines)
+
+
+# the tree the draft's cost is measured on: TreeControl's first shape
+TREE_FOR_COST = TreeShape()
+
+
+def draft_costs(ctx: list[int]) -> dict[str, dict[str, float]]:
+    """The 0.5B draft in float32 and in bfloat16 on this machine: ms per drafted token (`draft_ms_per_token`) and
+    ms per tree of TREE_FOR_COST (greedy), one thread."""
+    import torch
+
+    from edge.drafters import ModelDrafter
+    from shared.config import SamplingConfig
+
+    cfg, out = SamplingConfig(temperature=0), {}
+    for name in ("float32", "bfloat16"):
+        d = ModelDrafter(DRAFT, dtype=getattr(torch, name))
+        times = []
+        for _ in range(4):
+            t0 = time.perf_counter()
+            d.propose_tree(ctx, TREE_FOR_COST, cfg, 0)
+            times.append((time.perf_counter() - t0) * 1000)
+        out[name] = {"token_ms": draft_ms_per_token(d, ctx), "tree_ms": statistics.median(times[1:])}
+        print(f"coder-pair: the draft in {name}: {out[name]}", flush=True)
+        del d
+    return out
 
 
 def run(out: Path, command: str, prompts: int = 6, n_new: int = 96, dtype: str = "auto",
@@ -380,6 +464,7 @@ def run(out: Path, command: str, prompts: int = 6, n_new: int = 96, dtype: str =
                            "draft_dtype": str(getattr(getattr(drafter, "model", None), "dtype", "?")).removeprefix("torch."),
                            "draft_ms": draft_ms_per_token(drafter.fork(), ids[0])}
     print(f"coder-pair: the draft: {res['draft_ms']:.1f} ms per drafted token", flush=True)
+    res["draft_costs"] = draft_costs(ids[0])
     with CloudServer(TARGET, torch_threads=1, extra_args=extra, startup_timeout_s=600.0) as cloud:
         machine["pinned"] = machine["pinned"] and pin(cloud.pid, 1)
         info = client_for(settings(cloud.url, n_new, mode="cloud_only"), tokenizer, drafter)
@@ -392,9 +477,11 @@ def run(out: Path, command: str, prompts: int = 6, n_new: int = 96, dtype: str =
         res["e2e"], res["cpu"] = end_to_end(cloud, tokenizer, drafter, ids, n_new)
         res["rss_mb"] = {"edge": rss_mb(), "edge_peak": rss_mb(key="VmHWM"), "cloud": rss_mb(cloud.pid),
                          "cloud_peak": rss_mb(cloud.pid, "VmHWM")}
-        for n in sessions:
-            if n > 1:
-                res["cpu"] += concurrent_cpu(cloud, tokenizer, drafter, ids, n_new, n)
+        if sessions:
+            traces = record_traces(cloud, tokenizer, drafter, ids, n_new)
+            sampling = settings(cloud.url, n_new, temperature=0.0).sampling().to_dict()
+            for n in sessions:
+                res["cpu"] += replayed_cpu(cloud, traces, sampling, n_new, n)
     res["machine"] = {**machine, "load_end": os.getloadavg()[0]}
     res["total_s"] = time.perf_counter() - t0
     section = render(res)

@@ -1,7 +1,7 @@
 """Cloud capacity on the real pair: cloud CPU-seconds per committed token, token trees against chains against
 cloud_only, at several session counts.
 
-    python -m bench.real_capacity [--sessions 4,16,32] [--tokens 64]
+    python -m bench.real_capacity [--sessions 4,16,32] [--tokens 64] [--dtype auto]
 
 Recording (once per run, greedy, the edge's own client over REST with its default head and its fallback):
 each of the real-pair bench's chat prompts (bench/real_pair.py PROMPTS) generated with the edge's defaults
@@ -66,9 +66,10 @@ def case(cloud: CloudServer, mode: str, traces: list[Trace], sessions: int, n_ne
             "mismatches": sum(t.mismatches for t in res.texts), "errors": sum(t.error is not None for t in res.texts)}
 
 
-def run(sessions: list[int], n_new: int) -> dict[str, list[dict[str, Any]]]:
+def run(sessions: list[int], n_new: int, dtype: str = "auto") -> dict[str, list[dict[str, Any]]]:
     out: dict[str, list[dict[str, Any]]] = {}
-    with CloudServer(TARGET, torch_threads=1, extra_args=["--max-sessions", "256", "--max-queue-depth", "512"]) as cloud:
+    with CloudServer(TARGET, torch_threads=1, extra_args=["--max-sessions", "256", "--max-queue-depth", "512",
+                                                          "--dtype", dtype]) as cloud:
         kinds = {"trees": record(cloud.url, "auto", n_new), "chains": record(cloud.url, "off", n_new)}
         for name, traces in kinds.items():
             out[name] = [case(cloud, "speculative", traces, n, n_new) for n in sessions]
@@ -103,9 +104,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.real_capacity", description=__doc__.split("\n\n")[0])
     ap.add_argument("--sessions", default="4,16,32")
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="the cloud's --dtype")
     args = ap.parse_args(argv)
     load = f"load average {os.getloadavg()[0]:.2f} at the start"
-    res = run([int(x) for x in args.sessions.split(",")], args.tokens)
+    from shared.dtypes import resolve_dtype
+
+    res = run([int(x) for x in args.sessions.split(",")], args.tokens, args.dtype)
+    load += f"; the cloud in {resolve_dtype(args.dtype, 'cpu')[0]}"
     load += f", {os.getloadavg()[0]:.2f} at the end"
     print(render(res, "python -m bench.real_capacity " + " ".join(argv or sys.argv[1:]), load))
     return 0

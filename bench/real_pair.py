@@ -270,10 +270,10 @@ def end_to_end(cloud: Any, tokenizer: Any, n_new: int, prompts: list[str], head:
 
 
 def render(c: dict[str, Any], fk: list[dict[str, Any]], e2e: list[dict[str, Any]], command: str, n_new: int,
-           prompts: int, load: str, sb: list[dict[str, Any]] | None = None, head: str = "") -> str:
+           prompts: int, load: str, sb: list[dict[str, Any]] | None = None, head: str = "", dtype: str = "float32") -> str:
     t1, plain = c["target_ms"][1], c["target_ms_plain"]
     lines = [START, "## The real pair: SmolLM2-135M-Instruct and its drafts", "",
-             f"Command: `{command}` (cloud and edge on this 2-core CPU, one torch thread each, float32; {load}). "
+             f"Command: `{command}` (cloud and edge on this 2-core CPU, one torch thread each, the cloud in {dtype}; {load}). "
              f"{prompts} unseen chat prompts (`bench/real_pair.py` PROMPTS), {n_new} tokens each, through the chat "
              "template. GPU figures are unmeasured.", "",
              f"### What a forward costs (target, KV cache, context {c['ctx']} tokens)", "",
@@ -363,10 +363,13 @@ def run(out: Path, command: str, n_new: int = 64, prompts: int = 4, only: tuple[
     del target
     chosen = PROMPTS[:prompts]
     with CloudServer(TARGET, torch_threads=1) as cloud:
+        import httpx
+
+        dtype = str(httpx.get(f"{cloud.url}/v1/model", timeout=30).json().get("dtype", "float32"))
         fk = fixed_k(cloud.url, tokenizer, n_new, chosen, only)
         sb = specbench(cloud.url, tokenizer, n_new, head)
         e2e = end_to_end(cloud, tokenizer, n_new, chosen, head)
     load += f", {os.getloadavg()[0]:.2f} at the end"
-    path = splice(render(c, fk, e2e, command, n_new, len(chosen), load, sb, head), out)
+    path = splice(render(c, fk, e2e, command, n_new, len(chosen), load, sb, head, dtype), out)
     print(f"wrote the real-pair section into {path}")
     return 0

@@ -62,8 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--coder-new-tokens", type=int, default=96, help="coder-pair: new tokens per prompt (default 96)")
     p.add_argument("--coder-dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                    help="coder-pair: the cloud's --dtype (default auto)")
-    p.add_argument("--coder-sessions", default="1",
-                   help="coder-pair: concurrent sessions of the cloud CPU-time measure, comma-separated (default 1)")
+    p.add_argument("--coder-sessions", default="1,4,16",
+                   help="coder-pair: concurrent replayed sessions of the cloud CPU-time measure, comma-separated (default 1,4,16)")
     p.add_argument("--coder-specbench", type=int, default=1,
                    help="coder-pair: Spec-Bench questions per category (default 1; 0 = none)")
     p.add_argument("--skip-capacity", action="store_true", help="full run without the cloud capacity section")

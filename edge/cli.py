@@ -141,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--capacity-wait-s", type=float,
                    help="past its retries, keep waiting out the cloud's 429 capacity answers this long (default 300)")
     g.add_argument("--draft-dtype", choices=["auto", "float32", "bfloat16"],
-                   help="dtype of the draft model (default float32; auto: bfloat16 where the CPU has bfloat16 units)")
+                   help="dtype of the draft model (default auto: bfloat16 where the CPU has bfloat16 units, else float32)")
     g.add_argument("--threads", type=int, help="torch threads of the draft model (default: torch's)")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.add_argument("--against-cloud-only", action="store_true",

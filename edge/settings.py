@@ -50,7 +50,7 @@ def draft_for_tokenizer(fingerprint: str, vocab_size: int) -> str | None:
     trying those whose config's vocabulary has `vocab_size` rows first; None when none does."""
     import json
 
-    from shared.tokenizer_id import load_tokenizer, tokenizer_fingerprint
+    from shared.tokenizer_id import directory_fingerprint
 
     present = [REPO_ROOT / "models" / n for n in CLOUD_DRAFTS if (REPO_ROOT / "models" / n / "config.json").is_file()]
 
@@ -61,11 +61,8 @@ def draft_for_tokenizer(fingerprint: str, vocab_size: int) -> str | None:
             return 0
 
     for d in sorted(present, key=lambda d: rows(d) != vocab_size):  # stable: preference order within each
-        try:
-            if tokenizer_fingerprint(load_tokenizer(d)) == fingerprint:
-                return str(d)
-        except (OSError, ValueError):
-            continue
+        if directory_fingerprint(d) == fingerprint:
+            return str(d)
     return None
 
 
@@ -107,8 +104,9 @@ class EdgeSettings(BaseSettings):
     device: str = "cpu"
     # dtype of the draft model's weights and KV: float32, bfloat16, or auto (bfloat16 where the CPU has AMX or
     # AVX512-BF16, shared/dtypes.py). Exact in any dtype: q is whatever the draft computed and the cloud's rule
-    # reads it as sent. float32 by default: one drafted row is no faster in bfloat16 on these CPUs (BENCHMARKS.md)
-    draft_dtype: Literal["auto", "float32", "bfloat16"] = "float32"
+    # reads it as sent. auto by default: on an AVX512-BF16 CPU the coder pair's 0.5B draft grows a tree of 32
+    # nodes in two thirds of float32's time (BENCHMARKS.md, "The draft's cost and memory")
+    draft_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     # speculative | edge_only | cloud_only
     mode: Mode = "speculative"
 

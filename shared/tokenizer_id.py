@@ -62,3 +62,14 @@ def load_tokenizer(path: str | Path) -> Any:
         raise UnsupportedModel(f"no tokenizer in {path}: it has no tokenizer files (tokenizer.json, vocab.json, "
                                "tokenizer.model, ...); copy the model's tokenizer files into it")
     return tokenizer
+
+
+def directory_fingerprint(model_dir: str | Path) -> str | None:
+    """The fingerprint of the tokenizer stored in `model_dir`; None when it holds none or one that does not load."""
+    d = Path(model_dir)
+    if not any(d.glob("tokenizer*")) and not (d / "vocab.json").exists():
+        return None
+    try:
+        return tokenizer_fingerprint(load_tokenizer(d))
+    except (OSError, ValueError):
+        return None

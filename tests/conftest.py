@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,9 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 DEMO_TARGET = REPO / "models" / "demo-target"
 DEMO_DRAFT = REPO / "models" / "demo-draft"
+# the edge's draft models run in the cloud's test dtype (float32 unless SPECSPLIT_TEST_DTYPE names another), so a
+# test's drafts are the same on every machine; the default itself ("auto") is tested in tests/edge/test_settings.py
+os.environ.setdefault("SPECSPLIT_EDGE_DRAFT_DTYPE", os.environ.get("SPECSPLIT_TEST_DTYPE", "float32"))
 
 
 def build_tiny_model(out_dir: Path, n_layer: int, n_embd: int, seed: int) -> Path:

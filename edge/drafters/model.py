@@ -21,7 +21,7 @@ from shared.hf_model import check_rollback, load_causal_lm
 from shared.kvpool import KVPool, Row, UnsupportedModel, attention_layout, exclusive
 from shared.rng import position_uniform, sample_index
 from shared.sampling import process_logits
-from shared.tokenizer_id import load_tokenizer, tokenizer_fingerprint
+from shared.tokenizer_id import directory_fingerprint
 from shared.verify import DraftKind
 
 from .base import DraftBlock
@@ -47,15 +47,6 @@ def raw_signals(logits: torch.Tensor, token: int) -> tuple[float, float, float]:
     entropy = float(-(p * logp).nan_to_num(0.0).sum()) / math.log(2)
     top2 = torch.topk(p, 2).values  # [2]
     return float(-logp[token]), entropy, float(top2[0] - top2[1])
-
-
-def _own_tokenizer_fingerprint(model_dir: Path) -> str | None:
-    if not any(model_dir.glob("tokenizer*")) and not (model_dir / "vocab.json").exists():
-        return None
-    try:
-        return tokenizer_fingerprint(load_tokenizer(model_dir))
-    except ValueError:
-        return None
 
 
 class ModelDrafter:
@@ -86,7 +77,7 @@ class ModelDrafter:
         self.has_dropout = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in self.model.modules())
         self.mc_dropout_samples = mc_dropout_samples if self.has_dropout else 0
         # fingerprint of the tokenizer stored with the draft (None when its directory has none)
-        self.tokenizer_fingerprint = _own_tokenizer_fingerprint(Path(model_dir))
+        self.tokenizer_fingerprint = directory_fingerprint(model_dir)
         self._layout = attention_layout(self.model.config)
         check_rollback(self.model, self._new_pool(), self.logit_rows, dtype)
         self.reset()

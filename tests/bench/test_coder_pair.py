@@ -43,8 +43,17 @@ def fake_result(speedup0: float = 2.5) -> dict[str, Any]:
         "e2e": e2e(0, 2.0, 2.0 * speedup0) + e2e(50, 1.9, 3.2) + e2e(100, 1.9, 1.7),
         "cpu": [{"mode": "cloud_only", "sessions": 1, "cpu_s_per_token": 0.6},
                 {"mode": "speculative", "sessions": 1, "cpu_s_per_token": 0.15},
-                {"mode": "cloud_only", "sessions": 4, "cpu_s_per_token": 0.3},
-                {"mode": "speculative", "sessions": 4, "cpu_s_per_token": 0.2}],
+                {"mode": "cloud_only", "sessions": 4, "cpu_s_per_token": 0.3, "replayed": True, "p50_ms": 900.0,
+                 "mismatches": 0, "errors": 0},
+                {"mode": "speculative", "sessions": 4, "cpu_s_per_token": 0.2, "replayed": True, "p50_ms": 1200.0,
+                 "mismatches": 1, "errors": 0},
+                {"mode": "cloud_only", "sessions": 16, "cpu_s_per_token": 0.2, "replayed": True, "p50_ms": 1500.0,
+                 "mismatches": 0, "errors": 0},
+                {"mode": "speculative", "sessions": 16, "cpu_s_per_token": 0.125, "replayed": True, "p50_ms": 2500.0,
+                 "mismatches": 0, "errors": 2}],
+        "draft_costs": {"float32": {"token_ms": 90.0, "tree_ms": 1150.0},
+                        "bfloat16": {"token_ms": 77.0, "tree_ms": 760.0}},
+        "draft_dtype": "bfloat16",
         "rss_mb": {"edge": 2600.0, "edge_peak": 2900.0, "cloud": 3500.0, "cloud_peak": 3900.0},
     }
 
@@ -61,7 +70,10 @@ def test_the_section_states_the_setting_and_marks_each_aim() -> None:
     assert "**3.10** (aim >= 3.5: missed)" in text  # T = 0.7
     assert "**6 of 6**" in text
     assert "**2.50x** (aim >= 2x: met)" in text and "**0.89x** (aim >= 1x: missed)" in text
-    assert "**4.00x** (aim >= 3x: met)" in text and "**1.50x**" in text  # CPU: 1 session with its aim, 4 without
+    assert "**4.00x** (aim >= 3x: met)" in text  # CPU: one live session, with its aim
+    assert "| 4 | 0.300 | 0.200 | **1.50x** | 1200 | 1 | 0 |" in text  # replayed, 4 sessions: no aim
+    assert "| 16 | 0.200 | 0.125 | **1.60x** (aim >= 2x: missed) | 2500 | 0 | 2 |" in text
+    assert "| bfloat16 | 77.0 | 760 |" in text and "as the edge loads it (bfloat16)" in text
     assert "| coding | 1 | **5.50** | 0 |" in text
 
 

@@ -115,3 +115,31 @@ def test_gating_signals_come_from_the_raw_distribution(model_drafter: ModelDraft
 
 def test_k_zero_proposes_nothing(model_drafter: ModelDrafter) -> None:
     assert model_drafter.propose([1, 2], k=0, cfg=CFG, seed=0).tokens == []
+
+
+def test_the_draft_dtype_is_auto_by_default_and_follows_the_cpus_bfloat16_units(
+        monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Unset (the suite pins SPECSPLIT_EDGE_DRAFT_DTYPE), the edge drafts in "auto": bfloat16 where /proc/cpuinfo
+    lists a bfloat16 unit, float32 where it lists none."""
+    from edge.settings import EdgeSettings
+    from shared.dtypes import resolve_dtype
+
+    monkeypatch.delenv("SPECSPLIT_EDGE_DRAFT_DTYPE", raising=False)
+    assert EdgeSettings().draft_dtype == "auto"
+    with_units, without = tmp_path / "with", tmp_path / "without"
+    with_units.write_text("processor : 0\nflags : fpu sse2 avx512f avx512_bf16\n")
+    without.write_text("processor : 0\nflags : fpu sse2 avx2\n")
+    assert resolve_dtype("auto", "cpu", with_units)[0] == "bfloat16"
+    assert resolve_dtype("auto", "cpu", without)[0] == "float32"
+
+
+def test_a_bfloat16_draft_keeps_its_q_equal_to_its_own_uncached_forward(tiny_pair) -> None:  # type: ignore[no-untyped-def]
+    """q in bfloat16 is what that model computes (the cloud's rule reads it as sent): the cached drafts' q equal
+    an uncached bfloat16 forward's processed probabilities to bfloat16 tolerance."""
+    d = ModelDrafter(tiny_pair[1], dtype=torch.bfloat16)
+    assert d.model.dtype == torch.bfloat16
+    ctx = [5, 17, 300, 17, 42]
+    block = d.propose(ctx, k=4, cfg=CFG, seed=3)
+    ref = reference_q(d, ctx, block.tokens, CFG)
+    assert block.q_probs == [float(q[y]) for q, y in zip(block.q_full, block.tokens, strict=True)]
+    assert torch.allclose(torch.stack(block.q_full), ref.double(), atol=2e-2)
