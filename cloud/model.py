@@ -21,14 +21,17 @@ any architecture whose batched, cropped forward does not reproduce its own plain
 
 Under tensor parallelism (`group`, cloud/tensor_parallel.py) every rank builds the same TargetModel
 from its shard of the weights; on rank 0 `forward` and `use_pool` send each op to the other ranks
-before running it, and the other ranks run what they receive (`run_plan`, `use_pool`).
+before running it, and the other ranks run what they receive (`run_plan`, `use_pool`). Forwards stay
+batch-invariant there: each rank's linear layers run in tiles of ROW_TILE, and the rowwise layers sum
+their ranks' partial products in rank order (`order_sums`).
 """
 
 from __future__ import annotations
 
 import logging
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -63,37 +66,47 @@ class TargetModel:
             device = group.device
         self.device = torch.device(device)
         dtype, self.dtype_reason = resolve_dtype(dtype, str(device))
-        # a tensor-parallel group runs the plain kernels: a row's sums are split over its ranks (not made
-        # batch-invariant yet)
-        invariant = invariant and group is None
         torch_dtype = DTYPES[dtype]
         tokenizer = load_tokenizer(model_dir)
-        self.model = load_causal_lm(model_dir, device, torch_dtype, tensor_parallel=group is not None)
-        if invariant:
-            tile_linears(self.model)
-        # the linear layers' row tile: ROW_TILE until the model thread measures its own (`_calibrate`); a
-        # tensor-parallel group keeps ROW_TILE on every rank (a probe there would run collectives)
-        self.row_tile = ROW_TILE if invariant else 0
-        self._calibrated = not invariant or group is not None
-        cfg = self.model.config.get_text_config()
-        n_ctx = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or 2048
-        vocab = int(self.model.get_output_embeddings().weight.shape[0])
-        # the ids p is taken over: the tokenizer's; rows past len(tokenizer) pad the embedding table
-        self.support = min(len(tokenizer), vocab)
-        self.info = ModelInfo(
-            model_id=model_dir.resolve().name, vocab_size=vocab, eos_ids=eos_ids(self.model),
-            max_context=int(n_ctx), dtype=dtype, dtype_reason=self.dtype_reason, batch_invariant=invariant,
-            device=str(self.device),
-            tokenizer_fingerprint=tokenizer_fingerprint(tokenizer), tokenizer_size=self.support,
-            tensor_parallel=group.size if group is not None else 1)
-        self.pool = KVPool(attention_layout(self.model.config), int(n_ctx), self.device, torch_dtype,
-                           budget_bytes=kv_budget_bytes, block_size=block_size, prefix_cache=prefix_cache,
-                           invariant=invariant)
-        try:
-            self.pool.prepare(self.model)
-        except ValueError as e:
-            raise UnsupportedModel(str(e)) from None
-        check_rollback(self.model, self.pool, vocab, torch_dtype)
+        # a rank holds the group's lock while its load runs forwards (collectives): rank 0 sends no `idle` op
+        # among them
+        held: AbstractContextManager[Any] = group.lock if group is not None else nullcontext()
+        with held:
+            self.model = load_causal_lm(model_dir, device, torch_dtype, tensor_parallel=group is not None)
+            if invariant and group is not None:  # sums over the ranks in rank order (tensor_parallel.py)
+                from cloud.tensor_parallel import order_sums
+
+                unordered = order_sums(self.model)
+                if unordered is not None:
+                    log.warning("batch-invariant forwards off: %s combines its ranks' parts in an order this "
+                                "group cannot fix", unordered)
+                    invariant = False
+            if invariant:
+                tile_linears(self.model)
+            # the linear layers' row tile: ROW_TILE until the model thread measures its own (`_calibrate`);
+            # a tensor-parallel group keeps ROW_TILE on every rank (a probe there would run collectives, and
+            # ranks that measured different tiles would pad their rows to different shapes)
+            self.row_tile = ROW_TILE if invariant else 0
+            self._calibrated = not invariant or group is not None
+            cfg = self.model.config.get_text_config()
+            n_ctx = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or 2048
+            vocab = int(self.model.get_output_embeddings().weight.shape[0])
+            # the ids p is taken over: the tokenizer's; rows past len(tokenizer) pad the embedding table
+            self.support = min(len(tokenizer), vocab)
+            self.info = ModelInfo(
+                model_id=model_dir.resolve().name, vocab_size=vocab, eos_ids=eos_ids(self.model),
+                max_context=int(n_ctx), dtype=dtype, dtype_reason=self.dtype_reason,
+                batch_invariant=invariant, device=str(self.device),
+                tokenizer_fingerprint=tokenizer_fingerprint(tokenizer), tokenizer_size=self.support,
+                tensor_parallel=group.size if group is not None else 1)
+            self.pool = KVPool(attention_layout(self.model.config), int(n_ctx), self.device, torch_dtype,
+                               budget_bytes=kv_budget_bytes, block_size=block_size, prefix_cache=prefix_cache,
+                               invariant=invariant)
+            try:
+                self.pool.prepare(self.model)
+            except ValueError as e:
+                raise UnsupportedModel(str(e)) from None
+            check_rollback(self.model, self.pool, vocab, torch_dtype)
         # K and V of every layer: bytes one position of one session's cache takes
         self.kv_bytes_per_token = self.pool.bytes_per_position
         # width of the output layer's input: the feature a session may ask for (0: no output layer found)

@@ -4,8 +4,9 @@
 
 Every rank loads the target with transformers' own tensor plan (the model's `base_model_tp_plan`:
 attention heads and MLP columns split over the ranks, the output layer gathered), so the weights and
-the activations are sharded by transformers' collectives; this module adds one collective of its own,
-the broadcast of what every rank must do next. Without torchrun (no WORLD_SIZE, or 1) none of it runs.
+the activations are sharded by transformers' collectives; this module adds the broadcast of what every
+rank must do next, and sums the rowwise layers' partial products itself (below). Without torchrun (no
+WORLD_SIZE, or 1) none of it runs.
 
 Roles. Rank 0 is the verifier of one process: REST, gRPC, the scheduler, the sessions and the block
 manager. Each forward is planned there (`KVPool.plan`: blocks, copy-on-write pairs, the flattened
@@ -13,7 +14,22 @@ batch), then the plan goes to every rank (`Op`, by `broadcast_object_list`) and 
 (`KVPool.run`) on its own share of the KV heads, so the block tables are the same everywhere and only
 rank 0 keeps the (full, gathered) logits: verify, residual and sampling run once, there. Ranks > 0
 run `serve_worker`: receive an op, run it, discard the output, until `stop`. The start-up (load,
-`prepare`, `check_rollback`, seeded) runs alike on every rank without messages.
+`prepare`, `check_rollback`, seeded) runs alike on every rank without messages, each rank holding its
+`lock` (no `idle` op among the load's collectives).
+
+Batch invariance. A row's logits are the same bits whatever shares its forward (shared/invariant.py),
+for a given group size (they are not one process's bits: its sums are split otherwise). Each rank's
+linear layers run their local products in whole tiles of ROW_TILE rows (`tile_linears` wraps the layer's
+tensor-parallel forward, so the collective after the product sees the padded rows too; no calibration,
+whose probe would run collectives). The one sum over the ranks, of a rowwise layer's partial products
+(attention's output projection, the MLP's down projection), is `ordered_sum`: an all-gather, then
+((x_0 + x_1) + x_2) + ... element by element. An all-reduce would not do from 3 ranks on: gloo's ring
+cuts the buffer by its size, so an element's parts are added in another order when the row count
+changes. Cost: the gather brings every rank n - 1 partial products where a ring all-reduce moves
+2 (n - 1) / n of one. The other combines of the plans served are exact: a column split's shards
+gathered (the output layer), a vocabulary-split embedding's partial lookups summed (each id's row is on
+one rank, the others add exact zeros). `order_sums` installs this, or names the first layer of a plan it
+does not cover (EXACT_STYLES, ROWWISE_STYLES); the forwards then run the plain kernels.
 
 Memory. Each rank's KV pool holds its own KV heads, so `--kv-budget-bytes` is per rank; the block
 count (budget // bytes of one block of the local heads) is the same on every rank because the heads
@@ -40,6 +56,7 @@ import os
 import signal
 import threading
 import time
+import types
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -92,6 +109,70 @@ def check_splits(config: Any, n: int) -> None:
                                f"{n} ranks; --nproc-per-node must divide both: {works}")
 
 
+# styles of transformers' tensor plans whose combine over the ranks does not depend on the row count: none (a
+# column split whose output stays split, a replicated parameter), a gather (a column split gathered, an
+# embedding split by width), or a sum with one nonzero part (an embedding split by vocabulary)
+EXACT_STYLES = frozenset({"colwise", "colwise_gather_output", "colwise_rep", "embedding_rowwise",
+                          "embedding_colwise", "replicate", "replicated_with_grad_allreduce", "local_params"})
+# styles whose linear layers all-reduce partial products: `order_sums` gives them `ordered_sum`
+ROWWISE_STYLES = frozenset({"rowwise", "rowwise_split_input", "rowwise_rep"})
+
+
+def ordered_sum(x: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """The sum of every rank's `x` (the same shape on each) in rank order, ((x_0 + x_1) + x_2) + ...,
+    element by element: each element's result depends on its own parts only. An all-gather, then adds."""
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return total
+
+
+def _ordered_rowwise_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+    """transformers' rowwise forward of a linear layer (this rank's input slice times its weight slice, the
+    bias added once after the sum) with `ordered_sum` in place of its all-reduce."""
+    style, mesh = self._tp_style, self._tp_mesh
+    if torch.is_grad_enabled():  # a forward with gradients: transformers' own (DTensor) path
+        return self._plain_tp_forward(x)  # type: ignore[no-any-return]
+    args, _ = style.transform_inputs_pre_forward(self, (x,), {}, mesh)  # this rank's input slice
+    with style.context_around_forward(self, mesh):  # the local weight slice, the bias hidden
+        part = torch.nn.Linear.forward(self, args[0])  # [T, out]: this rank's partial product
+    out = ordered_sum(part, mesh.get_group())  # [T, out]
+    bias = self._parameters.get("bias")
+    return out if bias is None else out + _local(bias)
+
+
+def order_sums(model: Any) -> str | None:
+    """Make every sum over the ranks in `model`'s forward fixed-order: the linear layers of its tensor plan's
+    rowwise styles sum with `ordered_sum` (before `tile_linears`, whose padding then reaches the local
+    product and the sum alike). Returns, changing nothing, the first module whose combine is neither that
+    nor exact (EXACT_STYLES), else None."""
+    from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES, replace_layer_number_by_wildcard
+
+    plan = getattr(model, "tp_plan", None) or {}
+    rowwise: list[tuple[Any, str]] = []
+    for name, m in model.named_modules():
+        style = plan.get(replace_layer_number_by_wildcard(name))
+        if style is None or style in EXACT_STYLES:
+            continue
+        if style not in ROWWISE_STYLES or not isinstance(m, torch.nn.Linear):
+            return f"{name} ({type(m).__name__}, tensor-parallel style {style!r})"
+        rowwise.append((m, style))
+    for m, style in rowwise:
+        m._plain_tp_forward = m.forward  # transformers' forward, with its all-reduce
+        m._tp_style = ALL_PARALLEL_STYLES[style]
+        m._tp_mesh = m.weight.device_mesh  # the tensor-parallel mesh its weight is split over
+        m.forward = types.MethodType(_ordered_rowwise_forward, m)
+    return None
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter (a DTensor's local shard, else the tensor)."""
+    to_local = getattr(p, "to_local", None)
+    return to_local() if callable(to_local) else p
+
+
 @dataclass
 class Op:
     """What every rank does next (rank 0 sends it, workers mirror it)."""
@@ -140,8 +221,8 @@ class TensorGroup:
         if backend == "nccl":
             torch.cuda.set_device(local)
         dist.init_process_group(backend, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-        # held by whoever uses the process group (a forward: plan, broadcast and run), so an idle op
-        # never interleaves its broadcast with a forward's collectives
+        # held by whoever uses the process group (a forward: plan, broadcast and run; the model's load), so
+        # an idle op never interleaves its broadcast with a forward's collectives
         self.lock = threading.Lock()
         # the op the main thread is inside (a forward, a move): no heartbeat once it has run `op_stale_s`
         self.watch = OpWatch()

@@ -21,6 +21,10 @@ batch:
   chunk and beside any batch mates. A token tree's nodes (`TreeCall`) share the chunks before the tree
   as one set of rows; from the chunk holding the tree's first position on, each node attends over its
   own keys laid out as its path's chain would be (the positions before the tree, its ancestors, itself).
+- **Tensor parallelism** (cloud/tensor_parallel.py): each rank tiles its slices of the linear layers (the
+  tile wraps transformers' forward of the layer, so the local product and the collective after it both see
+  the padded rows) and attends over its own KV heads as above; a rowwise layer's partial products are
+  summed in rank order (`ordered_sum`). A row's bits then depend on the group size, not on its batch.
 
 Costs (BENCHMARKS.md, "What a cloud forward costs"): a decode row's linear work is 16 rows' (on
 bfloat16 units nearly what one costs), and each session's attention rows are a tile of their own.

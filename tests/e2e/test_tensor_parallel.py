@@ -5,6 +5,8 @@ ranks), its output layer scaled so greedy choices are never near-ties. Real torc
 loopback (gloo).
 
 - Greedy speculative text over 64 tokens at N = 2 (REST and gRPC) and N = 3 (REST) equals N = 1's.
+- /v1/model names the ranks and says the forwards are batch-invariant (the bits:
+  tests/e2e/test_tensor_parallel_invariant.py).
 - Exactness at N = 2: Pearson chi-square goodness of fit of the first two generated tokens (t1, t2)
   over N_SAMPLES = 400 generations (seeds 0..399, k = 2 drafts), against the target's exact
   distribution p(t1 | P) * p(t2 | P, t1) (temperature 1, top-k 5, repetition penalty 1.3), cells
@@ -177,8 +179,10 @@ def reference(target_dir: Path, tok: Any) -> dict[str, list[int]]:
     return out
 
 
-def test_model_info_names_the_ranks(two: TorchrunCloud) -> None:
-    assert httpx.get(two.http_url + "/v1/model").json()["tensor_parallel"] == 2
+def test_model_info_names_the_ranks_and_batch_invariance(two: TorchrunCloud) -> None:
+    info = httpx.get(two.http_url + "/v1/model").json()
+    assert info["tensor_parallel"] == 2
+    assert info["batch_invariant"] is True  # tests/e2e/test_tensor_parallel_invariant.py checks the bits
     assert sorted(two.ranks()) == [0, 1]
 
 
