@@ -308,7 +308,7 @@ class EdgeClient(HeadChoice):
     def _cloud_only(self, job: GenerationJob) -> Generator[CommittedToken, None, None]:
         transport = self._routed(job)
         if transport.supports_generate:
-            yield from target_only(transport, job, Backoff(self._policy(), self.sleep))
+            yield from target_only(transport, job, Backoff(self._policy(), self.sleep), self.settings.stop_at_eos)
             return
         job.params = replace(job.params, send_q_dists=False)  # over gRPC: k = 0 verify rounds
         yield from self._speculative(job, NoDrafter(), origin_map={"bonus": "target"})

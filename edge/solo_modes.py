@@ -58,8 +58,10 @@ def edge_only(drafter: Drafter, job: GenerationJob, chunk: int,
             yield CommittedToken(tok, "local", job.metrics.rounds - 1)
 
 
-def target_only(transport: Transport, job: GenerationJob, backoff: Backoff) -> Generator[CommittedToken, None, None]:
-    """The cloud's /v1/generate stream; after a retryable failure it resumes from the tokens received."""
+def target_only(transport: Transport, job: GenerationJob, backoff: Backoff,
+                stop_at_eos: bool = True) -> Generator[CommittedToken, None, None]:
+    """The cloud's /v1/generate stream; after a retryable failure it resumes from the tokens received. Without
+    `stop_at_eos` the cloud goes on past an end-of-sequence token, as the speculative modes do."""
     up, down = transport.traffic.bytes_up, transport.traffic.bytes_down
     got: list[int] = []
     job.metrics.rounds += 1
@@ -70,7 +72,8 @@ def target_only(transport: Transport, job: GenerationJob, backoff: Backoff) -> G
                 # the cloud's draws are keyed by (seed, position): resuming from prompt + the
                 # tokens received so far continues the very same text
                 for item in transport.generate_stream(job.prompt_ids + got, job.params.sampling, job.params.seed,
-                                                      job.max_new_tokens - len(got), backoff.policy.open_timeout_s):
+                                                      job.max_new_tokens - len(got), backoff.policy.open_timeout_s,
+                                                      stop_at_eos):
                     if isinstance(item, int):
                         got.append(item)
                         yield CommittedToken(item, "target", 0)

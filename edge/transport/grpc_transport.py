@@ -201,11 +201,11 @@ class GrpcTransport:
         return with_max_generate_tokens(info, int(getattr(m, "max_generate_tokens", 0)))
 
     def generate(self, prompt_ids: list[int], cfg: SamplingConfig, seed: int, max_new_tokens: int,
-                 timeout: float) -> GenerateResult:
+                 timeout: float, stop_at_eos: bool = True) -> GenerateResult:
         raise CloudUnavailable("the gRPC service has no target-only generate call")
 
     def generate_stream(self, prompt_ids: list[int], cfg: SamplingConfig, seed: int, max_new_tokens: int,
-                        timeout: float) -> Iterator[int | GenerateResult]:
+                        timeout: float, stop_at_eos: bool = True) -> Iterator[int | GenerateResult]:
         raise CloudUnavailable("the gRPC service has no target-only generate call")
 
     def stream_session(self, ctx_id: str, ctx_len: int, ctx_hash: str, max_new_tokens: int, stop_at_eos: bool,

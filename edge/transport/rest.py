@@ -165,17 +165,17 @@ class RestTransport:
         return with_max_generate_tokens(info, int(d.get("max_generate_tokens") or 0))
 
     def generate(self, prompt_ids: list[int], cfg: SamplingConfig, seed: int, max_new_tokens: int,
-                 timeout: float) -> GenerateResult:
+                 timeout: float, stop_at_eos: bool = True) -> GenerateResult:
         body = {"prompt_ids": prompt_ids, "sampling_cfg": cfg.to_dict(), "seed": seed,
-                "max_new_tokens": max_new_tokens}
+                "max_new_tokens": max_new_tokens, "stop_at_eos": stop_at_eos}
         d = self._call("POST", "/v1/generate", body, timeout)
         return GenerateResult([int(t) for t in d["token_ids"]], dict(d.get("metrics") or {}))
 
     def generate_stream(self, prompt_ids: list[int], cfg: SamplingConfig, seed: int, max_new_tokens: int,
-                        timeout: float) -> Iterator[int | GenerateResult]:
+                        timeout: float, stop_at_eos: bool = True) -> Iterator[int | GenerateResult]:
         """POST /v1/generate with "stream": true (server-sent events)."""
         body = {"prompt_ids": prompt_ids, "sampling_cfg": cfg.to_dict(), "seed": seed,
-                "max_new_tokens": max_new_tokens, "stream": True}
+                "max_new_tokens": max_new_tokens, "stream": True, "stop_at_eos": stop_at_eos}
         ids: list[int] = []
         with contextlib.closing(self._events("/v1/generate", body, timeout)) as events:
             for event, data in events:

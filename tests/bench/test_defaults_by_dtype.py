@@ -7,9 +7,9 @@ from bench.defaults_by_dtype import END, START, prompt_sets, render
 
 def test_the_section_marks_each_aim_and_counts_equal_texts() -> None:
     rows = [{"dtype": "float32", "prompts": "chat", "n": 8, "cloud_only": 20.0, "defaults": 30.0,
-             "tokens_per_call": 2.4, "streamed": 5, "equal": 8},
+             "tokens_per_verify": 2.4, "streamed": 5, "equal": 8},
             {"dtype": "bfloat16", "prompts": "Spec-Bench", "n": 30, "cloud_only": 25.0, "defaults": 30.0,
-             "tokens_per_call": 2.1, "streamed": 0, "equal": 29}]
+             "tokens_per_verify": 2.1, "streamed": 0, "equal": 29}]
     machine = {"cpu": "AMD EPYC", "amx_bf16": False, "avx512_bf16": True, "load_start": 0.2, "load_end": 1.1}
     text = render(rows, "python -m bench.defaults_by_dtype", machine, 64, 7.0)
     assert text.startswith(START) and text.endswith(END)

@@ -216,7 +216,7 @@ class FakeCloud:
         return info
 
     def generate(self, prompt_ids: list[int], cfg: SamplingConfig, seed: int, max_new_tokens: int,
-                 timeout: float) -> GenerateResult:
+                 timeout: float, stop_at_eos: bool = True) -> GenerateResult:
         self._enter("generate")
         ids, out = list(prompt_ids), []
         for _ in range(max_new_tokens):
@@ -224,13 +224,13 @@ class FakeCloud:
             tok = int(p.argmax()) if cfg.greedy else sample_index(p, position_uniform(seed, len(ids) + 1, SAMPLE))
             ids.append(tok)
             out.append(tok)
-            if tok in self.eos_ids:
+            if stop_at_eos and tok in self.eos_ids:
                 break
         return GenerateResult(out)
 
     def generate_stream(self, prompt_ids: list[int], cfg: SamplingConfig, seed: int, max_new_tokens: int,
-                        timeout: float) -> Iterator[int | GenerateResult]:
-        out = self.generate(prompt_ids, cfg, seed, max_new_tokens, timeout)
+                        timeout: float, stop_at_eos: bool = True) -> Iterator[int | GenerateResult]:
+        out = self.generate(prompt_ids, cfg, seed, max_new_tokens, timeout, stop_at_eos)
         yield from out.token_ids
         yield out
 

@@ -159,9 +159,9 @@ def test_cloud_only_resumes_an_interrupted_stream_with_the_same_tokens(make_clie
     real = fake_cloud.generate_stream
     calls = []
 
-    def flaky(prompt_ids, cfg, seed, n, timeout):  # type: ignore[no-untyped-def]
+    def flaky(prompt_ids, cfg, seed, n, timeout, stop_at_eos=True):  # type: ignore[no-untyped-def]
         calls.append(len(prompt_ids))
-        for i, item in enumerate(real(prompt_ids, cfg, seed, n, timeout)):
+        for i, item in enumerate(real(prompt_ids, cfg, seed, n, timeout, stop_at_eos)):
             if len(calls) == 1 and i == 5:
                 raise CloudUnavailable("connection reset mid-stream")
             yield item
@@ -187,3 +187,18 @@ def test_a_prompt_longer_than_the_draft_model_is_refused(make_client, fake_cloud
     with pytest.raises(InvalidArgument, match="positions"):
         client.generate(list(range(model_drafter.max_context)))
     assert "open" not in fake_cloud.calls
+
+
+def test_cloud_only_goes_past_an_end_of_sequence_token_like_speculation_when_told_not_to_stop(
+        make_client, fake_cloud: FakeCloud) -> None:  # type: ignore[no-untyped-def]
+    """With stop_at_eos false, cloud_only's /v1/generate goes on past an eos token (the cloud is told so), and its
+    greedy text equals the speculative one; with it true, both stop at the eos."""
+    client, _ = make_client(temperature=0, max_new_tokens=12, mode="cloud_only", stop_at_eos=False)
+    text = client.generate(PROMPTS[2]).token_ids
+    fake_cloud.eos_ids = [text[3]]  # the target's 4th token now ends a sequence
+    past = client.generate(PROMPTS[2])
+    assert past.token_ids == text and len(past.token_ids) == 12 and "generate" in fake_cloud.calls
+    spec, _ = make_client(temperature=0, max_new_tokens=12, mode="speculative", stop_at_eos=False)
+    assert spec.generate(PROMPTS[2]).token_ids == text
+    stopping, _ = make_client(temperature=0, max_new_tokens=12, mode="cloud_only")
+    assert stopping.generate(PROMPTS[2]).token_ids == text[: text.index(text[3]) + 1]
