@@ -274,34 +274,29 @@ def _call(group: list[_Pseudo], window: int | None, dev: torch.device) -> Invari
 def attend(call: InvariantCall, q_all: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
            out: torch.Tensor, scaling: float | None, softcap: float | None) -> None:
     """One call's attention (see the module docstring), written into `out` ([T, Hq, Dv]) at its queries. The
-    rep query heads of one KV head and the N queries form the M = rep x N rows of its products, padded with
-    rows that see key 0 to a whole number of `ROW_TILE`s."""
+    rep query heads of one KV head and the N queries form the M = rep x N rows of its products, each product
+    run over rows zero-padded to a whole number of `ROW_TILE`s; the softmax runs on the M real rows only."""
     G, N, W = call.shape
     hq, hk, d = q_all.shape[0], k_pool.shape[0], q_all.shape[-1]
     rep = hq // hk
-    M, pad = rep * N, -(rep * N) % ROW_TILE
+    M = rep * N
     # KV-head-major: the gathered keys are contiguous per (KV head, pseudo-row), products need no copies
     q = q_all.index_select(1, call.queries).float().view(hk, rep, G, N, d)  # [Hk, rep, G, N, D]
     q = q.transpose(1, 2).reshape(hk, G, M, d)  # [Hk, G, rep x N, D]
     mask = call.mask.view(1, G, 1, N, W).expand(1, G, rep, N, W).reshape(1, G, M, W)  # [1, G, rep x N, W]
-    if pad:
-        q = torch.cat([q, q.new_zeros(hk, G, pad, d)], 2)  # [Hk, G, M + pad, D]
-        extra = torch.zeros(1, G, pad, W, dtype=torch.bool, device=mask.device)
-        extra[..., 0] = True
-        mask = torch.cat([mask, extra], 2)  # [1, G, M + pad, W]
     k = k_pool.index_select(1, call.keys).float().view(hk, G, W, d)  # [Hk, G, W, D]
     v = v_pool.index_select(1, call.keys).float().view(hk, G, W, -1)  # [Hk, G, W, Dv]
-    s = (q @ k.transpose(-1, -2)) * (scaling if scaling is not None else d ** -0.5)  # [Hk, G, M + pad, W]
+    s = (_tiled_rows(q) @ k.transpose(-1, -2))[:, :, :M] * (scaling if scaling is not None else d ** -0.5)  # [Hk, G, M, W]
     if softcap is not None:
         s = torch.tanh(s / softcap) * softcap
     s = s.masked_fill(~mask, float("-inf"))
-    p = torch.exp(s - s.amax(-1, keepdim=True))  # [Hk, G, M + pad, W]
+    p = torch.exp(s - s.amax(-1, keepdim=True))  # [Hk, G, M, W]
     nc = W // KEY_CHUNK
-    pc = p.view(hk, G, M + pad, nc, KEY_CHUNK)
-    sums = pc.sum(-1).unsqueeze(-1)  # [Hk, G, M + pad, nc, 1]: each chunk's sum
-    pv = pc.transpose(2, 3) @ v.view(hk, G, nc, KEY_CHUNK, -1)  # [Hk, G, nc, M + pad, Dv]: each chunk's p v
-    total, o = _in_order(sums.movedim(3, 2), pv)  # [Hk, G, M + pad, 1], [Hk, G, M + pad, Dv]
-    o = (o / total)[:, :, :M].reshape(hk, G, rep, N, -1).permute(1, 3, 0, 2, 4).reshape(G * N, hq, -1)
+    pc = p.view(hk, G, M, nc, KEY_CHUNK)
+    sums = pc.sum(-1).unsqueeze(-1)  # [Hk, G, M, nc, 1]: each chunk's sum
+    pv = (_tiled_rows(pc.transpose(2, 3)) @ v.view(hk, G, nc, KEY_CHUNK, -1))[..., :M, :]  # [Hk, G, nc, M, Dv]: each chunk's p v
+    total, o = _in_order(sums.movedim(3, 2), pv)  # [Hk, G, M, 1], [Hk, G, M, Dv]
+    o = (o / total).reshape(hk, G, rep, N, -1).permute(1, 3, 0, 2, 4).reshape(G * N, hq, -1)
     out.index_copy_(0, call.dst, o.index_select(0, call.src).to(out.dtype))  # o: [G x N, Hq, Dv]
 
 
