@@ -11,7 +11,8 @@ temporary directory), which splits over 1, 2 and 3. Measured per target and N:
    rank for the same sessions (the pool's bytes after them; every rank holds the same blocks);
 2. tokens/s of one session at a time, greedy, 64 tokens per prompt: cloud_only (the cloud's own
    /v1/generate) and speculative (n-gram drafts over REST).
-On a 2-core CPU the ranks share the cores and every layer adds two gloo all-reduces, so N > 1 does
+On a 2-core CPU the ranks share the cores and every layer adds two collectives (all-gathers of the
+partial products, added in rank order: batch-invariant forwards), so N > 1 does
 not speed anything up here: tensor parallelism is for a target larger than one device, and the
 GPU figures (NCCL) are unmeasured. The section is spliced into OUT between the tp markers.
 """
@@ -90,11 +91,14 @@ def measure(target: Path, n: int, n_new: int, tokenizer: Any) -> dict[str, Any]:
         print(f"tp: N = {n}: refused: {row['refused']}", flush=True)
         return row
     try:
+        info = httpx.get(f"{cloud.url}/v1/model", timeout=30).json()
+        row["dtype"], row["batch_invariant"] = str(info.get("dtype", "float32")), bool(info.get("batch_invariant"))
         mem = rank_memory(cloud.log_path.read_text(errors="replace"))
-        if not mem:  # one process logs no rank line: its model info and the whole weights
+        if not mem:  # one process logs no rank line: its model info and the whole weights, in the cloud's dtype
+            import torch
             from transformers import AutoModelForCausalLM
 
-            m = AutoModelForCausalLM.from_pretrained(target)
+            m = AutoModelForCausalLM.from_pretrained(target, dtype=getattr(torch, row["dtype"]))
             mem = {0: {"weight_bytes": sum(p.numel() * p.element_size() for p in m.parameters()), "kv_bytes_per_token": 0}}
         row["weight_bytes"] = max(v["weight_bytes"] for v in mem.values())
         for mode in ("cloud_only", "speculative"):
@@ -115,12 +119,15 @@ def measure(target: Path, n: int, n_new: int, tokenizer: Any) -> dict[str, Any]:
 
 
 def render(rows: list[dict[str, Any]], command: str, n_new: int, load: str) -> str:
+    dtypes = sorted({str(r["dtype"]) for r in rows if "dtype" in r}) or ["?"]
+    invariant = all(r.get("batch_invariant") for r in rows if "dtype" in r)
     lines = [START, "## A target larger than one device: tensor-parallel ranks", "",
-             f"Command: `{command}` (float32, {len(PROMPTS)} prompts x {n_new} tokens, greedy, one session at a "
+             f"Command: `{command}` (the cloud in {' / '.join(dtypes)}, batch-invariant forwards "
+             f"{'on' if invariant else 'off'} at every N; {len(PROMPTS)} prompts x {n_new} tokens, greedy, one session at a "
              f"time; {load}). `{TWIN}`: the first target's twin with 6 attention and 6 KV heads (random weights), "
              "so that N = 2 is measured too. This machine has 2 CPU cores: the ranks share them and "
-             "each layer adds two gloo all-reduces, so more ranks do not speed anything up here; the point is the "
-             "memory per rank. GPU (NCCL) figures are unmeasured.", "",
+             "each layer adds two collectives (all-gathers of partial products added in rank order), so more ranks "
+             "do not speed anything up here; the point is the memory per rank. GPU (NCCL) figures are unmeasured.", "",
              "| target | ranks | weights per rank | of N = 1 | KV bytes per rank | of N = 1 | cloud_only tok/s | "
              "speculative tok/s |", "|---|---|---|---|---|---|---|---|"]
     over = []
