@@ -25,7 +25,7 @@ from typing import Any
 
 from bench.cloud_proc import REPO, CloudServer
 from bench.coder_pair import cpu_info, pin
-from bench.real_pair import PROMPTS, SPECBENCH, chat_ids, splice
+from bench.real_pair import PROMPTS, SPECBENCH, one_client, splice
 
 TARGET = REPO / "models" / "smollm2-135m-instruct"
 START, END = "<!-- defaults-by-dtype:start -->", "<!-- defaults-by-dtype:end -->"
@@ -39,30 +39,11 @@ def prompt_sets() -> dict[str, list[str]]:
 
 
 def one_mode(url: str, tokenizer: Any, mode: Any, texts: list[str], n_new: int) -> dict[str, Any]:
-    """One client of `mode` over `texts`: decode tokens/s, tokens per verify call (streamed tokens apart), the texts."""
-    from edge.client import EdgeClient
-    from edge.settings import EdgeSettings
-
-    s = EdgeSettings(cloud_url=url, temperature=0, max_new_tokens=n_new, seed=1, mode=mode, timeout_ms=120_000,
-                     stop_at_eos=False)
-    client = EdgeClient(s, tokenizer=tokenizer)
-    client.model_info()
-    if mode != "cloud_only":
-        _ = client.drafter, client.head()
-    toks = emitted = verify = streamed = 0
-    ms = 0.0
-    out = []
-    for text in texts:
-        r = client.generate(chat_ids(tokenizer, text))
-        toks += len(r.token_ids) - 1
-        ms += r.metrics.wall_ms - r.metrics.ttft_ms
-        emitted += len(r.token_ids)
-        verify += r.metrics.verify_calls
-        streamed += r.metrics.streamed
-        out.append(list(r.token_ids))
-    client.close()
-    return {"tokens_per_s": toks / ms * 1000, "tokens_per_verify": (emitted - streamed) / max(verify, 1), "streamed": streamed,
-            "texts": out}
+    """One client of `mode` over `texts` (`real_pair.one_client`): decode tokens/s, tokens per verify call (streamed
+    tokens apart), the texts."""
+    t = one_client(url, tokenizer, mode, texts, n_new)
+    return {"tokens_per_s": t["tokens_per_s"], "tokens_per_verify": (t["emitted"] - t["streamed"]) / max(t["verify"], 1),
+            "streamed": t["streamed"], "texts": t["texts"]}
 
 
 def run(dtypes: list[str], n_new: int) -> list[dict[str, Any]]:

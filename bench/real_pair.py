@@ -230,42 +230,50 @@ def specbench(cloud_url: str, tokenizer: Any, n_new: int, head: str = "") -> lis
     return rows
 
 
-def end_to_end(cloud: Any, tokenizer: Any, n_new: int, prompts: list[str], head: str = "") -> list[dict[str, Any]]:
-    """The edge's defaults (its default head when present, or `head`; cost-model k, drafting ahead) against cloud_only:
-    decode tokens/s, the tokens after the first over the time after the first (a generation's own clock,
-    `metrics.wall_ms - metrics.ttft_ms`), summed over the prompts. One client per mode and RTT, its drafts
-    loaded and the cloud's model info read before the first prompt, as a server or a CLI run holds them;
-    the first token (the prompt's prefill) is left out of both modes, since the cloud may keep a prompt's
-    prefix from the other mode's run of it."""
+def one_client(url: str, tokenizer: Any, mode: Any, texts: list[str], n_new: int, head: str = "") -> dict[str, Any]:
+    """One greedy client of `mode` over the chat `texts`, its drafts loaded and the cloud's model info read before
+    the first prompt, as a server or a CLI run holds them: sums over the prompts of decode tokens and ms (the
+    tokens after the first over the time after the first: a generation's own clock, `metrics.wall_ms -
+    metrics.ttft_ms`), tokens, cloud and verify calls, tokens streamed, switches; and the texts."""
     from edge.client import EdgeClient
     from edge.settings import EdgeSettings
 
+    s = EdgeSettings(cloud_url=url, temperature=0, max_new_tokens=n_new, seed=1, mode=mode, timeout_ms=120_000,
+                     stop_at_eos=False)
+    if head:
+        s = s.model_copy(update={"head": head})
+    client = EdgeClient(s, tokenizer=tokenizer)
+    client.model_info()
+    if mode != "cloud_only":
+        _ = client.drafter, client.head()
+    t: dict[str, Any] = {"decode_tokens": 0, "decode_ms": 0.0, "emitted": 0, "calls": 0, "verify": 0, "streamed": 0,
+                         "switches": 0, "texts": []}
+    for text in texts:
+        r = client.generate(chat_ids(tokenizer, text))
+        m = r.metrics
+        for key, v in (("decode_tokens", len(r.token_ids) - 1), ("decode_ms", m.wall_ms - m.ttft_ms),
+                       ("emitted", len(r.token_ids)), ("calls", m.cloud_calls), ("verify", m.verify_calls),
+                       ("streamed", m.streamed), ("switches", m.switches)):
+            t[key] += v
+        t["texts"].append(list(r.token_ids))
+    client.close()
+    t["tokens_per_s"] = t["decode_tokens"] / t["decode_ms"] * 1000
+    return t
+
+
+def end_to_end(cloud: Any, tokenizer: Any, n_new: int, prompts: list[str], head: str = "") -> list[dict[str, Any]]:
+    """The edge's defaults (its default head when present, or `head`; cost-model k, drafting ahead) against cloud_only
+    (`one_client`), one client per mode and RTT; the first token (the prompt's prefill) is left out of both modes,
+    since the cloud may keep a prompt's prefix from the other mode's run of it."""
     rows = []
     for rtt in RTTS_MS:
         with DelayProxy("127.0.0.1", cloud.http_port, rtt_ms=rtt) as proxy:
             for mode in ("cloud_only", "speculative"):
-                s = EdgeSettings(cloud_url=proxy.url, temperature=0, max_new_tokens=n_new, seed=1, mode=mode,
-                                 timeout_ms=120_000, stop_at_eos=False)
-                if head:
-                    s = s.model_copy(update={"head": head})
-                client = EdgeClient(s, tokenizer=tokenizer)
-                client.model_info()
-                if mode != "cloud_only":
-                    _ = client.drafter, client.head()
-                toks = ms = calls = emitted = 0.0
-                streamed = switches = 0
-                for text in prompts:
-                    r = client.generate(chat_ids(tokenizer, text))
-                    toks += len(r.token_ids) - 1
-                    ms += r.metrics.wall_ms - r.metrics.ttft_ms
-                    emitted += len(r.token_ids)
-                    calls += r.metrics.cloud_calls
-                    streamed += r.metrics.streamed
-                    switches += r.metrics.switches
-                client.close()
-                rows.append({"rtt_ms": rtt, "mode": mode, "tokens_per_s": toks / ms * 1000,
-                             "tokens_per_call": emitted / calls, "streamed": streamed, "switches": switches})
-                print(f"real-pair: rtt {rtt} ms, {mode}: {toks / ms * 1000:.2f} decode tok/s", flush=True)
+                t = one_client(proxy.url, tokenizer, mode, prompts, n_new, head)
+                rows.append({"rtt_ms": rtt, "mode": mode, "tokens_per_s": t["tokens_per_s"],
+                             "tokens_per_call": t["emitted"] / t["calls"], "streamed": t["streamed"],
+                             "switches": t["switches"]})
+                print(f"real-pair: rtt {rtt} ms, {mode}: {t['tokens_per_s']:.2f} decode tok/s", flush=True)
     return rows
 
 
