@@ -91,7 +91,8 @@ async def serve(service: VerifierService) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
-    unwatch = freeze_and_watch(service.metrics.gc_pause)  # the model's objects out of the collector's walks
+    # the model's objects out of the collector's walks; pauses folded into /metrics as it is read
+    unwatch = freeze_and_watch(service.metrics.gc_pause, service.metrics.registry)
     http_task = asyncio.create_task(http.serve(sockets=[sock]))
     sweeper = asyncio.create_task(service.sweep_forever())
     ranks = asyncio.create_task(watch_ranks(service, health)) if getattr(service.model, "group", None) else None
