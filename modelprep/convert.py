@@ -1,0 +1,249 @@
+"""A GGUF file or a Hugging Face directory into a model directory the cloud and the edge load.
+
+`convert_gguf` dequantizes a GGUF file with transformers (float32) and checks the saved directory's logits
+against the GGUF load on a fixed text (`CHECK_ATOL`). A model loaded from GGUF refuses `save_pretrained` until
+its quantizer marker is cleared; the weights are plain float32 tensors by then, so clearing it loses nothing.
+`convert_hf_dir` re-saves a Hugging Face directory (its stored dtype) as safetensors with its tokenizer,
+checked the same way. Both refuse, before reading any weights, an architecture the cloud refuses
+(`shared.attention_layout`), and both finish a directory alike (`finish_dir`):
+
+- `model.gguf`: the GGUF file, hard-linked (a copy where linking fails), for drafters that read GGUF;
+- `source.json`: what was converted (path, bytes, sha256), by which command, and the logit check;
+- every file mode 0644 and every directory 0755, so a container running as another user reads it.
+
+Each writes into `<out>.partial` and renames it when checked: a directory named `out` is complete.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+# The text the converted logits are checked on (any fixed text would do).
+CHECK_TEXT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\""
+# Largest |logit difference| accepted between the source's load and the saved directory.
+CHECK_ATOL = 1e-4
+# The record of what a directory was converted from (see the module docstring).
+RECORD = "source.json"
+# The GGUF file inside a converted directory.
+GGUF_IN_DIR = "model.gguf"
+GGUF_MAGIC = b"GGUF"
+
+log = logging.getLogger(__name__)
+
+
+class PrepareError(RuntimeError):
+    """A one-line reason a model cannot be prepared or converted, with the fix."""
+
+
+def is_prepared(out_dir: Path) -> bool:
+    """True when `out_dir` already holds a converted model with its tokenizer."""
+    return all((out_dir / name).is_file() for name in ("config.json", "model.safetensors", "tokenizer.json"))
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def size_text(n: int) -> str:
+    """Bytes as the logs show them: '1.12 GB' (decimal, as pip and du -h --si do)."""
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
+def check_gguf_file(src: Path) -> None:
+    """PrepareError (one line) unless `src` is a readable file that starts like a GGUF file."""
+    if not src.exists():
+        raise PrepareError(f"{src} does not exist: pass a .gguf file or a Hugging Face model directory")
+    with src.open("rb") as f:
+        head = f.read(4)
+    if head != GGUF_MAGIC:
+        raise PrepareError(f"{src} is not a GGUF file (it starts with {head!r}, not {GGUF_MAGIC!r}): pass a "
+                           "GGUF file or a Hugging Face model directory")
+
+
+def check_architecture(config: Any, src: Path) -> None:
+    """PrepareError naming the cloud's reason when it would refuse this config (shared.attention_layout)."""
+    from shared.attention_layout import UnsupportedModel, attention_layout
+
+    try:
+        attention_layout(config)
+    except UnsupportedModel as e:
+        raise PrepareError(f"{src}: the cloud refuses this model: {e}") from None
+
+
+def _needs(modules: tuple[str, ...]) -> None:
+    for module in modules:
+        if importlib.util.find_spec(module) is None:
+            raise PrepareError(f"reading GGUF needs the `{module}` package: pip install '.[models]' "
+                               f"(scripts/setup.sh installs it)")
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def convert_gguf(src: Path, out_dir: Path, *, command: str = "", sha256: str | None = None,
+                 extra: dict[str, Any] | None = None) -> Path:
+    """A GGUF file into a float32 Hugging Face directory at `out_dir`, checked against the GGUF load.
+    `sha256`: the file's, when the caller has checked it already; `extra`: more fields for the record."""
+    check_gguf_file(src)
+    _needs(("gguf", "accelerate"))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    size = src.stat().st_size
+    try:
+        config = AutoConfig.from_pretrained(src.parent, gguf_file=src.name)
+    except Exception as e:  # noqa: BLE001 - any reader error is a bad file to the user
+        raise PrepareError(f"cannot read {src} as GGUF: {_first_line(e)}") from None
+    check_architecture(config, src)
+    log.info("%s: loading the GGUF (%s, model type %s), dequantizing to float32", src.name, size_text(size),
+             config.model_type)
+    start = time.monotonic()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+        model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
+    except Exception as e:  # noqa: BLE001 - a damaged or unsupported GGUF, in one line
+        raise PrepareError(f"cannot read {src} as GGUF: {_first_line(e)}") from None
+    model.eval()
+    n_params = sum(p.numel() for p in model.parameters())
+    log.info("%s: loaded in %.0f s (%.0f M parameters)", src.name, time.monotonic() - start, n_params / 1e6)
+    # The quantizer marker only blocks saving: the weights are dequantized float32 tensors by now.
+    model.hf_quantizer = None  # type: ignore[assignment]
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.dtype = torch.float32
+    digest = sha256 or sha256_of(src)
+    record = {"source": {"path": str(src.resolve()), "format": "gguf", "bytes": size, "sha256": digest},
+              "command": command, "dtype": "float32", **(extra or {})}
+    return _save_checked(model, tokenizer, out_dir, record, gguf=src, dtype=torch.float32)
+
+
+def convert_hf_dir(src: Path, out_dir: Path, *, command: str = "") -> Path:
+    """A Hugging Face model directory into `out_dir` (its stored dtype, safetensors, its tokenizer), after
+    the cloud's architecture and tokenizer checks; checked against the source's load."""
+    if not src.is_dir():
+        raise PrepareError(f"{src} does not exist: pass a .gguf file or a Hugging Face model directory")
+    if not (src / "config.json").is_file():
+        raise PrepareError(f"{src} has no config.json: not a Hugging Face model directory (or pass a .gguf file)")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from shared.attention_layout import UnsupportedModel
+    from shared.tokenizer_id import load_tokenizer
+
+    try:
+        config = AutoConfig.from_pretrained(src)
+    except (OSError, ValueError, KeyError) as e:
+        raise PrepareError(f"cannot read the model config in {src}: {_first_line(e)}") from None
+    check_architecture(config, src)
+    try:
+        tokenizer = load_tokenizer(src)
+    except UnsupportedModel as e:
+        raise PrepareError(f"{e}") from None
+    files = sorted(p for p in src.iterdir() if p.is_file())
+    size = sum(p.stat().st_size for p in files)
+    log.info("%s: loading the model (%s in %d files, model type %s)", src, size_text(size), len(files), config.model_type)
+    start = time.monotonic()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(src, dtype="auto")
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        raise PrepareError(f"cannot load {src}: {_first_line(e)}") from None
+    model.eval()
+    log.info("%s: loaded in %.0f s (%s)", src, time.monotonic() - start, model.dtype)
+    weights = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_of(p)} for p in files
+               if p.suffix in (".safetensors", ".bin", ".json", ".model", ".txt", ".jinja")}
+    record = {"source": {"path": str(src.resolve()), "format": "huggingface", "bytes": size, "files": weights},
+              "command": command, "dtype": str(model.dtype).removeprefix("torch.")}
+    return _save_checked(model, tokenizer, out_dir, record, gguf=None, dtype=model.dtype)
+
+
+def _save_checked(model: Any, tokenizer: Any, out_dir: Path, record: dict[str, Any], *, gguf: Path | None,
+                  dtype: Any) -> Path:
+    """Save `model` and `tokenizer` into `<out_dir>.partial`, check its logits against `model`'s, finish it
+    (`finish_dir`) and rename it to `out_dir`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    ids = tokenizer(CHECK_TEXT, return_tensors="pt").input_ids  # [1, T]
+    with torch.no_grad():
+        reference = model(ids).logits  # [1, T, vocab]
+    tmp = out_dir.with_name(out_dir.name + ".partial")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    start = time.monotonic()
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    del model
+    saved_bytes = sum(p.stat().st_size for p in tmp.iterdir() if p.is_file())
+    log.info("%s: saved %s in %.0f s; checking its logits", out_dir.name, size_text(saved_bytes), time.monotonic() - start)
+    start = time.monotonic()
+    saved = AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype)
+    with torch.no_grad():
+        diff = (saved(ids).logits.float() - reference.float()).abs().max().item()
+    del saved
+    if diff > CHECK_ATOL:
+        shutil.rmtree(tmp)
+        raise PrepareError(f"the converted logits differ from the source's by {diff:.3g} (> {CHECK_ATOL}); "
+                           "nothing was written: report this model")
+    log.info("%s: max |logit diff| against the source %.3g (%.0f s)", out_dir.name, diff, time.monotonic() - start)
+    record = {**record, "check": {"text": CHECK_TEXT, "max_abs_logit_diff": diff}}
+    finish_dir(tmp, record, gguf)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    tmp.rename(out_dir)
+    log.info("prepared %s", out_dir)
+    return out_dir
+
+
+def finish_dir(out_dir: Path, record: dict[str, Any] | None, gguf: Path | None) -> None:
+    """Link `gguf` in as `model.gguf` (when given and missing), write the record (when given) and make the
+    directory readable by every user."""
+    if gguf is not None and not (out_dir / GGUF_IN_DIR).is_file():
+        link_or_copy(gguf, out_dir / GGUF_IN_DIR)
+    if record is not None:
+        made = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        text = json.dumps({**record, "made": made}, indent=1) + "\n"
+        (out_dir / RECORD).write_text(text)
+    make_world_readable(out_dir)
+
+
+def link_or_copy(src: Path, dst: Path) -> str:
+    """`dst` as a hard link to `src`, or a copy where the file system refuses the link; returns which."""
+    try:
+        os.link(src, dst)
+        return "linked"
+    except OSError as e:
+        log.info("%s: cannot hard-link %s (%s); copying it (%s)", dst.parent.name, src, e.strerror,
+                 size_text(src.stat().st_size))
+        shutil.copyfile(src, dst)
+        return "copied"
+
+
+def make_world_readable(root: Path) -> None:
+    """Mode 0755 for `root` and the directories under it, 0644 for its files (safetensors writes 0600)."""
+    root.chmod(0o755)
+    for path in root.rglob("*"):
+        if path.is_symlink():
+            continue
+        want = 0o755 if path.is_dir() else 0o644
+        if path.stat().st_mode & 0o777 != want:
+            try:
+                path.chmod(want)
+            except PermissionError:  # a hard link to a file another user owns (an installed wheel's GGUF)
+                log.warning("%s: cannot make it readable by every user (not its owner)", path)
