@@ -60,6 +60,7 @@ _FLAGS: dict[str, str] = {"cloud": "cloud_url", "grpc": "grpc_target", "api_key"
                           "tree_width": "tree_width", "tree_depth": "tree_depth", "tree_max_nodes": "tree_max_nodes",
                           "tree_copy": "tree_copy",
                           "stream_switch": "stream_switch", "objective": "objective", "draft_dtype": "draft_dtype",
+                          "draft_runtime": "draft_runtime", "threads": "threads",
                           "capacity_wait_s": "capacity_wait_s"}
 
 
@@ -73,8 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--api-key", help="Bearer key for the cloud")
     g.add_argument("--route-key", help="routing key sent as X-Specsplit-Route (default: a random one per run); "
                                        "a load balancer hashing on it keeps the session on one replica")
-    g.add_argument("--draft", help="tokens-only draft: a model directory or 'ngram' (default "
-                                   "models/smollm2-135m-draft-from-target)")
+    g.add_argument("--draft", help="tokens-only draft: a .gguf file, a model directory (with model.gguf: run by "
+                                   "llama.cpp) or 'ngram' (default: the draft under models/ that speaks the cloud's "
+                                   "tokenizer)")
     g.add_argument("--head", help="draft head directory fed the target's states, or 'none' (default "
                                   "models/smollm2-135m-attention-head; models/smollm2-135m-head the one-state head); "
                                   "used whenever the cloud offers features that match it, --draft otherwise")
@@ -142,7 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="past its retries, keep waiting out the cloud's 429 capacity answers this long (default 300)")
     g.add_argument("--draft-dtype", choices=["auto", "float32", "bfloat16"],
                    help="dtype of the draft model (default auto: bfloat16 where the CPU has bfloat16 units, else float32)")
-    g.add_argument("--threads", type=int, help="torch threads of the draft model (default: torch's)")
+    g.add_argument("--draft-runtime", choices=["auto", "llamacpp", "torch"],
+                   help="what runs the draft: llama.cpp on a GGUF (a .gguf file or a directory with model.gguf), "
+                        "PyTorch on a Hugging Face directory, or auto (default: llama.cpp where the draft has a GGUF "
+                        "and llama-cpp-python is installed)")
+    g.add_argument("--threads", type=int, help="threads of the draft model (default: torch's own count in PyTorch, "
+                                               "half the cores, 1 to 4, in llama.cpp)")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.add_argument("--against-cloud-only", action="store_true",
                    help="then run the same prompt with --mode cloud_only (quietly) and print both decode rates")

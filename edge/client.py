@@ -29,7 +29,7 @@ from .head_choice import HeadChoice
 from .metrics import CommittedToken, Origin
 from .pairing import check_pairing, fit_drafter
 from .run_controls import Backoff, k_controller, recovery_policy, tree_control, way_control
-from .settings import EdgeSettings, Mode, draft_torch_dtype
+from .settings import EdgeSettings, Mode, load_draft_model
 from .solo_modes import NoDrafter, edge_only, target_only
 from .speculative import SpeculativeRun
 from .transport.base import ModelInfo, Transport, check_route_key, new_route_key
@@ -114,14 +114,13 @@ class EdgeClient(HeadChoice):
     @property
     def drafter(self) -> Drafter:
         if self._drafter is None:
-            from .drafters import HybridDrafter, ModelDrafter, NGramDrafter
+            from .drafters import HybridDrafter, NGramDrafter
 
             s = self.settings
             if s.draft == "ngram":
                 self._drafter = NGramDrafter(order=s.ngram_order, filler_top_k=s.filler_top_k)
             else:
-                model = ModelDrafter(s.draft, device=s.device, mc_dropout_samples=s.mc_dropout_samples,
-                                     dtype=draft_torch_dtype(s))
+                model = load_draft_model(s)
                 self._drafter = model
                 if s.hybrid:
                     ngram = NGramDrafter(order=s.ngram_order, filler_top_k=s.filler_top_k)

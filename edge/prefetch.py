@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from shared.config import SamplingConfig
 
 from .drafters.base import DraftBlock, Drafter
-from .drafters.model import ModelDrafter
+from .drafters.model import CausalDrafter
 from .drafters.tree import TreeShape, TreeStopped, main_path
 
 log = logging.getLogger(__name__)
@@ -134,10 +134,10 @@ class DraftAhead:
         self._last_wait = 0.0
 
     @staticmethod
-    def model_of(drafter: object) -> ModelDrafter | None:
+    def model_of(drafter: object) -> CausalDrafter | None:
         """The model drafter that proposes for `drafter` (itself, or a LockedDrafter's inner one)."""
         inner = getattr(drafter, "inner", drafter)
-        return inner if isinstance(inner, ModelDrafter) and not inner.mc_dropout_samples else None
+        return inner if isinstance(inner, CausalDrafter) and not inner.mc_dropout_samples else None
 
     @classmethod
     def supports(cls, drafter: object) -> bool:

@@ -10,6 +10,7 @@ la/k <= 0.4, within [3, 12]).
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any, Literal
 
@@ -107,6 +108,13 @@ class EdgeSettings(BaseSettings):
     # reads it as sent. auto by default: on an AVX512-BF16 CPU the coder pair's 0.5B draft grows a tree of 32
     # nodes in two thirds of float32's time (BENCHMARKS.md, "The draft's cost and memory")
     draft_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    # what runs the draft model: "llamacpp" (a GGUF file, or a directory with model.gguf, run by llama.cpp as
+    # devices do), "torch" (a Hugging Face directory in PyTorch), or "auto": llama.cpp where the draft has a GGUF
+    # and llama-cpp-python is installed (one log line says why not otherwise), else PyTorch
+    draft_runtime: Literal["auto", "llamacpp", "torch"] = "auto"
+    # threads of the draft model: PyTorch's (torch.set_num_threads) or llama.cpp's; unset: torch's own count, and
+    # half the cores (1 to 4) for llama.cpp
+    threads: int | None = Field(default=None, ge=1)
     # speculative | edge_only | cloud_only
     mode: Mode = "speculative"
 
@@ -253,11 +261,37 @@ class EdgeSettings(BaseSettings):
         if self.tokenizer:
             return self.tokenizer
         if self.draft != "ngram":
-            return self.draft
+            # a GGUF file's tokenizer is the one beside it (a prepared model directory holds both)
+            return str(Path(self.draft).parent) if self.draft.endswith(".gguf") else self.draft
         for name in DEFAULT_DRAFTS:
             if (REPO_ROOT / "models" / name).is_dir():
                 return str(REPO_ROOT / "models" / name)
         raise ValueError("the n-gram drafter needs --tokenizer DIR (no default draft under models/)")
+
+
+def load_draft_model(settings: EdgeSettings) -> Any:
+    """The draft model `settings.draft` names, on the runtime `draft_runtime` picks (edge/drafters)."""
+    from shared.kvpool import UnsupportedModel
+    from shared.llama_runtime import find_gguf, unavailable
+
+    gguf = find_gguf(settings.draft)
+    runtime = settings.draft_runtime
+    if runtime != "torch" and gguf is not None:
+        why = unavailable()
+        if why is None:
+            from .drafters.llamacpp import LlamaCppDrafter
+
+            return LlamaCppDrafter(gguf, threads=settings.threads)
+        if runtime == "llamacpp" or not (Path(settings.draft) / "config.json").is_file():
+            raise UnsupportedModel(why)
+        logging.getLogger(__name__).warning("drafting in PyTorch, not llama.cpp: %s", why)
+    elif runtime == "llamacpp":
+        raise UnsupportedModel(f"--draft-runtime llamacpp needs a GGUF draft: {settings.draft} is no .gguf file "
+                               "and holds no model.gguf")
+    from .drafters import ModelDrafter
+
+    return ModelDrafter(settings.draft, device=settings.device, mc_dropout_samples=settings.mc_dropout_samples,
+                        dtype=draft_torch_dtype(settings))
 
 
 def draft_torch_dtype(settings: EdgeSettings) -> Any:

@@ -27,4 +27,28 @@ if [ ! -f models/smollm2-135m-instruct/model.safetensors ]; then
     echo "$out" | grep -v -E "it/s\]|^$" | tail -5; exit 1
   fi
 fi
+# llama.cpp (GGUF drafts on the edge, the cloud's llama.cpp runner): llama-cpp-python is a source distribution,
+# so pip compiles its vendored llama.cpp once for this CPU (cmake and a C++ compiler; about 5 minutes on 2
+# cores) and caches the wheel, so a second setup on the same machine takes seconds. Without it the draft runs in
+# PyTorch. SPECSPLIT_SKIP_LLAMACPP=1 skips the build.
+LLAMACPP="llama-cpp-python==0.3.36"
+if [ -z "${SPECSPLIT_SKIP_LLAMACPP:-}" ] && ! .venv/bin/python -c "import llama_cpp" >/dev/null 2>&1; then
+  if ! command -v cmake >/dev/null || ! command -v c++ >/dev/null; then
+    echo "llama.cpp not built: cmake or a C++ compiler is missing (Debian: apt-get install cmake g++, then run setup again); drafts run in PyTorch"
+  else
+    echo "building $LLAMACPP for this CPU (once, about 5 min on 2 cores; pip caches the wheel)"
+    t0=$(date +%s)
+    CMAKE_ARGS="-DLLAVA_BUILD=OFF ${CMAKE_ARGS:-}" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
+      .venv/bin/python -m pip install "$LLAMACPP" > .venv/llama-cpp-build.log 2>&1 &
+    pid=$!
+    while kill -0 "$pid" 2>/dev/null; do sleep 30; kill -0 "$pid" 2>/dev/null && echo "  still building llama.cpp ($(( $(date +%s) - t0 )) s)"; done
+    if wait "$pid"; then
+      echo "llama.cpp built in $(( $(date +%s) - t0 )) s"
+    else
+      tail -5 .venv/llama-cpp-build.log
+      echo "llama.cpp did not build (full log: .venv/llama-cpp-build.log): drafts run in PyTorch; fix the cause above (cmake, a C++ compiler, disk) and run setup again"
+    fi
+  fi
+fi
 .venv/bin/python -c "import torch, transformers, shared, cloud, edge; print('specsplit ready: torch', torch.__version__, '| transformers', transformers.__version__)"
+.venv/bin/python -c "from shared.llama_runtime import unavailable; w = unavailable(); print('llama.cpp:', w or 'ready')"

@@ -2,7 +2,7 @@
 
 from .base import DraftBlock, Drafter
 from .hybrid import HybridDrafter
-from .model import ModelDrafter
+from .model import CausalDrafter, ModelDrafter
 from .ngram import NGramDrafter, NGramStorage
 
-__all__ = ["DraftBlock", "Drafter", "HybridDrafter", "ModelDrafter", "NGramDrafter", "NGramStorage"]
+__all__ = ["CausalDrafter", "DraftBlock", "Drafter", "HybridDrafter", "ModelDrafter", "NGramDrafter", "NGramStorage"]

@@ -17,14 +17,14 @@ from shared.config import SamplingConfig
 from shared.verify import DraftKind
 
 from .base import DraftBlock
-from .model import ModelDrafter
+from .model import CausalDrafter
 from .ngram import NGramDrafter
 
 
 class HybridDrafter:
     kind: DraftKind = "sampled"
 
-    def __init__(self, model: ModelDrafter, ngram: NGramDrafter, min_level: int = 2) -> None:
+    def __init__(self, model: CausalDrafter, ngram: NGramDrafter, min_level: int = 2) -> None:
         self.model = model
         self.ngram = ngram
         self.min_level = min_level

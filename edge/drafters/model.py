@@ -49,90 +49,65 @@ def raw_signals(logits: torch.Tensor, token: int) -> tuple[float, float, float]:
     return float(-logp[token]), entropy, float(top2[0] - top2[1])
 
 
-class ModelDrafter:
+class CausalDrafter:
+    """A causal LM drafting chains and token trees by position; a subclass runs its forward (PyTorch here,
+    llama.cpp in edge/drafters/llamacpp.py) through four hooks: `_feed` (append tokens, logits of the last),
+    `_crop` (keep the first n positions' KV), `_tree_level` (one batched step over a tree's new frontier) and
+    `_drop_tree` (forget the tree's nodes). q is processed from the logits by shared/sampling.py either way."""
+
     kind: DraftKind = "sampled"
     wants_top_k = 0
+    mc_dropout_samples = 0
+    # the ids q is taken over (the target's tokenizer_size once paired, edge/pairing.py)
+    vocab_size: int
+    # the ids the draft has logits for
+    logit_rows: int
+    # longest context the draft holds (None: unbounded)
+    max_context: int | None
+    # fingerprint of the tokenizer stored with the draft (None when there is none)
+    tokenizer_fingerprint: str | None
+    # the tokens whose KV the drafter holds
+    _ids: list[int]
 
-    def __init__(self, model_dir: str | Path, device: str = "cpu", mc_dropout_samples: int = 0,
-                 dtype: torch.dtype = torch.float32) -> None:
-        if not Path(model_dir).is_dir():
-            raise UnsupportedModel(f"the draft model directory {model_dir} does not exist: pass --draft DIR (a local "
-                                   "Hugging Face model directory; nothing is downloaded) or --draft ngram")
-        # the ids of a compact draft's output rows (edge/drafters/compact.py); None: one row per id
-        self.out_ids: torch.Tensor | None = None
-        if is_compact(Path(model_dir)):
-            self.model, self.out_ids = load_compact(Path(model_dir), device, dtype)
-        else:
-            self.model = load_causal_lm(Path(model_dir), device, dtype)
-        # weights and KV (q is whatever the draft computes: draw and match and the verify rule read it as sent)
-        self.device, self.dtype = device, dtype
-        # the ids the draft speaks (its embedding's rows), and the ids q is taken over (the target's
-        # tokenizer_size once paired: rows past it are padding of the embedding table, never a token)
-        self.logit_rows = int(self.model.get_input_embeddings().weight.shape[0] if self.out_ids is not None
-                              else self.model.get_output_embeddings().weight.shape[0])
-        self.vocab_size = self.logit_rows
-        cfg = self.model.config.get_text_config()
-        self.max_context: int | None = getattr(cfg, "n_positions", None) or getattr(
-            cfg, "max_position_embeddings", None)
-        self.has_dropout = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in self.model.modules())
-        self.mc_dropout_samples = mc_dropout_samples if self.has_dropout else 0
-        # fingerprint of the tokenizer stored with the draft (None when its directory has none)
-        self.tokenizer_fingerprint = directory_fingerprint(model_dir)
-        self._layout = attention_layout(self.model.config)
-        check_rollback(self.model, self._new_pool(), self.logit_rows, dtype)
-        self.reset()
+    def reset(self) -> None:
+        """Forget the previous text: an empty cache."""
+        raise NotImplementedError
+
+    def fork(self) -> CausalDrafter:
+        """A drafter sharing this one's weights with its own cache (one per concurrent generation)."""
+        raise NotImplementedError
+
+    def _feed(self, tokens: Sequence[int]) -> torch.Tensor:
+        """Run `tokens` after `_ids`, extending the cache and `_ids`; logits of the last ([vocab])."""
+        raise NotImplementedError
+
+    def _crop(self, n: int) -> None:
+        """Keep the KV of the first n held positions (`_ids` is cropped by the caller)."""
+        raise NotImplementedError
+
+    def _tree_level(self, base: int, tree: list[int], tokens: list[int]) -> torch.Tensor:
+        """Feed a tree's new frontier after the `base` held positions: `tree` holds the parent offset (-1: the
+        context) of every node fed so far, the last len(tokens) of them new; logits after each ([w, vocab])."""
+        raise NotImplementedError
+
+    def _drop_tree(self, base: int) -> None:
+        """Forget every tree node fed after the `base` held positions."""
+        raise NotImplementedError
+
+    def _mc_dropout_variance(self, context: Sequence[int], tokens: Sequence[int]) -> list[float]:
+        raise NotImplementedError
 
     @property
     def kv_len(self) -> int:
         """Positions whose KV the drafter holds."""
-        return self._pool.length(self._slot)
-
-    def _new_pool(self) -> KVPool:
-        pool = KVPool(self._layout, self.max_context or 1 << 20, self.device, self.dtype)
-        template = self.__dict__.get("_template")
-        if template is None:
-            pool.prepare(self.model)
-            self._template = pool
-        else:
-            pool.prepare_like(template)
-        return pool
-
-    def reset(self) -> None:
-        self._pool = self._new_pool()
-        self._slot = self._pool.allocate()
-        self._ids: list[int] = []
-
-    def fork(self) -> ModelDrafter:
-        """A drafter sharing this one's weights with its own cache (one per concurrent generation)."""
-        twin = object.__new__(ModelDrafter)
-        twin.__dict__.update(self.__dict__)
-        twin.reset()
-        return twin
-
-    @torch.no_grad()
-    def _feed(self, tokens: Sequence[int]) -> torch.Tensor:
-        """Run `tokens` after `_ids` through the model, extending the cache; logits of the last ([vocab])."""
-        row = Row(self._slot, len(self._ids), [int(t) for t in tokens], keep=1)
-        (logits,) = self._pool.forward(self.model, [row])  # [1, rows]
-        self._ids.extend(row.ids)
-        return self._spread(logits[-1])  # [vocab]
-
-    def _spread(self, logits: torch.Tensor) -> torch.Tensor:
-        """The output rows' logits ([..., rows]) over the tokenizer's ids ([..., vocab]): -inf on ids a
-        compact draft has no row for, so q is 0 there."""
-        if self.out_ids is not None:
-            full = logits.new_full((*logits.shape[:-1], self.logit_rows), float("-inf"))  # [..., ids]
-            logits = full.index_copy(-1, self.out_ids, logits)
-        return logits[..., : self.vocab_size]
+        return len(self._ids)
 
     def _sync(self, context: Sequence[int]) -> torch.Tensor:
         """Crop to the common prefix with `context`, feed the rest; logits after the whole context."""
         if not context:
             raise ValueError("the draft model needs a non-empty context")
         keep = min(common_prefix_len(self._ids, context), len(context) - 1)  # feed >= 1 token for logits
-        if keep < len(self._ids):
-            self._pool.crop(self._slot, keep)
-            del self._ids[keep:]
+        self.rewind(keep)
         # where the last accepted draft token's KV is filled in: after an all-accepted round,
         # context[keep:] is [y_k, bonus] because y_k was sampled but never fed
         return self._feed(context[keep:])
@@ -140,7 +115,7 @@ class ModelDrafter:
     def rewind(self, n: int) -> None:
         """Keep the KV of the first n held positions (no-op when it holds fewer)."""
         if n < len(self._ids):
-            self._pool.crop(self._slot, n)
+            self._crop(n)
             del self._ids[n:]
 
     @property
@@ -198,15 +173,98 @@ class ModelDrafter:
             for j, par in zip(nodes, parents, strict=True):
                 fed[j] = len(tree)
                 tree.append(-1 if par < 0 else fed[par])
-            row = Row(self._slot, base + len(tree) - len(nodes), tokens, keep=len(nodes), tree=tuple(tree),
-                      tree_base=base)
-            (logits,) = self._pool.forward(self.model, [row])  # [w, rows]
-            return self._spread(logits)  # [w, vocab]
+            return self._tree_level(base, tree, tokens)  # [w, vocab]
 
         try:
             return grow_tree(root, expand, shape, cfg, context, self.vocab_size)
         finally:
-            self._pool.crop(self._slot, base)
+            self._drop_tree(base)
+
+    def observe(self, context: Sequence[int], draft: Sequence[int], top_k_ids: Sequence[Sequence[int]]) -> None:
+        return None
+
+
+class ModelDrafter(CausalDrafter):
+    """A Hugging Face causal LM in PyTorch, its KV in a one-slot KVPool (shared/kvpool.py)."""
+
+    def __init__(self, model_dir: str | Path, device: str = "cpu", mc_dropout_samples: int = 0,
+                 dtype: torch.dtype = torch.float32) -> None:
+        if not Path(model_dir).is_dir():
+            raise UnsupportedModel(f"the draft model directory {model_dir} does not exist: pass --draft DIR (a local "
+                                   "Hugging Face model directory; nothing is downloaded) or --draft ngram")
+        # the ids of a compact draft's output rows (edge/drafters/compact.py); None: one row per id
+        self.out_ids: torch.Tensor | None = None
+        if is_compact(Path(model_dir)):
+            self.model, self.out_ids = load_compact(Path(model_dir), device, dtype)
+        else:
+            self.model = load_causal_lm(Path(model_dir), device, dtype)
+        # weights and KV (q is whatever the draft computes: draw and match and the verify rule read it as sent)
+        self.device, self.dtype = device, dtype
+        # the ids the draft speaks (its embedding's rows), and the ids q is taken over (the target's
+        # tokenizer_size once paired: rows past it are padding of the embedding table, never a token)
+        self.logit_rows = int(self.model.get_input_embeddings().weight.shape[0] if self.out_ids is not None
+                              else self.model.get_output_embeddings().weight.shape[0])
+        self.vocab_size = self.logit_rows
+        cfg = self.model.config.get_text_config()
+        self.max_context: int | None = getattr(cfg, "n_positions", None) or getattr(
+            cfg, "max_position_embeddings", None)
+        self.has_dropout = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in self.model.modules())
+        self.mc_dropout_samples = mc_dropout_samples if self.has_dropout else 0
+        # fingerprint of the tokenizer stored with the draft (None when its directory has none)
+        self.tokenizer_fingerprint = directory_fingerprint(model_dir)
+        self._layout = attention_layout(self.model.config)
+        check_rollback(self.model, self._new_pool(), self.logit_rows, dtype)
+        self.reset()
+
+    def _new_pool(self) -> KVPool:
+        pool = KVPool(self._layout, self.max_context or 1 << 20, self.device, self.dtype)
+        template = self.__dict__.get("_template")
+        if template is None:
+            pool.prepare(self.model)
+            self._template = pool
+        else:
+            pool.prepare_like(template)
+        return pool
+
+    def reset(self) -> None:
+        self._pool = self._new_pool()
+        self._slot = self._pool.allocate()
+        self._ids = []
+
+    def fork(self) -> ModelDrafter:
+        """A drafter sharing this one's weights with its own cache (one per concurrent generation)."""
+        twin = object.__new__(ModelDrafter)
+        twin.__dict__.update(self.__dict__)
+        twin.reset()
+        return twin
+
+    @torch.no_grad()
+    def _feed(self, tokens: Sequence[int]) -> torch.Tensor:
+        """Run `tokens` after `_ids` through the model, extending the cache; logits of the last ([vocab])."""
+        row = Row(self._slot, len(self._ids), [int(t) for t in tokens], keep=1)
+        (logits,) = self._pool.forward(self.model, [row])  # [1, rows]
+        self._ids.extend(row.ids)
+        return self._spread(logits[-1])  # [vocab]
+
+    def _spread(self, logits: torch.Tensor) -> torch.Tensor:
+        """The output rows' logits ([..., rows]) over the tokenizer's ids ([..., vocab]): -inf on ids a
+        compact draft has no row for, so q is 0 there."""
+        if self.out_ids is not None:
+            full = logits.new_full((*logits.shape[:-1], self.logit_rows), float("-inf"))  # [..., ids]
+            logits = full.index_copy(-1, self.out_ids, logits)
+        return logits[..., : self.vocab_size]
+
+    def _crop(self, n: int) -> None:
+        self._pool.crop(self._slot, n)
+
+    def _tree_level(self, base: int, tree: list[int], tokens: list[int]) -> torch.Tensor:
+        row = Row(self._slot, base + len(tree) - len(tokens), tokens, keep=len(tokens), tree=tuple(tree),
+                  tree_base=base)
+        (logits,) = self._pool.forward(self.model, [row])  # [w, rows]
+        return self._spread(logits)  # [w, vocab]
+
+    def _drop_tree(self, base: int) -> None:
+        self._pool.crop(self._slot, base)
 
     @torch.no_grad()
     def _mc_dropout_variance(self, context: Sequence[int], tokens: Sequence[int]) -> list[float]:
@@ -224,6 +282,3 @@ class ModelDrafter:
             finally:
                 self.model.eval()
         return samples.var(0, unbiased=False).tolist()
-
-    def observe(self, context: Sequence[int], draft: Sequence[int], top_k_ids: Sequence[Sequence[int]]) -> None:
-        return None

@@ -21,7 +21,7 @@ from shared.tokenizer_id import tokenizer_fingerprint
 from shared.verify import DraftKind
 
 from ..drafters.base import DraftBlock, Drafter
-from ..settings import EdgeSettings, draft_torch_dtype
+from ..settings import EdgeSettings, load_draft_model
 
 
 class LockedDrafter:
@@ -62,15 +62,13 @@ class SharedDraftModel:
     """Builds a drafter per generation from EdgeSettings, over weights loaded once."""
 
     def __init__(self, settings: EdgeSettings) -> None:
-        from ..drafters import ModelDrafter
+        from ..drafters.model import CausalDrafter
 
         self.settings = settings
         self.lock = threading.Lock()
-        self.model: ModelDrafter | None = None
+        self.model: CausalDrafter | None = None
         if settings.draft != "ngram":
-            self.model = ModelDrafter(settings.draft, device=settings.device,
-                                      mc_dropout_samples=settings.mc_dropout_samples,
-                                      dtype=draft_torch_dtype(settings))
+            self.model = load_draft_model(settings)
 
     def for_generation(self) -> Drafter:
         """A fresh drafter for one generation (the n-gram drafter needs no lock: it holds no model)."""
