@@ -1,7 +1,9 @@
 """deploy/ checked by the tools that read it, offline: promtool (scrape config, alert rules and their
-unit tests), the Grafana dashboard's queries against the series the services export, the
-Kubernetes manifests (kubernetes-validate, strict schemas), Dockerfile.cloud (hadolint) and
-.dockerignore. nginx -t of the balancer config: tests/e2e/test_replicas_deploy.py."""
+unit tests), the scrape targets against the compose services, the Grafana dashboard's queries against
+the series the services export, every Kubernetes manifest (kubernetes-validate, strict schemas; the volumes
+and claims they name, the model, memory, threads and dtype of the verifier pods), every Dockerfile
+(hadolint), .dockerignore (what reaches the build context) and yamllint. nginx -t of the balancer config:
+tests/e2e/test_replicas_deploy.py."""
 
 from __future__ import annotations
 
@@ -20,6 +22,16 @@ import yaml
 from cloud.metrics import CloudMetrics
 from edge.prom import EdgePrometheus
 from edge.transport.base import ROUTE_HEADER
+from modelprep.qwen_coder import TARGET
+from tests.ops.deploy import (
+    CLOUD_PEAK_BYTES,
+    HEADROOM,
+    build_context,
+    dockerignore_rules,
+    dockerignored,
+    quantity,
+    resolved_compose,
+)
 from tests.ops.tools import DEPLOY, REPO, exported_series, promtool
 
 PROM = DEPLOY / "prometheus"
@@ -54,11 +66,34 @@ def alert_rules() -> list[dict[str, Any]]:
     return [r for g in groups for r in g["rules"]]
 
 
-def test_scrape_config_passes_promtool_and_scrapes_both_services() -> None:
+def scrape_targets(config: dict[str, Any]) -> dict[str, list[str]]:
+    """{job: [host:port, ...]} of the static targets of a scrape config."""
+    return {j["job_name"]: [t for sc in j.get("static_configs", []) for t in sc["targets"]]
+            for j in config["scrape_configs"]}
+
+
+def targets_not_served(config: dict[str, Any], compose: dict[str, Any]) -> list[str]:
+    """The static targets that are not a compose service on its REST port."""
+    ports = {name: svc["environment"].get("SPECSPLIT_CLOUD_HTTP_PORT") for name, svc in compose["services"].items()
+             if "environment" in svc}
+    return [t for targets in scrape_targets(config).values() for t in targets
+            if ports.get(t.rsplit(":", 1)[0]) != t.rsplit(":", 1)[1]]
+
+
+def test_scrape_config_passes_promtool_and_scrapes_only_compose_services() -> None:
     out = promtool("check", "config", str(PROM / "prometheus.yml"))
     assert out.returncode == 0, out.stdout + out.stderr
-    jobs = {j["job_name"] for j in yaml.safe_load((PROM / "prometheus.yml").read_text())["scrape_configs"]}
-    assert {"specsplit-cloud", "specsplit-edge"} <= jobs
+    config = yaml.safe_load((PROM / "prometheus.yml").read_text())
+    compose = resolved_compose()
+    jobs = scrape_targets(config)
+    assert jobs["specsplit-cloud"] == ["cloud:8000"]  # what `docker compose up` runs
+    assert not targets_not_served(config, compose)
+    # an edge job only where compose runs an edge server (specsplit-edge serve)
+    edge_servers = [n for n, s in compose["services"].items() if (s.get("command") or [None])[0] == "serve"]
+    assert ("specsplit-edge" in jobs) == bool(edge_servers)
+    stale = {"scrape_configs": [*config["scrape_configs"],
+                                {"job_name": "specsplit-edge", "static_configs": [{"targets": ["edge:8001"]}]}]}
+    assert targets_not_served(stale, compose) == ["edge:8001"]
 
 
 def test_alert_rules_pass_promtool_check_and_their_unit_tests() -> None:
@@ -108,23 +143,88 @@ def test_dashboard_queries_are_valid_promql_and_cover_the_main_topics(tmp_path: 
     assert len(ids) == len(set(ids))
 
 
-def k8s_docs() -> list[dict[str, Any]]:
-    return [d for d in yaml.safe_load_all((DEPLOY / "k8s" / "cloud.yaml").read_text()) if d]
+def k8s_files() -> list[Path]:
+    """The manifests applied as they are (gpu-patch.yaml is a patch, checked merged)."""
+    return sorted(p for p in (DEPLOY / "k8s").glob("*.yaml") if p.name != "gpu-patch.yaml")
+
+
+def k8s_docs(path: Path = DEPLOY / "k8s" / "cloud.yaml") -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
 
 
 def validate(doc: dict[str, Any]) -> None:
     kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
 
 
-def test_kubernetes_manifests_validate_strictly() -> None:
-    docs = k8s_docs()
-    assert {d["kind"] for d in docs} >= {"Deployment", "Service", "Ingress"}
-    for d in docs:
-        validate(d)
-    broken = copy.deepcopy(next(d for d in docs if d["kind"] == "Deployment"))
+def test_every_kubernetes_manifest_validates_strictly() -> None:
+    files = k8s_files()
+    assert {p.name for p in files} >= {"cloud.yaml", "cloud-tp.yaml"}
+    for path in files:
+        for d in k8s_docs(path):
+            validate(d)
+    assert {d["kind"] for d in k8s_docs()} >= {"Deployment", "Service", "Ingress"}
+    broken = copy.deepcopy(next(d for d in k8s_docs() if d["kind"] == "Deployment"))
     broken["spec"]["template"]["spec"]["containers"][0]["readinessProbes"] = {}
     with pytest.raises(kubernetes_validate.ValidationError):
         validate(broken)
+
+
+def workloads() -> list[dict[str, Any]]:
+    return [d for p in k8s_files() for d in k8s_docs(p) if d["kind"] in ("Deployment", "StatefulSet")]
+
+
+def undefined_volumes(workload: dict[str, Any], docs: list[dict[str, Any]]) -> list[str]:
+    """The volumes a workload's containers mount that its pod does not define, and the claims it names that
+    no PersistentVolumeClaim in `docs` defines."""
+    pod = workload["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod.get("volumes", [])}
+    templates = {t["metadata"]["name"] for t in workload["spec"].get("volumeClaimTemplates", [])}
+    claims = {d["metadata"]["name"] for d in docs if d["kind"] == "PersistentVolumeClaim"}
+    missing = [f"volume {m['name']}" for c in pod["containers"] + pod.get("initContainers", [])
+               for m in c.get("volumeMounts", []) if m["name"] not in volumes and m["name"] not in templates]
+    return missing + [f"claim {v['persistentVolumeClaim']['claimName']}" for v in volumes.values()
+                      if "persistentVolumeClaim" in v and v["persistentVolumeClaim"]["claimName"] not in claims]
+
+
+def test_every_volume_and_claim_a_pod_uses_is_defined() -> None:
+    docs = [d for p in k8s_files() for d in k8s_docs(p)]
+    for w in workloads():
+        assert not undefined_volumes(w, docs), (w["metadata"]["name"], undefined_volumes(w, docs))
+    # the tensor-parallel group as it was: a claim that nothing defined
+    tp = copy.deepcopy(next(w for w in workloads() if w["kind"] == "StatefulSet"))
+    tp["spec"].pop("volumeClaimTemplates")
+    tp["spec"]["template"]["spec"]["volumes"].append(
+        {"name": "models", "persistentVolumeClaim": {"claimName": "specsplit-tp-models", "readOnly": True}})
+    assert undefined_volumes(tp, docs) == ["claim specsplit-tp-models"]
+
+
+def env_of(container: dict[str, Any]) -> dict[str, str]:
+    return {e["name"]: e.get("value", "") for e in container.get("env", [])}
+
+
+def test_verifier_pods_serve_the_prepared_target_within_their_memory() -> None:
+    """Each verifier pod's init container prepares the coder pair into the volume the cloud reads its target
+    from (`specsplit-models` writes under ./models: working directory / for a mount at /models); the limit is
+    HEADROOM x the measured peak at least, threads = the CPU request per rank, the dtype pinned to float32."""
+    assert {w["metadata"]["name"] for w in workloads()} == {"specsplit-cloud", "specsplit-cloud-tp"}
+    for w in workloads():
+        pod = w["spec"]["template"]["spec"]
+        (prep,) = pod["initContainers"]
+        (cloud,) = [c for c in pod["containers"] if c["name"] == "cloud"]
+        assert prep["command"] == ["specsplit-models", "prepare", "qwen-coder"] and prep["image"] == cloud["image"]
+        (prep_mount,) = [m for m in prep["volumeMounts"] if Path(prep["workingDir"]) / "models" == Path(m["mountPath"])]
+        (read,) = [m for m in cloud["volumeMounts"] if m["name"] == prep_mount["name"]]
+        assert read["readOnly"] and not prep_mount.get("readOnly")
+        env = env_of(cloud)
+        assert env["SPECSPLIT_CLOUD_MODEL"] == f"{read['mountPath']}/{TARGET.out.name}"
+        assert env_of(prep)["PIP_TARGET"] in env_of(prep)["PYTHONPATH"].split(":")
+        assert "limits" not in prep.get("resources", {})  # the conversion's peak is unmeasured
+        res = cloud["resources"]
+        assert quantity(res["limits"]["memory"]) >= HEADROOM * CLOUD_PEAK_BYTES, w["metadata"]["name"]
+        assert quantity(res["requests"]["memory"]) >= CLOUD_PEAK_BYTES
+        per_node = int(env.get("NPROC_PER_NODE", "1"))
+        assert int(env["SPECSPLIT_CLOUD_TORCH_THREADS"]) * per_node == quantity(res["requests"]["cpu"])
+        assert env["SPECSPLIT_CLOUD_DTYPE"] == "float32"
 
 
 def test_deployment_probes_and_ingress_routing() -> None:
@@ -163,29 +263,74 @@ def hadolint(path: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run([str(exe), "--no-color", str(path)], capture_output=True, text=True, timeout=60)
 
 
-def test_dockerfile_passes_hadolint(tmp_path: Path) -> None:
-    out = hadolint(REPO / "Dockerfile.cloud")
-    assert out.returncode == 0, out.stdout + out.stderr
+def dockerfiles() -> list[Path]:
+    return sorted(REPO.glob("Dockerfile*")) + sorted(REPO.glob("deploy/**/Dockerfile*"))
+
+
+def test_every_dockerfile_passes_hadolint(tmp_path: Path) -> None:
+    assert REPO / "Dockerfile.cloud" in dockerfiles()
+    for path in dockerfiles():
+        out = hadolint(path)
+        assert out.returncode == 0, f"{path.name}: {out.stdout}{out.stderr}"
     sloppy = tmp_path / "Dockerfile"
     sloppy.write_text("FROM python:latest\nRUN apt-get install curl\nCOPY . .\nRUN pip install -e .\n")
     assert hadolint(sloppy).returncode != 0
 
 
-def test_dockerignore_keeps_the_context_small_and_the_copied_paths_in() -> None:
-    ignored = [ln.strip() for ln in (REPO / ".dockerignore").read_text().splitlines()
-               if ln.strip() and not ln.startswith("#")]
-    for must in (".venv", ".git", "tests", "runs"):
-        assert must in ignored, f".dockerignore lets {must} into the build context"
-    copied = re.findall(r"^COPY (\S+(?: \S+)*) \S+$", (REPO / "Dockerfile.cloud").read_text(), re.M)
-    for sources in copied:
-        for src in sources.split():
-            assert src not in ignored and not any(src.startswith(i.rstrip("/") + "/") for i in ignored
-                                                  if not i.startswith("!")), f"{src} is copied but ignored"
-            assert (REPO / src).exists(), src
+def copied_sources() -> list[str]:
+    """Every local source of a COPY in every Dockerfile (not --from another stage)."""
+    sources = []
+    for path in dockerfiles():
+        for line in re.findall(r"^COPY (?!--from)(.+)$", path.read_text(), re.M):
+            sources += [s for s in line.split()[:-1] if not s.startswith("--")]
+    return sources
+
+
+def test_dockerignore_lets_in_what_is_copied_and_nothing_big() -> None:
+    text = (REPO / ".dockerignore").read_text()
+    rules = dockerignore_rules(text)
+    exceptions = [ln.strip()[1:] for ln in text.splitlines() if ln.strip().startswith("!")]
+    context = build_context(REPO, rules, exceptions)
+    for src in copied_sources():
+        assert (REPO / src).exists(), src
+        assert not dockerignored(src, rules), f"{src} is copied but left out of the context"
+        if (REPO / src).is_dir():
+            assert any(f.startswith(src.rstrip("/") + "/") for f in context), f"nothing of {src} reaches the context"
+    assert sum(context.values()) < 100 * 10**6, f"the build context is {sum(context.values()) / 1e6:.0f} MB"
+    assert not [f for f in context if "__pycache__" in f or f.startswith((".git/", ".venv/", "tests/"))]
+
+
+def test_dockerignore_leaves_out_the_prepared_models(tmp_path: Path) -> None:
+    """A checkout where the coder pair and SmolLM2 are prepared (files of a byte): none of them is sent."""
+    text = (REPO / ".dockerignore").read_text()
+    rules = dockerignore_rules(text)
+    exceptions = [ln.strip()[1:] for ln in text.splitlines() if ln.strip().startswith("!")]
+    prepared = ["models/gguf/qwen2.5-coder-1.5b-instruct.gguf", "models/qwen2.5-coder-1.5b-instruct/model.safetensors",
+                "models/qwen2.5-coder-0.5b-instruct/model.safetensors", "models/smollm2-135m-instruct/model.safetensors",
+                "models/qwen2.5-coder-1.5b-instruct.partial/model.safetensors", ".venv/lib/torch.so",
+                "cloud/__pycache__/app.cpython-311.pyc", ".mypy_cache/x.json"]
+    kept = ["models/demo-target/config.json", "cloud/app.py", "pyproject.toml"]
+    for rel in prepared + kept:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("x")
+    assert sorted(build_context(tmp_path, rules, exceptions)) == sorted(kept)
+    assert dockerignored("models/qwen2.5-coder-1.5b-instruct/model.safetensors", rules)
+    assert not dockerignored("models/qwen2.5-coder-1.5b-instruct/model.safetensors", dockerignore_rules("models/gguf"))
+
+
+def test_deploy_yaml_passes_yamllint() -> None:
+    exe = Path(sys.executable).parent / "yamllint"
+    config = DEPLOY / "yamllint.yml"
+    out = subprocess.run([str(exe), "-s", "-c", str(config), "docker-compose.yml", "deploy/"], capture_output=True,
+                         text=True, timeout=60, cwd=REPO)
+    assert out.returncode == 0, out.stdout + out.stderr
+    bad = subprocess.run([str(exe), "-s", "-c", str(config), "-"], input="a: 1\na: 2\n", capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode != 0  # a duplicate key
 
 
 def tp_docs() -> list[dict[str, Any]]:
-    return [d for d in yaml.safe_load_all((DEPLOY / "k8s" / "cloud-tp.yaml").read_text()) if d]
+    return k8s_docs(DEPLOY / "k8s" / "cloud-tp.yaml")
 
 
 def test_the_tensor_parallel_group_validates_and_meets_at_pod_0() -> None:
