@@ -9,6 +9,8 @@ write BENCHMARKS.md plus its PNG figures.
     specsplit-bench --only real-pair     # SmolLM2-135M-Instruct and its drafts (about 15 minutes)
     specsplit-bench --only tp            # the target over 1, 2, 3 tensor-parallel ranks (--target; a few minutes)
     specsplit-bench --only coder-pair    # Qwen2.5-Coder-1.5B/0.5B-Instruct on HumanEval (about 20 minutes)
+    specsplit-bench --only draft-runtime # the coder pair's draft on llama.cpp against PyTorch
+    specsplit-bench --only cloud-runner  # the coder target on llama.cpp and PyTorch against llama.cpp's own decode
     specsplit-bench --only forward-cost  # one cloud forward by dtype and batch shape, both targets (~10 minutes)
 """
 
@@ -48,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip later repeats that would end the run after this many seconds "
                         "(default 570 for the full run, none with --quick; 0 = no budget)")
     p.add_argument("--from-json", type=Path, default=None, help="re-render the report from a results.json")
-    p.add_argument("--only", choices=["capacity", "network", "real-pair", "tp", "coder-pair", "forward-cost"], default=None,
+    p.add_argument("--only", choices=["capacity", "network", "real-pair", "tp", "coder-pair", "forward-cost",
+                                        "draft-runtime", "cloud-runner"], default=None,
                    help="run only this section and splice it into OUT and the results JSON")
     p.add_argument("--real-pair-drafts", default="",
                    help="real-pair: the drafts of the fixed-shape table, comma-separated (default: every one present: "
@@ -225,6 +228,17 @@ def main(argv: list[str] | None = None) -> int:
         sessions = tuple(int(x) for x in args.coder_sessions.split(",") if x.strip())
         return run_coder_pair(args.out, command, prompts=args.coder_prompts, n_new=args.coder_new_tokens,
                               dtype=args.coder_dtype, sessions=sessions or (1,), specbench_per_category=args.coder_specbench)
+    if args.only == "draft-runtime":  # the coder pair's draft on llama.cpp against PyTorch (bench/draft_runtime.py)
+        from bench.draft_runtime import run as run_draft_runtime
+
+        return run_draft_runtime(args.out, command, prompts=args.coder_prompts, n_new=args.coder_new_tokens,
+                                 per_category=args.coder_specbench)
+    if args.only == "cloud-runner":  # the coder target on llama.cpp and PyTorch (bench/cloud_runner.py)
+        from bench.cloud_runner import run as run_cloud_runner
+
+        sessions = tuple(int(x) for x in args.coder_sessions.split(",") if x.strip())
+        return run_cloud_runner(args.out, command, prompts=args.coder_prompts, n_new=args.coder_new_tokens,
+                                sessions=sessions or (1,))
     if args.only == "tp":  # the target split over 1, 2, 3 tensor-parallel ranks (bench/tensor_parallel.py)
         from bench.tensor_parallel import TARGET as TP_TARGET
         from bench.tensor_parallel import run as run_tp

@@ -61,6 +61,19 @@ def drafter(tiny_pair: tuple[Path, Path]) -> ModelDrafter:
 
 
 @pytest.fixture(scope="module")
+def gguf_drafter(tiny_pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The tiny draft written as a GGUF file (tests/tiny_gguf.py) and run by llama.cpp (edge/drafters/llamacpp.py)."""
+    from edge.drafters.llamacpp import LlamaCppDrafter
+    from tests.tiny_gguf import write_gguf
+
+    out = tmp_path_factory.mktemp("gguf_draft")
+    for f in tiny_pair[1].iterdir():  # the tokenizer files beside the GGUF, as a prepared directory holds them
+        if f.name.startswith("tokenizer"):
+            (out / f.name).write_bytes(f.read_bytes())
+    return LlamaCppDrafter(write_gguf(tiny_pair[1], out / "model.gguf"), threads=1)
+
+
+@pytest.fixture(scope="module")
 def attention_head_dir(tiny_pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random attention head (window 8) for the tiny target, saved as the edge loads one (--head DIR)."""
     from tests.edge.test_attention_drafter import build_head

@@ -1,7 +1,7 @@
 """Greedy speculative decoding against the real cloud process equals target-only greedy decoding.
 
-For 20 prompts, the text of the model drafter (token trees, the default, and chains) and of the n-gram
-drafter (REST; a few over gRPC) must equal the cloud's own target-only greedy output (POST /v1/generate) token for token. Should a
+For 20 prompts, the text of the model drafter (token trees, the default, and chains; in PyTorch and on
+llama.cpp from a GGUF file) and of the n-gram drafter (REST; a few over gRPC) must equal the cloud's own target-only greedy output (POST /v1/generate) token for token. Should a
 float near-tie ever flip an argmax between the batched verify forward and one-token decoding, the
 test accepts the divergence only where it shows the two candidates' processed target logits are
 within TIE_TOL of each other, and says so.
@@ -80,23 +80,23 @@ def assert_equal_or_tie(spec: list[int], ref: list[int], prompt_ids: list[int], 
     print(f"outputs part at token {i} on a float tie (processed logit gap {gap:.2e})")
 
 
-@pytest.mark.parametrize("kind", ["model", "model-chain", "ngram"])
+@pytest.mark.parametrize("kind", ["model", "model-chain", "gguf", "gguf-chain", "ngram"])
 def test_greedy_speculative_equals_target_greedy_for_20_prompts(cloud: CloudProcess, tokenizer: Any, target: Any,
-                                                                drafter: ModelDrafter, kind: str) -> None:
-    s = settings(cloud, "rest", tree="off" if kind == "model-chain" else "auto")
+                                                                drafter: ModelDrafter, gguf_drafter: Any,
+                                                                kind: str) -> None:
+    s = settings(cloud, "rest", tree="off" if kind.endswith("-chain") else "auto")
     reference = EdgeClient(s.model_copy(update={"mode": "cloud_only"}), tokenizer=tokenizer)
     accepted = 0
     for prompt in PROMPTS:
-        d = drafter if kind != "ngram" else NGramDrafter(order=4)
+        d = drafter if kind.startswith("model") else gguf_drafter if kind.startswith("gguf") else NGramDrafter(order=4)
         spec = EdgeClient(s, drafter=d, tokenizer=tokenizer).generate(prompt)
-        assert (spec.metrics.tree_rounds > 0) == (kind == "model")
+        assert (spec.metrics.tree_rounds > 0) == (kind in ("model", "gguf"))
         ref = reference.generate(prompt)
         assert len(ref.token_ids) == N_NEW
         assert_equal_or_tie(spec.token_ids, ref.token_ids, spec.prompt_ids, target, s.sampling())
         assert spec.metrics.local_commits == 0 and spec.metrics.verify_calls >= 1
         accepted += spec.metrics.accepted
-    if kind == "ngram":
-        assert accepted > 0  # the repetitive prompt at least gets n-gram drafts accepted
+    assert accepted > 0  # drafts were accepted (the repetitive prompt at least, for the n-gram)
 
 
 @pytest.mark.parametrize("kind", ["model", "model-tree", "ngram"])

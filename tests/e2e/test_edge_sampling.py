@@ -18,6 +18,10 @@ states at every committed position): the same test over N_HEAD = 600 generations
 N_HEAD drafting the 6-node trees, and its tree shortcut must fail it with N_BIASED. Its first draft after an
 open comes from the target's own state; the second from the head's prediction, which the rule must correct.
 
+The draft on llama.cpp (edge/drafters/llamacpp.py, the tiny draft written as a GGUF file): the same test over N
+generations drafting chains of k = 2 and over N drafting the 6-node trees, and its shortcut must fail it with
+N_BIASED: q comes from llama.cpp's own logits, and the rule reads it as sent.
+
 Power: the same statistic on the biased variant (correction "shortcut": corrections drawn from p)
 must fail the same threshold, shown with N = 500 generations (a quarter of the sample: the biased
 variant fails even with far less data). Split residual and q_dists draw their residual with the same
@@ -132,19 +136,21 @@ def first_pairs(cloud: CloudProcess, tokenizer: Any, drafter: ModelDrafter, n: i
 
 
 @pytest.fixture(scope="module")
-def samples(cloud: CloudProcess, tokenizer: Any, drafter: ModelDrafter,
+def samples(cloud: CloudProcess, tokenizer: Any, drafter: ModelDrafter, gguf_drafter: Any,
             attention_head_dir: Path) -> dict[str, Sample]:
     """Every variant, generated concurrently (one drafter fork each) against one cloud; the head's variants
-    wrap the fork in the attention head (the draft model is their fallback)."""
+    wrap the fork in the attention head (the draft model is their fallback); the gguf variants draft on llama.cpp."""
     head = {"head": str(attention_head_dir)}
     variants: dict[str, tuple[int, dict[str, Any]]] = {
         "split_residual": (N, {}), "q_dists": (N, {"send_q_dists": True}),
         "shortcut": (N_BIASED, {"correction": "shortcut"}), "tree": (N, TREE),
         "tree_shortcut": (N_BIASED, {**TREE, "correction": "shortcut"}),
         "head": (N_HEAD, head), "head_tree": (N_HEAD, {**TREE, **head}),
-        "head_tree_shortcut": (N_BIASED, {**TREE, **head, "correction": "shortcut"})}
+        "head_tree_shortcut": (N_BIASED, {**TREE, **head, "correction": "shortcut"}),
+        "gguf": (N, {}), "gguf_tree": (N, TREE), "gguf_shortcut": (N_BIASED, {**TREE, "correction": "shortcut"})}
     with ThreadPoolExecutor(len(variants)) as pool:
-        futures = {name: pool.submit(first_pairs, cloud, tokenizer, drafter.fork(), n, **kw)
+        futures = {name: pool.submit(first_pairs, cloud, tokenizer,
+                                     (gguf_drafter if name.startswith("gguf") else drafter).fork(), n, **kw)
                    for name, (n, kw) in variants.items()}
         return {name: f.result() for name, f in futures.items()}
 
@@ -223,4 +229,24 @@ def test_the_attention_heads_tree_shortcut_fails_the_same_test(samples: dict[str
     p, dof = chi_square_pvalue(pairs, expected)
     print(f"attention head, tree shortcut (biased): chi-square p = {p:.2e} with {dof} dof over {N_BIASED} generations")
     assert origins["head rounds"] >= N_BIASED
+    assert p < P_THRESHOLD, f"the biased variant passed (p = {p:.2e}, {dof} dof): the test has no power"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["gguf", "gguf_tree"])
+def test_the_llamacpp_draft_keeps_target_sampling(samples: dict[str, Sample],
+                                                  expected: dict[tuple[int, int], float], variant: str) -> None:
+    pairs, origins = samples[variant]
+    p, dof = chi_square_pvalue(pairs, expected)
+    print(f"llama.cpp draft, {variant}: chi-square p = {p:.3f} with {dof} dof over {N} generations")
+    assert origins["accepted"] > 0.05 * N and origins["residual"] + origins["correction"] > 0.05 * N
+    assert p >= P_THRESHOLD, f"chi-square p = {p:.2e} ({dof} dof): not the target's distribution"
+
+
+@pytest.mark.slow
+def test_the_llamacpp_drafts_shortcut_fails_the_same_test(samples: dict[str, Sample],
+                                                          expected: dict[tuple[int, int], float]) -> None:
+    pairs, _ = samples["gguf_shortcut"]
+    p, dof = chi_square_pvalue(pairs, expected)
+    print(f"llama.cpp draft, tree shortcut (biased): chi-square p = {p:.2e} with {dof} dof over {N_BIASED} generations")
     assert p < P_THRESHOLD, f"the biased variant passed (p = {p:.2e}, {dof} dof): the test has no power"
