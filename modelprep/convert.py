@@ -4,8 +4,9 @@
 against the GGUF load on a fixed text (`CHECK_ATOL`). A model loaded from GGUF refuses `save_pretrained` until
 its quantizer marker is cleared; the weights are plain float32 tensors by then, so clearing it loses nothing.
 `convert_hf_dir` re-saves a Hugging Face directory (its stored dtype) as safetensors with its tokenizer,
-checked the same way. Both refuse, before reading any weights, an architecture the cloud refuses
-(`shared.attention_layout`), and both finish a directory alike (`finish_dir`):
+checked the same way. Both refuse an architecture the cloud refuses (`shared.attention_layout`; a directory
+before its weights are read, a GGUF file once loaded: transformers reads its config only by parsing the whole
+header, as for its tokenizer and weights), and both finish a directory alike (`finish_dir`):
 
 - `model.gguf`: the GGUF file, hard-linked (a copy where linking fails), for drafters that read GGUF;
 - `source.json`: what was converted (path, bytes, sha256), by which command, and the logit check;
@@ -103,25 +104,27 @@ def convert_gguf(src: Path, out_dir: Path, *, command: str = "", sha256: str | N
     _needs(("gguf", "accelerate"))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     size = src.stat().st_size
-    try:
-        config = AutoConfig.from_pretrained(src.parent, gguf_file=src.name)
-    except Exception as e:  # noqa: BLE001 - any reader error is a bad file to the user
-        raise PrepareError(f"cannot read {src} as GGUF: {_first_line(e)}") from None
-    check_architecture(config, src)
-    log.info("%s: loading the GGUF (%s, model type %s), dequantizing to float32", src.name, size_text(size),
-             config.model_type)
+    # transformers parses the whole GGUF header for its config, its tokenizer and its weights alike (tens of
+    # seconds for a 151,936-token vocabulary), so the architecture is checked on the loaded model's config
+    # rather than on a config read once more beforehand
+    log.info("%s: reading its tokenizer (%s)", src.name, size_text(size))
     start = time.monotonic()
     try:
         tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+        log.info("%s: tokenizer read in %.0f s (%d tokens); dequantizing the weights to float32", src.name,
+                 time.monotonic() - start, len(tokenizer))
+        start = time.monotonic()
         model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
     except Exception as e:  # noqa: BLE001 - a damaged or unsupported GGUF, in one line
         raise PrepareError(f"cannot read {src} as GGUF: {_first_line(e)}") from None
+    check_architecture(model.config, src)
     model.eval()
     n_params = sum(p.numel() for p in model.parameters())
-    log.info("%s: loaded in %.0f s (%.0f M parameters)", src.name, time.monotonic() - start, n_params / 1e6)
+    log.info("%s: weights loaded in %.0f s (model type %s, %.0f M parameters)", src.name, time.monotonic() - start,
+             model.config.model_type, n_params / 1e6)
     # The quantizer marker only blocks saving: the weights are dequantized float32 tensors by now.
     model.hf_quantizer = None  # type: ignore[assignment]
     if hasattr(model.config, "quantization_config"):

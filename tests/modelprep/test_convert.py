@@ -31,9 +31,11 @@ def convert(source: Path, out: Path, *extra: str) -> int:
 
 
 def one_line_error(capsys: pytest.CaptureFixture[str]) -> str:
+    """The error: stderr's last line (transformers' progress bars may come before it), and no traceback."""
     err = capsys.readouterr().err.strip()
-    assert err.startswith("specsplit-models: ") and "\n" not in err, err
-    return err
+    last = err.splitlines()[-1]
+    assert last.startswith("specsplit-models: ") and "Traceback" not in err, err
+    return last
 
 
 def test_a_gguf_becomes_a_checked_directory_with_its_gguf_readable_by_every_user(tiny_gguf: Path,
@@ -98,6 +100,16 @@ def test_an_architecture_the_cloud_refuses_is_one_line_and_nothing_is_written(
     assert convert(src, tmp_path / "mine") == 2
     err = one_line_error(capsys)
     assert "the cloud refuses this model" in err and "cannot be rolled back" in err
+    assert not (tmp_path / "mine").exists() and not (tmp_path / "mine.partial").exists()
+
+
+def test_a_gguf_the_cloud_refuses_is_one_line_and_nothing_is_written(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    src = write_gguf(tmp_path / "mamba.gguf", "mamba")
+    capsys.readouterr()
+    assert convert(src, tmp_path / "mine") == 2
+    err = one_line_error(capsys)
+    assert "mamba.gguf: the cloud refuses this model: model type 'mamba'" in err and "cannot be rolled back" in err
     assert not (tmp_path / "mine").exists() and not (tmp_path / "mine.partial").exists()
 
 
