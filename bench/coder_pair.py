@@ -465,7 +465,7 @@ def run(out: Path, command: str, prompts: int = 6, n_new: int = 96, dtype: str =
                            "draft_ms": draft_ms_per_token(drafter.fork(), ids[0])}
     print(f"coder-pair: the draft: {res['draft_ms']:.1f} ms per drafted token", flush=True)
     res["draft_costs"] = draft_costs(ids[0])
-    with CloudServer(TARGET, torch_threads=1, extra_args=extra, startup_timeout_s=600.0) as cloud:
+    with CloudServer(TARGET, torch_threads=1, extra_args=["--runner", "torch", *extra], startup_timeout_s=600.0) as cloud:
         machine["pinned"] = machine["pinned"] and pin(cloud.pid, 1)
         info = client_for(settings(cloud.url, n_new, mode="cloud_only"), tokenizer, drafter)
         res["dtype"], res["dtype_reason"] = info.model_info().dtype, getattr(info.model_info(), "dtype_reason", "")

@@ -55,7 +55,7 @@ def run(dtypes: list[str], n_new: int) -> list[dict[str, Any]]:
     tokenizer = AutoTokenizer.from_pretrained(TARGET)
     rows = []
     for dtype in dtypes:
-        with CloudServer(TARGET, torch_threads=1, extra_args=["--dtype", dtype]) as cloud:
+        with CloudServer(TARGET, torch_threads=1, extra_args=["--runner", "torch", "--dtype", dtype]) as cloud:
             pin(cloud.pid, 1)
             for name, texts in prompt_sets().items():
                 base = one_mode(cloud.url, tokenizer, "cloud_only", texts, n_new)

@@ -68,7 +68,7 @@ def case(cloud: CloudServer, mode: str, traces: list[Trace], sessions: int, n_ne
 
 def run(sessions: list[int], n_new: int, dtype: str = "auto") -> dict[str, list[dict[str, Any]]]:
     out: dict[str, list[dict[str, Any]]] = {}
-    with CloudServer(TARGET, torch_threads=1, extra_args=["--max-sessions", "256", "--max-queue-depth", "512",
+    with CloudServer(TARGET, torch_threads=1, extra_args=["--runner", "torch", "--max-sessions", "256", "--max-queue-depth", "512",
                                                           "--dtype", dtype]) as cloud:
         kinds = {"trees": record(cloud.url, "auto", n_new), "chains": record(cloud.url, "off", n_new)}
         for name, traces in kinds.items():

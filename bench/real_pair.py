@@ -370,7 +370,7 @@ def run(out: Path, command: str, n_new: int = 64, prompts: int = 4, only: tuple[
     print(f"real-pair costs: {c}", flush=True)
     del target
     chosen = PROMPTS[:prompts]
-    with CloudServer(TARGET, torch_threads=1) as cloud:
+    with CloudServer(TARGET, torch_threads=1, extra_args=["--runner", "torch"]) as cloud:
         import httpx
 
         dtype = str(httpx.get(f"{cloud.url}/v1/model", timeout=30).json().get("dtype", "float32"))

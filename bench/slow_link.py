@@ -71,7 +71,7 @@ def run(rtts: list[int], n_new: int, n_prompts: int) -> list[dict[str, Any]]:
 
     tokenizer = AutoTokenizer.from_pretrained(TARGET)
     rows = []
-    with CloudServer(TARGET, torch_threads=1) as cloud:
+    with CloudServer(TARGET, torch_threads=1, extra_args=["--runner", "torch"]) as cloud:
         for rtt in rtts:
             with DelayProxy("127.0.0.1", cloud.http_port, rtt_ms=rtt) as proxy:
                 base: dict[str, Any] | None = None

@@ -271,7 +271,7 @@ def record_dir(target: Path, draft: Path, out_dir: Path, per_set: int, max_new_t
     if cloud_url is not None:
         sets = record(target, draft, prompts, max_new_tokens, cloud_url, device, dtype)
     else:
-        with CloudServer(target, device, torch_threads=1, extra_args=["--dtype", dtype]) as cloud:
+        with CloudServer(target, device, torch_threads=1, extra_args=["--runner", "torch", "--dtype", dtype]) as cloud:
             sets = record(target, draft, prompts, max_new_tokens, cloud.url, device, dtype)
     return [save(ts, Path(out_dir) / f"{name}.json") for name, ts in sets.items()]
 

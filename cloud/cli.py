@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         settings = settings_from_args(argv)
     except ValidationError as e:
         if any(err["type"] == "missing" and tuple(err["loc"]) == ("model",) for err in e.errors()):
-            print("specsplit-cloud: no target model: pass --model DIR (a Hugging Face model directory) or set "
+            print("specsplit-cloud: no target model: pass --model DIR (a Hugging Face model directory) or FILE.gguf, or set "
                   "SPECSPLIT_CLOUD_MODEL", file=sys.stderr)
             return 2
         problems = "; ".join(f"{'.'.join(str(x) for x in err['loc']) or 'settings'}: {err['msg']}"
@@ -103,6 +103,11 @@ def _main_tensor_parallel(settings: CloudSettings) -> int:
     from cloud.tensor_parallel import TensorGroup, serve_worker
 
     first = int(os.environ.get("RANK", "0")) == 0
+    if settings.runner == "llamacpp":
+        if first:
+            print("specsplit-cloud: cannot start: --runner llamacpp runs one process; tensor parallelism (torchrun) "
+                  "is the PyTorch runner's (--runner torch)", file=sys.stderr)
+        return 2
     if first and not _ports_free(settings):
         return 2
     setup_logging(settings.log_level)

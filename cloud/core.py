@@ -83,6 +83,8 @@ class ServiceCore:
                                 on_batch=self._batched,
                                 blocks_needed=lambda row: self.model.pool.blocks_needed(row),
                                 blocks_available=lambda: self.model.pool.manager.available(),
+                                tree_seqs=lambda row: getattr(self.model.pool, "tree_seqs", lambda _: 0)(row),
+                                tree_seqs_available=lambda: getattr(self.model.pool, "tree_seqs_free", 1 << 30),
                                 make_room=self.room.make_room)
         self.opens = OpenJoiner(OPEN_JOIN_S, max_per_owner=settings.sessions_per_key_limit()
                                 + settings.queue_depth_per_key_limit())

@@ -52,6 +52,9 @@ log = logging.getLogger(__name__)
 class TargetModel:
     """A Hugging Face causal LM in eval mode, its facts, and the KV pool of every session."""
 
+    # what /v1/model names this runner (cloud/llama_runner.py is the other)
+    runner = "pytorch"
+
     def __init__(self, model_dir: Path, device: str = "cpu", dtype: str = "float32", *,
                  kv_budget_bytes: int | None = None, block_size: int = BLOCK_SIZE, prefix_cache: bool = True,
                  group: TensorGroup | None = None, invariant: bool = True) -> None:
@@ -98,7 +101,7 @@ class TargetModel:
                 max_context=int(n_ctx), dtype=dtype, dtype_reason=self.dtype_reason,
                 batch_invariant=invariant, device=str(self.device),
                 tokenizer_fingerprint=tokenizer_fingerprint(tokenizer), tokenizer_size=self.support,
-                tensor_parallel=group.size if group is not None else 1)
+                tensor_parallel=group.size if group is not None else 1, runner=self.runner)
             self.pool = KVPool(attention_layout(self.model.config), int(n_ctx), self.device, torch_dtype,
                                budget_bytes=kv_budget_bytes, block_size=block_size, prefix_cache=prefix_cache,
                                invariant=invariant)

@@ -150,6 +150,10 @@ class Scheduler:
     # KV blocks a row needs / blocks a forward can still get / make room for n more blocks (evictions)
     blocks_needed: Callable[[Row], int] = lambda _: 0
     blocks_available: Callable[[], int] = lambda: 1 << 62
+    # sequence ids a row's token tree takes / ids free for trees (the llama.cpp runner gives each leaf one;
+    # a row whose tree does not fit waits for a later forward)
+    tree_seqs: Callable[[Row], int] = lambda _: 0
+    tree_seqs_available: Callable[[], int] = lambda: 1 << 30
     # free this many KV blocks if it can; the flag says whether the forward already has rows (then only
     # sessions idle for a while are evicted: the work that lacks blocks can wait for a later forward)
     make_room: Callable[[int, bool], None] = lambda _, __: None
@@ -325,6 +329,7 @@ class Scheduler:
         cut = next((i for i, j in enumerate(jobs) if j.call is not None), len(jobs))  # a call keeps its place
         batch: list[tuple[Job[Any], Row]] = []
         budget, reserved = self.max_batch_tokens, 0
+        seqs_left = self.tree_seqs_available()
         ordered = self._order(jobs[:cut])
         chunked: list[Job[Any]] = []  # rounds whose next forward is a resync chunk: they fill like prefills
 
@@ -382,6 +387,11 @@ class Scheduler:
                 else:
                     job.unplan()
                 continue  # waits for a later forward
+            seqs = self.tree_seqs(row)
+            if seqs > seqs_left and batch:
+                job.unplan()
+                continue  # waits for a later forward
+            seqs_left -= seqs
             reserved += need
             budget -= len(row.ids)
             running += 0 if filling else len(row.ids)

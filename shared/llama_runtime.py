@@ -73,7 +73,7 @@ def find_gguf(path: str | Path) -> Path | None:
 class GGUFModel:
     """A GGUF file's weights, loaded once (memory-mapped) and shared by every context over them."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, repack: bool = True) -> None:
         from shared.kvpool import UnsupportedModel
 
         lib = _lib()
@@ -82,6 +82,9 @@ class GGUFModel:
             raise UnsupportedModel(f"no GGUF file at {self.path}")
         params = lib.llama_model_default_params()
         params.n_gpu_layers = 0  # the CPU build; a GPU cloud runs the PyTorch runner
+        # repacked weights (ggml's CPU "extra" buffers): faster batches, but a batch's rows split into blocks of
+        # 4-8 for one kernel and the rest for another, so a row's logits depend on its batch
+        params.use_extra_bufts = repack
         self.ptr = lib.llama_model_load_from_file(str(self.path).encode(), params)
         if not self.ptr:
             raise UnsupportedModel(f"llama.cpp could not load {self.path}: not a GGUF file of an architecture "

@@ -109,6 +109,9 @@ class ModelInfo:
     # largest max_new_tokens of a /v1/generate and longest stream chunk (`n`) on a session: --max-generate-tokens
     # (0 = unknown: an older cloud, which answers 422 past its limit)
     max_generate_tokens: int = 0
+    # what runs the target's forward: "pytorch" (cloud/model.py) or "llama.cpp" (cloud/llama_runner.py; a GGUF
+    # file); "" = an older cloud (PyTorch)
+    runner: str = ""
 
 
 @dataclass

@@ -161,7 +161,7 @@ class RestTransport:
                          max_feature_window=int(d.get("max_feature_window") or 0),
                          tensor_parallel=int(d.get("tensor_parallel") or 0),
                          session_stream=d.get("session_stream") is True,
-                         dtype_reason=str(d.get("dtype_reason", "")), batch_invariant=d.get("batch_invariant") is True)
+                         dtype_reason=str(d.get("dtype_reason", "")), batch_invariant=d.get("batch_invariant") is True, runner=str(d.get("runner", "")))
         return with_max_generate_tokens(info, int(d.get("max_generate_tokens") or 0))
 
     def generate(self, prompt_ids: list[int], cfg: SamplingConfig, seed: int, max_new_tokens: int,

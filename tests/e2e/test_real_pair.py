@@ -43,7 +43,7 @@ if not (TARGET / "model.safetensors").is_file():
 
 @pytest.fixture(scope="module")
 def real_cloud() -> Iterator[CloudProcess]:
-    with CloudProcess(TARGET, startup_timeout_s=180) as cloud:
+    with CloudProcess(TARGET, startup_timeout_s=180, extra_args=("--runner", "torch")) as cloud:
         yield cloud
 
 

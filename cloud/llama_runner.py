@@ -1,0 +1,303 @@
+"""The target on llama.cpp: a GGUF file run by the same serving core (cloud/model.py is the PyTorch runner).
+
+The core (scheduler, sessions, the verify rule, trees, prefill chunks, streams, /v1/generate, eviction) drives a
+runner through what `TargetModel` offers: `forward(rows)` with each row's logits, `keep_path` for a tree's
+accepted path, and a pool whose block accounting (shared/blocks.py) admission and eviction read. Here the pool
+(`LlamaPool`) keeps that accounting as it is and holds the KV itself in one llama.cpp context:
+
+- a session's slot is a llama.cpp sequence id; crop is `seq_rm` past a length, release drops the sequence;
+- a forward is one llama.cpp batch of every row's tokens, each at its position and in its row's sequence;
+- a tree row: each leaf of the tree gets a sequence of its own that shares the session's cells (`seq_cp` adds an
+  id to cells, it copies nothing); a node joins the sequences of every leaf below it and attends through its
+  first one, which holds the context and the node's own path (llama.cpp's `examples/speculative` verifies trees
+  the same way). The accepted path joins the session's sequence (`keep_path`), the leaves go;
+- the KV budget (kv_budget_bytes) sizes the context: its cells are allocated at start, as --kv-preallocate does.
+
+p comes from llama.cpp's float32 logits through shared/sampling.py, so the verify rule, draw and match and every
+exactness test hold as on the PyTorch runner. What llama.cpp does not give: bit-identical logits whatever shares a
+batch (BENCHMARKS.md measures how far they move), the target's hidden states (no feature-fed heads), prefix
+sharing across sessions, tensor parallelism. /v1/model says so (runner "llama.cpp", batch_invariant false).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from shared.blocks import BlockManager, OutOfBlocks
+from shared.errors import ResourceExhausted
+from shared.kvpool import KVPool, Row, UnsupportedModel
+from shared.llama_runtime import GGUFContext, GGUFModel, Token, find_gguf, unavailable
+from shared.protocol import ModelInfo
+
+log = logging.getLogger(__name__)
+
+# llama.cpp's sequence ids (LLAMA_MAX_SEQ): sessions take the first SESSION_SEQS, tree leaves the rest
+MAX_SEQS = 256
+SESSION_SEQS = 128
+# most KV cells of the context, whatever the budget allows: llama.cpp walks every cell on each crop and copy, so a
+# small model's budget of millions of cells would make every round pay for them
+MAX_CELLS = 1 << 17
+
+
+def kv_bytes_per_position(path: Path) -> int:
+    """K and V of every layer for one position, float16 (llama.cpp's cache type), from the GGUF's header."""
+    import gguf
+
+    r = gguf.GGUFReader(str(path))
+
+    def value(key: str, default: int | None = None) -> int:
+        f = r.get_field(key)
+        if f is None:
+            if default is None:
+                raise UnsupportedModel(f"{path} has no {key}: not a GGUF of a transformer this runner knows")
+            return default
+        return int(f.contents())
+
+    arch = str(r.get_field("general.architecture").contents())  # type: ignore[union-attr]
+    heads = value(f"{arch}.attention.head_count")
+    kv_heads = value(f"{arch}.attention.head_count_kv", heads)
+    head_dim = value(f"{arch}.embedding_length") // heads
+    dk = value(f"{arch}.attention.key_length", head_dim)
+    dv = value(f"{arch}.attention.value_length", head_dim)
+    return value(f"{arch}.block_count") * kv_heads * (dk + dv) * 2
+
+
+def leaves_of(parents: tuple[int, ...]) -> list[int]:
+    """The nodes without children of a tree given by its parents."""
+    has_child = set(parents)
+    return [j for j in range(len(parents)) if j not in has_child]
+
+
+class LlamaPool(KVPool):
+    """Every session's KV in one llama.cpp context, with the paged pool's accounting (see the module docstring)."""
+
+    def __init__(self, model: GGUFModel, bytes_per_position: int, budget_bytes: int, block_size: int,
+                 threads: int, max_batch_tokens: int) -> None:
+        super().__init__(None, model.n_ctx_train or 1 << 20, "cpu", torch.float16,  # type: ignore[arg-type]
+                         budget_bytes=budget_bytes, block_size=block_size, prefix_cache=False, preallocate=True)
+        self.bytes_per_position = bytes_per_position
+        blocks = min(budget_bytes // (bytes_per_position * block_size), MAX_CELLS // block_size)
+        if blocks < 1:
+            raise ValueError(f"kv_budget_bytes = {budget_bytes} holds not one KV block of "
+                             f"{bytes_per_position * block_size} bytes; raise it")
+        self.blocks = BlockManager(block_size, blocks, False, initial_blocks=blocks)
+        # a tree's nodes and a round's chunk may sit in cells beside the positions the manager counts
+        self.n_ctx = blocks * block_size + max_batch_tokens
+        self.ctx = GGUFContext(model, self.n_ctx, MAX_SEQS, threads, n_batch=min(max_batch_tokens, 512))
+        self._seq: dict[int, int] = {}  # slot -> llama.cpp sequence
+        self._free = list(range(SESSION_SEQS - 1, -1, -1))
+        self._leaf_free = list(range(MAX_SEQS - 1, SESSION_SEQS - 1, -1))
+        self._trees: dict[int, dict[int, int]] = {}  # slot -> the leaf sequence each node of its tree reads
+
+    def prepare(self, model: object) -> None:
+        return None
+
+    def prepare_like(self, other: KVPool) -> None:
+        return None
+
+    @property
+    def allocated_bytes(self) -> int:
+        return self.n_ctx * self.bytes_per_position
+
+    # --- sequences ----------------------------------------------------------------------------
+    def allocate(self, salt: bytes = b"") -> int:
+        if not self._free:
+            raise ResourceExhausted(f"this llama.cpp verifier holds {SESSION_SEQS} sequences at most, all in use; "
+                                    "retry later", limit="max_sessions")
+        sid = self.manager.new_seq(salt)
+        self._seq[sid] = self._free.pop()
+        return sid
+
+    def release(self, slot: int) -> None:
+        self.manager.free_seq(slot)
+        self._drop_tree(slot)
+        seq = self._seq.pop(slot, None)
+        if seq is not None:
+            self.ctx.seq_rm(seq)
+            self._free.append(seq)
+
+    def crop(self, slot: int, n: int) -> None:
+        self.manager.crop(slot, n)
+        self._cut(slot, n)
+
+    def set_length(self, slot: int, n: int) -> None:
+        if slot in self.manager.seqs:
+            self.manager.set_length(slot, n)
+            self._cut(slot, n)
+
+    def _cut(self, slot: int, n: int) -> None:
+        self._drop_tree(slot)
+        if slot in self._seq:
+            self.ctx.seq_rm(self._seq[slot], n, -1)
+
+    def match_prefix(self, slot: int, ids: list[int], limit: int) -> int:
+        return 0  # no prefix sharing across sessions on this runner
+
+    def keep_path(self, slot: int, start: int, src: list[int], tokens: list[int]) -> list[tuple[int, int]]:
+        """The accepted path's cells (positions start .. start + len(src) - 1 of the leaf that holds its last node)
+        join the session's sequence; every leaf of the tree goes."""
+        self.manager.rewrite(slot, start, tokens)
+        leaf_of = self._trees.get(slot, {})
+        if src:
+            self.ctx.seq_cp(leaf_of[src[-1]], self._seq[slot], start, start + len(src))
+        self._drop_tree(slot)
+        return []
+
+    def move_rows(self, moves: list[tuple[int, int]]) -> None:
+        return None
+
+    def _drop_tree(self, slot: int) -> None:
+        for leaf in set(self._trees.pop(slot, {}).values()):
+            self.ctx.seq_rm(leaf)
+            self._leaf_free.append(leaf)
+
+    def tree_seqs(self, row: Row) -> int:
+        """Leaf sequences a row takes (0 for a chain)."""
+        return len(leaves_of(row.tree)) if row.tree else 0
+
+    @property
+    def tree_seqs_free(self) -> int:
+        return len(self._leaf_free)
+
+    # --- the forward ------------------------------------------------------------------------
+    def forward(self, model: object, rows: list[Row]) -> list[torch.Tensor]:
+        """Every row in one llama.cpp batch; each row's logits for its last `keep` ids ([keep, vocab] float32)."""
+        if not rows:
+            return []
+        m = self.manager
+        if len({r.slot for r in rows}) != len(rows):
+            raise ValueError("a sequence appears twice in one forward")
+        need = sum(self.blocks_needed(r) for r in rows)
+        if need > m.available():
+            raise OutOfBlocks(f"this forward needs {need} KV blocks, {m.available()} are left")
+        if sum(self.tree_seqs(r) for r in rows) > len(self._leaf_free):
+            raise OutOfBlocks(f"this forward's trees need more than the {len(self._leaf_free)} free sequences")
+        tokens: list[Token] = []
+        keeps = []
+        try:
+            for r in rows:
+                m.prepare_write(r.slot, r.past, len(r.ids))
+                self._cut(r.slot, r.past)
+                tokens += self._tokens(r)
+                keeps.append(r.keep)
+            logits = self.ctx.decode(tokens)  # [sum of keeps, vocab]
+        except BaseException:
+            m.undo_writes()
+            for r in rows:
+                self._cut(r.slot, r.past)
+            raise
+        for r in rows:
+            m.extend(r.slot, list(r.ids))
+        out, i = [], 0
+        for keep in keeps:
+            out.append(logits[i: i + keep])  # [keep, vocab]
+            i += keep
+        return out
+
+    def _tokens(self, r: Row) -> list[Token]:
+        seq = self._seq[r.slot]
+        pos = r.positions()
+        n = len(r.ids)
+        if not r.tree:
+            return [Token(t, pos[i], (seq,), i >= n - r.keep) for i, t in enumerate(r.ids)]
+        parents = r.tree
+        leaves = leaves_of(parents)
+        leaf_seq = {leaf: self._leaf_free.pop() for leaf in leaves}
+        for s in leaf_seq.values():
+            self.ctx.seq_cp(seq, s)  # the context so far
+        under: dict[int, list[int]] = {j: [] for j in range(len(parents))}  # node -> the leaf sequences below it
+        for leaf, s in leaf_seq.items():
+            at = leaf
+            while at >= 0:
+                under[at].append(s)
+                at = parents[at]
+        self._trees[r.slot] = {j: under[j][0] for j in range(len(parents))}
+        first_node = r.tree_base - r.past  # this row's ids: the rest of S', then every node
+        out = []
+        for i, t in enumerate(r.ids):
+            seqs = (seq, *leaf_seq.values()) if i < first_node else tuple(under[i - first_node])
+            out.append(Token(t, pos[i], seqs, i >= n - r.keep))
+        return out
+
+
+class LlamaTarget:
+    """The runner over a GGUF file: the same calls as cloud/model.py's TargetModel for the serving core."""
+
+    runner = "llama.cpp"
+    group = None
+    feature_size = 0
+
+    def __init__(self, model: Path, threads: int = 0, max_batch_tokens: int = 1024) -> None:
+        from shared.tokenizer_id import load_tokenizer, tokenizer_fingerprint
+
+        why = unavailable()
+        if why is not None:
+            raise UnsupportedModel(why)
+        path = find_gguf(model)
+        if path is None:
+            raise UnsupportedModel(f"no GGUF file at {model}: --runner llamacpp needs a .gguf file or a directory "
+                                   "with model.gguf")
+        self.path = path
+        self.threads = threads or max(1, torch.get_num_threads())
+        self.max_batch_tokens = max_batch_tokens
+        self.gguf = GGUFModel(path)
+        tokenizer = load_tokenizer(path.parent)  # the tokenizer files beside the GGUF (a prepared directory)
+        self.support = min(len(tokenizer), self.gguf.n_vocab)
+        eos = [int(tokenizer.eos_token_id)] if tokenizer.eos_token_id is not None else []
+        self.kv_bytes_per_token = kv_bytes_per_position(path)
+        self.weight_bytes = path.stat().st_size
+        self.dtype_reason = f"the GGUF file's own types ({file_type(path)}), run by llama.cpp"
+        name = path.parent.resolve().name if path.name == "model.gguf" else path.stem
+        self.info = ModelInfo(model_id=name, vocab_size=self.gguf.n_vocab, eos_ids=eos,
+                              max_context=self.gguf.n_ctx_train, dtype="gguf", dtype_reason=self.dtype_reason,
+                              batch_invariant=False, device="cpu",
+                              tokenizer_fingerprint=tokenizer_fingerprint(tokenizer), tokenizer_size=self.support,
+                              tensor_parallel=1, runner=self.runner)
+        self.pool: LlamaPool | None = None
+        log.info("target loaded on llama.cpp: %s (%s), %d threads", path, self.dtype_reason, self.threads)
+
+    def use_pool(self, kv_budget_bytes: int | None, block_size: int = 16, prefix_cache: bool = True,
+                 preallocate: bool = False) -> None:
+        if prefix_cache:
+            log.info("prefix sharing is off on the llama.cpp runner: every session computes its own prompt")
+        self.pool = LlamaPool(self.gguf, self.kv_bytes_per_token, kv_budget_bytes or 2 * 1024**3, block_size,
+                              self.threads, self.max_batch_tokens)
+
+    def forward(self, rows: list[Row]) -> list[torch.Tensor]:
+        assert self.pool is not None
+        out = self.pool.forward(None, rows)
+        if self.support < self.info.vocab_size:
+            out = [x[:, : self.support] for x in out]  # [keep, support]
+        return out
+
+    def keep_path(self, slot: int, start: int, src: list[int], tokens: list[int]) -> None:
+        assert self.pool is not None
+        self.pool.keep_path(slot, start, src, tokens)
+
+    def hidden_of(self, row: Row) -> torch.Tensor | None:
+        return None
+
+    def calibrate(self, max_tokens: int) -> bool:
+        """llama.cpp's CPU kernels give a row other bits in other batches (BENCHMARKS.md): never invariant."""
+        log.warning("batch-invariant forwards off: llama.cpp's kernels change a token's logits with the batch "
+                    "around it, so greedy text may part from the cloud's own at near-ties")
+        return False
+
+    def healthy(self) -> bool:
+        return True
+
+
+def file_type(path: Path) -> str:
+    """The GGUF's general.file_type as llama.cpp names it (e.g. MOSTLY_Q4_K_M)."""
+    import gguf
+
+    f = gguf.GGUFReader(str(path)).get_field("general.file_type")
+    if f is None:
+        return "unknown types"
+    try:
+        return gguf.LlamaFileType(int(f.contents())).name
+    except ValueError:
+        return f"file type {int(f.contents())}"

@@ -1,0 +1,117 @@
+"""The llama.cpp runner's pool (cloud/llama_runner.py) on a tiny GGUF target, in process.
+
+What the serving core relies on: a row's logits are the target's after its context (within 3e-3 of transformers'
+float32 forward of the same weights: llama.cpp keeps K and V in float16); a tree row's node sees the context and
+its own path only; the accepted path kept by `keep_path` serves the next round as if it had been fed as a chain;
+crops and releases give sequences and blocks back; several sessions in one batch do not see each other.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from cloud.llama_runner import SESSION_SEQS, LlamaTarget, leaves_of
+from shared.errors import ResourceExhausted
+from shared.kvpool import Row
+from tests.tiny_gguf import build_qwen2, write_gguf
+
+CTX = [5, 17, 300, 42, 9, 1000, 77, 3, 64, 11]
+TOL = 3e-3
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = build_qwen2(tmp_path_factory.mktemp("llama_target") / "t", seed=5)
+    write_gguf(d, d / "model.gguf")
+    return d
+
+
+@pytest.fixture()
+def runner(target_dir: Path) -> LlamaTarget:
+    t = LlamaTarget(target_dir, threads=1, max_batch_tokens=256)
+    t.use_pool(64 * 1024**2, 16)
+    return t
+
+
+@pytest.fixture(scope="module")
+def reference(target_dir: Path):  # type: ignore[no-untyped-def]
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+
+    def logits_after(ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return hf(input_ids=torch.tensor([ids])).logits[0, -1]  # [vocab]
+    return logits_after
+
+
+def test_a_chain_row_gives_the_targets_logits(runner: LlamaTarget, reference) -> None:  # type: ignore[no-untyped-def]
+    assert runner.pool is not None
+    slot = runner.pool.allocate()
+    (out,) = runner.forward([Row(slot, 0, CTX, keep=3)])  # [3, vocab]
+    for i in range(3):
+        assert (out[i] - reference(CTX[: len(CTX) - 2 + i])).abs().max() < TOL
+    assert runner.pool.length(slot) == len(CTX)
+
+
+def test_tree_nodes_see_their_path_and_the_kept_path_serves_the_next_round(
+        runner: LlamaTarget, reference) -> None:  # type: ignore[no-untyped-def]
+    pool = runner.pool
+    assert pool is not None
+    slot = pool.allocate()
+    runner.forward([Row(slot, 0, CTX[:-1], keep=0)])
+    L = len(CTX)
+    parents = (-1, 0, 0, 1, 1, 2, 3)
+    nodes = [11, 12, 13, 14, 15, 16, 17]
+    assert leaves_of(parents) == [4, 5, 6]
+    (out,) = runner.forward([Row(slot, L - 1, [CTX[-1]] + nodes, keep=len(nodes) + 1, tree=parents, tree_base=L)])
+    assert (out[0] - reference(CTX)).abs().max() < TOL
+    for j, tok in enumerate(nodes):
+        path, at = [], j
+        while at >= 0:
+            path.insert(0, nodes[at])
+            at = parents[at]
+        assert (out[1 + j] - reference(CTX + path)).abs().max() < TOL
+    free = pool.tree_seqs_free
+    runner.keep_path(slot, L, [0, 1, 3], [11, 12, 14])  # the path 11 -> 12 -> 14
+    pool.set_length(slot, L + 3)
+    assert pool.tree_seqs_free == free + 3  # the leaves went back
+    (nxt,) = runner.forward([Row(slot, L + 3, [99], keep=1)])
+    assert (nxt[0] - reference(CTX + [11, 12, 14, 99])).abs().max() < TOL
+
+
+def test_sessions_in_one_batch_do_not_see_each_other(runner: LlamaTarget, reference) -> None:  # type: ignore[no-untyped-def]
+    assert runner.pool is not None
+    a, b = runner.pool.allocate(), runner.pool.allocate()
+    other = [7, 8, 9, 10, 11]
+    out_a, out_b = runner.forward([Row(a, 0, CTX, keep=1), Row(b, 0, other, keep=1)])
+    assert (out_a[0] - reference(CTX)).abs().max() < TOL
+    assert (out_b[0] - reference(other)).abs().max() < TOL
+
+
+def test_crop_then_refeed_equals_a_fresh_encode(runner: LlamaTarget, reference) -> None:  # type: ignore[no-untyped-def]
+    assert runner.pool is not None
+    slot = runner.pool.allocate()
+    runner.forward([Row(slot, 0, CTX, keep=1)])
+    runner.pool.crop(slot, 4)
+    assert runner.pool.length(slot) == 4
+    (out,) = runner.forward([Row(slot, 4, [500, 501], keep=1)])
+    assert (out[0] - reference(CTX[:4] + [500, 501])).abs().max() < TOL
+
+
+def test_sequences_run_out_with_a_clear_error_and_come_back(runner: LlamaTarget) -> None:
+    pool = runner.pool
+    assert pool is not None
+    slots = [pool.allocate() for _ in range(SESSION_SEQS)]
+    with pytest.raises(ResourceExhausted, match="sequences"):
+        pool.allocate()
+    pool.release(slots[0])
+    pool.allocate()
+    blocks = pool.manager.available()
+    (out,) = runner.forward([Row(slots[1], 0, CTX, keep=1)])
+    assert pool.manager.available() == blocks - 1 and out.shape[0] == 1
+    pool.release(slots[1])
+    assert pool.manager.available() == blocks
