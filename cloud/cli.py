@@ -20,16 +20,25 @@ REFUSAL_WAIT_S = 5.0
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """One flag per CloudSettings field; its help is the field's description, default and variable."""
     p = argparse.ArgumentParser(prog="specsplit-cloud", description=(
         "Cloud verifier of edge-cloud speculative decoding: REST and gRPC from one process."))
     for name, field in CloudSettings.model_fields.items():
         env = f"SPECSPLIT_CLOUD_{name.upper()}"
+        flag = "--" + name.replace("_", "-")
         if name == "api_keys":
             p.add_argument("--api-key", dest="api_keys", action="append", metavar="KEY",
-                           help=f"accepted Bearer key, repeatable; turns auth on (env {env}, a JSON list)")
+                           help=f"{field.description}; repeatable, a key turns auth on (env {env}, a JSON list)")
             continue
         default = "required" if field.is_required() else f"default {field.default}"
-        p.add_argument("--" + name.replace("_", "-"), dest=name, metavar=name.upper(), help=f"{default}; env {env}")
+        text = (field.description or "").replace("%", "%%")  # argparse formats help with %
+        if field.annotation is bool:  # --flag, --flag true|false, --no-flag
+            p.add_argument(flag, dest=name, nargs="?", const="true", metavar="true|false",
+                           help=f"{text} ({default}; env {env}; --no-{flag[2:]} for false)")
+            p.add_argument(f"--no-{flag[2:]}", dest=name, action="store_const", const="false",
+                           help=argparse.SUPPRESS)
+            continue
+        p.add_argument(flag, dest=name, metavar=name.upper(), help=f"{text} ({default}; env {env})")
     return p
 
 

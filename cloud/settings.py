@@ -23,128 +23,137 @@ OP_STALE_FLOOR_S = 10.0
 class CloudSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SPECSPLIT_CLOUD_", extra="forbid")
 
-    # the target model: a Hugging Face causal-LM directory (config, weights, tokenizer; a prepared one also holds
-    # model.gguf), or a .gguf file with the tokenizer files beside it; the standard target is
-    # models/smollm2-135m-instruct (SmolLM2-135M-Instruct, made by scripts/setup.sh)
-    model: Path
-    # what runs the target's forward: "llamacpp" (the model's GGUF file through llama.cpp, CPU: the quantized
-    # weights as shipped), "torch" (the Hugging Face weights in PyTorch: GPUs, tensor parallelism, feature-fed
-    # heads, batch-invariant forwards, prefix sharing), or "auto": llama.cpp on a CPU when the model has a GGUF and
-    # llama-cpp-python is installed, PyTorch otherwise (cloud/llama_runner.py; BENCHMARKS.md compares them)
-    runner: Literal["auto", "torch", "llamacpp"] = "auto"
-    # interface both servers bind to
-    host: str = "127.0.0.1"
-    # REST (FastAPI over uvicorn) port; 0 picks a free one
-    http_port: int = Field(default=8000, ge=0, le=65535)
-    # gRPC port; 0 picks a free one
-    grpc_port: int = Field(default=50051, ge=0, le=65535)
-    # accepted Bearer keys; empty = auth off (every caller is the same anonymous owner)
-    api_keys: list[SecretStr] = Field(default_factory=list)
-    # true: GET /metrics needs a key too (when keys are configured); false: /metrics is open, as
-    # /healthz and /readyz are (keep the port off the public network, or turn this on)
-    metrics_auth: bool = False
-    # torch device of the target: "cpu" or "cuda" / "cuda:N"
-    device: str = "cpu"
-    # weights and KV dtype; auto: bfloat16 where the CPU has AMX or AVX512-BF16 (or on a CUDA device with
-    # bfloat16), float32 elsewhere (shared/dtypes.py); the choice and why are logged and in GET /v1/model
-    dtype: Dtype = "auto"
-    # every forward batch-invariant (shared/invariant.py): a token's logits and KV are bit for bit the same
-    # whatever else shares its forward (one session or 16, a decode step, a chain, a tree, a prefill chunk), so
-    # greedy text is one text in every mode; false: the plain kernels (measured in BENCHMARKS.md)
-    batch_invariant: bool = True
-    # torch intra-op threads for the model worker; 0 = torch's default
-    torch_threads: int = Field(default=0, ge=0)
+    model: Path = Field(
+        description=("the target model: a Hugging Face causal-LM directory (config, weights, tokenizer; a prepared one "
+                     "also holds model.gguf), or a .gguf file with the tokenizer files beside it; the standard target is "
+                     "models/smollm2-135m-instruct (SmolLM2-135M-Instruct, made by scripts/setup.sh)"))
+    runner: Literal["auto", "torch", "llamacpp"] = Field(default="auto",
+        description=("what runs the target's forward: \"llamacpp\" (the model's GGUF file through llama.cpp, CPU: the "
+                     'quantized weights as shipped), "torch" (the Hugging Face weights in PyTorch: GPUs, tensor '
+                     'parallelism, feature-fed heads, batch-invariant forwards, prefix sharing), or "auto": llama.cpp on '
+                     "a CPU when the model has a GGUF and llama-cpp-python is installed, PyTorch otherwise "
+                     "(cloud/llama_runner.py; BENCHMARKS.md compares them)"))
+    host: str = Field(default="127.0.0.1", description="interface both servers bind to")
+    http_port: int = Field(default=8000, ge=0, le=65535,
+        description=("REST (FastAPI over uvicorn) port; 0 picks a free one"))
+    grpc_port: int = Field(default=50051, ge=0, le=65535, description="gRPC port; 0 picks a free one")
+    api_keys: list[SecretStr] = Field(default_factory=list,
+        description=("accepted Bearer keys; empty = auth off (every caller is the same anonymous owner)"))
+    metrics_auth: bool = Field(default=False,
+        description=("true: GET /metrics needs a key too (when keys are configured); false: /metrics is open, as "
+                     "/healthz and /readyz are (keep the port off the public network, or turn this on)"))
+    device: str = Field(default="cpu", description='torch device of the target: "cpu" or "cuda" / "cuda:N"')
+    dtype: Dtype = Field(default="auto",
+        description=("weights and KV dtype; auto: bfloat16 where the CPU has AMX or AVX512-BF16 (or on a CUDA device "
+                     "with bfloat16), float32 elsewhere (shared/dtypes.py); the choice and why are logged and in GET "
+                     "/v1/model"))
+    batch_invariant: bool = Field(default=True,
+        description=("every forward batch-invariant (shared/invariant.py): a token's logits and KV are bit for bit the "
+                     "same whatever else shares its forward (one session or 16, a decode step, a chain, a tree, a "
+                     "prefill chunk), so greedy text is one text in every mode; false: the plain kernels (measured in "
+                     "BENCHMARKS.md)"))
+    torch_threads: int = Field(default=0, ge=0,
+        description=("torch intra-op threads for the model worker; 0 = torch's default"))
 
-    # open sessions at most; opening one more answers 429 unless an expired one can go
-    max_sessions: int = Field(default=64, ge=1)
-    # open sessions one API key may hold; more answer 429 naming max_sessions_per_key. 0 = automatic:
-    # max_sessions when fewer than two keys are configured, else half of max_sessions (at least 1),
-    # so no single key can take every session
-    max_sessions_per_key: int = Field(default=0, ge=0)
-    # a session idle this long expires (404 afterwards)
-    session_ttl_s: float = Field(default=600.0, gt=0)
-    # KV cache bytes at most: the paged pool grows up to it and never past it; when its blocks run out,
-    # unreferenced cached prefix blocks, then least recently used idle sessions are evicted, else 429.
-    # Under tensor parallelism (torchrun) it is per rank: each rank's pool holds its share of the KV heads
-    kv_budget_bytes: int = Field(default=2 * 1024**3, gt=0)
-    # allocate the KV pool's tensors for the whole budget at start (all of it resident from then on) instead of
-    # doubling them as sessions come: each doubling copies the pool while every round waits (a 200-450 ms
-    # stall under sustained opens, BENCHMARKS.md "The verifier under sustained load"); for a dedicated server
-    kv_preallocate: bool = False
-    # a session opened (or reopened) less than this long ago that has not run a round yet is never evicted
-    # for blocks: under overload new work waits or gets 429 rather than evicting sessions before they start
-    eviction_grace_s: float = Field(default=5.0, ge=0)
-    # a session used less than this long ago (mid-generation) is not evicted for the blocks another job lacks,
-    # even the first of a forward (that job waits for a later forward, or answers 429): under a tight budget a
-    # few sessions run to the end while the rest wait, rather than every edge reopening in turn; 0 = no spare
-    eviction_active_s: float = Field(default=1.0, ge=0)
-    # positions per KV block
-    kv_block_size: int = Field(default=16, ge=1, le=1024)
-    # reuse cached full KV blocks of a common prefix (system prompt, template) instead of recomputing them
-    prefix_cache: bool = True
-    # share cached prefix blocks across API keys (off: a key never reuses, nor learns from its latency
-    # whether another key sent, a prompt)
-    share_prefix_across_keys: bool = False
-    # offer feature-fed drafting: sessions that ask get the target's hidden state with every answer
-    features: bool = True
-    # largest k (draft tokens per round) accepted
-    max_k: int = Field(default=16, ge=0, le=256)
-    # most nodes of a token tree a round may carry (0: chains only; advertised in /v1/model)
-    max_tree_nodes: int = Field(default=64, ge=0, le=256)
-    # most prompt positions whose states an open sends to a session that asks for states at every committed
-    # position (feature_window; 0: one feature per answer only)
-    max_feature_window: int = Field(default=256, ge=0, le=4096)
-    # sessions (rows) in one batched forward at most; 1 = one session per forward (no batching)
-    max_batch_size: int = Field(default=32, ge=1)
-    # real tokens in one forward at most (rounds and decode steps first, prefill chunks fill the rest)
-    max_batch_tokens: int = Field(default=1024, ge=16)
-    # prefill tokens at most in a forward that also carries rounds or decode steps, or that runs while a session
-    # is active (see session_active_ms): a round waits behind at most this slice of prefill, whenever it arrives,
-    # so its latency stays near one small forward during a burst of opens. Only with no session active does a
-    # prefill-only forward take all max_batch_tokens
-    max_prefill_tokens_with_rounds: int = Field(default=64, ge=1)
-    # a session answered (or a generate stream served) within this long (ms) is active: its next round is expected
-    # (an edge sends it 10-30 ms after its answer, longer over a slow link); 0 = only forwards that carry rounds
-    # or decode steps limit their prefill
-    session_active_ms: float = Field(default=1000.0, ge=0)
-    # before a forward, wait at most this long (ms; and at most half the last forward's time) for the
-    # next rounds of sessions answered within the last three forwards, so they share one forward; 0 = never
-    batch_wait_ms: float = Field(default=5.0, ge=0, le=1000)
-    # session opens and /v1/generate streams admitted at once (waiting for the model or running); more answer
-    # 429 / RESOURCE_EXHAUSTED. Verify rounds of open sessions are not refused by them (cloud/admission.py)
-    max_queue_depth: int = Field(default=64, ge=1)
-    # opens and generate streams one API key may have admitted at once; more answer 429 naming
-    # max_queue_depth_per_key. 0 = automatic: max_queue_depth when fewer than two keys are configured,
-    # else half of it (at least 1), so one key's burst leaves room for the others
-    max_queue_depth_per_key: int = Field(default=0, ge=0)
-    # largest request body (REST) / message (gRPC); larger answer 413 / RESOURCE_EXHAUSTED
-    max_body_bytes: int = Field(default=4 * 1024**2, ge=1024)
-    # longest prompt accepted at open; 0 = the model's context; must not exceed it
-    max_prompt_len: int = Field(default=0, ge=0)
-    # largest return_top_k
-    max_return_top_k: int = Field(default=64, ge=0)
-    # answers kept per session by request_id, so a late duplicate is answered without rollback
-    replay_cache_size: int = Field(default=8, ge=0)
-    # bytes of residual distributions (12 per id) those answers keep per session; beyond it the oldest
-    # answers lose theirs (a late duplicate of one answers 409, nothing changed); the newest always keeps its own
-    replay_cache_bytes: int = Field(default=1024**2, ge=0)
-    # largest max_new_tokens of POST /v1/generate
-    max_generate_tokens: int = Field(default=1024, ge=1)
-    # REST connections and requests at once (uvicorn limit_concurrency); beyond it new requests get a
-    # plain 503. Bounds what slow or idle connections can hold; put a proxy with header timeouts in front
-    max_connections: int = Field(default=512, ge=1)
-    # an idle REST keep-alive connection is closed after this long (seconds). Keep it above the idle timeout
-    # of any proxy's pooled connections (nginx's upstream keepalive_timeout, 60 s): a backend that closes
-    # first races the proxy's next request on that connection, which the proxy counts as the replica failing
-    keep_alive_s: int = Field(default=75, ge=1)
-    # tensor parallelism (torchrun): a rank inside one op (a forward, a KV move) for longer than this (seconds)
-    # counts as hung, stops beating, and the group is restarted; keep it above the longest forward (a
-    # max_batch_tokens prefill chunk of the target, on CPU over gloo that can take minutes for a large one)
-    tp_op_timeout_s: float = Field(default=OP_STALE_S, ge=OP_STALE_FLOOR_S)
-    # at SIGTERM, the drain waits at most this long (seconds) for open sessions to close and rounds to finish
-    shutdown_grace_s: float = Field(default=2.0, ge=0)
-    # logging level of the process
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    max_sessions: int = Field(default=64, ge=1,
+        description=("open sessions at most; opening one more answers 429 unless an expired one can go"))
+    max_sessions_per_key: int = Field(default=0, ge=0,
+        description=("open sessions one API key may hold; more answer 429 naming max_sessions_per_key. 0 = automatic: "
+                     "max_sessions when fewer than two keys are configured, else half of max_sessions (at least 1), so "
+                     "no single key can take every session"))
+    session_ttl_s: float = Field(default=600.0, gt=0,
+        description=("a session idle this long expires (404 afterwards)"))
+    kv_budget_bytes: int = Field(default=2 * 1024**3, gt=0,
+        description=("KV cache bytes at most: the paged pool grows up to it and never past it; when its blocks run out, "
+                     "unreferenced cached prefix blocks, then least recently used idle sessions are evicted, else 429. "
+                     "Under tensor parallelism (torchrun) it is per rank: each rank's pool holds its share of the KV "
+                     "heads"))
+    kv_preallocate: bool = Field(default=False,
+        description=("allocate the KV pool's tensors for the whole budget at start (all of it resident from then on) "
+                     "instead of doubling them as sessions come: each doubling copies the pool while every round waits "
+                     '(a 200-450 ms stall under sustained opens, BENCHMARKS.md "The verifier under sustained load"); for '
+                     "a dedicated server"))
+    eviction_grace_s: float = Field(default=5.0, ge=0,
+        description=("a session opened (or reopened) less than this long ago that has not run a round yet is never "
+                     "evicted for blocks: under overload new work waits or gets 429 rather than evicting sessions before "
+                     "they start"))
+    eviction_active_s: float = Field(default=1.0, ge=0,
+        description=("a session used less than this long ago (mid-generation) is not evicted for the blocks another job "
+                     "lacks, even the first of a forward (that job waits for a later forward, or answers 429): under a "
+                     "tight budget a few sessions run to the end while the rest wait, rather than every edge reopening "
+                     "in turn; 0 = no spare"))
+    kv_block_size: int = Field(default=16, ge=1, le=1024, description="positions per KV block")
+    prefix_cache: bool = Field(default=True,
+        description=("reuse cached full KV blocks of a common prefix (system prompt, template) instead of recomputing "
+                     "them"))
+    share_prefix_across_keys: bool = Field(default=False,
+        description=("share cached prefix blocks across API keys (off: a key never reuses, nor learns from its latency "
+                     "whether another key sent, a prompt)"))
+    features: bool = Field(default=True,
+        description=("offer feature-fed drafting: sessions that ask get the target's hidden state with every answer"))
+    max_k: int = Field(default=16, ge=0, le=256, description="largest k (draft tokens per round) accepted")
+    max_tree_nodes: int = Field(default=64, ge=0, le=256,
+        description=("most nodes of a token tree a round may carry (0: chains only; advertised in /v1/model)"))
+    max_feature_window: int = Field(default=256, ge=0, le=4096,
+        description=("most prompt positions whose states an open sends to a session that asks for states at every "
+                     "committed position (feature_window; 0: one feature per answer only)"))
+    max_batch_size: int = Field(default=32, ge=1,
+        description=("sessions (rows) in one batched forward at most; 1 = one session per forward (no batching)"))
+    max_batch_tokens: int = Field(default=1024, ge=16,
+        description=("real tokens in one forward at most (rounds and decode steps first, prefill chunks fill the rest)"))
+    max_prefill_tokens_with_rounds: int = Field(default=64, ge=1,
+        description=("prefill tokens at most in a forward that also carries rounds or decode steps, or that runs while a "
+                     "session is active (see session_active_ms): a round waits behind at most this slice of prefill, "
+                     "whenever it arrives, so its latency stays near one small forward during a burst of opens. Only "
+                     "with no session active does a prefill-only forward take all max_batch_tokens"))
+    session_active_ms: float = Field(default=1000.0, ge=0,
+        description=("a session answered (or a generate stream served) within this long (ms) is active: its next round "
+                     "is expected (an edge sends it 10-30 ms after its answer, longer over a slow link); 0 = only "
+                     "forwards that carry rounds or decode steps limit their prefill"))
+    batch_wait_ms: float = Field(default=5.0, ge=0, le=1000,
+        description=("before a forward, wait at most this long (ms; and at most half the last forward's time) for the "
+                     "next rounds of sessions answered within the last three forwards, so they share one forward; 0 = "
+                     "never"))
+    max_queue_depth: int = Field(default=64, ge=1,
+        description=("session opens and /v1/generate streams admitted at once (waiting for the model or running); more "
+                     "answer 429 / RESOURCE_EXHAUSTED. Verify rounds of open sessions are not refused by them "
+                     "(cloud/admission.py)"))
+    max_queue_depth_per_key: int = Field(default=0, ge=0,
+        description=("opens and generate streams one API key may have admitted at once; more answer 429 naming "
+                     "max_queue_depth_per_key. 0 = automatic: max_queue_depth when fewer than two keys are configured, "
+                     "else half of it (at least 1), so one key's burst leaves room for the others"))
+    max_body_bytes: int = Field(default=4 * 1024**2, ge=1024,
+        description=("largest request body (REST) / message (gRPC); larger answer 413 / RESOURCE_EXHAUSTED"))
+    max_prompt_len: int = Field(default=0, ge=0,
+        description=("longest prompt accepted at open; 0 = the model's context; must not exceed it"))
+    max_return_top_k: int = Field(default=64, ge=0, description="largest return_top_k")
+    replay_cache_size: int = Field(default=8, ge=0,
+        description=("answers kept per session by request_id, so a late duplicate is answered without rollback"))
+    replay_cache_bytes: int = Field(default=1024**2, ge=0,
+        description=("bytes of residual distributions (12 per id) those answers keep per session; beyond it the oldest "
+                     "answers lose theirs (a late duplicate of one answers 409, nothing changed); the newest always "
+                     "keeps its own"))
+    max_generate_tokens: int = Field(default=1024, ge=1,
+        description=("largest max_new_tokens of POST /v1/generate"))
+    max_connections: int = Field(default=512, ge=1,
+        description=("REST connections and requests at once (uvicorn limit_concurrency); beyond it new requests get a "
+                     "plain 503. Bounds what slow or idle connections can hold; put a proxy with header timeouts in "
+                     "front"))
+    keep_alive_s: int = Field(default=75, ge=1,
+        description=("an idle REST keep-alive connection is closed after this long (seconds). Keep it above the idle "
+                     "timeout of any proxy's pooled connections (nginx's upstream keepalive_timeout, 60 s): a backend "
+                     "that closes first races the proxy's next request on that connection, which the proxy counts as the "
+                     "replica failing"))
+    tp_op_timeout_s: float = Field(default=OP_STALE_S, ge=OP_STALE_FLOOR_S,
+        description=("tensor parallelism (torchrun): a rank inside one op (a forward, a KV move) for longer than this "
+                     "(seconds) counts as hung, stops beating, and the group is restarted; keep it above the longest "
+                     "forward (a max_batch_tokens prefill chunk of the target, on CPU over gloo that can take minutes "
+                     "for a large one)"))
+    shutdown_grace_s: float = Field(default=2.0, ge=0,
+        description=("at SIGTERM, the drain waits at most this long (seconds) for open sessions to close and rounds to "
+                     "finish"))
+    log_level: Literal["debug", "info", "warning", "error"] = Field(default="info",
+        description=("logging level of the process"))
 
     @field_validator("model")
     @classmethod

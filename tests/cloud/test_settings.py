@@ -63,3 +63,28 @@ def test_prompt_limit_beyond_the_model_context_stops_the_start(tiny_pair: tuple[
 def test_settings_validation_error_names_the_field(tiny_pair: tuple[Path, Path]) -> None:
     with pytest.raises(ValidationError, match="max_sessions"):
         CloudSettings(model=tiny_pair[0], max_sessions=0)
+
+
+def test_every_setting_has_a_description_and_help_prints_it() -> None:
+    """One source: a field's description is its --help text, with its default and variable."""
+    import re
+
+    from cloud.cli import build_parser
+
+    help_text = re.sub(r"\s+", " ", build_parser().format_help())
+    for name, field in CloudSettings.model_fields.items():
+        assert field.description, name
+        flag = "--api-key" if name == "api_keys" else "--" + name.replace("_", "-")
+        assert flag in help_text, name
+        assert re.sub(r"\s+", " ", field.description)[:40] in help_text.replace("- ", "-"), name
+        assert f"SPECSPLIT_CLOUD_{name.upper()}" in help_text.replace("- ", "-").replace(" ", ""), name
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--prefix-cache"], True), (["--prefix-cache", "false"], False), (["--prefix-cache", "true"], True),
+    (["--no-prefix-cache"], False), ([], True)])
+def test_boolean_flags_take_a_bare_switch_a_value_or_no(flags: list[str], expected: bool,
+                                                        tiny_pair: tuple[Path, Path]) -> None:
+    s = settings_from_args(["--model", str(tiny_pair[0]), *flags, "--max-k", "5"])
+    assert s.prefix_cache is expected and s.max_k == 5
+    assert settings_from_args(["--model", str(tiny_pair[0]), "--kv-preallocate"]).kv_preallocate is True
