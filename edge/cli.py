@@ -7,12 +7,15 @@
     specsplit-edge serve --cloud URL --draft DIR|ngram [--chat-template FILE] [--served-model-name NAME]
         --host 127.0.0.1 --port 8001      (an OpenAI-compatible server: see docs/OPENAI.md)
 
-Defaults (EdgeSettings, overridable by SPECSPLIT_EDGE_* variables): without --draft, the draft under models/
-that speaks the cloud's tokenizer (models/qwen2.5-coder-0.5b-instruct for the coder pair's cloud, the
-SmolLM2 draft for SmolLM2's; else the first present of edge/settings.py DEFAULT_DRAFTS, else ngram), temperature 1.0, top-p 0.9, top-k 0 (off), repetition penalty 1.1, seed 0,
-128 new tokens, dynamic k (start 6, range [3, 12]), gating off, an adaptive verify deadline with every
-token verified (--timeout-fallback opts into committing a late round's first draft token unverified),
-a random routing key (X-Specsplit-Route) per run.
+Defaults (EdgeSettings, overridable by SPECSPLIT_EDGE_* variables): without --draft, the edge asks the cloud
+for its tokenizer (GET /v1/model) and drafts with the model under models/ that speaks it (edge/settings.py
+draft_for_tokenizer: models/qwen2.5-coder-0.5b-instruct for the coder pair's cloud, the SmolLM2 draft for
+SmolLM2's); a draft directory holding model.gguf, or a .gguf file, drafts on llama.cpp (edge/settings.py
+load_draft_model); --draft ngram drafts from the context alone. Temperature 1.0, top-p 0.9, top-k 0 (off),
+repetition penalty 1.1, seed 0, 128 new tokens, k chosen per round by the cost model, trees whenever the cloud
+takes them, gating off, an adaptive verify deadline with every token verified (--timeout-fallback opts into
+committing a late round's first draft token unverified), 6 retries (--max-retries), a random routing key
+(X-Specsplit-Route) per run, log level warning for generate and info for serve (--log-level, -v = info).
 
 Text streams to stdout as tokens are committed; on a terminal each token is coloured by origin
 (green accepted draft, yellow correction, cyan bonus, magenta residual, red local/unverified).
@@ -61,7 +64,7 @@ _FLAGS: dict[str, str] = {"cloud": "cloud_url", "grpc": "grpc_target", "api_key"
                           "tree_copy": "tree_copy",
                           "stream_switch": "stream_switch", "objective": "objective", "draft_dtype": "draft_dtype",
                           "draft_runtime": "draft_runtime", "threads": "threads",
-                          "capacity_wait_s": "capacity_wait_s"}
+                          "capacity_wait_s": "capacity_wait_s", "max_retries": "max_retries"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,12 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--api-key", help="Bearer key for the cloud")
     g.add_argument("--route-key", help="routing key sent as X-Specsplit-Route (default: a random one per run); "
                                        "a load balancer hashing on it keeps the session on one replica")
-    g.add_argument("--draft", help="tokens-only draft: a .gguf file, a model directory (with model.gguf: run by "
-                                   "llama.cpp) or 'ngram' (default: the draft under models/ that speaks the cloud's "
-                                   "tokenizer)")
-    g.add_argument("--head", help="draft head directory fed the target's states, or 'none' (default "
-                                  "models/smollm2-135m-attention-head; models/smollm2-135m-head the one-state head); "
-                                  "used whenever the cloud offers features that match it, --draft otherwise")
+    g.add_argument("--draft", help="tokens-only draft: a .gguf file or a directory holding model.gguf (run by "
+                                   "llama.cpp), a Hugging Face model directory (PyTorch), or 'ngram' (default: the "
+                                   "draft under models/ that speaks the tokenizer the cloud names at first contact)")
+    g.add_argument("--head", help="draft head directory fed the target's states, or 'none' (default: "
+                                  "models/smollm2-135m-attention-head when present, else none; "
+                                  "models/smollm2-135m-head the one-state head); used whenever the cloud offers "
+                                  "features that match it (hidden size and tokenizer), --draft otherwise")
     g.add_argument("--feature-encoding", choices=["auto", "float16", "int8"],
                    help="how the cloud sends the target's states (default auto: int8, 580 bytes a state for "
                         "SmolLM2, when the cloud offers it, else float16, 1,152)")
@@ -140,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--hybrid", action=argparse.BooleanOptionalAction, default=None,
                    help="n-gram continuation while confident, the draft model for the rest")
     g.add_argument("--device")
+    g.add_argument("--max-retries", type=int,
+                   help="resends of a call after 429 / 413 / 5xx / a missed deadline / a connection error, with "
+                        "exponential backoff (default 6)")
     g.add_argument("--capacity-wait-s", type=float,
                    help="past its retries, keep waiting out the cloud's 429 capacity answers this long (default 300)")
     g.add_argument("--draft-dtype", choices=["auto", "float32", "bfloat16"],
@@ -154,7 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--against-cloud-only", action="store_true",
                    help="then run the same prompt with --mode cloud_only (quietly) and print both decode rates")
     g.add_argument("--log", metavar="FILE.jsonl", help="one JSON line per round")
-    g.add_argument("-v", "--verbose", action="store_true")
+    g.add_argument("-v", "--verbose", action="store_true", help="log level info (as --log-level info)")
+    g.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
+                   help="log lines on stderr at this level and above (default warning; serve: info)")
     g.add_argument("--request-id", help="sent as X-Request-Id on every cloud call (the cloud logs it with the "
                    "session's ctx_id)")
     g.add_argument("--log-format", choices=["text", "json"], default="text",
@@ -333,15 +342,22 @@ def serve(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     run(settings, ServeArgs(args.host, args.port, args.chat_template, args.served_model_name),
-        log_level="info" if args.verbose else "warning")
+        log_level=args.log_level or ("info" if args.verbose else "warning"))
     return 0
+
+
+def log_level(args: argparse.Namespace) -> str:
+    """--log-level; else info with -v or for a server (a line per request), warning for a one-off generation."""
+    if args.log_level:
+        return str(args.log_level)
+    return "info" if args.verbose or args.command == "serve" else "warning"
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    # a server logs one line per request (INFO); a one-off generation only warnings unless -v
-    setup_logging("info" if args.verbose or args.command == "serve" else "warning", args.log_format)
-    if not args.verbose:  # httpx writes a line per cloud call at INFO; transformers a bar per model load
+    setup_logging(log_level(args), args.log_format)
+    # httpx writes a line per cloud call at INFO, transformers a bar per model load: shown only when asked for
+    if not args.verbose and args.log_level not in ("debug", "info"):
         logging.getLogger("httpx").setLevel(logging.WARNING)
         from transformers.utils import logging as hf_logging
 

@@ -109,3 +109,37 @@ def test_without_draft_the_edge_drafts_with_the_model_that_speaks_the_clouds_tok
         assert settings_from_args(parse(["generate", "hi", "--draft", "ngram"])).draft == "ngram"
     answer[:] = ["0" * 16]
     assert settings_from_args(parse(["generate", "hi"])).draft == default
+
+
+def _options(command: str) -> set[str]:
+    sub = build_parser()._subparsers._group_actions[0].choices[command]  # type: ignore[union-attr]
+    return {o for a in sub._actions for o in a.option_strings}
+
+
+def test_every_setting_a_doc_names_as_a_flag_is_a_flag_of_generate_and_serve() -> None:
+    import re
+
+    from edge.cli import _FLAGS, _PER_REQUEST
+    from edge.settings import EdgeSettings
+
+    root = Path(__file__).resolve().parents[2]
+    flag_of = {name: "--" + flag.replace("_", "-") for flag, name in _FLAGS.items()}
+    flags = {flag_of.get(n, "--" + n.replace("_", "-")) for n in EdgeSettings.model_fields}
+    named = {m for doc in [*root.glob("docs/*.md"), root / "README.md"]
+             for m in re.findall(r"--[a-z][a-z0-9-]+", doc.read_text(encoding="utf-8"))} & flags
+    assert "--max-retries" in named
+    per_request = {"--" + d.replace("_", "-") for d in _PER_REQUEST}  # a server's OpenAI request fields
+    assert named - per_request <= _options("serve"), named - per_request - _options("serve")
+    serve_only = {"--max-body-bytes"}  # a server's request bodies
+    assert named - serve_only <= _options("generate"), named - serve_only - _options("generate")
+
+
+@pytest.mark.parametrize("command", [["generate", "hi"], ["serve"]])
+def test_max_retries_and_log_level_are_flags(command: list[str]) -> None:
+    from edge.cli import log_level
+
+    args = build_parser().parse_args([*command, "--draft", "ngram", "--max-retries", "2", "--log-level", "debug"])
+    assert settings_from_args(args).max_retries == 2 and log_level(args) == "debug"
+    quiet = build_parser().parse_args([*command, "--draft", "ngram"])
+    assert log_level(quiet) == ("warning" if command[0] == "generate" else "info")
+    assert log_level(build_parser().parse_args([*command, "-v"])) == "info"
