@@ -5,7 +5,8 @@
         --temperature T --top-p P --top-k K --repetition-penalty R --seed S [--route-key KEY]
         [--json] [--log FILE.jsonl] [--chat [--chat-template FILE]]
     specsplit-edge serve --cloud URL --draft DIR|ngram [--chat-template FILE] [--served-model-name NAME]
-        --host 127.0.0.1 --port 8001      (an OpenAI-compatible server: see docs/OPENAI.md)
+        --host 127.0.0.1 --port 8001 [--server-api-key KEY]   (an OpenAI-compatible server: docs/OPENAI.md;
+        a --host beyond loopback needs --server-api-key)
 
 Defaults (EdgeSettings, overridable by SPECSPLIT_EDGE_* variables): without --draft, the edge asks the cloud
 for its tokenizer (GET /v1/model) and drafts with the model under models/ that speaks it (edge/settings.py
@@ -64,7 +65,8 @@ _FLAGS: dict[str, str] = {"cloud": "cloud_url", "grpc": "grpc_target", "api_key"
                           "tree_copy": "tree_copy",
                           "stream_switch": "stream_switch", "objective": "objective", "draft_dtype": "draft_dtype",
                           "draft_runtime": "draft_runtime", "threads": "threads",
-                          "capacity_wait_s": "capacity_wait_s", "max_retries": "max_retries"}
+                          "capacity_wait_s": "capacity_wait_s", "max_retries": "max_retries",
+                          "server_api_keys": "server_api_keys"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -187,18 +189,31 @@ def add_serve_parser(sub: Any, generate: argparse.ArgumentParser) -> None:
             s._add_action(action)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8001)
+    s.add_argument("--server-api-key", dest="server_api_keys", action="append", metavar="KEY",
+                   help="a Bearer key this server accepts on every /v1 route, repeatable (env "
+                        "SPECSPLIT_EDGE_SERVER_API_KEYS, a JSON list); required unless --host is loopback")
     s.add_argument("--served-model-name", help="the model id clients send (default: the cloud's model id)")
     s.add_argument("--max-body-bytes", type=int, help="largest request body; larger answer 413 (default 4 MiB)")
 
 
+def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The EdgeSettings fields the flags given set (the rest come from SPECSPLIT_EDGE_* or defaults)."""
+    return {name: getattr(args, flag) for flag, name in _FLAGS.items() if getattr(args, flag, None) is not None}
+
+
 def settings_from_args(args: argparse.Namespace) -> EdgeSettings:
-    overrides: dict[str, Any] = {}
-    for flag, name in _FLAGS.items():
-        value = getattr(args, flag, None)
-        if value is not None:
-            overrides[name] = value
-    settings = EdgeSettings(**overrides)
-    if "draft" in overrides or "SPECSPLIT_EDGE_DRAFT" in os.environ or settings.mode == "cloud_only":
+    """Flags over SPECSPLIT_EDGE_* over defaults; no I/O (the draft the cloud picks: with_cloud_draft)."""
+    return EdgeSettings(**overrides_from_args(args))
+
+
+def draft_given(args: argparse.Namespace) -> bool:
+    """--draft or SPECSPLIT_EDGE_DRAFT names the draft: the cloud does not choose it."""
+    return getattr(args, "draft", None) is not None or "SPECSPLIT_EDGE_DRAFT" in os.environ
+
+
+def with_cloud_draft(settings: EdgeSettings, args: argparse.Namespace) -> EdgeSettings:
+    """The settings with the draft that speaks the cloud's tokenizer, unless one was given (or none is needed)."""
+    if draft_given(args) or settings.mode == "cloud_only":
         return settings
     return settings.model_copy(update={"draft": draft_for_cloud(settings)})
 
@@ -283,7 +298,7 @@ def write_log(path: str, result: GenerationResult) -> None:
 
 
 def generate(args: argparse.Namespace) -> int:
-    settings = settings_from_args(args)
+    settings = with_cloud_draft(settings_from_args(args), args)
     if args.threads:
         import torch
 
@@ -335,8 +350,11 @@ def chat_prompt(client: EdgeClient, args: argparse.Namespace) -> list[int]:
 
 def serve(args: argparse.Namespace) -> int:
     from .server.serve import ServeArgs, run
+    from .server.server_auth import check_exposure
 
     settings = settings_from_args(args)
+    check_exposure(args.host, settings.server_key_values())  # before any model load or cloud call
+    settings = with_cloud_draft(settings, args)
     if args.threads:
         import torch
 

@@ -206,6 +206,9 @@ class EdgeSettings(BaseSettings):
     backoff_ms: float = Field(default=50.0, ge=0)
     backoff_max_ms: float = Field(default=2000.0, ge=0)
 
+    # serve: Bearer keys the OpenAI server accepts on every /v1 route (its own, not the cloud's api_key); empty =
+    # no auth, allowed only on a loopback --host (edge/server/server_auth.py)
+    server_api_keys: list[SecretStr] = Field(default_factory=list)
     # serve: the largest request body (bytes) the OpenAI server reads; larger answer 413
     max_body_bytes: int = Field(default=4 * 1024**2, ge=1024)
 
@@ -244,8 +247,13 @@ class EdgeSettings(BaseSettings):
             raise ValueError("deadline_floor_ms must not exceed deadline_ceiling_ms")
         if self.k_down_at >= self.k_up_at:
             raise ValueError("k_down_at must be below k_up_at")
+        if any(not k.get_secret_value() for k in self.server_api_keys):
+            raise ValueError("server api keys must not be empty")
         self.sampling()  # raises on a bad combination
         return self
+
+    def server_key_values(self) -> list[str]:
+        return [k.get_secret_value() for k in self.server_api_keys]
 
     def k_min_for(self, policy: str) -> int:
         """k_min, or the policy's default when unset: 0 for "cost", 3 (at most k_start) for "dynamic"."""

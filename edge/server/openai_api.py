@@ -1,6 +1,7 @@
 """The OpenAI-compatible REST routes of `specsplit-edge serve` (FastAPI).
 
 GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /healthz, GET /readyz, GET /metrics.
+With --server-api-key, every /v1 route needs one of the keys as a Bearer token (server_auth.py).
 Bodies over --max-body-bytes answer 413 before they are read further; prompts are tokenized on a
 worker thread, so a long one does not hold up the event loop (or /healthz).
 Routes are thin: body -> TextRequest -> engine -> OpenAI JSON or server-sent events. Errors leave
@@ -46,6 +47,7 @@ from .openai_engine import (
     TextRequest,
 )
 from .openai_errors import OpenAIError, from_specsplit, invalid
+from .server_auth import ServerKeys
 
 log = logging.getLogger(__name__)
 # how often a waiting response checks whether its client is still there (seconds)
@@ -226,6 +228,9 @@ def create_app(engine: OpenAIEngine, options: ServeOptions) -> FastAPI:
                   description="OpenAI completions and chat completions, drafted here and verified by the cloud.")
     prom = engine.prometheus
     app.add_middleware(BodyLimit, max_bytes=engine.settings.max_body_bytes,
+                       on_error=lambda err: prom.errors.labels(err.type).inc())
+    # the last added runs first: request id, then the key (before any body is read), then the body's size
+    app.add_middleware(ServerKeys, keys=engine.settings.server_key_values(),
                        on_error=lambda err: prom.errors.labels(err.type).inc())
 
     app.add_middleware(RequestIds, on_response=lambda status: prom.responses.labels(str(status)).inc(),

@@ -9,7 +9,16 @@ from typing import Any
 
 import pytest
 
-from edge.cli import COLOURS, LOG_FIELDS, LiveText, build_parser, settings_from_args, summary_table, write_log
+from edge.cli import (
+    COLOURS,
+    LOG_FIELDS,
+    LiveText,
+    build_parser,
+    settings_from_args,
+    summary_table,
+    with_cloud_draft,
+    write_log,
+)
 
 
 def test_flags_override_settings_and_unset_flags_leave_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -101,14 +110,18 @@ def test_without_draft_the_edge_drafts_with_the_model_that_speaks_the_clouds_tok
 
     monkeypatch.setattr(RestTransport, "get_model", get_model)
     monkeypatch.delenv("SPECSPLIT_EDGE_DRAFT", raising=False)
-    parse = build_parser().parse_args
-    default = settings_from_args(parse(["generate", "hi"])).draft  # the cloud does not answer
+    def drafted(argv: list[str]) -> str:
+        args = build_parser().parse_args(argv)
+        return with_cloud_draft(settings_from_args(args), args).draft
+
+    default = drafted(["generate", "hi"])  # the cloud does not answer
     for d in (other, coder):
         answer[:] = [fp[d]]
-        assert settings_from_args(parse(["generate", "hi"])).draft == str(d)
-        assert settings_from_args(parse(["generate", "hi", "--draft", "ngram"])).draft == "ngram"
+        assert settings_from_args(build_parser().parse_args(["generate", "hi"])).draft == default  # no I/O
+        assert drafted(["generate", "hi"]) == str(d)
+        assert drafted(["generate", "hi", "--draft", "ngram"]) == "ngram"
     answer[:] = ["0" * 16]
-    assert settings_from_args(parse(["generate", "hi"])).draft == default
+    assert drafted(["generate", "hi"]) == default
 
 
 def _options(command: str) -> set[str]:
