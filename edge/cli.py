@@ -220,23 +220,30 @@ def with_cloud_draft(settings: EdgeSettings, args: argparse.Namespace) -> EdgeSe
 
 def draft_for_cloud(settings: EdgeSettings) -> str:
     """Without --draft: the draft under models/ that speaks the cloud's tokenizer (the coder pair's draft for
-    a Qwen2.5-Coder cloud, SmolLM2's for SmolLM2's), else the default draft. A cloud that does not answer
-    leaves the default; the client then reports it."""
+    a Qwen2.5-Coder cloud, SmolLM2's for SmolLM2's), else the default draft, with one warning line saying
+    why (a cloud that does not answer in 5 s, or one whose tokenizer no draft speaks)."""
     from .transport.grpc_transport import GrpcTransport
     from .transport.rest import RestTransport
 
+    log = logging.getLogger(__name__)
     key = settings.api_key.get_secret_value() if settings.api_key else None
     transport = GrpcTransport(settings.grpc_target, key) if settings.grpc_target else \
         RestTransport(settings.cloud_url, key)
     try:
         info = transport.get_model(5.0)
-    except SpecSplitError:
+    except SpecSplitError as e:
+        log.warning("the cloud did not answer (%s): drafting with %s, which may not speak its tokenizer; pass "
+                    "--draft to choose", e.message, settings.draft)
         return settings.draft
     finally:
         transport.close()
     chosen = draft_for_tokenizer(info.tokenizer_fingerprint, info.vocab_size) if info.tokenizer_fingerprint else None
-    if chosen is not None and chosen != settings.draft:
-        logging.getLogger(__name__).info("drafting with %s: it speaks the cloud's tokenizer", chosen)
+    if chosen is None:
+        log.warning("no draft under models/ speaks the cloud's tokenizer (%s): drafting with %s; pass --draft DIR "
+                    "(or --draft ngram --tokenizer DIR)", info.tokenizer_fingerprint or "no fingerprint",
+                    settings.draft)
+    elif chosen != settings.draft:
+        log.info("drafting with %s: it speaks the cloud's tokenizer", chosen)
     return chosen or settings.draft
 
 

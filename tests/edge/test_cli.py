@@ -77,9 +77,10 @@ def test_round_log_has_one_line_per_round_with_the_guide_fields(make_client: Any
 
 
 def test_without_draft_the_edge_drafts_with_the_model_that_speaks_the_clouds_tokenizer(
-        tiny_pair: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tiny_pair: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
     """Two drafts under models/ with different tokenizers: the cloud's fingerprint picks one; a cloud that
-    speaks neither, or does not answer, leaves the default; --draft always wins."""
+    speaks neither, or does not answer, leaves the default with a warning line saying so; --draft always wins."""
     import shutil
 
     from transformers import AutoTokenizer
@@ -114,14 +115,19 @@ def test_without_draft_the_edge_drafts_with_the_model_that_speaks_the_clouds_tok
         args = build_parser().parse_args(argv)
         return with_cloud_draft(settings_from_args(args), args).draft
 
-    default = drafted(["generate", "hi"])  # the cloud does not answer
+    with caplog.at_level("WARNING", logger="edge.cli"):
+        default = drafted(["generate", "hi"])  # the cloud does not answer: one line says so
+    assert "the cloud did not answer" in caplog.text and "--draft" in caplog.text
+    caplog.clear()
     for d in (other, coder):
         answer[:] = [fp[d]]
         assert settings_from_args(build_parser().parse_args(["generate", "hi"])).draft == default  # no I/O
         assert drafted(["generate", "hi"]) == str(d)
         assert drafted(["generate", "hi", "--draft", "ngram"]) == "ngram"
+    assert not caplog.text
     answer[:] = ["0" * 16]
     assert drafted(["generate", "hi"]) == default
+    assert "no draft under models/ speaks the cloud's tokenizer" in caplog.text
 
 
 def _options(command: str) -> set[str]:
