@@ -65,8 +65,6 @@ class ServiceCore:
                                   max_context=model.info.max_context, vocab_size=model.support,
                                   max_tree_nodes=settings.max_tree_nodes)
         self.metrics = CloudMetrics.create(max(settings.max_k, settings.max_tree_nodes), settings.kv_budget_bytes)
-        self.metrics.model_dtype.labels(self.info.dtype, self.info.dtype_reason,
-                                        str(self.info.batch_invariant).lower()).set(1)
         self.store = SessionStore(max_sessions=settings.max_sessions, ttl_s=settings.session_ttl_s,
                                   kv_budget_bytes=settings.kv_budget_bytes, clock=clock, on_remove=self._removed,
                                   max_sessions_per_owner=settings.sessions_per_key_limit())
@@ -86,6 +84,11 @@ class ServiceCore:
                                 tree_seqs=lambda row: getattr(self.model.pool, "tree_seqs", lambda _: 0)(row),
                                 tree_seqs_available=lambda: getattr(self.model.pool, "tree_seqs_free", 1 << 30),
                                 make_room=self.room.make_room)
+        # batch invariance measured on the model thread at its thread count, up to the largest forward, before
+        # /v1/model and /metrics report it (cloud/model.py `calibrate`)
+        self.info.batch_invariant = self.worker.call_sync(lambda: model.calibrate(settings.max_batch_tokens))
+        self.metrics.model_dtype.labels(self.info.dtype, self.info.dtype_reason,
+                                        str(self.info.batch_invariant).lower()).set(1)
         self.opens = OpenJoiner(OPEN_JOIN_S, max_per_owner=settings.sessions_per_key_limit()
                                 + settings.queue_depth_per_key_limit())
         self._hits_seen = self._evicted_seen = 0

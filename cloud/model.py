@@ -38,7 +38,8 @@ import torch
 from shared.dtypes import resolve_dtype
 from shared.errors import Unavailable
 from shared.hf_model import DTYPES, check_rollback, eos_ids, load_causal_lm
-from shared.invariant import ROW_TILE, calibrate_row_tile, tile_linears
+from shared.invariant import ROW_TILE, tile_linears
+from shared.invariant_calibration import calibrate
 from shared.kvpool import BLOCK_SIZE, ForwardPlan, KVPool, Row, UnsupportedModel, attention_layout
 from shared.protocol import ModelInfo
 from shared.tokenizer_id import load_tokenizer, tokenizer_fingerprint
@@ -47,6 +48,9 @@ if TYPE_CHECKING:
     from cloud.tensor_parallel import TensorGroup
 
 log = logging.getLogger(__name__)
+# tokens of the largest forward a first forward measures batch invariance for when nobody called `calibrate`
+# before it (the cloud's default --max-batch-tokens)
+CALIBRATION_ROWS = 1024
 
 
 class TargetModel:
@@ -86,11 +90,14 @@ class TargetModel:
                     invariant = False
             if invariant:
                 tile_linears(self.model)
-            # the linear layers' row tile: ROW_TILE until the model thread measures its own (`_calibrate`);
+            # the linear layers' row tile: ROW_TILE until the model thread measures its own (`calibrate`);
             # a tensor-parallel group keeps ROW_TILE on every rank (a probe there would run collectives, and
             # ranks that measured different tiles would pad their rows to different shapes)
             self.row_tile = ROW_TILE if invariant else 0
-            self._calibrated = not invariant or group is not None
+            # whether `calibrate` measures the forwards (invariant ones in one process), and the (largest forward,
+            # torch threads) it last measured at
+            self._measures = invariant and group is None
+            self._measured: tuple[int, int] | None = None
             cfg = self.model.config.get_text_config()
             n_ctx = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or 2048
             vocab = int(self.model.get_output_embeddings().weight.shape[0])
@@ -153,8 +160,8 @@ class TargetModel:
         the columns of the tokenizer's ids only. Each row's sequence then holds its ids' KV; the caller crops
         back what it does not keep."""
         self._captured.clear()
-        if not self._calibrated:
-            self._calibrate()
+        if self._measures and self._measured is None:
+            self.calibrate(CALIBRATION_ROWS)
         if self.group is None:
             out = self.pool.forward(self.model, rows)
         else:
@@ -170,14 +177,28 @@ class TargetModel:
         self._captured.clear()
         return out
 
-    def _calibrate(self) -> None:
-        """The smallest row tile that keeps this machine's linear kernels batch-invariant, measured once on the
-        thread (and thread count) that runs every forward (shared/invariant.py `calibrate_row_tile`)."""
-        self._calibrated = True
-        self.row_tile = calibrate_row_tile(self.model)
+    def calibrate(self, max_rows: int) -> bool:
+        """Measure, on this thread at its torch thread count (the model thread's: call it there), whether
+        forwards of up to `max_rows` tokens give every row the same bits whatever shares them, and the linear
+        layers' row tile (shared/invariant_calibration.py); `info.batch_invariant` is the answer, returned.
+        Measured again only for larger forwards or another thread count."""
+        threads = torch.get_num_threads()
+        done = self._measured
+        if not self._measures or (done is not None and done[0] >= max_rows and done[1] == threads):
+            return self.info.batch_invariant
+        c = calibrate(self.model, max_rows, self.pool)
+        self._measured, self.row_tile, self.info.batch_invariant = (max_rows, threads), c.tile, c.invariant
         self._captured.clear()
-        log.info("linear layers run their rows in tiles of %d (measured: the smallest that gives every row the "
-                 "same bits at any row count)", self.row_tile)
+        if c.invariant:
+            log.info("batch-invariant forwards measured: every row gets the same bits whatever shares its forward, "
+                     "up to %d tokens on %d torch threads (linear rows in tiles of %d; calibration took %.1f s)",
+                     max_rows, threads, c.tile, c.seconds)
+        else:
+            log.warning("batch-invariant forwards not proven: %s (measured up to %d tokens on %d torch threads in "
+                        "%.1f s). batch_invariant is false: greedy texts are no longer promised to be the same "
+                        "across batch shapes (one session or many, chains, trees, prefill chunks)",
+                        c.failure, max_rows, threads, c.seconds)
+        return c.invariant
 
     def keep_path(self, slot: int, start: int, src: list[int], tokens: list[int]) -> None:
         """A token tree's accepted path moves to the positions it holds (`KVPool.keep_path`); every rank of a

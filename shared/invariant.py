@@ -4,38 +4,43 @@ A forward's result for one row can change with how many rows share it: matrix ke
 blocking (and, for a few rows, a different code path) by shape, and attention sums over as many keys
 as its call holds (Thinking Machines, "Defeating Nondeterminism in LLM Inference", 2025). In
 bfloat16 that is enough to flip greedy tokens, so cloud_only, a chain, a tree and a batch of 16
-sessions would each write their own text. Here every per-row computation has one shape whatever the
-batch:
+sessions would each write their own text. Here every per-row computation is given one shape whatever
+the batch:
 
-- **Linear layers** see their rows in whole tiles: the rows are padded with zeros to a multiple of
-  `ROW_TILE` (16). A matrix kernel computes each output row from that row and the weight; with the row
-  count a whole number of tiles, the kernel's path and its reduction over the input width are the same
-  for every row (`tests/shared/test_invariant.py` checks it bit for bit on the machine it runs on, and
-  that the unpadded path fails there).
+- **Linear layers** see their rows in whole tiles: the rows are padded with zeros to a multiple of the
+  layer's tile (`tile_linears`; ROW_TILE, 16, until a smaller one is measured). A matrix kernel computes
+  each output row from that row and the weight; with the row count a whole number of tiles, the kernels
+  this project has met take the same path and the same reduction over the input width for every row.
 - **Attention** of a query at position p runs over the keys at positions 0, 1, ... in chunks of
   `KEY_CHUNK` positions aligned to absolute multiples of it, the chunk's keys in position order
-  whatever their storage order: scores in float32 (`q k^T`, its rows among whole tiles of rows), one
-  maximum over every visible key, then the sum and `p v` chunk after chunk in a fixed order. Keys a query
-  does not see (later positions, a padded chunk, another branch, padding) are masked to probability 0,
-  which adds an exact zero: a query's result is the same in a decode step, a chain, a tree, a prefill
+  whatever their storage order: scores in float32 (`q k^T`, its rows among whole tiles of ROW_TILE rows),
+  one maximum over every visible key, then the sum and `p v` chunk after chunk in a fixed order. Keys a
+  query does not see (later positions, a padded chunk, another branch, padding) are masked to probability 0,
+  which adds an exact zero, so a query's sums are the same in a decode step, a chain, a tree, a prefill
   chunk and beside any batch mates. A token tree's nodes (`TreeCall`) share the chunks before the tree
   as one set of rows; from the chunk holding the tree's first position on, each node attends over its
   own keys laid out as its path's chain would be (the positions before the tree, its ancestors, itself).
-- **Tensor parallelism** (cloud/tensor_parallel.py): each rank tiles its slices of the linear layers (the
-  tile wraps transformers' forward of the layer, so the local product and the collective after it both see
-  the padded rows) and attends over its own KV heads as above; a rowwise layer's partial products are
-  summed in rank order (`ordered_sum`). A row's bits then depend on the group size, not on its batch.
+- **Tensor parallelism** (cloud/tensor_parallel.py): each rank tiles its slices of the linear layers in
+  ROW_TILE rows (the tile wraps transformers' forward of the layer, so the local product and the collective
+  after it both see the padded rows) and attends over its own KV heads as above; a rowwise layer's partial
+  products are summed in rank order (`ordered_sum`). A row's bits then depend on the group size, not on its
+  batch.
 
-Costs (BENCHMARKS.md, "What a cloud forward costs"): a decode row's linear work is 16 rows' (on
-bfloat16 units nearly what one costs), and each session's attention rows are a tile of their own.
+Same shapes are what this module builds; same bits are a property of the kernels, the CPU, the dtype and the
+thread count. shared/invariant_calibration.py measures them at start-up, on the thread and at the row counts
+the server runs, picks the linear layers' tile, and says when a kernel breaks them (the cloud then reports
+`batch_invariant: false`). tests/shared/test_invariant.py checks whole forwards bit for bit on the machine it
+runs on, and that the unpadded path fails there.
+
+Costs (BENCHMARKS.md, "What a cloud forward costs"): a decode row's linear work is a tile's (on bfloat16
+units nearly what one row costs), and each session's attention rows are a tile of their own.
 """
 
 from __future__ import annotations
 
-import functools
 import types
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -46,10 +51,9 @@ if TYPE_CHECKING:
     from shared.rows import Row
 
 # rows of every attention call's products, and by default of every linear layer's input, come in whole tiles
-# of this many (`calibrate_row_tile` measures a smaller tile for the linear layers where the kernels allow it)
+# of this many (shared/invariant_calibration.py measures a smaller tile for the linear layers where the kernels
+# allow it)
 ROW_TILE = 16
-# the linear layers' tiles `calibrate_row_tile` tries, smallest first
-TILE_CANDIDATES = (2, 4, 8, 16)
 # keys are summed in chunks of this many positions, aligned to absolute multiples of it
 KEY_CHUNK = 64
 
@@ -63,7 +67,8 @@ def _tiled_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-def _linears(model: torch.nn.Module) -> list[torch.nn.Module]:
+def linear_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Every Linear of `model` (and GPT-2's Conv1D)."""
     from transformers.pytorch_utils import Conv1D
 
     return [m for m in model.modules() if isinstance(m, (torch.nn.Linear, Conv1D))]
@@ -72,45 +77,12 @@ def _linears(model: torch.nn.Module) -> list[torch.nn.Module]:
 def tile_linears(model: torch.nn.Module, tile: int = ROW_TILE) -> int:
     """Make every Linear of `model` (and GPT-2's Conv1D, a Linear with its weight transposed) run its rows
     in whole tiles of `tile` (idempotent; a second call sets the tile); returns how many."""
-    for m in _linears(model):
+    for m in linear_layers(model):
         if not hasattr(m, "_untiled_forward"):
             m._untiled_forward = m.forward  # type: ignore[assignment]  # the plain or packed forward
             m.forward = types.MethodType(_tiled_forward, m)  # type: ignore[method-assign]
         m._row_tile = tile  # type: ignore[assignment]
-    return len(_linears(model))
-
-
-@torch.inference_mode()
-def calibrate_row_tile(model: torch.nn.Module, seed: int = 0) -> int:
-    """The smallest tile of TILE_CANDIDATES whose every multiple up to 64 rows (and 96, 128) gives every linear
-    layer of `model` the same bits per row as 128 rows do, measured on random rows in this thread (kernels
-    pick their path by the row count and the thread count); sets it on the model's tiled layers and returns
-    it. ROW_TILE when none passes. One probe per distinct layer shape (an output layer over its first 8,192
-    rows). A single row (a matrix-vector path on most CPUs) is never a tile."""
-    g = torch.Generator().manual_seed(seed)
-    probes: dict[tuple[int, ...], Any] = {}
-    for m in _linears(model):
-        w = getattr(m, "weight", None)
-        if w is None or not hasattr(m, "_untiled_forward"):
-            continue
-        fin = int(w.shape[0] if type(m).__name__ == "Conv1D" else w.shape[1])
-        probes.setdefault((fin, int(w.numel() // fin), int(w.is_mkldnn)), m)
-    passing = list(TILE_CANDIDATES)
-    for (fin, fout, _), m in probes.items():
-        f = m._untiled_forward  # type: ignore[union-attr]
-        if fout > 8192 and isinstance(m, torch.nn.Linear) and not m.weight.is_mkldnn:
-            w8, b8 = m.weight[:8192], None if m.bias is None else m.bias[:8192]
-            f = functools.partial(torch.nn.functional.linear, weight=w8, bias=b8)
-        dtype = next(p for p in m.parameters()).dtype if any(True for _ in m.parameters()) else torch.float32
-        x = torch.randn(128, fin, generator=g).to(dtype)  # [128, in]
-        ref = f(x)  # [128, out]
-        passing = [t for t in passing
-                   if all(torch.equal(f(x[:rows]), ref[:rows]) for rows in [*range(t, 65, t), 96, 128])]
-        if not passing:
-            break
-    tile = passing[0] if passing else ROW_TILE
-    tile_linears(model, tile)
-    return tile
+    return len(linear_layers(model))
 
 
 @dataclass

@@ -6,7 +6,8 @@ at a time (the reference: a decode step per position), and under schedules that 
 mates of random lengths, in random order, and as token trees whose path is the sequence (each path
 node with a random sibling half the time, sometimes after a chain token or two, as a verify row carries them; its
 prefix beyond a key chunk). Every position's logits must equal the reference bit for bit (torch.equal).
-The linear layers run in the row tile `calibrate_row_tile` measures on this machine, as the cloud does.
+The linear layers run in the row tile shared/invariant_calibration.py measures on this machine (up to
+MAX_ROWS tokens, at the test's torch threads), as the cloud does, and that calibration must claim invariance.
 The same schedules through the plain (not invariant) path must differ somewhere for SmolLM2-135M in
 bfloat16, so the test can fail: it does on the naive path (measured: 231 of 240 positions differ, 13
 argmax flips).
@@ -22,7 +23,8 @@ import pytest
 import torch
 
 from shared.hf_model import load_causal_lm
-from shared.invariant import calibrate_row_tile, tile_linears
+from shared.invariant import tile_linears
+from shared.invariant_calibration import calibrate
 from shared.kvpool import KVPool, Row, attention_layout
 from tests.tiny_models import ATTENTION, build
 
@@ -30,15 +32,19 @@ REPO = Path(__file__).resolve().parents[2]
 SMOLLM2 = REPO / "models" / "smollm2-135m-instruct"
 LENGTH = 100
 CHUNKS = (1, 2, 3, 5, 7, 8, 13, 16, 17, 31, 33, 64)
+# tokens of the largest forward calibrated for: above the schedules' (a 64-token row beside three of 40)
+MAX_ROWS = 256
 
 
 def load(model_dir: Path, dtype: torch.dtype, invariant: bool) -> tuple[Any, KVPool]:
     model = load_causal_lm(model_dir, "cpu", dtype)
     if invariant:
         tile_linears(model)
-        calibrate_row_tile(model)  # the tile the cloud measures for itself (at most ROW_TILE)
     pool = KVPool(attention_layout(model.config), 4096, "cpu", dtype, invariant=invariant)
     pool.prepare(model)
+    if invariant:
+        c = calibrate(model, MAX_ROWS, pool)  # the tile the cloud measures for itself (at most ROW_TILE)
+        assert c.invariant, f"calibration: {c.failure}"
     return model, pool
 
 
@@ -110,7 +116,11 @@ def treed(model: Any, pool: KVPool, seq: list[int], g: random.Random, vocab: int
 
 def differing(model_dir: Path, dtype: torch.dtype, invariant: bool, seed: int = 0) -> tuple[int, int]:
     """(positions whose logits differ from the reference in any bit, positions compared)."""
-    model, pool = load(model_dir, dtype, invariant)
+    return differing_in(*load(model_dir, dtype, invariant), seed)
+
+
+def differing_in(model: Any, pool: KVPool, seed: int = 0) -> tuple[int, int]:
+    """`differing` for a loaded model and its pool."""
     vocab = int(model.get_output_embeddings().weight.shape[0])
     g = random.Random(seed)
     seq = [g.randrange(vocab) for _ in range(LENGTH)]
