@@ -145,6 +145,10 @@ class EdgeMetrics:
     streamed: int = 0
     stream_calls: int = 0
     switches: int = 0
+    # rows of the target's forwards this generation took, as the edge counts them: per verified round the context
+    # tokens it fed (at least one) and the drafts it ran through the target, one per streamed token (each is a row
+    # of its own forward); the prompt's prefill is not counted
+    target_rows: int = 0
     # wall time from start to the first emitted token, and to the end
     ttft_ms: float = 0.0
     wall_ms: float = 0.0
@@ -173,8 +177,27 @@ class EdgeMetrics:
 
     @property
     def tokens_per_call(self) -> float:
-        """Emitted tokens per cloud request (every attempt counted)."""
-        return self.emitted / self.cloud_calls if self.cloud_calls else 0.0
+        """Emitted tokens per cloud call, every attempt counted and a stream counted as the forwards it ran (one
+        per streamed token), not as one call."""
+        calls = self.cloud_calls - self.stream_calls + self.streamed
+        return self.emitted / calls if calls > 0 else 0.0
+
+    @property
+    def target_forwards(self) -> int:
+        """The target's forwards that ran a row of this generation: verified rounds and streamed tokens."""
+        return self.verify_calls + self.streamed
+
+    @property
+    def tokens_per_forward(self) -> float:
+        """Tokens committed by the cloud's forwards (verified rounds' and streamed) per forward."""
+        n = self.target_forwards
+        return (self.accepted + self.verify_calls + self.streamed) / n if n else 0.0
+
+    @property
+    def rows_per_token(self) -> float:
+        """Rows of the target's forwards per token they committed: the cloud's work per token (1 for cloud_only)."""
+        tokens = self.accepted + self.verify_calls + self.streamed
+        return self.target_rows / tokens if tokens else 0.0
 
     def record_positions(self, k: int, accepted_len: int) -> None:
         """Per-position acceptance histogram of one verified round."""
@@ -193,5 +216,7 @@ class EdgeMetrics:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d.update(acceptance_rate=self.acceptance_rate, mean_accepted_len=self.mean_accepted_len,
-                 tokens_per_call=self.tokens_per_call, feature_bytes_per_round=self.feature_bytes_per_round)
+                 tokens_per_call=self.tokens_per_call, feature_bytes_per_round=self.feature_bytes_per_round,
+                 tokens_per_verify=self.tokens_per_verify, tokens_per_forward=self.tokens_per_forward,
+                 rows_per_token=self.rows_per_token, target_forwards=self.target_forwards)
         return d

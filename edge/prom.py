@@ -84,6 +84,9 @@ class EdgePrometheus:
     inter_token: Histogram
     # one verify exchange of a round (retries included), for rounds the cloud verified
     verify_round_trip: Histogram
+    # the target's forwards that ran a row of a generation (verified rounds, streamed tokens), and their rows
+    target_forwards: Counter
+    target_rows: Counter
     # tokens committed per round (accepted + the next token; local rounds count too)
     tokens_per_round: Histogram
     # a generation's accepted / drafted (generations that sent drafts)
@@ -107,6 +110,11 @@ class EdgePrometheus:
             drafted=Counter(p + "drafted_tokens", "Draft tokens sent to the cloud for verification.", registry=r),
             accepted=Counter(p + "accepted_tokens", "Draft tokens the cloud accepted.", registry=r),
             cloud_calls=Counter(p + "cloud_calls", "Requests to the cloud, every attempt counted.", registry=r),
+            target_forwards=Counter(p + "target_forwards", "The target's forwards that ran a row of a generation: "
+                                    "verified rounds and streamed tokens.", registry=r),
+            target_rows=Counter(p + "target_rows", "Rows of the target's forwards the generations took (the context "
+                                "fed and the drafts per round, one per streamed token); over committed tokens, "
+                                "the cloud's work per token.", registry=r),
             local_commits=Counter(p + "local_commits", "Tokens committed without the cloud's check (lossy).",
                                   registry=r),
             timeout_fallbacks=Counter(p + "timeout_fallbacks", "Of those, tokens committed unverified after a "
@@ -164,6 +172,8 @@ class EdgePrometheus:
         self.drafted.inc(m.drafted)
         self.accepted.inc(m.accepted)
         self.cloud_calls.inc(m.cloud_calls)
+        self.target_forwards.inc(m.target_forwards)
+        self.target_rows.inc(m.target_rows)
         self.local_commits.inc(m.local_commits)
         self.timeout_fallbacks.inc(m.timeout_fallbacks)
         self.retries.inc(m.retries)

@@ -148,6 +148,7 @@ class SpeculativeRun(CloudSession):
                     self.ahead.catch_up(self.S)
                 got += 1
                 self.metrics.streamed += 1
+                self.metrics.target_rows += 1
                 yield ev.token_id, "target"
         except NotFound:
             self.ctx_id = None  # evicted: the next round reopens with the full S
@@ -330,6 +331,9 @@ class SpeculativeRun(CloudSession):
             self.drafter.observe(self.S[:n_before], block.tokens, resp.top_k_ids)
         m = self.metrics
         m.verify_calls += 1
+        checked = self.params.check_last and block.k > 0 and block.parents is None  # the last one is not run
+        fed_drafts = block.k - int(checked)
+        m.target_rows += max(n_before - self.cloud_len, 1) + fed_drafts  # the context's unfed tail, the drafts
         m.drafted += block.k
         m.accepted += la
         m.cloud_prefill_ms += resp.metrics.prefill_ms

@@ -88,6 +88,8 @@ class Finished:
         m = self.metrics
         return {"rounds": m.rounds, "acceptance_rate": round(m.acceptance_rate, 6),
                 "tokens_per_cloud_call": round(m.tokens_per_call, 6), "cloud_calls": m.cloud_calls,
+                "tokens_per_verify_call": round(m.tokens_per_verify, 6), "target_forwards": m.target_forwards,
+                "target_rows_per_token": round(m.rows_per_token, 6),
                 "drafted": m.drafted, "accepted": m.accepted,
                 "tokens_by_origin": {k: v for k, v in m.by_origin.items() if v},
                 "local_commits": m.local_commits, "timeout_fallbacks": m.timeout_fallbacks,

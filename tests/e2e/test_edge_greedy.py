@@ -95,6 +95,8 @@ def test_greedy_speculative_equals_target_greedy_for_20_prompts(cloud: CloudProc
         assert len(ref.token_ids) == N_NEW
         assert_equal_or_tie(spec.token_ids, ref.token_ids, spec.prompt_ids, target, s.sampling())
         assert spec.metrics.local_commits == 0 and spec.metrics.verify_calls >= 1
+        m = spec.metrics  # every round ran at least its fed context token and its drafts through the target
+        assert m.target_rows >= m.verify_calls + m.drafted and m.target_forwards == m.verify_calls + m.streamed
         accepted += spec.metrics.accepted
     assert accepted > 0  # drafts were accepted (the repetitive prompt at least, for the n-gram)
 
