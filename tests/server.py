@@ -46,6 +46,9 @@ class CloudProcess:
         self.api_keys = tuple(api_keys)
         self.extra_args = tuple(extra_args)
         self.env = {"SPECSPLIT_CLOUD_TORCH_THREADS": "1",
+                    # the runner the suite runs against: PyTorch unless SPECSPLIT_TEST_RUNNER=llamacpp (then every
+                    # tiny target is served from a GGUF of its weights, `gguf_of`)
+                    "SPECSPLIT_CLOUD_RUNNER": os.environ.get("SPECSPLIT_TEST_RUNNER", "torch"),
                     "SPECSPLIT_CLOUD_DTYPE": os.environ.get("SPECSPLIT_TEST_DTYPE", "float32"), **(env or {})}
         self.startup_timeout_s = startup_timeout_s
         self.host = "127.0.0.1"
@@ -79,7 +82,10 @@ class CloudProcess:
         return (("authorization", f"Bearer {key}"),) if key else ()
 
     def command(self) -> list[str]:
-        args = [*cloud_command(), "--model", str(self.model_dir), "--host", self.host,
+        model = self.model_dir
+        if os.environ.get("SPECSPLIT_TEST_RUNNER") == "llamacpp" and model.is_dir():
+            model = gguf_of(model)
+        args = [*cloud_command(), "--model", str(model), "--host", self.host,
                 "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port)]
         for k in self.api_keys:
             args += ["--api-key", k]
@@ -160,3 +166,23 @@ class CloudProcess:
     def __exit__(self, *exc: object) -> None:
         self.stop()
         self.log_path.unlink(missing_ok=True)
+
+
+def gguf_of(model_dir: Path) -> Path:
+    """A float32 GGUF of the (GPT-2 or Qwen2) model in `model_dir`, with its tokenizer beside it, written once per
+    directory into a directory of the temporary folder named after its path (tests/tiny_gguf.py)."""
+    import hashlib
+
+    from tests.tiny_gguf import write_gguf
+
+    weights = model_dir / "model.safetensors"
+    stamp = f"{model_dir.resolve()}:{weights.stat().st_mtime_ns if weights.exists() else 0}"
+    key = hashlib.sha256(stamp.encode()).hexdigest()[:16]
+    out = Path(tempfile.gettempdir()) / "specsplit-test-gguf" / f"{model_dir.name}-{key}"
+    if not (out / "model.gguf").is_file():
+        out.mkdir(parents=True, exist_ok=True)
+        for f in model_dir.iterdir():
+            if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+                (out / f.name).write_bytes(f.read_bytes())
+        write_gguf(model_dir, out / "partial.gguf").rename(out / "model.gguf")
+    return out / "model.gguf"

@@ -69,7 +69,7 @@ def test_tree_nodes_see_their_path_and_the_kept_path_serves_the_next_round(
     assert leaves_of(parents) == [4, 5, 6]
     (out,) = runner.forward([Row(slot, L - 1, [CTX[-1]] + nodes, keep=len(nodes) + 1, tree=parents, tree_base=L)])
     assert (out[0] - reference(CTX)).abs().max() < TOL
-    for j, tok in enumerate(nodes):
+    for j in range(len(nodes)):
         path, at = [], j
         while at >= 0:
             path.insert(0, nodes[at])
