@@ -137,11 +137,13 @@ def run(out: Path, command: str, prompts: int = 6, n_new: int = 96, sessions: tu
 
     t0 = time.perf_counter()
     torch.set_num_threads(1)
-    machine = {**cpu_info(), "load_start": os.getloadavg(), "pinned": (os.cpu_count() or 1) >= 2 and pin("self", 0)}
+    load_start = os.getloadavg()
+    res: dict[str, Any] = {"command": command}
+    res["verify_costs"] = {t: verify_costs(gguf, t) for t in (1, 2)}  # before this process is pinned to one core
+    machine = {**cpu_info(), "load_start": load_start, "pinned": (os.cpu_count() or 1) >= 2 and pin("self", 0)}
     tokenizer = AutoTokenizer.from_pretrained(TARGET)
     ids = [chat_ids(tokenizer, humaneval_message(p["prompt"])) for p in humaneval_prompts(prompts)]
-    res: dict[str, Any] = {"command": command, "prompts": len(ids), "new_tokens": n_new}
-    res["verify_costs"] = {t: verify_costs(gguf, t) for t in (1, 2)}
+    res.update(prompts=len(ids), new_tokens=n_new)
     res["peer"] = plain_decode(gguf, ids, n_new)
     drafter = LlamaCppDrafter(DRAFT, threads=1)
     res["runners"] = [one_runner(r, tokenizer, drafter, ids, n_new, sessions, machine) for r in ("llamacpp", "torch")]
