@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The README's test command: install what is needed, then run the whole test suite, then the exactness
 # suite again against a bfloat16 cloud (one seed one text, greedy equality, trees, streams: the suite pins
-# float32 unless SPECSPLIT_TEST_DTYPE names another dtype), then against the llama.cpp runner (greedy equality,
-# trees, streams; its forwards are not batch-invariant, so the seeded-text tests that compare texts across batch
-# shapes do not apply).
+# float32 unless SPECSPLIT_TEST_DTYPE names another dtype). SPECSPLIT_TEST_RUNNER=llamacpp runs a selection against
+# the llama.cpp runner instead (each tiny target served from a GGUF of its weights; tests/server.py); its forwards
+# are not batch-invariant, so the tests that compare texts across batch shapes do not apply to it.
 # Extra arguments go to pytest and run that selection alone (e.g. bash scripts/test.sh tests/shared -x).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,6 +17,3 @@ fi
 echo "== the exactness suite against a bfloat16 cloud"
 SPECSPLIT_TEST_DTYPE=bfloat16 .venv/bin/python -m pytest -q tests/e2e/test_seeded_text.py \
   tests/e2e/test_session_stream.py tests/e2e/test_edge_greedy.py tests/e2e/test_tree_rounds.py
-echo "== the exactness suite against a llama.cpp cloud (the tiny targets served from GGUF files of their weights)"
-SPECSPLIT_TEST_RUNNER=llamacpp .venv/bin/python -m pytest -q tests/e2e/test_edge_greedy.py tests/e2e/test_tree_rounds.py \
-  tests/e2e/test_session_stream.py
