@@ -120,10 +120,11 @@ class Token:
 
 
 class GGUFContext:
-    """One KV cache over a GGUFModel: up to `n_seq` sequences in `n_ctx` cells, decoded `n_batch` tokens at a time."""
+    """One KV cache over a GGUFModel: up to `n_seq` sequences in `n_ctx` cells, decoded `n_batch` tokens at a time,
+    at most `n_outputs` of them with logits (0: all)."""
 
     def __init__(self, model: GGUFModel, n_ctx: int, n_seq: int = 1, threads: int = 1,
-                 n_batch: int = 512) -> None:
+                 n_batch: int = 512, n_outputs: int = 0) -> None:
         from shared.kvpool import UnsupportedModel
 
         lib = model._lib
@@ -131,6 +132,8 @@ class GGUFContext:
         params = lib.llama_context_default_params()
         params.n_ctx = n_ctx
         params.n_batch = params.n_ubatch = n_batch
+        # rows of logits one batch may return (0: n_batch); the buffer holds that many rows of the vocabulary
+        params.n_outputs_max = n_outputs
         params.n_seq_max = n_seq
         params.n_threads = params.n_threads_batch = threads
         params.kv_unified = True  # one cache: a branch shares its prefix's cells instead of copying them

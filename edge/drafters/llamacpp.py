@@ -28,9 +28,13 @@ log = logging.getLogger(__name__)
 # KV cells of a drafter's context: the longest prompt + text it drafts after (a 0.5B model's float16 KV of
 # 8,192 positions takes ~100 MB; the model's own trained context may be 32k)
 DEFAULT_CONTEXT = 8192
+# rows of logits one batch returns at most: a tree level's frontier (--tree-width, at most 16) or a chain's one; the
+# buffer is this many rows of the vocabulary (512 rows of Qwen2.5's 151,936 would take 311 MB). llama.cpp wants it
+# at least the context's sequence count
+MAX_OUTPUTS = 128
 # sequence ids of one context: the text (0) and one per tree node grown in a round (a tree of the edge's
 # largest shape expands at most width x (depth - 1) nodes)
-MAX_SEQS = 128
+MAX_SEQS = MAX_OUTPUTS
 
 
 def default_threads() -> int:
@@ -63,7 +67,7 @@ class LlamaCppDrafter(CausalDrafter):
         self.reset()
 
     def reset(self) -> None:
-        self._ctx = GGUFContext(self.gguf, self.n_ctx, MAX_SEQS, self.threads)
+        self._ctx = GGUFContext(self.gguf, self.n_ctx, MAX_SEQS, self.threads, n_batch=256, n_outputs=MAX_OUTPUTS)
         self._ids: list[int] = []
 
     def fork(self) -> LlamaCppDrafter:
