@@ -40,7 +40,8 @@ from bench.coder_pair import (
     tally,
 )
 from bench.delay_proxy import DelayProxy
-from bench.real_pair import chat_ids, splice
+from bench.real_pair import chat_ids, finish
+from bench.real_pair import met as _met
 
 START, END = "<!-- cloud-runner:start -->", "<!-- cloud-runner:end -->"
 TOKENS = (1, 2, 4, 8, 16, 32)
@@ -149,16 +150,7 @@ def run(out: Path, command: str, prompts: int = 6, n_new: int = 96, sessions: tu
     res["runners"] = [one_runner(r, tokenizer, drafter, ids, n_new, sessions, machine) for r in ("llamacpp", "torch")]
     llama = res["runners"][0]
     res["peer_equal"] = sum(a == b for a, b in zip(res["peer"]["texts"], llama["cloud_only_texts"], strict=True))
-    res["machine"] = {**machine, "load_end": os.getloadavg()}
-    res["total_s"] = time.perf_counter() - t0
-    section = render(res)
-    print("\n" + section, flush=True)
-    print(f"wrote the cloud-runner section into {splice(section, out, START, END)} ({res['total_s']:.0f} s)")
-    return 0
-
-
-def _met(ok: bool) -> str:
-    return "met" if ok else "**missed**"
+    return finish(res, machine, t0, out, "cloud-runner", (START, END), render)
 
 
 def render(res: dict[str, Any]) -> str:

@@ -38,7 +38,8 @@ from bench.coder_pair import (
     tally,
 )
 from bench.delay_proxy import DelayProxy
-from bench.real_pair import chat_ids, draft_ms_per_token, splice
+from bench.real_pair import chat_ids, draft_ms_per_token, finish
+from bench.real_pair import met as _met
 
 START, END = "<!-- draft-runtime:start -->", "<!-- draft-runtime:end -->"
 # the aims of this measure
@@ -178,16 +179,7 @@ def run(out: Path, command: str, prompts: int = 6, n_new: int = 96, per_category
                                                           per_category)
         del torch_draft
         res["edge_memory"] = edge_memory(cloud.url, messages[0], n_new)
-    res["machine"] = {**machine, "load_end": os.getloadavg()}
-    res["total_s"] = time.perf_counter() - t0
-    section = render(res)
-    print("\n" + section, flush=True)
-    print(f"wrote the draft-runtime section into {splice(section, out, START, END)} ({res['total_s']:.0f} s)")
-    return 0
-
-
-def _met(ok: bool) -> str:
-    return "met" if ok else "**missed**"
+    return finish(res, machine, t0, out, "draft-runtime", (START, END), render)
 
 
 def render(res: dict[str, Any]) -> str:

@@ -23,8 +23,10 @@ The section is spliced into OUT between the real-pair markers.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -339,6 +341,23 @@ def render(c: dict[str, Any], fk: list[dict[str, Any]], e2e: list[dict[str, Any]
                      f"{spec['tokens_per_call']:.2f} | {spec.get('streamed', 0)} / {spec.get('switches', 0)} |")
     lines += ["", END]
     return "\n".join(lines)
+
+
+def met(ok: bool) -> str:
+    """An aim's verdict in a section's table."""
+    return "met" if ok else "**missed**"
+
+
+def finish(res: dict[str, Any], machine: dict[str, Any], t0: float, out: Path, name: str,
+           markers: tuple[str, str], render: Callable[[dict[str, Any]], str]) -> int:
+    """A section's last step: the load at the end and the run's time kept, the section rendered, printed and
+    spliced into `out` between its markers."""
+    res["machine"] = {**machine, "load_end": os.getloadavg()}
+    res["total_s"] = time.perf_counter() - t0
+    section = render(res)
+    print("\n" + section, flush=True)
+    print(f"wrote the {name} section into {splice(section, out, *markers)} ({res['total_s']:.0f} s)")
+    return 0
 
 
 def splice(section: str, out: Path, start: str = START, end: str = END) -> Path:

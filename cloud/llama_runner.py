@@ -168,11 +168,7 @@ class LlamaPool(KVPool):
         if not rows:
             return []
         m = self.manager
-        if len({r.slot for r in rows}) != len(rows):
-            raise ValueError("a sequence appears twice in one forward")
-        need = sum(self.blocks_needed(r) for r in rows)
-        if need > m.available():
-            raise OutOfBlocks(f"this forward needs {need} KV blocks, {m.available()} are left")
+        self.check_rows(rows)
         if sum(self.tree_seqs(r) for r in rows) > len(self._leaf_free):
             raise OutOfBlocks(f"this forward's trees need more than the {len(self._leaf_free)} free sequences")
         tokens: list[Token] = []

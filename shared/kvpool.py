@@ -218,15 +218,20 @@ class KVPool:
             raise
         return out
 
-    def plan(self, rows: list[Row]) -> ForwardPlan:
-        """Give every row its blocks (copy-on-write of a shared partial block included) and resolve
-        the forward's inputs, slot mapping and attention calls; OutOfBlocks when they do not fit."""
+    def check_rows(self, rows: list[Row]) -> None:
+        """One forward's rows: each sequence once, and the KV blocks they need left (OutOfBlocks if not)."""
         m = self.manager
         if len({r.slot for r in rows}) != len(rows):
             raise ValueError("a sequence appears twice in one forward")
         need = sum(self.blocks_needed(r) for r in rows)
         if need > m.available():
             raise OutOfBlocks(f"this forward needs {need} KV blocks, {m.available()} are left")
+
+    def plan(self, rows: list[Row]) -> ForwardPlan:
+        """Give every row its blocks (copy-on-write of a shared partial block included) and resolve
+        the forward's inputs, slot mapping and attention calls; OutOfBlocks when they do not fit."""
+        m = self.manager
+        self.check_rows(rows)
         copies = []
         try:
             for r in rows:

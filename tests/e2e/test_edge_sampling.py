@@ -232,21 +232,29 @@ def test_the_attention_heads_tree_shortcut_fails_the_same_test(samples: dict[str
     assert p < P_THRESHOLD, f"the biased variant passed (p = {p:.2e}, {dof} dof): the test has no power"
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("variant", ["gguf_tree"])
-def test_the_llamacpp_draft_keeps_target_sampling(samples: dict[str, Sample],
-                                                  expected: dict[tuple[int, int], float], variant: str) -> None:
-    pairs, origins = samples[variant]
+def assert_target_sampling(label: str, sample: Sample, expected: dict[tuple[int, int], float], n: int) -> None:
+    """The sample passes the chi-square test (p >= P_THRESHOLD) and took both ways: nodes accepted and missed."""
+    pairs, origins = sample
     p, dof = chi_square_pvalue(pairs, expected)
-    print(f"llama.cpp draft, {variant}: chi-square p = {p:.3f} with {dof} dof over {N} generations")
-    assert origins["accepted"] > 0.05 * N and origins["residual"] + origins["correction"] > 0.05 * N
+    print(f"{label}: chi-square p = {p:.3f} with {dof} dof over {n} generations")
+    assert origins["accepted"] > 0.05 * n and origins["residual"] + origins["correction"] > 0.05 * n
     assert p >= P_THRESHOLD, f"chi-square p = {p:.2e} ({dof} dof): not the target's distribution"
+
+
+def assert_biased_fails(label: str, sample: Sample, expected: dict[tuple[int, int], float], n: int) -> None:
+    """A biased variant's sample fails the same test (the test has power)."""
+    p, dof = chi_square_pvalue(sample[0], expected)
+    print(f"{label} (biased): chi-square p = {p:.2e} with {dof} dof over {n} generations")
+    assert p < P_THRESHOLD, f"the biased variant passed (p = {p:.2e}, {dof} dof): the test has no power"
+
+
+@pytest.mark.slow
+def test_the_llamacpp_draft_keeps_target_sampling(samples: dict[str, Sample],
+                                                  expected: dict[tuple[int, int], float]) -> None:
+    assert_target_sampling("llama.cpp draft, trees", samples["gguf_tree"], expected, N)
 
 
 @pytest.mark.slow
 def test_the_llamacpp_drafts_shortcut_fails_the_same_test(samples: dict[str, Sample],
                                                           expected: dict[tuple[int, int], float]) -> None:
-    pairs, _ = samples["gguf_shortcut"]
-    p, dof = chi_square_pvalue(pairs, expected)
-    print(f"llama.cpp draft, tree shortcut (biased): chi-square p = {p:.2e} with {dof} dof over {N_BIASED} generations")
-    assert p < P_THRESHOLD, f"the biased variant passed (p = {p:.2e}, {dof} dof): the test has no power"
+    assert_biased_fails("llama.cpp draft, tree shortcut", samples["gguf_shortcut"], expected, N_BIASED)

@@ -33,11 +33,11 @@ from tests.e2e.test_edge_greedy import PROMPTS, assert_equal_or_tie
 from tests.e2e.test_edge_sampling import (
     CFG,
     N_BIASED,
-    P_THRESHOLD,
     PROMPT,
     TREE,
     N,
-    chi_square_pvalue,
+    assert_biased_fails,
+    assert_target_sampling,
     first_pairs,
 )
 from tests.server import CloudProcess
@@ -138,20 +138,13 @@ def llama_samples(llama_cloud: CloudProcess, tokenizer: Any, gguf_drafter: Any) 
 @pytest.mark.parametrize("variant", ["chain", "tree"])
 def test_the_llamacpp_cloud_keeps_target_sampling(llama_samples: dict[str, Any],
                                                   expected: dict[tuple[int, int], float], variant: str) -> None:
-    pairs, origins = llama_samples[variant]
-    p, dof = chi_square_pvalue(pairs, expected)
-    print(f"llama.cpp cloud, {variant}: chi-square p = {p:.3f} with {dof} dof over {N} generations")
-    assert origins["accepted"] > 0.05 * N and origins["residual"] + origins["correction"] > 0.05 * N
-    assert p >= P_THRESHOLD, f"chi-square p = {p:.2e} ({dof} dof): not the target's distribution"
+    assert_target_sampling(f"llama.cpp cloud, {variant}", llama_samples[variant], expected, N)
 
 
 @pytest.mark.slow
 def test_the_shortcut_fails_the_same_test_on_the_llamacpp_cloud(llama_samples: dict[str, Any],
                                                                 expected: dict[tuple[int, int], float]) -> None:
-    pairs, _ = llama_samples["shortcut"]
-    p, dof = chi_square_pvalue(pairs, expected)
-    print(f"llama.cpp cloud, shortcut (biased): chi-square p = {p:.2e} with {dof} dof over {N_BIASED} generations")
-    assert p < P_THRESHOLD, f"the biased variant passed (p = {p:.2e}, {dof} dof): the test has no power"
+    assert_biased_fails("llama.cpp cloud, shortcut", llama_samples["shortcut"], expected, N_BIASED)
 
 
 @pytest.fixture(scope="module")
