@@ -128,7 +128,7 @@ class GrpcClient:
                 "feature_encodings": list(m.feature_encodings), "tensor_parallel": m.tensor_parallel,
                 "max_tree_nodes": m.max_tree_nodes, "max_feature_window": m.max_feature_window,
                 "session_stream": m.session_stream, "max_generate_tokens": m.max_generate_tokens,
-                "dtype_reason": m.dtype_reason, "batch_invariant": m.batch_invariant}
+                "dtype_reason": m.dtype_reason, "batch_invariant": m.batch_invariant, "runner": m.runner}
 
     def shutdown(self) -> None:
         self.channel.close()
