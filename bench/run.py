@@ -11,6 +11,7 @@ write BENCHMARKS.md plus its PNG figures.
     specsplit-bench --only coder-pair    # Qwen2.5-Coder-1.5B/0.5B-Instruct on HumanEval (about 20 minutes)
     specsplit-bench --only draft-runtime # the coder pair's draft on llama.cpp against PyTorch
     specsplit-bench --only cloud-runner  # the coder target on llama.cpp and PyTorch against llama.cpp's own decode
+    specsplit-bench --only capacity-curve  # the coder target at 1..64 sessions, one line per round policy
     specsplit-bench --only forward-cost  # one cloud forward by dtype and batch shape, both targets (~10 minutes)
 """
 
@@ -51,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default 570 for the full run, none with --quick; 0 = no budget)")
     p.add_argument("--from-json", type=Path, default=None, help="re-render the report from a results.json")
     p.add_argument("--only", choices=["capacity", "network", "real-pair", "tp", "coder-pair", "forward-cost",
-                                        "draft-runtime", "cloud-runner"], default=None,
+                                        "draft-runtime", "cloud-runner", "capacity-curve"], default=None,
                    help="run only this section and splice it into OUT and the results JSON")
     p.add_argument("--real-pair-drafts", default="",
                    help="real-pair: the drafts of the fixed-shape table, comma-separated (default: every one present: "
@@ -69,6 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="coder-pair: concurrent replayed sessions of the cloud CPU-time measure, comma-separated (default 1,4,16)")
     p.add_argument("--coder-specbench", type=int, default=1,
                    help="coder-pair: Spec-Bench questions per category (default 1; 0 = none)")
+    p.add_argument("--curve-sessions", default="1,2,4,8,16,32,64",
+                   help="capacity-curve: concurrent sessions, comma-separated (default 1,2,4,8,16,32,64)")
+    p.add_argument("--curve-policies", default="cloud_only,chain-2,chain-4,chain-8,tree-8,tree-16,tree-32,edge,adaptive",
+                   help="capacity-curve: round policies, comma-separated (default all: cloud_only, chain-2/4/8, "
+                        "tree-8/16/32, edge, adaptive)")
+    p.add_argument("--curve-tokens", type=int, default=32, help="capacity-curve: tokens a session (default 32)")
     p.add_argument("--skip-capacity", action="store_true", help="full run without the cloud capacity section")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                    help="the cloud's dtype in the capacity section")
@@ -239,6 +246,13 @@ def main(argv: list[str] | None = None) -> int:
         sessions = tuple(int(x) for x in args.coder_sessions.split(",") if x.strip())
         return run_cloud_runner(args.out, command, prompts=args.coder_prompts, n_new=args.coder_new_tokens,
                                 sessions=sessions or (1,))
+    if args.only == "capacity-curve":  # the coder target under 1..64 sessions by round policy (bench/capacity_curve.py)
+        from bench.capacity_curve import run as run_curve
+
+        levels = tuple(int(x) for x in args.curve_sessions.split(",") if x.strip())
+        policies = tuple(x.strip() for x in args.curve_policies.split(",") if x.strip())
+        return run_curve(args.out, command, prompts=args.coder_prompts, n_new=args.curve_tokens, sessions=levels,
+                         policies=policies)
     if args.only == "tp":  # the target split over 1, 2, 3 tensor-parallel ranks (bench/tensor_parallel.py)
         from bench.tensor_parallel import TARGET as TP_TARGET
         from bench.tensor_parallel import run as run_tp

@@ -25,11 +25,13 @@ from typing import Any
 
 from cloud.admission import Admission
 from cloud.engine import RoundLimits, check_ids
+from cloud.jobs import BatchStats, Job
 from cloud.kv_room import KvRoom
 from cloud.metrics import CloudMetrics
 from cloud.model import ModelInfo, TargetModel
+from cloud.node_budget import NodeBudget
 from cloud.opens import OpenJoiner
-from cloud.scheduler import BatchStats, Job, Scheduler
+from cloud.scheduler import Scheduler
 from cloud.session import Session
 from cloud.settings import CloudSettings
 from cloud.store import CLOSED, SessionStore
@@ -65,6 +67,8 @@ class ServiceCore:
                                   max_context=model.info.max_context, vocab_size=model.support,
                                   max_tree_nodes=settings.max_tree_nodes)
         self.metrics = CloudMetrics.create(max(settings.max_k, settings.max_tree_nodes), settings.kv_budget_bytes)
+        # the forward cost fitted online and the node budget of each answer (cloud/node_budget.py)
+        self.budget = NodeBudget(max_nodes=max(settings.max_k, settings.max_tree_nodes, 1))
         self.store = SessionStore(max_sessions=settings.max_sessions, ttl_s=settings.session_ttl_s,
                                   kv_budget_bytes=settings.kv_budget_bytes, clock=clock, on_remove=self._removed,
                                   max_sessions_per_owner=settings.sessions_per_key_limit())
@@ -184,10 +188,37 @@ class ServiceCore:
             self.metrics.evictions.labels(reason=reason).inc()
         log.info("session removed", extra={"fields": {"event": "remove", "ctx_id": s.ctx_id, "reason": reason}})
 
+    def forward_cost(self) -> dict[str, float | int]:
+        """The fitted forward cost, the recent rate and the node value (/v1/model, /metrics, the log)."""
+        return {**self.budget.cost.describe(), "tokens_per_second": round(self.budget.rate, 3),
+                "node_value": round(self.budget.node_value, 4)}
+
+    def node_budget(self, s: Session, accepted: int, depth: int, committed: int) -> int:
+        """A verified round's committed tokens counted, the session's acceptance updated, and its next budget
+        (0 with --node-budget false)."""
+        self.budget.committed(committed)
+        s.acceptance.observe(accepted, depth)
+        if not self.settings.node_budget:
+            return 0
+        n = self.budget.budget(s.acceptance.alpha)
+        self.metrics.node_budget.observe(n)
+        return n
+
+    def speculate_instead(self, s: Session) -> bool:
+        """Whether a session's stream should end for speculative rounds (stop_reason "speculate"): the cloud
+        carries others' work (two or more jobs a forward, recently) and the session's first draft node is
+        expected to add more than a row buys at the present rate. An idle cloud leaves it to the edge."""
+        b = self.budget
+        return (self.settings.node_budget and b.jobs_per_forward >= 2.0 and b.node_value > 0
+                and s.acceptance.alpha > b.node_value)
+
     def _batched(self, b: BatchStats) -> None:
         self.metrics.batch_size.observe(b.rows)
         self.metrics.batch_tokens.observe(b.tokens)
         self.metrics.padded_tokens.inc(b.padded_tokens)
         self.metrics.forward_ms.observe(b.ms)
+        self.budget.forward(b.running_tokens, b.tokens - b.running_tokens, b.ms / 1000.0, b.rows)
+        if self.budget.cost.forwards % 500 == 0:
+            log.info("forward cost", extra={"fields": {"event": "forward_cost", **self.forward_cost()}})
         for kind, waited in b.waits:
             self.metrics.queue_wait.labels(kind=kind).observe(waited)

@@ -14,7 +14,7 @@ from typing import Any
 
 from cloud.core import ServiceCore
 from cloud.engine import DecodeState
-from cloud.scheduler import DECODE, PENDING, PREFILL, Job, Pending
+from cloud.jobs import DECODE, PENDING, PREFILL, Job, Pending
 from shared.config import SamplingConfig
 from shared.errors import InvalidArgument
 from shared.kvpool import Row
@@ -74,6 +74,7 @@ async def generate(core: ServiceCore, req: GenerateRequest, owner: str = "") -> 
                 prefill_ms, decode_ms = (ms, decode_ms) if i == 0 else (prefill_ms, decode_ms + ms)
                 queue_ms += waited
                 core.metrics.generated.inc()
+                core.budget.committed(1)
                 yield GenerateEvent(token_id=tok)
                 if req.stop_at_eos and tok in core.info.eos_ids:
                     reason = "eos"

@@ -146,6 +146,7 @@ def response_to_pb(r: VerifyResponse) -> pb.VerifyResponse:
         out.states.CopyFrom(states_to_pb(r.states))
     if r.accepted_nodes is not None:
         out.accepted_nodes.extend(r.accepted_nodes)
+    out.node_budget = r.node_budget
     return out
 
 
@@ -158,7 +159,7 @@ def stream_event_to_pb(e: StreamedToken | StreamDone) -> pb.StreamSessionEvent:
     if isinstance(e, StreamDone):
         return pb.StreamSessionEvent(done=pb.StreamDone(tokens=e.tokens, ctx_len=e.ctx_len, ctx_hash=e.ctx_hash,
                                                         metrics=pb.StreamMetrics(**e.metrics)))
-    token = pb.StreamedToken(token_id=e.token_id, ctx_len=e.ctx_len)
+    token = pb.StreamedToken(token_id=e.token_id, ctx_len=e.ctx_len, node_budget=e.node_budget)
     if e.feature is not None:
         token.feature.CopyFrom(feature_to_pb(e.feature))
     if e.states is not None:
@@ -323,7 +324,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     @_mapped(pb.GetModelRequest)
     async def GetModel(self, request: pb.GetModelRequest, context: grpc.aio.ServicerContext,
                        owner: str) -> pb.ModelInfo:
-        return pb.ModelInfo(**asdict(self.service.info))
+        cost: dict[str, Any] = self.service.forward_cost()
+        return pb.ModelInfo(**asdict(self.service.info), forward_cost=pb.ForwardCost(**cost))
 
     @_streamed(pb.StreamSessionRequest)
     async def StreamSession(self, request: pb.StreamSessionRequest, context: grpc.aio.ServicerContext,

@@ -105,6 +105,14 @@ class CloudMetrics:
     streamed: Counter
     # pauses of the interpreter's garbage collections, by generation (cloud/gc_pauses.py)
     gc_pause: Histogram
+    # the node budget given with each verify answer (cloud/node_budget.py)
+    node_budget: Histogram
+    # the fitted forward cost by term: base (a forward's fixed part), row (per verify or decode token),
+    # prefill_token; seconds
+    forward_cost: Gauge
+    # committed tokens per second of forwards, recently, and b x that rate: the least a further node must add
+    tokens_per_forward_second: Gauge
+    node_value: Gauge
 
     @classmethod
     def create(cls, max_k: int, kv_budget_bytes: int = 0) -> CloudMetrics:
@@ -177,6 +185,15 @@ class CloudMetrics:
                              "(also counted in rounds).", registry=r),
             gc_pause=Histogram(p + "gc_pause_seconds", "Pauses of the interpreter's garbage collections (every thread "
                                "waits), by generation.", ["generation"], buckets=SECONDS_BUCKETS, registry=r),
+            node_budget=Histogram(p + "node_budget", "The node budget given with each verify answer: the most draft "
+                                  "nodes the next round should send.", buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48,
+                                                                                64, 128, 256, float("inf")), registry=r),
+            forward_cost=Gauge(p + "forward_cost_seconds", "The forward cost fitted online, by term: base, row (each "
+                               "verify or decode token), prefill_token.", ["term"], registry=r),
+            tokens_per_forward_second=Gauge(p + "tokens_per_forward_second", "Committed tokens per second of "
+                                            "forwards, recently.", registry=r),
+            node_value=Gauge(p + "node_value", "Row cost x the recent rate: the fewest expected tokens a further "
+                             "draft node must add to be given a row.", registry=r),
         )
         m.kv_budget_bytes.set(kv_budget_bytes)
         return m

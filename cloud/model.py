@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from cloud.tensor_parallel import local_part
 from shared.dtypes import resolve_dtype
 from shared.errors import Unavailable
 from shared.hf_model import DTYPES, check_rollback, eos_ids, load_causal_lm
@@ -127,7 +128,7 @@ class TargetModel:
         if self.feature_size:
             head.register_forward_pre_hook(lambda _m, args: self._captured.append(args[0]))
         # bytes of this process's weights (its shard under tensor parallelism)
-        self.weight_bytes = sum(_local(p).numel() * p.element_size() for p in self.model.parameters()) + \
+        self.weight_bytes = sum(local_part(p).numel() * p.element_size() for p in self.model.parameters()) + \
             getattr(self.model, "packed_copy_bytes", 0)
         log.info("target loaded: %s; dtype %s (%s), batch-invariant forwards %s", self.info, dtype,
                  self.dtype_reason, "on" if invariant else "off")
@@ -249,9 +250,3 @@ class TargetModel:
     def healthy(self) -> bool:
         """False once a tensor-parallel rank is lost (always True in one process)."""
         return self.group is None or self.group.lost() is None
-
-
-def _local(p: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a parameter (a DTensor's local shard, else the tensor)."""
-    to_local = getattr(p, "to_local", None)
-    return to_local() if callable(to_local) else p

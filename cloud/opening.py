@@ -14,7 +14,7 @@ import torch
 
 from cloud.core import ServiceCore
 from cloud.engine import Prefill
-from cloud.scheduler import PENDING, PREFILL, WAIT, Job, Pending, Wait
+from cloud.jobs import PENDING, PREFILL, WAIT, Job, Pending, Wait
 from cloud.session import Context, Session
 from shared.errors import Internal, InvalidArgument
 from shared.features import ENCODINGS, encode_feature, encode_states

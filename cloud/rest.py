@@ -214,7 +214,7 @@ def create_app(service: VerifierService) -> FastAPI:
 
     @app.get("/v1/model", tags=["v1"])
     async def model(_: str = Depends(owner)) -> dict[str, Any]:
-        return asdict(service.info)
+        return {**asdict(service.info), "forward_cost": service.forward_cost()}
 
     @app.post("/v1/sessions", tags=["v1"], response_model=None)
     async def open_session(body: OpenSessionBody, request: Request, who: str = Depends(owner)
@@ -340,6 +340,8 @@ def _stream_frame(e: StreamedToken | StreamDone) -> str:
     if isinstance(e, StreamDone):
         return f"event: done\ndata: {json.dumps(asdict(e))}\n\n"
     d: dict[str, Any] = {"token_id": e.token_id, "ctx_len": e.ctx_len}
+    if e.node_budget:
+        d["node_budget"] = e.node_budget
     if e.feature is not None:
         d["feature"] = feature_to_json(e.feature)
     if e.states is not None:
@@ -369,7 +371,7 @@ def verify_answer(resp: VerifyResponse) -> dict[str, Any]:
             "target_dist": None if resp.target_dist is None else asdict(resp.target_dist), "ctx_len": resp.ctx_len,
             "ctx_hash": resp.ctx_hash, "top_k_ids": resp.top_k_ids, "metrics": asdict(resp.metrics),
             "feature": feature_to_json(resp.feature), "accepted_nodes": resp.accepted_nodes,
-            "states": states_to_json(resp.states)}
+            "states": states_to_json(resp.states), "node_budget": resp.node_budget}
 
 
 def _json(d: dict[str, Any]) -> Response:

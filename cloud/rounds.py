@@ -21,11 +21,12 @@ from cloud.engine import (
     plan_round,
     round_sampling,
 )
-from cloud.scheduler import PENDING, ROUND, Job, Pending
+from cloud.jobs import PENDING, ROUND, Job, Pending
 from cloud.session import Session
 from shared.config import SamplingConfig
 from shared.kvpool import Row
 from shared.protocol import VerifyRequest, VerifyResponse
+from shared.tree import depths
 
 round_log = logging.getLogger("specsplit.cloud.rounds")
 
@@ -61,6 +62,12 @@ async def verify(core: ServiceCore, req: VerifyRequest, owner: str, declared_k: 
         resp.metrics.queue_ms = queue_ms
         assert res.outcome is not None
         core.metrics.record_round(res.outcome, k, resp.metrics.prefill_ms, queue_ms)
+        depth = k if req.draft.tree_parents is None else max(depths(req.draft.tree_parents), default=0)
+        resp.node_budget = core.node_budget(s, resp.accepted_len, depth,
+                                            resp.accepted_len + int(resp.next_kind != "none"))
+        entry = s.replies.get(req.request_id) if req.request_id else None
+        if entry is not None:  # a retry is answered with the budget first given (the same answer)
+            entry.response.node_budget = resp.node_budget
     log_round(req, resp, k, res.replayed)
     return resp
 

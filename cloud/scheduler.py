@@ -49,89 +49,17 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 
 import torch
 
+from cloud.jobs import PENDING, PREFILL, Abandoned, BatchStats, Job, Wait
 from shared.errors import ResourceExhausted, Unavailable
 from shared.kvpool import Row
-from shared.sampling import RowSampling, process_rows
+from shared.sampling import process_rows
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-# job kinds: running work goes before prefills
-ROUND, DECODE, PREFILL = "round", "decode", "prefill"
-
-
-class Pending:
-    """`finish()` returns this when the job needs another forward (the next chunk of a prefill)."""
-
-
-PENDING = Pending()
-
-
-class Abandoned(RuntimeError):
-    """The job's caller went away (`cancel`): it left the queue, or stopped after its forward in progress."""
-
-
-class Wait:
-    """`plan()` returns this when the job should sit this forward out (it stays queued, in its place)."""
-
-
-WAIT = Wait()
-
-
-@dataclass
-class Job(Generic[T]):
-    # the Row to run within a token budget (int), None with `answer` set when it needs no forward, or WAIT
-    plan: Callable[[int], Row | None | Wait]
-    # applies the job's logits ([keep, vocab]) given the forward's wall time (ms); returns its result,
-    # or PENDING for another forward
-    finish: Callable[[torch.Tensor, float], T | Pending]
-    # the forward failed: leave the session as it was
-    abort: Callable[[], None] = lambda: None
-    # the answer when plan() returned None
-    answer: Callable[[], T] | None = None
-    # where the result goes (on the event loop)
-    future: asyncio.Future[T] | None = None
-    loop: asyncio.AbstractEventLoop | None = None
-    # clock reading when admitted, and when its first forward started (queue wait = difference)
-    since: float = 0.0
-    started: float | None = None
-    # a plain callable for run(): runs alone
-    call: Callable[[], T] | None = None
-    # whose work it is (a session, a generate stream): its next job is expected soon after an answer
-    key: str | None = None
-    # ROUND, DECODE (running work, first) or PREFILL (fills the rest of the token budget)
-    kind: str = ROUND
-    # the API key's owner id (prefills are taken round-robin over owners)
-    owner: str = ""
-    # give back what a first plan() took and nothing has used yet (prefix-cache blocks a new sequence
-    # matched): called when the job does not run in this forward after all, so blocks promised to rows
-    # already taken are not held by a job that waits; it plans again later
-    unplan: Callable[[], None] = lambda: None
-    # the sampling processing its kept logits need (a verify row, a decode step), or None: run for every
-    # job of a forward at once (`process_rows`), and handed to `finish` as `p` (float64, on the CPU)
-    sampling: Callable[[Row], RowSampling | None] | None = None
-    p: torch.Tensor | None = None
-    # its caller went away (`Scheduler.cancel`): no further forward runs for it
-    cancelled: bool = False
-
-
-@dataclass
-class BatchStats:
-    # sessions (rows) in the forward
-    rows: int
-    # real tokens in the forward (one flattened row: no padding)
-    tokens: int
-    # forward wall time, ms
-    ms: float
-    # tokens a right-padded batch of the same rows would have run: rows x the longest row
-    padded_tokens: int = 0
-    # jobs whose first forward this was: (kind, seconds queued)
-    waits: list[tuple[str, float]] = field(default_factory=list)
-
-
 @dataclass
 class Scheduler:
     clock: Callable[[], float]
@@ -420,7 +348,8 @@ class Scheduler:
         self._last_forward_s = time.monotonic() - wall
         real = sum(len(r.ids) for _, r in batch)
         padded = len(batch) * max(len(r.ids) for _, r in batch)
-        self.on_batch(BatchStats(rows=len(batch), tokens=real, ms=ms, padded_tokens=padded, waits=waits))
+        self.on_batch(BatchStats(rows=len(batch), tokens=real, ms=ms, padded_tokens=padded, waits=waits,
+                                 running_tokens=running))
         self._process(batch, logits)
         for (job, _), out in zip(batch, logits, strict=True):
             try:

@@ -98,6 +98,11 @@ class VerifierService(ServiceCore):
         self.metrics.cached_block_evictions.inc(m.evicted_blocks - self._evicted_seen)
         self._hits_seen, self._evicted_seen = m.hit_tokens, m.evicted_blocks
         self.metrics.queue_depth.set(self.admission.depth)
+        cost = self.budget.cost
+        for term, value in (("base", cost.base_s), ("row", cost.row_s), ("prefill_token", cost.prefill_token_s)):
+            self.metrics.forward_cost.labels(term=term).set(value)
+        self.metrics.tokens_per_forward_second.set(self.budget.rate)
+        self.metrics.node_value.set(self.budget.node_value)
         return self.metrics.render()
 
     def count_error(self, code: str) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from cloud.node_budget import Acceptance
 from shared.config import SamplingConfig
 from shared.errors import ContextMismatch
 from shared.hashing import FNV_OFFSET, fnv1a64, hash_hex
@@ -142,6 +143,8 @@ class Session:
     # monotonic time of opening
     created: float
     counters: Counters = field(default_factory=Counters)
+    # its acceptance read as a chain's, for its node budget (cloud/node_budget.py)
+    acceptance: Acceptance = field(default_factory=Acceptance)
     # last answers by request_id, oldest first
     replies: OrderedDict[str, ReplayEntry] = field(default_factory=OrderedDict)
     # requests admitted for this session and not finished (not evictable while > 0)

@@ -94,6 +94,9 @@ class CloudSettings(BaseSettings):
     max_k: int = Field(default=16, ge=0, le=256, description="largest k (draft tokens per round) accepted")
     max_tree_nodes: int = Field(default=64, ge=0, le=256,
         description=("most nodes of a token tree a round may carry (0: chains only; advertised in /v1/model)"))
+    node_budget: bool = Field(default=True,
+        description=("give each verify answer a node budget: the most draft nodes the next round should send, chosen "
+                     "from the forward cost fitted online and the present load (cloud/node_budget.py); false: none"))
     max_feature_window: int = Field(default=256, ge=0, le=4096,
         description=("most prompt positions whose states an open sends to a session that asks for states at every "
                      "committed position (feature_window; 0: one feature per answer only)"))

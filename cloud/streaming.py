@@ -76,9 +76,12 @@ async def stream_rounds(core: ServiceCore, s: Session, first: VerifyRequest, req
         core.metrics.streamed.inc()
         decode_ms += last.metrics.prefill_ms
         queue_ms += last.metrics.queue_ms
-        yield StreamedToken(tok, last.ctx_len, last.feature, last.states)
+        yield StreamedToken(tok, last.ctx_len, last.feature, last.states, last.node_budget)
         if req.stop_at_eos and tok in core.info.eos_ids:
             reason = "eos"
+            break
+        if core.speculate_instead(s):
+            reason = "speculate"
             break
         ctx = s.context  # the session's own committed context: the next token follows it
         round_req = k0_round(s.ctx_id, len(ctx), ctx.hash_at(len(ctx)))

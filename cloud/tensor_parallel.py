@@ -140,7 +140,7 @@ def _ordered_rowwise_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
         part = torch.nn.Linear.forward(self, args[0])  # [T, out]: this rank's partial product
     out = ordered_sum(part, mesh.get_group())  # [T, out]
     bias = self._parameters.get("bias")
-    return out if bias is None else out + _local(bias)
+    return out if bias is None else out + local_part(bias)
 
 
 def order_sums(model: Any) -> str | None:
@@ -167,7 +167,7 @@ def order_sums(model: Any) -> str | None:
     return None
 
 
-def _local(p: torch.Tensor) -> torch.Tensor:
+def local_part(p: torch.Tensor) -> torch.Tensor:
     """This rank's part of a parameter (a DTensor's local shard, else the tensor)."""
     to_local = getattr(p, "to_local", None)
     return to_local() if callable(to_local) else p

@@ -63,7 +63,7 @@ _FLAGS: dict[str, str] = {"cloud": "cloud_url", "grpc": "grpc_target", "api_key"
                           "feature_encoding": "feature_encoding", "open_states": "open_states", "check_last": "check_last", "tree": "tree",
                           "tree_width": "tree_width", "tree_depth": "tree_depth", "tree_max_nodes": "tree_max_nodes",
                           "tree_copy": "tree_copy",
-                          "stream_switch": "stream_switch", "objective": "objective", "draft_dtype": "draft_dtype",
+                          "stream_switch": "stream_switch", "objective": "objective", "node_budget": "node_budget", "draft_dtype": "draft_dtype",
                           "draft_runtime": "draft_runtime", "threads": "threads",
                           "capacity_wait_s": "capacity_wait_s", "max_retries": "max_retries",
                           "server_api_keys": "server_api_keys"}
@@ -118,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stream-switch", action=argparse.BooleanOptionalAction, default=None,
                    help="let the cloud stream target-only tokens on the session whenever that is cheaper than "
                         "speculating, and speculate again when that pays (greedy and tree sessions; default on)")
+    g.add_argument("--node-budget", action=argparse.BooleanOptionalAction, default=None,
+                   help="send at most the node budget of the cloud's last answer, the draft nodes the cloud wants "
+                        "per round for its load (default on; off: rounds sized for the edge's latency alone)")
     g.add_argument("--objective", choices=["latency", "cloud"],
                    help="what the switch minimises: latency (default: the edge's time per token) or cloud "
                         "(the cloud's forward time per token)")

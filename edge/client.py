@@ -280,7 +280,7 @@ class EdgeClient(HeadChoice):
                              gate=gate, rule_triggers=s.rule_triggers, detokenize=self.decode if gate else None,
                              clock=self.clock, sleep=self.sleep, draft_ahead=s.draft_ahead,
                              tree=self._tree_control(info), way=self._way_control(info, transport),
-                             stop_at_eos=s.stop_at_eos)
+                             stop_at_eos=s.stop_at_eos, node_budget=s.node_budget)
         job.rounds = run.records
         limits = [m for m in (info.max_context, drafter.max_context) if m]
         max_context = min(limits) if limits else None

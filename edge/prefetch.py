@@ -52,7 +52,7 @@ from shared.config import SamplingConfig
 
 from .drafters.base import DraftBlock, Drafter
 from .drafters.model import CausalDrafter
-from .drafters.tree import TreeShape, TreeStopped, main_path
+from .drafters.tree import TreeShape, TreeStopped, main_path, round_depth
 
 log = logging.getLogger(__name__)
 
@@ -204,7 +204,7 @@ class DraftAhead:
         token budget. The next round takes it only if it would grow the same shape."""
         path = main_path(block)
         after = len(path) + 1  # tokens the guessed round commits
-        depth = min(shape.depth, remaining - after - 1)
+        depth = round_depth(shape.depth, remaining - after)  # the next round's remaining: this one's minus after
         limit = self.model.max_context
         room = 1 << 30 if limit is None else limit - len(context) - after - depth
         if not path or depth < 1 or room < 1 or not self.worth_it():

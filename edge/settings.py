@@ -170,6 +170,9 @@ class EdgeSettings(BaseSettings):
     # time per token; "cloud": the cloud's forward time per token); off: always speculate
     stream_switch: bool = True
     objective: Literal["latency", "cloud"] = "latency"
+    # send at most the node budget of the cloud's last answer (the most draft nodes the cloud, sizing rounds for
+    # its load, wants next; PROTOCOL.md "Node budget"); off: the edge sizes rounds for its own latency alone
+    node_budget: bool = True
 
     # uncertainty gating (off by default): signals of the draft model's raw distribution
     gating: bool = False

@@ -21,7 +21,7 @@ from shared.verify import sample_residual
 
 from .drafters.base import DraftBlock, Drafter
 from .drafters.lookup import graft, lookup_path
-from .drafters.tree import TreeShape, prune
+from .drafters.tree import TreeShape, prune, round_depth
 from .exchange import CloudSession, RecoveryPolicy, SessionParams
 from .gating import GateDecision, GateThresholds, decide
 from .kcontrol import CostModelK, RoundCosts
@@ -44,7 +44,7 @@ class SpeculativeRun(CloudSession):
                  detokenize: Callable[[Sequence[int]], str] | None = None,
                  clock: Callable[[], float] = time.perf_counter, sleep: Callable[[float], None] = time.sleep,
                  draft_ahead: bool = False, tree: TreeControl | None = None, way: WayControl | None = None,
-                 stop_at_eos: bool = True) -> None:
+                 stop_at_eos: bool = True, node_budget: bool = True) -> None:
         super().__init__(transport, drafter, params, metrics, policy, clock, sleep)
         self.k_ctl = k_ctl
         self.gate = gate
@@ -66,6 +66,10 @@ class SpeculativeRun(CloudSession):
         same_text = params.sampling.greedy or (self.tree is not None and params.correction == "strict")
         self.way = way if way is not None and same_text and gate is None and not params.send_q_dists else None
         self.stop_at_eos = stop_at_eos
+        # the cloud's node budget from its last answer (0: none said): the next round sends at most this many
+        # draft nodes, a chain's k or a tree's nodes (cloud/node_budget.py; it never changes the text)
+        self.node_budget = 0
+        self.obey_budget = node_budget
 
     # -- session --------------------------------------------------------------------------------
 
@@ -135,6 +139,8 @@ class SpeculativeRun(CloudSession):
                                                     self.stop_at_eos, self.deadline.for_attempt(0)):
                 if isinstance(ev, StreamDone):
                     cloud_ms = float(ev.metrics.get("decode_ms", 0.0))
+                    if ev.metrics.get("stop_reason") == "speculate":  # the cloud under load asks for rounds
+                        self.way.declined()
                     break
                 if ev.ctx_len != len(self.S) + 1:
                     log.warning("streamed token at %d, expected %d: reopening next round", ev.ctx_len, len(self.S) + 1)
@@ -142,6 +148,7 @@ class SpeculativeRun(CloudSession):
                     break
                 self._extend([ev.token_id])
                 self.cloud_len = len(self.S)
+                self.node_budget = ev.node_budget
                 self._take_feature(ev.feature)
                 self._take_states(ev.states)
                 if self.ahead is not None:  # the draft reads streamed tokens while the next ones come
@@ -174,6 +181,8 @@ class SpeculativeRun(CloudSession):
         # k drafts run through the target, plus the checked last one with check_last (no bonus then)
         extra = int(self.params.check_last)
         k = 0 if plain else max(0, min(self.k_ctl.k + extra, remaining - 1 + extra))
+        if self.node_budget and self.obey_budget:
+            k = min(k, self.node_budget)
         if max_context:
             k = max(0, min(k, max_context - len(self.S) - 1))
         t0 = self.clock()
@@ -214,8 +223,10 @@ class SpeculativeRun(CloudSession):
         """A tree round (draw and match, shared/tree.py); None when no tree can be grown here (a chain then)."""
         assert self.tree is not None
         shape = self.tree.shape()
-        depth = min(shape.depth, remaining - 1)
+        depth = round_depth(shape.depth, remaining)
         nodes = shape.nodes if not max_context else min(shape.nodes, max_context - len(self.S) - 1)
+        if self.node_budget and self.obey_budget:
+            nodes = min(nodes, self.node_budget)
         if depth < 1 or nodes < 1:
             return None
         t0 = self.clock()
@@ -319,6 +330,7 @@ class SpeculativeRun(CloudSession):
             assert resp.correction is not None
             out.append((int(resp.correction), "bonus" if resp.next_kind == "bonus" else "correction"))
         self._extend([t for t, _ in out])
+        self.node_budget = resp.node_budget
         if 0 <= resp.ctx_len <= len(self.S) and resp.ctx_hash == self.hash_at(resp.ctx_len):
             self.cloud_len = resp.ctx_len  # the residual (if any) goes as append_ids next round
             self._take_feature(resp.feature)

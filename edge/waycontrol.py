@@ -67,6 +67,8 @@ class WayControl:
     chunk: int = 0
     rounds: int = 0
     switches: int = 0
+    # rounds speculated after the cloud ended a stream asking for them, before streaming is weighed again
+    declined_rounds: int = 16
     # a stream failed in this session (a proxy that cannot stream, a cloud under trouble): speculate from now on
     stream_broken: bool = False
 
@@ -136,6 +138,13 @@ class WayControl:
                 self.switches += 1
             else:
                 self.chunk = min(2 * self.chunk, self.chunk_max)
+
+    def declined(self) -> None:
+        """The cloud ended a stream asking for speculative rounds (it carries others' work, and a draft node
+        buys it more than its row costs): speculate, and weigh streaming again only after `declined_rounds` rounds."""
+        if self.streaming:
+            self.switches += 1
+        self.streaming, self.chunk, self.rounds = False, 0, self.min_rounds - self.declined_rounds
 
     def stream_failed(self) -> None:
         """A stream ended in an error: the session speculates from now on (a new session tries again)."""

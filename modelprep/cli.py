@@ -49,7 +49,7 @@ def run_convert(source: Path, out: Path, force: bool, command: str) -> Path:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     command = shlex.join(["specsplit-models", *(sys.argv[1:] if argv is None else argv)])
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr, force=True)
     try:
         if args.command == "convert":
             outs = [run_convert(args.source, args.out, args.force, command)]

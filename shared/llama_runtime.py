@@ -124,7 +124,7 @@ class GGUFContext:
     at most `n_outputs` of them with logits (0: all)."""
 
     def __init__(self, model: GGUFModel, n_ctx: int, n_seq: int = 1, threads: int = 1,
-                 n_batch: int = 512, n_outputs: int = 0) -> None:
+                 n_batch: int = 512, n_outputs: int = 0, flash_attn: bool = True) -> None:
         from shared.kvpool import UnsupportedModel
 
         lib = model._lib
@@ -137,7 +137,8 @@ class GGUFContext:
         params.n_seq_max = n_seq
         params.n_threads = params.n_threads_batch = threads
         params.kv_unified = True  # one cache: a branch shares its prefix's cells instead of copying them
-        params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED  # each query row over its keys alone
+        # flash attention: each query row over its keys alone
+        params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
         params.no_perf = True
         self.ptr = lib.llama_init_from_model(model.ptr, params)
         if not self.ptr:

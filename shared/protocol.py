@@ -196,6 +196,8 @@ class StreamedToken:
     feature: TargetFeature | None = None
     # a session with a feature_window: the states the round committed (as a verify answer's)
     states: TargetStates | None = None
+    # as a verify answer's: the most draft nodes the next round should send (0: no budget said)
+    node_budget: int = 0
 
 
 @dataclass
@@ -246,4 +248,7 @@ class VerifyResponse:
     accepted_nodes: list[int] | None = None
     # a session with a feature_window: the states at every position this round committed (in place of `feature`)
     states: TargetStates | None = None
+    # the most draft nodes (chain tokens or tree nodes) the next round should send, chosen by the cloud for its
+    # load (cloud/node_budget.py); 0: no budget said. Never changes the text: any count is verified exactly
+    node_budget: int = 0
 

@@ -100,6 +100,13 @@ def grow_tree(root_logits: torch.Tensor, expand: Expand, shape: TreeShape, cfg: 
                       values=[values[j] for j in keep])
 
 
+def round_depth(depth: int, remaining: int) -> int:
+    """The levels a round's tree is grown to: the controller's depth, within the tokens the generation has left (a
+    round commits at most depth + 1). The round and the tree grown ahead for it both call this, so their shapes
+    agree whenever the guess holds (a differing shape makes every tree grown ahead a miss)."""
+    return min(depth, remaining - 1)
+
+
 def main_path(block: DraftBlock) -> list[int]:
     """The tokens of the path that takes the most valuable child at every level, from the root to a leaf."""
     assert block.parents is not None and block.values is not None

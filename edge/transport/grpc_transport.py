@@ -60,7 +60,7 @@ def verify_response_from_pb(m: pb.VerifyResponse) -> VerifyResponse:
                              prefill_ms=m.metrics.prefill_ms, queue_ms=m.metrics.queue_ms),
         feature=feature_from_pb(m.feature) if m.HasField("feature") else None,
         accepted_nodes=list(m.accepted_nodes),
-        states=states_from_pb(m.states) if m.HasField("states") else None)
+        states=states_from_pb(m.states) if m.HasField("states") else None, node_budget=m.node_budget)
 
 
 def states_from_pb(m: pb.TargetStates) -> TargetStates | None:
@@ -90,7 +90,7 @@ def streamed_from_pb(m: pb.StreamSessionEvent) -> StreamedToken | StreamDone:
         return StreamDone(d.tokens, d.ctx_len, d.ctx_hash, metrics)
     t = m.token
     return StreamedToken(t.token_id, t.ctx_len, feature_from_pb(t.feature) if t.HasField("feature") else None,
-                         states_from_pb(t.states) if t.HasField("states") else None)
+                         states_from_pb(t.states) if t.HasField("states") else None, t.node_budget)
 
 
 class _EventWatchdog:

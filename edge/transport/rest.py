@@ -60,6 +60,7 @@ def verify_response_from_json(d: dict[str, Any]) -> VerifyResponse:
         feature=feature_from_json(d.get("feature")),
         accepted_nodes=None if d.get("accepted_nodes") is None else [int(j) for j in d["accepted_nodes"]],
         states=states_from_json(d.get("states")),
+        node_budget=int(d.get("node_budget") or 0),
     )
 
 
@@ -74,7 +75,7 @@ def streamed_from_json(event: str, d: dict[str, Any]) -> StreamedToken | StreamD
     if event == "done":
         return StreamDone(int(d["tokens"]), int(d["ctx_len"]), str(d["ctx_hash"]), dict(d.get("metrics") or {}))
     return StreamedToken(int(d["token_id"]), int(d["ctx_len"]), feature_from_json(d.get("feature")),
-                         states_from_json(d.get("states")))
+                         states_from_json(d.get("states")), int(d.get("node_budget") or 0))
 
 
 class RestTransport:

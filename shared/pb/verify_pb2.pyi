@@ -145,7 +145,7 @@ class RoundMetrics(_message.Message):
     def __init__(self, alpha_mean: _Optional[float] = ..., la_over_k: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., la_over_depth: _Optional[float] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("accepted_len", "correction", "next_kind", "target_dist", "ctx_len", "ctx_hash", "top_k_ids", "metrics", "feature", "accepted_nodes", "states")
+    __slots__ = ("accepted_len", "correction", "next_kind", "target_dist", "ctx_len", "ctx_hash", "top_k_ids", "metrics", "feature", "accepted_nodes", "states", "node_budget")
     ACCEPTED_LEN_FIELD_NUMBER: _ClassVar[int]
     CORRECTION_FIELD_NUMBER: _ClassVar[int]
     NEXT_KIND_FIELD_NUMBER: _ClassVar[int]
@@ -157,6 +157,7 @@ class VerifyResponse(_message.Message):
     FEATURE_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_NODES_FIELD_NUMBER: _ClassVar[int]
     STATES_FIELD_NUMBER: _ClassVar[int]
+    NODE_BUDGET_FIELD_NUMBER: _ClassVar[int]
     accepted_len: int
     correction: int
     next_kind: str
@@ -168,7 +169,8 @@ class VerifyResponse(_message.Message):
     feature: TargetFeature
     accepted_nodes: _containers.RepeatedScalarFieldContainer[int]
     states: TargetStates
-    def __init__(self, accepted_len: _Optional[int] = ..., correction: _Optional[int] = ..., next_kind: _Optional[str] = ..., target_dist: _Optional[_Union[SparseDist, _Mapping]] = ..., ctx_len: _Optional[int] = ..., ctx_hash: _Optional[str] = ..., top_k_ids: _Optional[_Iterable[_Union[TopIds, _Mapping]]] = ..., metrics: _Optional[_Union[RoundMetrics, _Mapping]] = ..., feature: _Optional[_Union[TargetFeature, _Mapping]] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., states: _Optional[_Union[TargetStates, _Mapping]] = ...) -> None: ...
+    node_budget: int
+    def __init__(self, accepted_len: _Optional[int] = ..., correction: _Optional[int] = ..., next_kind: _Optional[str] = ..., target_dist: _Optional[_Union[SparseDist, _Mapping]] = ..., ctx_len: _Optional[int] = ..., ctx_hash: _Optional[str] = ..., top_k_ids: _Optional[_Iterable[_Union[TopIds, _Mapping]]] = ..., metrics: _Optional[_Union[RoundMetrics, _Mapping]] = ..., feature: _Optional[_Union[TargetFeature, _Mapping]] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., states: _Optional[_Union[TargetStates, _Mapping]] = ..., node_budget: _Optional[int] = ...) -> None: ...
 
 class GetSessionRequest(_message.Message):
     __slots__ = ("ctx_id",)
@@ -193,7 +195,7 @@ class GetModelRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_id", "vocab_size", "eos_ids", "max_context", "dtype", "device", "tokenizer_fingerprint", "max_k", "tokenizer_size", "feature_size", "feature_encodings", "tensor_parallel", "max_tree_nodes", "max_feature_window", "session_stream", "max_generate_tokens", "dtype_reason", "batch_invariant", "runner")
+    __slots__ = ("model_id", "vocab_size", "eos_ids", "max_context", "dtype", "device", "tokenizer_fingerprint", "max_k", "tokenizer_size", "feature_size", "feature_encodings", "tensor_parallel", "max_tree_nodes", "max_feature_window", "session_stream", "max_generate_tokens", "dtype_reason", "batch_invariant", "runner", "forward_cost")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     EOS_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -213,6 +215,7 @@ class ModelInfo(_message.Message):
     DTYPE_REASON_FIELD_NUMBER: _ClassVar[int]
     BATCH_INVARIANT_FIELD_NUMBER: _ClassVar[int]
     RUNNER_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_COST_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     vocab_size: int
     eos_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -232,7 +235,24 @@ class ModelInfo(_message.Message):
     dtype_reason: str
     batch_invariant: bool
     runner: str
-    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_ids: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_k: _Optional[int] = ..., tokenizer_size: _Optional[int] = ..., feature_size: _Optional[int] = ..., feature_encodings: _Optional[_Iterable[str]] = ..., tensor_parallel: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., max_feature_window: _Optional[int] = ..., session_stream: _Optional[bool] = ..., max_generate_tokens: _Optional[int] = ..., dtype_reason: _Optional[str] = ..., batch_invariant: _Optional[bool] = ..., runner: _Optional[str] = ...) -> None: ...
+    forward_cost: ForwardCost
+    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_ids: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_k: _Optional[int] = ..., tokenizer_size: _Optional[int] = ..., feature_size: _Optional[int] = ..., feature_encodings: _Optional[_Iterable[str]] = ..., tensor_parallel: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., max_feature_window: _Optional[int] = ..., session_stream: _Optional[bool] = ..., max_generate_tokens: _Optional[int] = ..., dtype_reason: _Optional[str] = ..., batch_invariant: _Optional[bool] = ..., runner: _Optional[str] = ..., forward_cost: _Optional[_Union[ForwardCost, _Mapping]] = ...) -> None: ...
+
+class ForwardCost(_message.Message):
+    __slots__ = ("base_ms", "row_ms", "prefill_token_ms", "forwards", "tokens_per_second", "node_value")
+    BASE_MS_FIELD_NUMBER: _ClassVar[int]
+    ROW_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKEN_MS_FIELD_NUMBER: _ClassVar[int]
+    FORWARDS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    NODE_VALUE_FIELD_NUMBER: _ClassVar[int]
+    base_ms: float
+    row_ms: float
+    prefill_token_ms: float
+    forwards: int
+    tokens_per_second: float
+    node_value: float
+    def __init__(self, base_ms: _Optional[float] = ..., row_ms: _Optional[float] = ..., prefill_token_ms: _Optional[float] = ..., forwards: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., node_value: _Optional[float] = ...) -> None: ...
 
 class StreamSessionRequest(_message.Message):
     __slots__ = ("ctx_id", "ctx_len", "ctx_hash", "max_new_tokens", "stop_at_eos")
@@ -249,16 +269,18 @@ class StreamSessionRequest(_message.Message):
     def __init__(self, ctx_id: _Optional[str] = ..., ctx_len: _Optional[int] = ..., ctx_hash: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., stop_at_eos: _Optional[bool] = ...) -> None: ...
 
 class StreamedToken(_message.Message):
-    __slots__ = ("token_id", "ctx_len", "feature", "states")
+    __slots__ = ("token_id", "ctx_len", "feature", "states", "node_budget")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     CTX_LEN_FIELD_NUMBER: _ClassVar[int]
     FEATURE_FIELD_NUMBER: _ClassVar[int]
     STATES_FIELD_NUMBER: _ClassVar[int]
+    NODE_BUDGET_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     ctx_len: int
     feature: TargetFeature
     states: TargetStates
-    def __init__(self, token_id: _Optional[int] = ..., ctx_len: _Optional[int] = ..., feature: _Optional[_Union[TargetFeature, _Mapping]] = ..., states: _Optional[_Union[TargetStates, _Mapping]] = ...) -> None: ...
+    node_budget: int
+    def __init__(self, token_id: _Optional[int] = ..., ctx_len: _Optional[int] = ..., feature: _Optional[_Union[TargetFeature, _Mapping]] = ..., states: _Optional[_Union[TargetStates, _Mapping]] = ..., node_budget: _Optional[int] = ...) -> None: ...
 
 class StreamMetrics(_message.Message):
     __slots__ = ("decode_ms", "queue_ms", "total_ms", "stop_reason")

@@ -13,11 +13,11 @@ import torch
 from transformers import AutoTokenizer
 
 from cloud.rest import VerifyBody
-from cloud.scheduler import Row
 from cloud.service import VerifierService
 from shared.config import SamplingConfig
 from shared.errors import NotFound
 from shared.hashing import ctx_hash
+from shared.kvpool import Row
 from shared.protocol import OpenSessionRequest, VerifyRequest
 
 

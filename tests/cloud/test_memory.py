@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 
 from cloud.engine import DecodeState, Prefill
 from cloud.generate import decode_job
-from cloud.scheduler import PENDING
+from cloud.jobs import PENDING
 from cloud.service import GenerateRequest, VerifierService
 from shared.config import SamplingConfig
 from shared.errors import ResourceExhausted, SpecSplitError

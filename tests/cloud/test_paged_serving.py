@@ -13,7 +13,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from cloud.scheduler import DECODE, PENDING, PREFILL, ROUND, BatchStats, Job, Pending, Scheduler
+from cloud.jobs import DECODE, PENDING, PREFILL, ROUND, BatchStats, Job, Pending
+from cloud.scheduler import Scheduler
 from cloud.service import VerifierService
 from shared.config import SamplingConfig
 from shared.errors import NotFound, ResourceExhausted

@@ -15,7 +15,8 @@ import torch
 from transformers import AutoTokenizer
 
 from cloud.engine import check_ids
-from cloud.scheduler import PENDING, PREFILL, ROUND, Job, Pending, Scheduler
+from cloud.jobs import PENDING, PREFILL, ROUND, Job, Pending
+from cloud.scheduler import Scheduler
 from cloud.service import VerifierService
 from shared.config import SamplingConfig
 from shared.errors import InvalidArgument

@@ -128,7 +128,8 @@ class GrpcClient:
                 "feature_encodings": list(m.feature_encodings), "tensor_parallel": m.tensor_parallel,
                 "max_tree_nodes": m.max_tree_nodes, "max_feature_window": m.max_feature_window,
                 "session_stream": m.session_stream, "max_generate_tokens": m.max_generate_tokens,
-                "dtype_reason": m.dtype_reason, "batch_invariant": m.batch_invariant, "runner": m.runner}
+                "dtype_reason": m.dtype_reason, "batch_invariant": m.batch_invariant, "runner": m.runner,
+                "forward_cost": {f.name: getattr(m.forward_cost, f.name) for f in m.forward_cost.DESCRIPTOR.fields}}
 
     def shutdown(self) -> None:
         self.channel.close()
@@ -154,4 +155,5 @@ def response_dict(m: pb.VerifyResponse) -> dict[str, Any]:
         "metrics": {"alpha_mean": m.metrics.alpha_mean, "la_over_k": m.metrics.la_over_k,
                     "prefill_ms": m.metrics.prefill_ms, "queue_ms": m.metrics.queue_ms},
         "accepted_nodes": list(m.accepted_nodes),
+        "node_budget": m.node_budget,
     }

@@ -15,7 +15,8 @@ import grpc
 import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from bench.cluster import Cluster, Replica, is_session_call, last_upstream
+from bench.cluster import Cluster, Replica
+from bench.nginx_conf import is_session_call, last_upstream
 from edge.client import EdgeClient, GenerationResult
 from edge.drafters.base import Drafter
 from edge.settings import EdgeSettings

@@ -113,7 +113,8 @@ def first_pairs(cloud: CloudProcess, tokenizer: Any, drafter: ModelDrafter, n: i
         "grpc_target": cloud.grpc_target, "temperature": CFG.temperature, "top_p": CFG.top_p, "top_k": CFG.top_k,
         "repetition_penalty": CFG.repetition_penalty, "max_new_tokens": 3, "fixed_k": 2, "stop_at_eos": False,
         "timeout_ms": 30_000, "timeout_fallback": False,
-        "stream_switch": False, **kw}  # every position decided by a verify: the rule itself is sampled
+        "stream_switch": False,  # every position decided by a verify: the rule itself is sampled
+        "node_budget": False, **kw}  # every round the shape named here (the budget's rounds: test_node_budget)
     s = EdgeSettings(**values)
     client = EdgeClient(s, drafter=drafter, tokenizer=tokenizer)
     ids = tokenizer.encode(PROMPT)

@@ -22,7 +22,8 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from bench.cluster import Cluster, ClusterConfig, nginx_binary
+from bench.cluster import Cluster, ClusterConfig
+from bench.nginx_conf import nginx_binary
 from edge.client import GenerationResult
 from edge.drafters import ModelDrafter, NGramDrafter
 from edge.drafters.base import Drafter

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
-from bench.cluster import COMPOSE_PORTS, COMPOSE_REPLICAS, compose_nginx_conf, nginx_binary, nginx_conf
+from bench.nginx_conf import COMPOSE_PORTS, COMPOSE_REPLICAS, compose_nginx_conf, nginx_binary, nginx_conf
 from edge.transport import ROUTE_HEADER
 
 REPO = Path(__file__).resolve().parents[2]
@@ -23,7 +23,7 @@ def compose() -> dict[str, Any]:
 
 def test_deploy_nginx_conf_is_the_rendering_for_compose() -> None:
     assert (REPO / "deploy" / "nginx.conf").read_text() == compose_nginx_conf(), \
-        "deploy/nginx.conf is stale: rewrite it from bench.cluster.compose_nginx_conf()"
+        "deploy/nginx.conf is stale: rewrite it from bench.nginx_conf.compose_nginx_conf()"
 
 
 def test_both_upstreams_hash_the_header_the_edge_sends() -> None:

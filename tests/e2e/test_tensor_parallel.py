@@ -330,7 +330,8 @@ def test_behind_nginx_the_edge_fails_over_from_a_group_that_loses_a_rank(target_
     routing key nginx sends to the group is paused mid-way and the group's worker rank is SIGKILLed
     (torchrun then stops rank 0): the edge reopens on the other replica with its committed context, and
     its text equals the target's own, with no token committed unverified."""
-    from bench.cluster import Cluster, ClusterConfig, nginx_binary
+    from bench.cluster import Cluster, ClusterConfig
+    from bench.nginx_conf import nginx_binary
     from tests.e2e.replicas import PausedRuns, edge_client
 
     nginx_binary()  # scripts/test.sh installs it; a clear error otherwise

@@ -9,6 +9,7 @@ through the real cloud with this drafter are in tests/e2e (test_edge_greedy.py, 
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -34,9 +35,13 @@ def qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def gpt2_dir(tiny_pair: tuple[Path, Path]) -> Path:
-    write_gguf(tiny_pair[1], tiny_pair[1] / "model.gguf")
-    return tiny_pair[1]
+def gpt2_dir(tiny_pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of the session's tiny draft with its GGUF beside it (the session's directory stays GGUF-free, so tests
+    that load it by directory keep the PyTorch runtime)."""
+    d = tmp_path_factory.mktemp("gpt2") / "draft"
+    shutil.copytree(tiny_pair[1], d)
+    write_gguf(d, d / "model.gguf")
+    return d
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "gpt2"])

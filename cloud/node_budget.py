@@ -1,0 +1,174 @@
+"""The cloud's forward cost, fitted online, and the node budget it gives each session's next round.
+
+A forward costs about
+
+    t = a + b * rows + c * prefill_tokens        (seconds)
+
+where rows are the tokens of verify rounds and decode steps (a round of n drafts is n + 1 rows) and prefill
+tokens are those of prompts and resync chunks. `ForwardCost` fits a, b and c by exponentially weighted least
+squares over the forwards the model thread runs (a small ridge keeps the fit defined while the counts do not
+vary); nothing about this machine is built in.
+
+The budget (Leviathan et al. 2023 section 3.4 sizes k for one sequence's latency; here the cloud sizes it for
+its own throughput, as SmartSpec / TurboSpec do per batch). The cloud's committed tokens per second of forwards
+are F = sum_i tau_i(n_i) / (a + b * sum_i (n_i + 1)), with tau_i(n) the tokens a round of n nodes commits for
+session i. F is highest where every session's next node adds tau_i'(n) = b * F tokens: a node is worth its row
+while the tokens it is expected to add exceed what the row's time would buy at the cloud's present rate. With a
+session's acceptance read as a chain's (each further node accepted with probability alpha given its parent was;
+`Acceptance`), the n-th node adds alpha^n, so the budget is the largest n with alpha^n >= b * F:
+
+- idle (one session), a dominates: b * F is small and the budget large (up to `max_tree_nodes`);
+- loaded, b * sum(rows) dominates: b * F nears tau / (n + 1) and the budget shrinks to a short chain.
+
+F is measured, not modelled: tokens committed over forward seconds, both exponentially weighted by forward.
+A tree of n nodes accepts at least as much as a chain of n (its n best nodes include the chain's), so the chain
+reading is the cautious one. The budget never changes the text: any number of nodes is verified exactly
+(shared/verify.py, shared/tree.py); an edge that ignores it is served as before.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class ForwardCost:
+    """Forward seconds fitted as a + b * rows + c * prefill_tokens (exponentially weighted least squares)."""
+    # weight of a new forward (about 1 / the forwards the fit remembers)
+    weight: float = 0.02
+    # ridge on b and c (see _solve): pulls an unidentified slope to 0, not to a guess
+    ridge: float = 1e-3
+    # forwards observed
+    forwards: int = 0
+    # exponentially weighted sums: X^T X [3, 3] and X^T y [3] with x = (1, rows, prefill_tokens)
+    _xx: np.ndarray = field(default_factory=lambda: np.zeros((3, 3)))
+    _xy: np.ndarray = field(default_factory=lambda: np.zeros(3))
+    _coef: tuple[float, float, float] = (0.0, 0.0, 0.0)
+
+    def observe(self, rows: int, prefill_tokens: int, seconds: float) -> None:
+        x = np.array([1.0, float(rows), float(prefill_tokens)])
+        self._xx = (1 - self.weight) * self._xx + np.outer(x, x)
+        self._xy = (1 - self.weight) * self._xy + x * seconds
+        self.forwards += 1
+        self._coef = self._solve()
+
+    def _solve(self) -> tuple[float, float, float]:
+        w = self._xx[0, 0]
+        if w <= 0:
+            return (0.0, 0.0, 0.0)
+        # ridge on the slopes: as much evidence as `ridge` of the remembered forwards spread by one row (prefill
+        # token) would give, enough to keep a fit of equal forwards defined (slope 0) and far too little to bend
+        # a measured one
+        reg = np.diag([0.0, 1.0, 1.0]) * self.ridge * w
+        coef = np.linalg.lstsq(self._xx + reg, self._xy, rcond=None)[0]
+        a, b, c = (float(v) for v in coef)
+        if b < 0 or c < 0:  # a slope is never negative: refit with it at 0
+            keep = [0] + [j for j, v in ((1, b), (2, c)) if v >= 0]
+            sub = np.linalg.lstsq((self._xx + reg)[np.ix_(keep, keep)], self._xy[keep], rcond=None)[0]
+            full = [0.0, 0.0, 0.0]
+            for j, v in zip(keep, sub, strict=True):
+                full[j] = float(v)
+            a, b, c = full
+        return (max(a, 0.0), max(b, 0.0), max(c, 0.0))
+
+    @property
+    def base_s(self) -> float:
+        return self._coef[0]
+
+    @property
+    def row_s(self) -> float:
+        return self._coef[1]
+
+    @property
+    def prefill_token_s(self) -> float:
+        return self._coef[2]
+
+    def predict(self, rows: int, prefill_tokens: int = 0) -> float:
+        return self.base_s + self.row_s * rows + self.prefill_token_s * prefill_tokens
+
+    def describe(self) -> dict[str, float | int]:
+        """What /v1/model reports: the fit in ms, and how many forwards it has seen."""
+        return {"base_ms": round(self.base_s * 1000, 3), "row_ms": round(self.row_s * 1000, 3),
+                "prefill_token_ms": round(self.prefill_token_s * 1000, 4), "forwards": self.forwards}
+
+
+@dataclass
+class Acceptance:
+    """A session's acceptance read as a chain's: alpha = accepted positions / positions tried.
+
+    A round accepts la nodes along a path of at most `depth`; it tried la + 1 positions when it stopped short
+    (the last one rejected) and la when everything to its depth was kept. Weighted by round, with a prior of
+    `prior_tries` positions at `prior_alpha` so the first rounds do not swing the budget to either end."""
+    prior_alpha: float = 0.8
+    prior_tries: float = 5.0
+    weight: float = 0.1
+    _kept: float = 0.0
+    _tried: float = 0.0
+
+    def observe(self, accepted: int, depth: int) -> None:
+        if depth <= 0:
+            return
+        tried = accepted + (1 if accepted < depth else 0)
+        self._kept = (1 - self.weight) * self._kept + accepted
+        self._tried = (1 - self.weight) * self._tried + tried
+
+    @property
+    def alpha(self) -> float:
+        kept = self._kept + self.prior_alpha * self.prior_tries
+        return min(kept / (self._tried + self.prior_tries), 0.999)
+
+
+@dataclass
+class NodeBudget:
+    """The cost fit, the cloud's measured rate, and the budget rule of the module docstring."""
+    # the most nodes a round may carry (--max-tree-nodes; chains are capped by --max-k on their own)
+    max_nodes: int
+    cost: ForwardCost = field(default_factory=ForwardCost)
+    # weight of a new forward in the rate's sums
+    weight: float = 0.05
+    # exponentially weighted tokens committed and forward seconds
+    _tokens: float = 0.0
+    _seconds: float = 0.0
+    # the forward's tokens counted since the last forward (answers come after their forward)
+    _pending: int = 0
+    # jobs (sessions, prompts, generations) per forward, recently: above one, sessions share forwards
+    jobs_per_forward: float = 1.0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def forward(self, rows: int, prefill_tokens: int, seconds: float, jobs: int = 1) -> None:
+        """One forward ran (model thread): its rows, prefill tokens, seconds and jobs (sessions, prompts)."""
+        with self._lock:
+            self.cost.observe(rows, prefill_tokens, seconds)
+            self.jobs_per_forward = (1 - self.weight) * self.jobs_per_forward + self.weight * jobs
+            self._tokens = (1 - self.weight) * self._tokens + self._pending
+            self._seconds = (1 - self.weight) * self._seconds + seconds
+            self._pending = 0
+
+    def committed(self, tokens: int) -> None:
+        """Tokens a verify answer or a decode step committed."""
+        with self._lock:
+            self._pending += tokens
+
+    @property
+    def rate(self) -> float:
+        """Committed tokens per second of forwards, recently."""
+        return self._tokens / self._seconds if self._seconds > 0 else 0.0
+
+    @property
+    def node_value(self) -> float:
+        """b * F: the tokens a row's time buys at the present rate; a node must add at least this."""
+        return self.cost.row_s * self.rate
+
+    def budget(self, alpha: float) -> int:
+        """The most nodes worth their rows for a session whose chain acceptance is `alpha`."""
+        threshold = self.node_value
+        if threshold <= 0 or self.cost.forwards < 8:  # nothing measured yet: the edge's own choice stands
+            return self.max_nodes
+        if threshold >= 1 or alpha <= 0:
+            return 1
+        n = math.floor(math.log(threshold) / math.log(alpha)) if alpha < 1 else self.max_nodes
+        return max(1, min(n, self.max_nodes))

@@ -1,0 +1,71 @@
+"""The cloud's forward cost fit and node budget (cloud/node_budget.py)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from cloud.node_budget import Acceptance, ForwardCost, NodeBudget
+
+
+def test_the_fit_recovers_a_forwards_cost_from_the_forwards_it_sees() -> None:
+    """Forwards of 0.19 + 0.01 x rows + 0.002 x prefill tokens s (rows 1..64, prefills 0..512, 1 % noise): the
+    fit is within 5 % of each term after 400 forwards; nothing is assumed beforehand."""
+    rng = random.Random(7)
+    fit = ForwardCost()
+    for _ in range(400):
+        rows, pre = rng.randint(1, 64), rng.choice([0, 0, 0, rng.randint(1, 512)])
+        fit.observe(rows, pre, (0.19 + 0.01 * rows + 0.002 * pre) * (1 + rng.gauss(0, 0.01)))
+    assert fit.base_s == pytest.approx(0.19, rel=0.05)
+    assert fit.row_s == pytest.approx(0.01, rel=0.05)
+    assert fit.prefill_token_s == pytest.approx(0.002, rel=0.05)
+    assert fit.describe()["forwards"] == 400
+
+
+def test_equal_forwards_read_as_no_slope_never_a_negative_one() -> None:
+    fit = ForwardCost()
+    for _ in range(50):
+        fit.observe(5, 0, 0.3)
+    assert fit.row_s >= 0 and fit.prefill_token_s >= 0
+    assert fit.predict(5) == pytest.approx(0.3, rel=0.01)
+
+
+def test_acceptance_reads_chain_rounds_as_their_alpha() -> None:
+    """2,000 chain rounds of k = 8 whose drafts are each kept with probability 0.7 given the ones before: the
+    estimate is within 0.05 of 0.7 (weighted over the last ~10 rounds, so its spread is about 0.03)."""
+    rng = random.Random(3)
+    acc = Acceptance()
+    errs = []
+    for i in range(2000):
+        la = 0
+        while la < 8 and rng.random() < 0.7:
+            la += 1
+        acc.observe(la, 8)
+        if i > 100:
+            errs.append(abs(acc.alpha - 0.7))
+    assert sum(errs) / len(errs) < 0.05
+
+
+def _budget(rows_per_forward: int, tokens_per_forward: int, seconds: float) -> NodeBudget:
+    """A budget that has seen 50 forwards of this load (a = 0.19 s, b = 0.01 s a row)."""
+    b = NodeBudget(max_nodes=64)
+    for i in range(50):
+        b.committed(tokens_per_forward)
+        rows = rows_per_forward + (i % 3)  # some spread so the slope is measured
+        b.forward(rows, 0, 0.19 + 0.01 * rows)
+    return b
+
+
+def test_an_idle_cloud_gives_large_budgets_and_a_loaded_one_short_chains() -> None:
+    """One session of trees (13 rows, 8 tokens a forward): a node must add ~0.2 tokens, so alpha 0.9 gets ~15
+    nodes; sixteen sessions of chains (80 rows, 70 tokens a forward): a node must add ~0.7, so ~3 nodes."""
+    idle, loaded = _budget(13, 8, 0.32), _budget(80, 70, 0.99)
+    assert idle.node_value < 0.3 < 0.6 < loaded.node_value < 1
+    assert idle.budget(0.9) >= 12
+    assert 1 <= loaded.budget(0.9) <= 4
+    assert loaded.budget(0.5) == 1 and loaded.budget(0.97) > loaded.budget(0.9)
+
+
+def test_before_any_forward_the_edges_own_choice_stands() -> None:
+    assert NodeBudget(max_nodes=32).budget(0.5) == 32
