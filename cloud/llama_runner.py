@@ -16,7 +16,11 @@ accepted path, and a pool whose block accounting (shared/blocks.py) admission an
 p comes from llama.cpp's float32 logits through shared/sampling.py, so the verify rule, draw and match and every
 exactness test hold as on the PyTorch runner. What llama.cpp does not give: bit-identical logits whatever shares a
 batch (BENCHMARKS.md measures how far they move), the target's hidden states (no feature-fed heads), prefix
-sharing across sessions, tensor parallelism. /v1/model says so (runner "llama.cpp", batch_invariant false).
+sharing across sessions, tensor parallelism. With --batch-invariant (the default) the weights are not repacked
+and every micro-batch is at most as long as the kernels keep a token's one-token bits (shared/llama_invariance.py,
+measured at start); `batch_invariant` in /v1/model is true only if the whole claim was measured to hold, which
+llama.cpp's unified cache breaks once a crop frees cells that later positions take (attention then sums a
+sequence's keys out of position order).
 """
 
 from __future__ import annotations
@@ -75,7 +79,7 @@ class LlamaPool(KVPool):
     """Every session's KV in one llama.cpp context, with the paged pool's accounting (see the module docstring)."""
 
     def __init__(self, model: GGUFModel, bytes_per_position: int, budget_bytes: int, block_size: int,
-                 threads: int, max_batch_tokens: int) -> None:
+                 threads: int, max_batch_tokens: int, n_ubatch: int = 0) -> None:
         super().__init__(None, model.n_ctx_train or 1 << 20, "cpu", torch.float16,  # type: ignore[arg-type]
                          budget_bytes=budget_bytes, block_size=block_size, prefix_cache=False, preallocate=True)
         self.bytes_per_position = bytes_per_position
@@ -86,7 +90,8 @@ class LlamaPool(KVPool):
         self.blocks = BlockManager(block_size, blocks, False, initial_blocks=blocks)
         # a tree's nodes and a round's chunk may sit in cells beside the positions the manager counts
         self.n_ctx = blocks * block_size + max_batch_tokens
-        self.ctx = GGUFContext(model, self.n_ctx, MAX_SEQS, threads, n_batch=min(max_batch_tokens, 512))
+        self.ctx = GGUFContext(model, self.n_ctx, MAX_SEQS, threads, n_batch=min(max_batch_tokens, 512),
+                               n_ubatch=n_ubatch)
         self._seq: dict[int, int] = {}  # slot -> llama.cpp sequence
         self._free = list(range(SESSION_SEQS - 1, -1, -1))
         self._leaf_free = list(range(MAX_SEQS - 1, SESSION_SEQS - 1, -1))
@@ -226,7 +231,7 @@ class LlamaTarget:
     group = None
     feature_size = 0
 
-    def __init__(self, model: Path, threads: int = 0, max_batch_tokens: int = 1024) -> None:
+    def __init__(self, model: Path, threads: int = 0, max_batch_tokens: int = 1024, invariant: bool = True) -> None:
         from shared.tokenizer_id import load_tokenizer, tokenizer_fingerprint
 
         why = unavailable()
@@ -239,7 +244,11 @@ class LlamaTarget:
         self.path = path
         self.threads = threads or max(1, torch.get_num_threads())
         self.max_batch_tokens = max_batch_tokens
-        self.gguf = GGUFModel(path)
+        # --batch-invariant: weights not repacked, micro-batches of the size whose kernels give every token its
+        # one-token bits (shared/llama_invariance.py, measured in use_pool)
+        self.invariant = invariant
+        self.gguf = GGUFModel(path, repack=not invariant)
+        self.ubatch, self.invariant_ok = 0, False
         tokenizer = load_tokenizer(path.parent)  # the tokenizer files beside the GGUF (a prepared directory)
         self.support = min(len(tokenizer), self.gguf.n_vocab)
         eos = [int(tokenizer.eos_token_id)] if tokenizer.eos_token_id is not None else []
@@ -259,8 +268,12 @@ class LlamaTarget:
                  preallocate: bool = False) -> None:
         if prefix_cache:
             log.info("prefix sharing is off on the llama.cpp runner: every session computes its own prompt")
+        if self.invariant:
+            from shared.llama_invariance import measure
+
+            self.ubatch, self.invariant_ok = measure(self.gguf, self.threads)
         self.pool = LlamaPool(self.gguf, self.kv_bytes_per_token, kv_budget_bytes or 2 * 1024**3, block_size,
-                              self.threads, self.max_batch_tokens)
+                              self.threads, self.max_batch_tokens, self.ubatch)
 
     def forward(self, rows: list[Row]) -> list[torch.Tensor]:
         assert self.pool is not None
@@ -277,10 +290,12 @@ class LlamaTarget:
         return None
 
     def calibrate(self, max_tokens: int) -> bool:
-        """llama.cpp's CPU kernels give a row other bits in other batches (BENCHMARKS.md): never invariant."""
-        log.warning("batch-invariant forwards off: llama.cpp's kernels change a token's logits with the batch "
-                    "around it, so greedy text may part from the cloud's own at near-ties")
-        return False
+        """What use_pool measured (shared/llama_invariance.py): true only if a token's logits were the bits of a
+        one-token step beside batch mates and in cells a crop freed."""
+        if not self.invariant:
+            log.warning("batch-invariant forwards off: llama.cpp's kernels change a token's logits with the batch "
+                        "around it, so greedy text may part from the cloud's own at near-ties")
+        return self.invariant_ok
 
     def healthy(self) -> bool:
         return True

@@ -40,7 +40,8 @@ def load_target(settings: CloudSettings) -> TargetModel:
         if settings.device != "cpu":
             raise UnsupportedModel(f"--runner llamacpp runs on the CPU here, not {settings.device}: use --runner "
                                    "torch on a GPU")
-        return LlamaTarget(settings.model, settings.torch_threads, settings.max_batch_tokens)  # type: ignore[return-value]
+        return LlamaTarget(settings.model, settings.torch_threads, settings.max_batch_tokens,  # type: ignore[return-value]
+                           invariant=settings.batch_invariant)
     if settings.model.suffix == ".gguf":
         raise UnsupportedModel(f"{settings.model} is a GGUF file: the PyTorch runner reads a Hugging Face directory "
                                "(specsplit-models convert FILE.gguf --out DIR makes one), or run it with --runner "

@@ -120,18 +120,21 @@ class Token:
 
 
 class GGUFContext:
-    """One KV cache over a GGUFModel: up to `n_seq` sequences in `n_ctx` cells, decoded `n_batch` tokens at a time,
-    at most `n_outputs` of them with logits (0: all)."""
+    """One KV cache over a GGUFModel: up to `n_seq` sequences in `n_ctx` cells, decoded `n_batch` tokens at a time
+    (in micro-batches of `n_ubatch`), at most `n_outputs` of them with logits (0: all)."""
 
     def __init__(self, model: GGUFModel, n_ctx: int, n_seq: int = 1, threads: int = 1,
-                 n_batch: int = 512, n_outputs: int = 0, flash_attn: bool = True) -> None:
+                 n_batch: int = 512, n_outputs: int = 0, flash_attn: bool = True, n_ubatch: int = 0) -> None:
         from shared.kvpool import UnsupportedModel
 
         lib = model._lib
         self.model, self._lib = model, lib
         params = lib.llama_context_default_params()
         params.n_ctx = n_ctx
-        params.n_batch = params.n_ubatch = n_batch
+        params.n_batch = n_batch
+        # tokens one kernel call takes (0: n_batch); a decode of more runs in micro-batches of this many
+        # (shared/llama_invariance.py picks the size whose kernels give every token its one-token bits)
+        params.n_ubatch = min(n_ubatch or n_batch, n_batch)
         # rows of logits one batch may return (0: n_batch); the buffer holds that many rows of the vocabulary
         params.n_outputs_max = n_outputs
         params.n_seq_max = n_seq

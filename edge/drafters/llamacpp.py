@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from shared.kvpool import UnsupportedModel
+from shared.llama_invariance import invariant_ubatch
 from shared.llama_runtime import GGUFContext, GGUFModel, Token, find_gguf, unavailable
 from shared.tokenizer_id import directory_fingerprint
 
@@ -55,8 +56,11 @@ class LlamaCppDrafter(CausalDrafter):
         if gguf is None:
             raise UnsupportedModel(f"no GGUF file at {path}: pass a .gguf file or a directory with model.gguf")
         self.path = gguf
-        self.gguf = GGUFModel(gguf)
+        self.gguf = GGUFModel(gguf, repack=False)  # repacked weights split a batch's rows between two kernels
         self.threads = threads or default_threads()
+        # micro-batches of the size whose kernels give every token its one-token bits (shared/llama_invariance.py):
+        # q then does not depend on how tokens were fed (a k schedule, drafting ahead, a catch-up)
+        self.ubatch = invariant_ubatch(self.gguf, self.threads, most=12)
         self.n_ctx = min(context, self.gguf.n_ctx_train or context)
         self.max_context: int | None = self.n_ctx
         # the ids the draft has logits for, and the ids q is taken over (the target's tokenizer_size once paired)
@@ -67,7 +71,8 @@ class LlamaCppDrafter(CausalDrafter):
         self.reset()
 
     def reset(self) -> None:
-        self._ctx = GGUFContext(self.gguf, self.n_ctx, MAX_SEQS, self.threads, n_batch=256, n_outputs=MAX_OUTPUTS)
+        self._ctx = GGUFContext(self.gguf, self.n_ctx, MAX_SEQS, self.threads, n_batch=256, n_outputs=MAX_OUTPUTS,
+                                n_ubatch=self.ubatch)
         self._ids: list[int] = []
 
     def fork(self) -> LlamaCppDrafter:

@@ -10,6 +10,7 @@ through the real cloud with this drafter are in tests/e2e (test_edge_greedy.py, 
 from __future__ import annotations
 
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -139,3 +140,27 @@ def test_the_edge_drafts_with_llamacpp_where_the_draft_has_a_gguf(qwen2_dir: Pat
     bare.mkdir(exist_ok=True)
     with pytest.raises(ValueError, match="needs a GGUF draft"):
         load_draft_model(EdgeSettings(draft=str(bare), draft_runtime="llamacpp"))
+
+
+
+
+def _qs(drafter: LlamaCppDrafter, text: list[int], step: int) -> list[float]:
+    """q of the first draft after CONTEXT + text[:n] for n = 0, step, 2 step, ...: the drafter feeds the text
+    `step` tokens at a time, as rounds committing that many would make it."""
+    drafter.reset()
+    return [drafter.propose(CONTEXT + text[:n], 1, SAMPLED, seed=4).q_probs[0] for n in range(0, len(text) + 1, step)]
+
+
+def test_q_is_the_same_bits_however_the_context_was_fed() -> None:
+    """The draft's micro-batches are measured at load (shared/llama_invariance.py), so a token's q is a function of
+    its context alone: a text fed 1, 4 or 12 tokens at a time (rounds that commit that many, a catch-up) gives the
+    same q, bit for bit, at every position the feedings share. With one micro-batch for a whole decode (before the
+    measure) the bits part with the feeding, so the test fails without it."""
+    d = build_qwen2(Path(tempfile.mkdtemp()) / "draft", seed=5)
+    drafter = LlamaCppDrafter(write_gguf(d, d / "model.gguf"))
+    text = drafter.propose(CONTEXT, 12, GREEDY, seed=0).tokens
+    one, four, twelve = (_qs(drafter, text, step) for step in (1, 4, 12))
+    assert one[::4] == four and one[::12] == twelve
+    drafter.ubatch = 256
+    one, twelve = _qs(drafter, text, 1), _qs(drafter, text, 12)
+    assert one[::12] != twelve
