@@ -209,7 +209,7 @@ class ServiceCore:
         carries others' work (two or more jobs a forward, recently) and the session's first draft node is
         expected to add more than a row buys at the present rate. An idle cloud leaves it to the edge."""
         b = self.budget
-        return (self.settings.node_budget and b.jobs_per_forward >= 2.0 and b.node_value > 0
+        return (self.settings.node_budget and b.jobs_per_forward >= 2.0 and b.cost.forwards >= 8
                 and s.acceptance.alpha > b.node_value)
 
     def _batched(self, b: BatchStats) -> None:

@@ -285,7 +285,7 @@ def test_rest_answers_events_and_refuses_with_status_codes(client: Callable[...,
     frames = [f for f in r.text.split("\n\n") if f]
     tokens = [json.loads(f[len("data: "):]) for f in frames[:3]]
     assert [t["ctx_len"] for t in tokens] == [len(prompt) + 1, len(prompt) + 2, len(prompt) + 3]
-    assert set(tokens[0]) == {"token_id", "ctx_len"}  # no feature asked for: none sent
+    assert set(tokens[0]) == {"token_id", "ctx_len", "node_budget"}  # no feature asked for: none sent
     event, data = frames[3].split("\n")
     done = json.loads(data[len("data: "):])
     ids = prompt + [t["token_id"] for t in tokens]
@@ -316,5 +316,29 @@ def test_a_stream_stops_at_the_context_end_and_at_eos(make_service: Callable[...
                                                                            4), "")]
         assert [e.token_id for e in events[:-1]] == ref[:ref.index(ref[2]) + 1]  # type: ignore[union-attr]
         assert events[-1].metrics["stop_reason"] == "eos"  # type: ignore[union-attr]
+
+    asyncio.run(main())
+
+
+def test_a_loaded_cloud_ends_a_stream_for_speculative_rounds_and_an_idle_one_does_not(
+        make_service: Callable[..., VerifierService], prompt: list[int]) -> None:
+    """Streams decided by both sides (cloud/node_budget.py): while forwards carry several jobs and the session's
+    first draft node is worth its row, the stream ends after a token with stop_reason "speculate"; the same stream
+    on an idle cloud runs its length. Either way the tokens are the target's own (generate's text)."""
+    svc = make_service()
+
+    async def main() -> None:
+        ref = await generated(svc, prompt, GREEDY, 0, 8)
+        idle = await open_(svc, prompt, GREEDY)
+        tokens, done = await streamed(svc, idle, prompt, 6)
+        assert done.metrics["stop_reason"] == "length" and [t.token_id for t in tokens] == ref[:6]
+        assert all(t.node_budget >= 1 for t in tokens)
+        svc.budget.jobs_per_forward = 4.0  # as if every forward carried four sessions' work
+        loaded = await open_(svc, prompt, GREEDY)
+        tokens, done = await streamed(svc, loaded, prompt, 6)
+        assert done.metrics["stop_reason"] == "speculate" and [t.token_id for t in tokens] == ref[:1]
+        svc.settings.node_budget = False  # budgets off: the edge alone decides
+        tokens, done = await streamed(svc, loaded, prompt + ref[:1], 5)
+        assert done.metrics["stop_reason"] == "length" and [t.token_id for t in tokens] == ref[1:6]
 
     asyncio.run(main())

@@ -222,3 +222,14 @@ def test_a_refused_stream_ends_streaming_and_the_generation_goes_on(make_client:
     assert got.token_ids == want and got.metrics.stream_calls == 1 and got.metrics.streamed == 0
     assert ways.stream_broken and fake_cloud.stream_sizes == [16]
 
+
+
+def test_a_stream_the_cloud_ended_for_rounds_speculates_for_a_while_then_weighs_again() -> None:
+    """The cloud under load ended a stream with stop_reason "speculate": the session speculates for
+    declined_rounds rounds even though streaming still looks cheaper, then streams again if it still is."""
+    w = WayControl(declined_rounds=5)
+    assert run_rounds(w, 3, tokens=2, wall_ms=180.0, cloud_ms=110.0, one_step_ms=66.0)[2] == 16
+    w.declined()
+    assert not w.streaming and w.switches == 2
+    seen = run_rounds(w, 6, tokens=2, wall_ms=180.0, cloud_ms=110.0, one_step_ms=66.0)
+    assert seen[:5] == [0] * 5 and seen[5] > 0
