@@ -46,10 +46,26 @@ def run_convert(source: Path, out: Path, force: bool, command: str) -> Path:
     return convert.convert_gguf(source, out, command=command)
 
 
+class _Stderr(logging.Handler):
+    """Lines to whatever sys.stderr is when they are written (a caller may have replaced it since)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        print(self.format(record), file=sys.stderr, flush=True)
+
+
+def show_progress() -> None:
+    """modelprep's progress lines on stderr, once, without touching the root logger's setup."""
+    pkg = logging.getLogger("modelprep")
+    if not any(isinstance(h, _Stderr) for h in pkg.handlers):
+        pkg.addHandler(_Stderr())
+        pkg.setLevel(logging.INFO)
+        pkg.propagate = False
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     command = shlex.join(["specsplit-models", *(sys.argv[1:] if argv is None else argv)])
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr, force=True)
+    show_progress()
     try:
         if args.command == "convert":
             outs = [run_convert(args.source, args.out, args.force, command)]

@@ -77,8 +77,9 @@ def test_without_the_checked_last_draft_the_round_structure_shows(
     """The control: with a bonus drawn after fully accepted blocks, k = 1 and k = 6 give other texts for
     at least one of three seeds (the bonus position is drawn from p alone under one grouping and drafted
     and checked under the other)."""
-    differs = [run(tiny_cloud_server, tokenizer, tiny_pair[1], seed, fixed_k=1, check_last=False, draft_ahead=False)
-               != run(tiny_cloud_server, tokenizer, tiny_pair[1], seed, fixed_k=6, check_last=False, draft_ahead=False)
+    fixed = {"check_last": False, "draft_ahead": False, "node_budget": False}  # k as named in every round
+    differs = [run(tiny_cloud_server, tokenizer, tiny_pair[1], seed, fixed_k=1, **fixed)
+               != run(tiny_cloud_server, tokenizer, tiny_pair[1], seed, fixed_k=6, **fixed)
                for seed in (3, 11, 19)]
     assert any(differs)
 
@@ -113,7 +114,8 @@ def test_trees_grown_while_the_cloud_verifies_keep_the_text(tiny_cloud_server: C
 
     def generate(ahead: bool) -> Any:
         s = EdgeSettings(max_new_tokens=N_NEW, stop_at_eos=False, head="none", draft=str(d), timeout_ms=60_000,
-                         cloud_url=c.http_url, tree="8", temperature=0.0, stream_switch=False, draft_ahead=ahead)
+                         cloud_url=c.http_url, tree="8", temperature=0.0, stream_switch=False, draft_ahead=ahead,
+                         node_budget=False)  # the cloud's budget follows the slowed answers' timing
         slow = SlowVerify(EdgeClient(s, tokenizer=tokenizer).transport)  # the worker finishes each tree
         return EdgeClient(s, tokenizer=tokenizer, drafter=ModelDrafter(d), transport=slow).generate(PROMPT)
 
