@@ -30,7 +30,8 @@ CONFIGS: dict[str, Any] = {
     "mistral": lambda: tf.MistralConfig(**_ATTN, num_key_value_heads=2, sliding_window=WINDOW),
     "gemma2": lambda: tf.Gemma2Config(**_ATTN, num_key_value_heads=2, head_dim=16, sliding_window=WINDOW),
     "gemma3": lambda: tf.Gemma3TextConfig(**{**_ATTN, "num_hidden_layers": 3}, num_key_value_heads=2,
-                                          head_dim=16, sliding_window=WINDOW, sliding_window_pattern=2),
+                                          head_dim=16, sliding_window=WINDOW,
+                                          sliding_window_pattern=2),  # type: ignore[call-arg]
     "phi3": lambda: tf.Phi3Config(**_ATTN, num_key_value_heads=2, pad_token_id=0),
     "gpt_neox": lambda: tf.GPTNeoXConfig(**_ATTN),
     "jamba": lambda: tf.JambaConfig(**_ATTN, num_key_value_heads=2, attn_layer_period=2, attn_layer_offset=1,
@@ -86,7 +87,7 @@ def build_feature_head(target_dir: Path, out_dir: Path, n_out: int | None = None
         head.out.copy_(table[:n])
         head.embed.weight.normal_()
         for b in head.blocks:
-            b.down.weight.normal_(std=0.02)
+            b.down.weight.normal_(std=0.02)  # type: ignore[union-attr, operator]
     head.save(out_dir)
     return out_dir
 
@@ -97,7 +98,7 @@ def build_compact_draft(model_dir: Path, out_dir: Path, out_ids: torch.Tensor, r
     from edge.drafters.compact import save_compact
 
     model = tf.AutoModelForCausalLM.from_pretrained(model_dir)
-    embed = model.get_input_embeddings().weight.detach().float()  # [V, d]
+    embed = model.get_input_embeddings().weight.detach().float()  # type: ignore[operator]  # [V, d]
     u, s, vt = torch.linalg.svd(embed, full_matrices=False)
     r = rank or embed.shape[1]
     rows = model.get_output_embeddings().weight.detach().float()[out_ids]  # [n, d]
