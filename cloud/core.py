@@ -193,14 +193,15 @@ class ServiceCore:
         return {**self.budget.cost.describe(), "tokens_per_second": round(self.budget.rate, 3),
                 "node_value": round(self.budget.node_value, 4)}
 
-    def node_budget(self, s: Session, accepted: int, depth: int, committed: int) -> int:
+    def node_budget(self, s: Session, accepted: int, depth: int, committed: int, values: list[float]) -> int:
         """A verified round's committed tokens counted, the session's acceptance updated, and its next budget
-        (0 with --node-budget false)."""
+        (0 with --node-budget false); `values`: each sent node's q multiplied along its path."""
         self.budget.committed(committed)
         s.acceptance.observe(accepted, depth)
+        s.acceptance.observe_values(accepted, values)
         if not self.settings.node_budget:
             return 0
-        n = self.budget.budget(s.acceptance.alpha)
+        n = self.budget.budget(s.acceptance.alpha, values, s.acceptance.calibration)
         self.metrics.node_budget.observe(n)
         return n
 

@@ -102,12 +102,23 @@ class Acceptance:
 
     A round accepts la nodes along a path of at most `depth`; it tried la + 1 positions when it stopped short
     (the last one rejected) and la when everything to its depth was kept. Weighted by round, with a prior of
-    `prior_tries` positions at `prior_alpha` so the first rounds do not swing the budget to either end."""
+    `prior_tries` positions at `prior_alpha` so the first rounds do not swing the budget to either end. Also the
+    calibration of the draft's q: accepted nodes over the sum of the sent nodes' values (each node's q multiplied
+    along its path), as the edge keeps it (edge/treecontrol.py)."""
     prior_alpha: float = 0.8
     prior_tries: float = 5.0
     weight: float = 0.1
+    # accepted nodes over the sent nodes' values (running; 1 = a calibrated draft)
+    calibration: float = 1.0
     _kept: float = 0.0
     _tried: float = 0.0
+
+    def observe_values(self, accepted: int, values: list[float]) -> None:
+        """A round's accepted nodes against the sum of its nodes' values (what a calibrated draft would accept)."""
+        predicted = sum(values)
+        if predicted > 0:
+            ratio = min(accepted / predicted, 4.0)
+            self.calibration = (1 - self.weight) * self.calibration + self.weight * ratio
 
     def observe(self, accepted: int, depth: int) -> None:
         if depth <= 0:
@@ -163,12 +174,18 @@ class NodeBudget:
         """b * F: the tokens a row's time buys at the present rate; a node must add at least this."""
         return self.cost.row_s * self.rate
 
-    def budget(self, alpha: float) -> int:
-        """The most nodes worth their rows for a session whose chain acceptance is `alpha`."""
+    def budget(self, alpha: float, values: list[float] | None = None, calibration: float = 1.0) -> int:
+        """The most nodes worth their rows. With the last round's node values (each node's q multiplied along
+        its path, scaled by the session's `calibration`): as many as were worth their row, and half as many
+        again when all were (room to grow). Without (a k = 0 round): the chain reading of `alpha`."""
         threshold = self.node_value
         if threshold <= 0 or self.cost.forwards < 8:  # nothing measured yet: the edge's own choice stands
             return self.max_nodes
-        if threshold >= 1 or alpha <= 0:
-            return 1
-        n = math.floor(math.log(threshold) / math.log(alpha)) if alpha < 1 else self.max_nodes
+        if values:
+            worth = sum(calibration * v >= threshold for v in values)
+            n = len(values) + max(1, len(values) // 2) if worth == len(values) else worth
+        elif threshold >= 1 or alpha <= 0:
+            n = 1
+        else:
+            n = math.floor(math.log(threshold) / math.log(alpha)) if alpha < 1 else self.max_nodes
         return max(1, min(n, self.max_nodes))

@@ -69,3 +69,21 @@ def test_an_idle_cloud_gives_large_budgets_and_a_loaded_one_short_chains() -> No
 
 def test_before_any_forward_the_edges_own_choice_stands() -> None:
     assert NodeBudget(max_nodes=32).budget(0.5) == 32
+
+
+def test_the_budget_counts_the_last_rounds_nodes_worth_their_row() -> None:
+    """A loaded cloud (a node must add ~0.7 tokens): of a tree whose nodes' path values are 0.99, 0.97, 0.95, 0.3,
+    0.05 (a confident main path, weak siblings), three are worth their row; a round whose every node was worth it
+    may grow by half; a draft calibrated at half its values keeps fewer."""
+    loaded = _budget(80, 70, 0.99)
+    assert 0.6 < loaded.node_value < 0.9
+    assert loaded.budget(0.9, [0.99, 0.97, 0.95, 0.3, 0.05]) == 3
+    assert loaded.budget(0.9, [0.99, 0.98, 0.97, 0.96]) == 6
+    assert loaded.budget(0.9, [0.99, 0.97, 0.95, 0.3, 0.05], calibration=0.5) == 1
+
+
+def test_calibration_reads_accepted_nodes_against_their_values() -> None:
+    acc = Acceptance()
+    for _ in range(100):
+        acc.observe_values(2, [1.0, 0.9, 0.8, 0.7])  # 3.4 predicted, 2 kept
+    assert acc.calibration == pytest.approx(2 / 3.4, rel=1e-3)
