@@ -333,7 +333,8 @@ def test_a_loaded_cloud_ends_a_stream_for_speculative_rounds_and_an_idle_one_doe
         tokens, done = await streamed(svc, idle, prompt, 6)
         assert done.metrics["stop_reason"] == "length" and [t.token_id for t in tokens] == ref[:6]
         assert all(t.node_budget >= 1 for t in tokens)
-        svc.budget.jobs_per_forward = 4.0  # as if every forward carried four sessions' work
+        svc.budget.jobs_per_forward = 4.0  # as if every forward carried four sessions' work,
+        svc.budget._tokens = svc.budget._seconds = 1.0  # at a rate where a row buys little (fixed, not timed)
         loaded = await open_(svc, prompt, GREEDY)
         tokens, done = await streamed(svc, loaded, prompt, 6)
         assert done.metrics["stop_reason"] == "speculate" and [t.token_id for t in tokens] == ref[:1]
