@@ -102,7 +102,6 @@ def _main_tensor_parallel(settings: CloudSettings) -> int:
     import os
 
     import torch
-    import torch.distributed as dist
 
     from cloud.app import serve
     from cloud.logs import setup_logging
@@ -134,7 +133,7 @@ def _main_tensor_parallel(settings: CloudSettings) -> int:
         if settings.torch_threads:
             torch.set_num_threads(settings.torch_threads)
         code = serve_worker(model, group)
-        dist.destroy_process_group()
+        group.close()
         return code
     try:
         service = VerifierService(settings, model)
@@ -144,7 +143,7 @@ def _main_tensor_parallel(settings: CloudSettings) -> int:
         return 2 if isinstance(e, PortInUse) else 1
     finally:
         group.stop()
-    dist.destroy_process_group()
+    group.close()
     return 0
 
 

@@ -234,9 +234,11 @@ class TensorGroup:
         self._watch = [r for r in range(1, self.size)] if self.rank == 0 else [0]
         self._seen: dict[int, tuple[int, float]] = {r: (-1, time.monotonic()) for r in self._watch}
         self._stop = threading.Event()
-        threading.Thread(target=self._beat, name="tp-heartbeat", daemon=True).start()
+        self._threads = [threading.Thread(target=self._beat, name="tp-heartbeat", daemon=True)]
         if self.rank == 0:
-            threading.Thread(target=self._keep_alive, name="tp-idle", daemon=True).start()
+            self._threads.append(threading.Thread(target=self._keep_alive, name="tp-idle", daemon=True))
+        for t in self._threads:
+            t.start()
         log.info("tensor-parallel rank %d of %d (%s)", self.rank, self.size, backend)
 
     # --- ops --------------------------------------------------------------------------------
@@ -256,6 +258,14 @@ class TensorGroup:
         if self._lost is None:
             with self.lock:
                 self.send(Op("stop"))
+
+    def close(self) -> None:
+        """Every rank at exit: its heartbeat threads end before the process group does (a thread left
+        inside a store call while the interpreter exits aborts the process)."""
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=IDLE_S)
+        dist.destroy_process_group()
 
     # --- health -----------------------------------------------------------------------------
     def lost(self) -> str | None:

@@ -100,7 +100,7 @@ def main(model_dir: Path, out: Path, cases: list[str]) -> int:
     dist.barrier()
     if group.rank == 0:
         out.write_text(json.dumps(result))
-    dist.destroy_process_group()
+    group.close()
     return 0
 
 
