@@ -206,6 +206,8 @@ async def one_case(cloud: CloudServer, tables: list[Table], policy: str, session
         c0, t0 = cpu_seconds(cloud.pid), time.perf_counter()
         runs = await asyncio.gather(*(session(s) for s in range(sessions)))
         wall, cpu = time.perf_counter() - t0, cpu_seconds(cloud.pid) - c0
+        # the cloud's fit and rate at the end of the case (what its budgets were read from)
+        fit = (await http.get("/v1/model")).json().get("forward_cost")
     finally:
         await http.aclose()
         await channel.close()
@@ -216,10 +218,11 @@ async def one_case(cloud: CloudServer, tables: list[Table], policy: str, session
            "p50_ms": 1000 * statistics.median(lat) if lat else 0.0,
            "p99_ms": 1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))] if lat else 0.0,
            "rows_per_token": sum(r.rows for r in runs) / max(tokens, 1),
-           "equal": sum(r.equal for r in runs), "errors": sum(r.error is not None for r in runs)}
+           "equal": sum(r.equal for r in runs), "errors": sum(r.error is not None for r in runs),
+           "forward_cost": fit}
     print(f"capacity-curve: {sessions:3d} sessions {policy:10s} {row['tokens_per_cpu_s']:.3f} tokens/CPU-s, p50 "
           f"{row['p50_ms']:.0f} ms/token, rows/token {row['rows_per_token']:.2f}, texts equal "
-          f"{row['equal']}/{sessions}, errors {row['errors']} ({wall:.0f} s)", flush=True)
+          f"{row['equal']}/{sessions}, errors {row['errors']} ({wall:.0f} s); cloud's fit {fit}", flush=True)
     return row
 
 

@@ -83,6 +83,9 @@ class ServiceCore:
                                 torch_threads=settings.torch_threads,
                                 forward=lambda rows: self.model.forward(rows),
                                 on_batch=self._batched,
+                                # a GPU's forward is not the host's CPU time: there the cost is wall time
+                                cost_clock=time.monotonic if str(getattr(model, "device", "cpu")).startswith("cuda")
+                                else time.process_time,
                                 blocks_needed=lambda row: self.model.pool.blocks_needed(row),
                                 blocks_available=lambda: self.model.pool.manager.available(),
                                 tree_seqs=lambda row: getattr(self.model.pool, "tree_seqs", lambda _: 0)(row),
@@ -218,7 +221,8 @@ class ServiceCore:
         self.metrics.batch_tokens.observe(b.tokens)
         self.metrics.padded_tokens.inc(b.padded_tokens)
         self.metrics.forward_ms.observe(b.ms)
-        self.budget.forward(b.running_tokens, b.tokens - b.running_tokens, b.ms / 1000.0, b.rows)
+        cost = b.cpu_s if b.cpu_s is not None else b.ms / 1000.0
+        self.budget.forward(b.running_tokens, b.tokens - b.running_tokens, cost, b.rows)
         if self.budget.cost.forwards % 500 == 0:
             log.info("forward cost", extra={"fields": {"event": "forward_cost", **self.forward_cost()}})
         for kind, waited in b.waits:

@@ -87,3 +87,7 @@ class BatchStats:
     waits: list[tuple[str, float]] = field(default_factory=list)
     # tokens of verify rows and decode steps (the rest are prompt prefills and resync chunks)
     running_tokens: int = 0
+    # what the forward's work cost, s: the process's CPU seconds (every thread; wall seconds on a GPU) from the
+    # previous forward's end (or the wake-up from idle) to this one's: the forward, the processing and
+    # verification of its rows, the requests and answers served between (None: the forward's wall time)
+    cpu_s: float | None = None

@@ -103,8 +103,14 @@ class Scheduler:
     # futures to settle, by event loop, handed over once per forward (`_flush`; shutdown adds from its thread)
     _settles: dict[asyncio.AbstractEventLoop, list[Callable[[], None]]] = field(default_factory=dict)
     _settles_lock: threading.Lock = field(default_factory=threading.Lock)
+    # what a forward's work costs, read at its end (BatchStats.cpu_s): the process's CPU time where the CPU runs
+    # the model; a GPU's cloud passes wall time
+    cost_clock: Callable[[], float] = time.process_time
+    # model thread only: `cost_clock` at the end of the last forward's work (or when work arrived after idling)
+    _cpu_mark: float = 0.0
 
     def __post_init__(self) -> None:
+        self._cpu_mark = self.cost_clock()
         self._thread = threading.Thread(target=self._loop, name="model", daemon=True)
         self._thread.start()
 
@@ -185,8 +191,11 @@ class Scheduler:
             torch.set_num_threads(self.torch_threads)
         while True:
             with self._cv:
+                idle = not self._queue and not self._between
                 while not self._queue and not self._between and not self._stop:
                     self._cv.wait()
+                if idle:  # what the process spent idle is no forward's cost
+                    self._cpu_mark = self.cost_clock()
                 if self._stop:
                     return
                 between, self._between = self._between, []
@@ -346,10 +355,6 @@ class Scheduler:
             return
         ms = (self.clock() - now) * 1000.0
         self._last_forward_s = time.monotonic() - wall
-        real = sum(len(r.ids) for _, r in batch)
-        padded = len(batch) * max(len(r.ids) for _, r in batch)
-        self.on_batch(BatchStats(rows=len(batch), tokens=real, ms=ms, padded_tokens=padded, waits=waits,
-                                 running_tokens=running))
         self._process(batch, logits)
         for (job, _), out in zip(batch, logits, strict=True):
             try:
@@ -364,6 +369,14 @@ class Scheduler:
                 self._answered[job.key] = time.monotonic()
                 self._active[job.key] = self.clock()
             self._resolve(job, value=result)
+        # observed before the answers are handed over (`_flush`): a caller reading /metrics after its answer
+        # sees this forward
+        cpu = self.cost_clock()
+        cycle, self._cpu_mark = cpu - self._cpu_mark, cpu
+        real = sum(len(r.ids) for _, r in batch)
+        padded = len(batch) * max(len(r.ids) for _, r in batch)
+        self.on_batch(BatchStats(rows=len(batch), tokens=real, ms=ms, padded_tokens=padded, waits=waits,
+                                 running_tokens=running, cpu_s=cycle))
 
     def _any_active(self) -> bool:
         """Whether a key was answered within the last `active_s` (older entries are dropped)."""

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
+import torch
 
 from cloud.node_budget import Acceptance, ForwardCost, NodeBudget
 
@@ -87,3 +89,41 @@ def test_calibration_reads_accepted_nodes_against_their_values() -> None:
     for _ in range(100):
         acc.observe_values(2, [1.0, 0.9, 0.8, 0.7])  # 3.4 predicted, 2 kept
     assert acc.calibration == pytest.approx(2 / 3.4, rel=1e-3)
+
+
+def test_a_forwards_cost_counts_the_work_on_its_rows_outside_the_forward() -> None:
+    """The cost the budget fits is the forward's whole work: a job whose answer costs 60 ms of CPU after a
+    forward of a few ms gives BatchStats.cpu_s of at least 60 ms (process CPU time), while `ms` stays the
+    forward's own time; the cost clock starts again after an idle wait, so 60 ms of CPU spent while the model
+    thread waited for work are not the next forward's cost."""
+    import asyncio
+    import time
+
+    from cloud.jobs import Job
+    from cloud.scheduler import Scheduler
+    from shared.kvpool import Row
+
+    stats: list[Any] = []
+
+    def burn(_: Any, __: float) -> float:
+        end = time.process_time() + 0.06
+        while time.process_time() < end:
+            pass
+        return 0.0
+
+    sched = Scheduler(time.monotonic, forward=lambda rows: [torch.zeros(len(r.ids), 4) for r in rows],
+                      on_batch=stats.append, batch_wait_ms=0)
+
+    async def main() -> None:
+        await sched.submit(Job(plan=lambda _: Row(0, 0, [1, 2], 1), finish=burn))
+        await asyncio.sleep(0.05)  # the model thread is waiting for work now
+        burn(None, 0.0)  # the process works while the cloud idles: no forward's cost
+        await sched.submit(Job(plan=lambda _: Row(0, 2, [3], 1), finish=lambda _, __: 0.0))
+
+    try:
+        asyncio.run(main())
+    finally:
+        sched.shutdown()
+    assert len(stats) == 2
+    assert stats[0].cpu_s >= 0.06 > stats[0].ms / 1000
+    assert stats[1].cpu_s < 0.05
