@@ -234,6 +234,8 @@ class ClusterConfig:
     model_dir: Path = DEMO_TARGET
     # more specsplit-cloud flags for every replica (e.g. ("--shutdown-grace-s", "5"))
     replica_args: tuple[str, ...] = ()
+    # flags of one replica each, after replica_args (a shorter tuple: the rest have none)
+    each_replica_args: tuple[tuple[str, ...], ...] = ()
     # torch threads per replica
     torch_threads: int = 1
     # balancer ports on 127.0.0.1; 0 picks free ones
@@ -252,7 +254,9 @@ class Cluster:
         self.config = config
         self.runtime_dir = Path(tempfile.mkdtemp(prefix="specsplit-cluster-"))
         self.runtime_dir.chmod(0o755)  # nginx workers may run as another user than the master
-        self.replicas = [Replica(config.model_dir, i + 1, self.runtime_dir, config.replica_args, config.torch_threads,
+        own = config.each_replica_args
+        self.replicas = [Replica(config.model_dir, i + 1, self.runtime_dir,
+                                 config.replica_args + (own[i] if i < len(own) else ()), config.torch_threads,
                                  config.ranks[i] if i < len(config.ranks) else 1) for i in range(config.replicas)]
         self.nginx = Nginx(self.runtime_dir, [r.addresses[0] for r in self.replicas],
                            [r.addresses[1] for r in self.replicas], config.http_port, config.grpc_port,

@@ -30,6 +30,7 @@ from cloud.kv_room import KvRoom
 from cloud.metrics import CloudMetrics
 from cloud.model import ModelInfo, TargetModel
 from cloud.node_budget import NodeBudget
+from cloud.numerics import matrix_units, numerics, weights_fingerprint
 from cloud.opens import OpenJoiner
 from cloud.scheduler import Scheduler
 from cloud.session import Session
@@ -94,6 +95,9 @@ class ServiceCore:
         # batch invariance measured on the model thread at its thread count, up to the largest forward, before
         # /v1/model and /metrics report it (cloud/model.py `calibrate`)
         self.info.batch_invariant = self.worker.call_sync(lambda: model.calibrate(settings.max_batch_tokens))
+        weights = getattr(model, "weights_path", None)
+        self.info.numerics = numerics(self.info, weights_fingerprint(weights) if weights is not None else "unknown",
+                                      matrix_units(str(getattr(model, "device", "cpu"))))
         self.metrics.model_dtype.labels(self.info.dtype, self.info.dtype_reason,
                                         str(self.info.batch_invariant).lower()).set(1)
         self.opens = OpenJoiner(OPEN_JOIN_S, max_per_owner=settings.sessions_per_key_limit()
@@ -156,7 +160,7 @@ class ServiceCore:
     def session_info(self, s: Session, counters: bool = False) -> SessionInfo:
         ctx = s.context
         return SessionInfo(ctx_id=s.ctx_id, ctx_len=len(ctx), ctx_hash=ctx.hash_at(len(ctx)),
-                           vocab_size=self.model.support,
+                           vocab_size=self.model.support, numerics=self.info.numerics,
                            counters=s.describe(self.clock()) if counters else {})
 
     # --- KV and the model thread --------------------------------------------------------------
@@ -196,15 +200,17 @@ class ServiceCore:
         return {**self.budget.cost.describe(), "tokens_per_second": round(self.budget.rate, 3),
                 "node_value": round(self.budget.node_value, 4)}
 
-    def node_budget(self, s: Session, accepted: int, depth: int, committed: int, values: list[float]) -> int:
+    def node_budget(self, s: Session, accepted: int, depth: int, committed: int, values: list[float],
+                    kept: list[bool]) -> int:
         """A verified round's committed tokens counted, the session's acceptance updated, and its next budget
-        (0 with --node-budget false); `values`: each sent node's q multiplied along its path."""
+        (0 with --node-budget false); `values`: each sent node's q multiplied along its path, `kept`: whether the
+        target accepted it."""
         self.budget.committed(committed)
         s.acceptance.observe(accepted, depth)
-        s.acceptance.observe_values(accepted, values)
+        s.acceptance.observe_nodes(values, kept)
         if not self.settings.node_budget:
             return 0
-        n = self.budget.budget(s.acceptance.alpha, values, s.acceptance.calibration)
+        n = self.budget.budget(s.acceptance.alpha, [s.acceptance.expected(v) for v in values])
         self.metrics.node_budget.observe(n)
         return n
 

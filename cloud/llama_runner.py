@@ -241,7 +241,7 @@ class LlamaTarget:
         if path is None:
             raise UnsupportedModel(f"no GGUF file at {model}: --runner llamacpp needs a .gguf file or a directory "
                                    "with model.gguf")
-        self.path = path
+        self.path = self.weights_path = path
         self.threads = threads or max(1, torch.get_num_threads())
         self.max_batch_tokens = max_batch_tokens
         # --batch-invariant: weights not repacked, micro-batches of the size whose kernels give every token its

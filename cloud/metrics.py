@@ -188,10 +188,11 @@ class CloudMetrics:
             node_budget=Histogram(p + "node_budget", "The node budget given with each verify answer: the most draft "
                                   "nodes the next round should send.", buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48,
                                                                                 64, 128, 256, float("inf")), registry=r),
-            forward_cost=Gauge(p + "forward_cost_seconds", "The forward cost fitted online, by term: base, row (each "
-                               "verify or decode token), prefill_token.", ["term"], registry=r),
+            forward_cost=Gauge(p + "forward_cost_seconds", "The forward cost fitted online (the process's CPU seconds "
+                               "per forward, its rows' processing and the requests served with it included; wall "
+                               "seconds on a GPU), by term: base, row (each verify or decode token), prefill_token.", ["term"], registry=r),
             tokens_per_forward_second=Gauge(p + "tokens_per_forward_second", "Committed tokens per second of "
-                                            "forwards, recently.", registry=r),
+                                            "forward cost, recently.", registry=r),
             node_value=Gauge(p + "node_value", "Row cost x the recent rate: the fewest expected tokens a further "
                              "draft node must add to be given a row.", registry=r),
         )

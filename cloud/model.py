@@ -73,6 +73,8 @@ class TargetModel:
             check_splits(AutoConfig.from_pretrained(model_dir), group.size)
             device = group.device
         self.device = torch.device(device)
+        # what ModelInfo.numerics fingerprints as the weights (cloud/numerics.py)
+        self.weights_path = Path(model_dir)
         dtype, self.dtype_reason = resolve_dtype(dtype, str(device))
         torch_dtype = DTYPES[dtype]
         tokenizer = load_tokenizer(model_dir)

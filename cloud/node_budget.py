@@ -5,25 +5,30 @@ A forward costs about
     t = a + b * rows + c * prefill_tokens        (seconds)
 
 where rows are the tokens of verify rounds and decode steps (a round of n drafts is n + 1 rows) and prefill
-tokens are those of prompts and resync chunks. `ForwardCost` fits a, b and c by exponentially weighted least
-squares over the forwards the model thread runs (a small ridge keeps the fit defined while the counts do not
-vary); nothing about this machine is built in.
+tokens are those of prompts and resync chunks. t is the forward's whole work as the scheduler measures it
+(BatchStats.cpu_s): the process's CPU seconds from the end of one forward's work to the end of the next one's,
+so the processing of p over the vocabulary, the verify rule and the requests served between count with the
+forward (on a GPU, wall seconds). `ForwardCost` fits a, b and c by exponentially weighted least squares over the
+forwards the model thread runs (a small ridge keeps the fit defined while the counts do not vary); nothing about
+this machine is built in.
 
 The budget (Leviathan et al. 2023 section 3.4 sizes k for one sequence's latency; here the cloud sizes it for
-its own throughput, as SmartSpec / TurboSpec do per batch). The cloud's committed tokens per second of forwards
-are F = sum_i tau_i(n_i) / (a + b * sum_i (n_i + 1)), with tau_i(n) the tokens a round of n nodes commits for
+its own throughput, as SmartSpec / TurboSpec do per batch). The cloud's committed tokens per second are
+F = sum_i tau_i(n_i) / (a + b * sum_i (n_i + 1)), with tau_i(n) the tokens a round of n nodes commits for
 session i. F is highest where every session's next node adds tau_i'(n) = b * F tokens: a node is worth its row
-while the tokens it is expected to add exceed what the row's time would buy at the cloud's present rate. With a
-session's acceptance read as a chain's (each further node accepted with probability alpha given its parent was;
-`Acceptance`), the n-th node adds alpha^n, so the budget is the largest n with alpha^n >= b * F:
+while the tokens it is expected to add exceed what the row's cost would buy at the cloud's present rate
+(`node_value`). A node's expected tokens are read from its value (its q multiplied along its path) through
+the session's own record of how often nodes of that value were accepted (`Acceptance.expected`); the budget is
+the number of the last round's nodes worth their row, half as many again when all were (room to grow). After a round
+without drafts, the session's acceptance read as a chain's: the n-th node adds alpha^n, so the largest n with
+alpha^n >= b * F.
 
 - idle (one session), a dominates: b * F is small and the budget large (up to `max_tree_nodes`);
-- loaded, b * sum(rows) dominates: b * F nears tau / (n + 1) and the budget shrinks to a short chain.
+- loaded, b * sum(rows) dominates: b * F nears tau / (n + 1) and the budget shrinks to the path most likely kept.
 
-F is measured, not modelled: tokens committed over forward seconds, both exponentially weighted by forward.
-A tree of n nodes accepts at least as much as a chain of n (its n best nodes include the chain's), so the chain
-reading is the cautious one. The budget never changes the text: any number of nodes is verified exactly
-(shared/verify.py, shared/tree.py); an edge that ignores it is served as before.
+F is measured, not modelled: tokens committed over the forwards' cost, both exponentially weighted by forward.
+The budget never changes the text: any number of nodes is verified exactly (shared/verify.py, shared/tree.py);
+an edge that ignores it is served as before.
 """
 
 from __future__ import annotations
@@ -96,29 +101,53 @@ class ForwardCost:
                 "prefill_token_ms": round(self.prefill_token_s * 1000, 4), "forwards": self.forwards}
 
 
+# a node's path value is binned by powers of two: (1/2, 1], (1/4, 1/2], ...; the last bin holds everything below
+VALUE_BINS = 10
+
+
+def value_bin(v: float) -> int:
+    return VALUE_BINS - 1 if v <= 0 else min(int(-math.log2(min(v, 1.0))), VALUE_BINS - 1)
+
+
 @dataclass
 class Acceptance:
-    """A session's acceptance read as a chain's: alpha = accepted positions / positions tried.
+    """A session's acceptance: as a chain's (alpha = accepted positions / positions tried) and by node value.
 
-    A round accepts la nodes along a path of at most `depth`; it tried la + 1 positions when it stopped short
-    (the last one rejected) and la when everything to its depth was kept. Weighted by round, with a prior of
-    `prior_tries` positions at `prior_alpha` so the first rounds do not swing the budget to either end. Also the
-    calibration of the draft's q: accepted nodes over the sum of the sent nodes' values (each node's q multiplied
-    along its path), as the edge keeps it (edge/treecontrol.py)."""
+    Chains: a round accepts la nodes along a path of at most `depth`; it tried la + 1 positions when it stopped
+    short (the last one rejected) and la when everything to its depth was kept. Weighted by round, with a prior
+    of `prior_tries` positions at `prior_alpha` so the first rounds do not swing the budget to either end.
+
+    Nodes: the draft's value of a node (its q multiplied along its path) is what a calibrated draft expects it
+    to add. Drafts are not calibrated, and not uniformly so (a confident draft's deep path is kept far more
+    often than its q product says, its siblings less), so the session keeps, per bin of value (powers of two),
+    the share of the nodes sent that were accepted; `expected(v)` is that share, with a prior of `prior_nodes`
+    nodes accepted at v itself (a new session reads its draft as calibrated)."""
     prior_alpha: float = 0.8
     prior_tries: float = 5.0
+    prior_nodes: float = 2.0
     weight: float = 0.1
-    # accepted nodes over the sent nodes' values (running; 1 = a calibrated draft)
-    calibration: float = 1.0
     _kept: float = 0.0
     _tried: float = 0.0
+    _bin_kept: list[float] = field(default_factory=lambda: [0.0] * VALUE_BINS)
+    _bin_sent: list[float] = field(default_factory=lambda: [0.0] * VALUE_BINS)
 
-    def observe_values(self, accepted: int, values: list[float]) -> None:
-        """A round's accepted nodes against the sum of its nodes' values (what a calibrated draft would accept)."""
-        predicted = sum(values)
-        if predicted > 0:
-            ratio = min(accepted / predicted, 4.0)
-            self.calibration = (1 - self.weight) * self.calibration + self.weight * ratio
+    def observe_nodes(self, values: list[float], accepted: list[bool]) -> None:
+        """A round's nodes (their path values) and which of them the target accepted."""
+        if not values:
+            return
+        kept, sent = [0.0] * VALUE_BINS, [0.0] * VALUE_BINS
+        for v, ok in zip(values, accepted, strict=True):
+            b = value_bin(v)
+            sent[b] += 1
+            kept[b] += ok
+        for b in range(VALUE_BINS):  # bins decay by round, as alpha does
+            self._bin_kept[b] = (1 - self.weight) * self._bin_kept[b] + kept[b]
+            self._bin_sent[b] = (1 - self.weight) * self._bin_sent[b] + sent[b]
+
+    def expected(self, v: float) -> float:
+        """Tokens a node of path value `v` is expected to add: its bin's accepted share (prior: v)."""
+        b = value_bin(v)
+        return (self._bin_kept[b] + self.prior_nodes * v) / (self._bin_sent[b] + self.prior_nodes)
 
     def observe(self, accepted: int, depth: int) -> None:
         if depth <= 0:
@@ -174,16 +203,16 @@ class NodeBudget:
         """b * F: the tokens a row's time buys at the present rate; a node must add at least this."""
         return self.cost.row_s * self.rate
 
-    def budget(self, alpha: float, values: list[float] | None = None, calibration: float = 1.0) -> int:
-        """The most nodes worth their rows. With the last round's node values (each node's q multiplied along
-        its path, scaled by the session's `calibration`): as many as were worth their row, and half as many
-        again when all were (room to grow). Without (a k = 0 round): the chain reading of `alpha`."""
+    def budget(self, alpha: float, expected: list[float] | None = None) -> int:
+        """The most nodes worth their rows. With the last round's nodes (`expected`: the tokens each is expected
+        to add, `Acceptance.expected`): as many as were worth their row, and half as many again when all were
+        (room to grow). Without (a k = 0 round): the chain reading of `alpha`."""
         threshold = self.node_value
         if threshold <= 0 or self.cost.forwards < 8:  # nothing measured yet: the edge's own choice stands
             return self.max_nodes
-        if values:
-            worth = sum(calibration * v >= threshold for v in values)
-            n = len(values) + max(1, len(values) // 2) if worth == len(values) else worth
+        if expected:
+            worth = sum(e >= threshold for e in expected)
+            n = len(expected) + max(1, len(expected) // 2) if worth == len(expected) else worth
         elif threshold >= 1 or alpha <= 0:
             n = 1
         else:

@@ -64,8 +64,10 @@ async def verify(core: ServiceCore, req: VerifyRequest, owner: str, declared_k: 
         core.metrics.record_round(res.outcome, k, resp.metrics.prefill_ms, queue_ms)
         parents = req.draft.tree_parents if req.draft.tree_parents is not None else list(range(-1, k - 1))
         depth = max(depths(parents), default=0)
+        kept = set(resp.accepted_nodes if resp.accepted_nodes is not None else range(resp.accepted_len))
         resp.node_budget = core.node_budget(s, resp.accepted_len, depth, resp.accepted_len
-                                            + int(resp.next_kind != "none"), path_values(parents, req.draft.q_token_probs))
+                                            + int(resp.next_kind != "none"), path_values(parents, req.draft.q_token_probs),
+                                            [j in kept for j in range(k)])
         entry = s.replies.get(req.request_id) if req.request_id else None
         if entry is not None:  # a retry is answered with the budget first given (the same answer)
             entry.response.node_budget = resp.node_budget

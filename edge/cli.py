@@ -290,6 +290,7 @@ def summary_table(result: GenerationResult) -> str:
             ("local commits (unverified)", m.local_commits),
             ("of those after a missed deadline", m.timeout_fallbacks),
             ("retries / reopens / resyncs / timeouts", f"{m.retries} / {m.reopens} / {m.resyncs} / {m.timeouts}"),
+            ("reopens under other numerics", m.numerics_changes),
             ("bytes up / down (of which opens')", f"{m.bytes_up} / {m.bytes_down} ({m.open_bytes_down})"),
             ("feature-fed rounds / fallback rounds, state bytes per round / at opens",
              f"{m.head_rounds} / {m.fallback_rounds}, {m.feature_bytes_per_round:.0f} / {m.open_feature_bytes}"),

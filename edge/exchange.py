@@ -115,6 +115,8 @@ class CloudSession:
         self.cloud_len = 0
         self.ctx_id: str | None = None
         self.vocab_size = 0
+        # the numerics the session runs under (ModelInfo.numerics, from its first open answer)
+        self.numerics = ""
         self.deadline = VerifyDeadline(policy.deadline)
         self._budget = 0
         # lowest crop point of a request whose answer was dropped: the cloud's S below it is ours
@@ -133,6 +135,12 @@ class CloudSession:
             raise SpecSplitError(f"opened session holds {info.ctx_len} tokens / hash {info.ctx_hash}, "
                                  f"expected {len(self.S)} / {self.hash_at(len(self.S))}")
         self.ctx_id, self.cloud_len, self.vocab_size = info.ctx_id, info.ctx_len, info.vocab_size
+        if self.numerics and info.numerics and info.numerics != self.numerics:
+            self.metrics.numerics_changes += 1
+            log.warning("the session goes on under other numerics (%s, was %s): its %d committed tokens are kept, "
+                        "and a greedy or seeded text may part from the one the first cloud would have given",
+                        info.numerics, self.numerics, len(self.S))
+        self.numerics = info.numerics or self.numerics
         self._stale_floor = NO_STALE
         self._take_feature(info.feature, opened=True)
         self._take_states(info.states, opened=True)

@@ -93,6 +93,9 @@ class EdgeMetrics:
     retries: int = 0
     # sessions reopened with the full context after 404
     reopens: int = 0
+    # of those, reopens answered by a cloud of other numerics than the session's (ModelInfo.numerics: a failover
+    # to a replica of another dtype, runner, group size, CPU or checkpoint); the committed text is kept
+    numerics_changes: int = 0
     # resends from the cloud's expected length after 409
     resyncs: int = 0
     # verify answers later than the timeout (discarded)

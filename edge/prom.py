@@ -51,6 +51,7 @@ class EdgePrometheus:
     # recovery: resends after retryable errors, reopened sessions, resyncs after 409, late answers
     retries: Counter
     reopens: Counter
+    numerics_changes: Counter
     resyncs: Counter
     timeouts: Counter
     # seconds spent drafting (forwards of the draft model / n-gram lookups), waiting for the shared
@@ -121,6 +122,9 @@ class EdgePrometheus:
                                       "missed verify deadline (--timeout-fallback only).", registry=r),
             retries=Counter(p + "retries", "Cloud requests resent after retryable errors.", registry=r),
             reopens=Counter(p + "reopens", "Cloud sessions reopened after 404.", registry=r),
+            numerics_changes=Counter(p + "numerics_changes", "Reopens answered by a cloud of other numerics than "
+                                     "the session's (a failover to another dtype, runner, group size, CPU or "
+                                     "checkpoint); the committed text is kept.", registry=r),
             resyncs=Counter(p + "resyncs", "Rounds resent from the cloud's length after 409.", registry=r),
             timeouts=Counter(p + "verify_timeouts", "Verify answers later than the timeout.", registry=r),
             drafting_seconds=Counter(p + "drafting_seconds", "Time spent drafting.", registry=r),
@@ -178,6 +182,7 @@ class EdgePrometheus:
         self.timeout_fallbacks.inc(m.timeout_fallbacks)
         self.retries.inc(m.retries)
         self.reopens.inc(m.reopens)
+        self.numerics_changes.inc(m.numerics_changes)
         self.resyncs.inc(m.resyncs)
         self.timeouts.inc(m.timeouts)
         self.tree_rounds.inc(m.tree_rounds)

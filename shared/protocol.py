@@ -112,6 +112,9 @@ class ModelInfo:
     # what runs the target's forward: "pytorch" (cloud/model.py) or "llama.cpp" (cloud/llama_runner.py; a GGUF
     # file); "" = an older cloud (PyTorch)
     runner: str = ""
+    # what decides the bits of the target's logits (cloud/numerics.py): runner, dtype, invariance, tensor-parallel
+    # size, matrix units and weights; replicas that give one text for a seed share it ("" = an older cloud)
+    numerics: str = ""
 
 
 @dataclass
@@ -126,6 +129,8 @@ class SessionInfo:
     vocab_size: int
     # optional counters (GET /v1/sessions/{ctx_id})
     counters: dict[str, Any] = field(default_factory=dict)
+    # the open answer's ModelInfo.numerics: the numerics the session runs under ("" = an older cloud)
+    numerics: str = ""
     # the open answer of a session that asked for features: the state after the whole prompt
     feature: TargetFeature | None = None
     # the open answer of a session with a feature_window: the last prompt positions' states

@@ -78,7 +78,7 @@ def feature_from_pb(m: pb.TargetFeature) -> TargetFeature | None:
 def session_from_pb(m: pb.SessionInfo) -> SessionInfo:
     counters = json.loads(m.counters_json) if m.counters_json else {}
     return SessionInfo(ctx_id=m.ctx_id, ctx_len=m.ctx_len, ctx_hash=m.ctx_hash, vocab_size=m.vocab_size,
-                       counters=counters, feature=feature_from_pb(m.feature) if m.HasField("feature") else None,
+                       counters=counters, numerics=m.numerics, feature=feature_from_pb(m.feature) if m.HasField("feature") else None,
                        states=states_from_pb(m.states) if m.HasField("states") else None)
 
 
@@ -197,7 +197,7 @@ class GrpcTransport:
                          feature_encodings=list(m.feature_encodings), tensor_parallel=m.tensor_parallel,
                          max_tree_nodes=m.max_tree_nodes, max_feature_window=m.max_feature_window,
                          session_stream=m.session_stream, dtype_reason=m.dtype_reason,
-                         batch_invariant=m.batch_invariant, runner=m.runner)
+                         batch_invariant=m.batch_invariant, runner=m.runner, numerics=m.numerics)
         return with_max_generate_tokens(info, int(getattr(m, "max_generate_tokens", 0)))
 
     def generate(self, prompt_ids: list[int], cfg: SamplingConfig, seed: int, max_new_tokens: int,

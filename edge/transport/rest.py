@@ -67,6 +67,7 @@ def verify_response_from_json(d: dict[str, Any]) -> VerifyResponse:
 def session_from_json(d: dict[str, Any]) -> SessionInfo:
     return SessionInfo(ctx_id=str(d["ctx_id"]), ctx_len=int(d["ctx_len"]), ctx_hash=str(d["ctx_hash"]),
                        vocab_size=int(d.get("vocab_size", 0)), counters=dict(d.get("counters") or {}),
+                       numerics=str(d.get("numerics") or ""),
                        feature=feature_from_json(d.get("feature")), states=states_from_json(d.get("states")))
 
 
@@ -162,7 +163,8 @@ class RestTransport:
                          max_feature_window=int(d.get("max_feature_window") or 0),
                          tensor_parallel=int(d.get("tensor_parallel") or 0),
                          session_stream=d.get("session_stream") is True,
-                         dtype_reason=str(d.get("dtype_reason", "")), batch_invariant=d.get("batch_invariant") is True, runner=str(d.get("runner", "")))
+                         dtype_reason=str(d.get("dtype_reason", "")), batch_invariant=d.get("batch_invariant") is True, runner=str(d.get("runner", "")),
+                         numerics=str(d.get("numerics") or ""))
         return with_max_generate_tokens(info, int(d.get("max_generate_tokens") or 0))
 
     def generate(self, prompt_ids: list[int], cfg: SamplingConfig, seed: int, max_new_tokens: int,

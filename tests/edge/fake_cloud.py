@@ -70,6 +70,8 @@ class FakeCloud:
     # routing keys and request ids the client asked for, one per routed() view
     route_keys: list[str] = field(default_factory=list)
     request_ids: list[str | None] = field(default_factory=list)
+    # ModelInfo.numerics the open answers carry (a test changes it to play a failover to other numerics)
+    numerics: str = "pytorch float32 invariant tp1 avx2 weights:fake"
 
     def __post_init__(self) -> None:
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir).eval()
@@ -126,7 +128,7 @@ class FakeCloud:
         self.sessions[ctx_id] = _Session(list(req.prompt_ids), req.sampling_cfg, req.seed, req.correction)
         if f is not None:
             raise f.error
-        return SessionInfo(ctx_id, len(req.prompt_ids), ctx_hash(req.prompt_ids), self.vocab)
+        return SessionInfo(ctx_id, len(req.prompt_ids), ctx_hash(req.prompt_ids), self.vocab, numerics=self.numerics)
 
     def verify(self, req: VerifyRequest, timeout: float, sampling: SamplingConfig | None = None) -> VerifyResponse:
         f = self._enter("verify")

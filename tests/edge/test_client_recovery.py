@@ -128,6 +128,27 @@ def test_evicted_session_is_reopened_with_the_full_context(make_client, fake_clo
     assert reopened  # rounds after the reopen start from the long context
 
 
+def test_a_reopen_on_a_cloud_of_other_numerics_keeps_the_text_and_is_counted(make_client,
+                                                                            fake_cloud: FakeCloud) -> None:
+    """A failover to a replica of other numerics (here: the fake cloud's numerics string changes while the
+    session is evicted) reopens from the committed text: every token is kept and the generation ends whole,
+    and `numerics_changes` counts the change once; a reopen on the same numerics counts none."""
+    ref = reference(make_client)
+    client, _ = make_client(temperature=0, max_new_tokens=N)
+    gen = client.stream(PROMPT)
+    seen = []
+    for tok in gen:
+        seen.append(tok.token_id)
+        if len(seen) == 3:
+            fake_cloud.evict_all()  # the same cloud: no change
+        if len(seen) == 6:
+            fake_cloud.numerics = "pytorch bfloat16 invariant tp1 avx512_bf16 weights:fake"
+            fake_cloud.evict_all()
+    r = gen.result()
+    assert r.token_ids == ref  # the fake target's numerics are one: the text is the reference, nothing lost
+    assert r.metrics.reopens == 2 and r.metrics.numerics_changes == 1
+
+
 def test_404_from_a_verify_reopens(make_client, fake_cloud: FakeCloud) -> None:
     ref = reference(make_client)
     client, _ = make_client(temperature=0, max_new_tokens=N)
