@@ -200,17 +200,17 @@ class ServiceCore:
         return {**self.budget.cost.describe(), "tokens_per_second": round(self.budget.rate, 3),
                 "node_value": round(self.budget.node_value, 4)}
 
-    def node_budget(self, s: Session, accepted: int, depth: int, committed: int, values: list[float],
-                    kept: list[bool]) -> int:
+    def node_budget(self, s: Session, accepted: int, depth: int, committed: int, parents: list[int],
+                    q: list[float], kept: list[bool]) -> int:
         """A verified round's committed tokens counted, the session's acceptance updated, and its next budget
-        (0 with --node-budget false); `values`: each sent node's q multiplied along its path, `kept`: whether the
-        target accepted it."""
+        (0 with --node-budget false); the round's nodes as `parents` (-1: the root) and `q`, and whether the
+        target accepted each (`kept`)."""
         self.budget.committed(committed)
         s.acceptance.observe(accepted, depth)
-        s.acceptance.observe_nodes(values, kept)
+        s.acceptance.observe_nodes(parents, q, kept)
         if not self.settings.node_budget:
             return 0
-        n = self.budget.budget(s.acceptance.alpha, [s.acceptance.expected(v) for v in values])
+        n = self.budget.budget(s.acceptance.alpha, s.acceptance.expected(parents, q))
         self.metrics.node_budget.observe(n)
         return n
 

@@ -17,9 +17,10 @@ its own throughput, as SmartSpec / TurboSpec do per batch). The cloud's committe
 F = sum_i tau_i(n_i) / (a + b * sum_i (n_i + 1)), with tau_i(n) the tokens a round of n nodes commits for
 session i. F is highest where every session's next node adds tau_i'(n) = b * F tokens: a node is worth its row
 while the tokens it is expected to add exceed what the row's cost would buy at the cloud's present rate
-(`node_value`). A node's expected tokens are read from its value (its q multiplied along its path) through
-the session's own record of how often nodes of that value were accepted (`Acceptance.expected`); the budget is
-the number of the last round's nodes worth their row, half as many again when all were (room to grow). After a round
+(`node_value`). A node's expected tokens are the product along its path of how often nodes of its q were
+accepted once their parent was, in the session's own rounds (`Acceptance.expected`; a calibrated draft's
+would be its q multiplied along its path); the budget is the number of the last round's nodes worth their row,
+half as many again when all were (room to grow). After a round
 without drafts, the session's acceptance read as a chain's: the n-th node adds alpha^n, so the largest n with
 alpha^n >= b * F.
 
@@ -101,53 +102,62 @@ class ForwardCost:
                 "prefill_token_ms": round(self.prefill_token_s * 1000, 4), "forwards": self.forwards}
 
 
-# a node's path value is binned by powers of two: (1/2, 1], (1/4, 1/2], ...; the last bin holds everything below
-VALUE_BINS = 10
+# a node's q (its draft probability given its parent) is binned by tenths
+Q_BINS = 10
 
 
-def value_bin(v: float) -> int:
-    return VALUE_BINS - 1 if v <= 0 else min(int(-math.log2(min(v, 1.0))), VALUE_BINS - 1)
+def q_bin(q: float) -> int:
+    return min(max(int(q * Q_BINS), 0), Q_BINS - 1)
 
 
 @dataclass
 class Acceptance:
-    """A session's acceptance: as a chain's (alpha = accepted positions / positions tried) and by node value.
+    """A session's acceptance: as a chain's (alpha = accepted positions / positions tried) and node by node.
 
     Chains: a round accepts la nodes along a path of at most `depth`; it tried la + 1 positions when it stopped
     short (the last one rejected) and la when everything to its depth was kept. Weighted by round, with a prior
     of `prior_tries` positions at `prior_alpha` so the first rounds do not swing the budget to either end.
 
-    Nodes: the draft's value of a node (its q multiplied along its path) is what a calibrated draft expects it
-    to add. Drafts are not calibrated, and not uniformly so (a confident draft's deep path is kept far more
-    often than its q product says, its siblings less), so the session keeps, per bin of value (powers of two),
-    the share of the nodes sent that were accepted; `expected(v)` is that share, with a prior of `prior_nodes`
-    nodes accepted at v itself (a new session reads its draft as calibrated)."""
+    Nodes: a node can be accepted only if its parent was; given that, a calibrated draft's node is accepted with
+    its q. Drafts are not calibrated, and not uniformly so (a confident draft's main path is kept far more often
+    than its q says, its siblings less), so the session keeps, per tenth of q, the share of the nodes whose
+    parent was accepted (or that hung from the root) that were accepted themselves: `conditional(q)`, with a
+    prior of `prior_nodes` nodes accepted at q itself (a new session reads its draft as calibrated). A node is
+    expected to add the product of `conditional` along its path (`expected`)."""
     prior_alpha: float = 0.8
     prior_tries: float = 5.0
     prior_nodes: float = 2.0
     weight: float = 0.1
     _kept: float = 0.0
     _tried: float = 0.0
-    _bin_kept: list[float] = field(default_factory=lambda: [0.0] * VALUE_BINS)
-    _bin_sent: list[float] = field(default_factory=lambda: [0.0] * VALUE_BINS)
+    _bin_kept: list[float] = field(default_factory=lambda: [0.0] * Q_BINS)
+    _bin_tried: list[float] = field(default_factory=lambda: [0.0] * Q_BINS)
 
-    def observe_nodes(self, values: list[float], accepted: list[bool]) -> None:
-        """A round's nodes (their path values) and which of them the target accepted."""
-        if not values:
+    def observe_nodes(self, parents: list[int], q: list[float], accepted: list[bool]) -> None:
+        """A round's nodes (parent index, -1 for the root; q) and which of them the target accepted."""
+        if not q:
             return
-        kept, sent = [0.0] * VALUE_BINS, [0.0] * VALUE_BINS
-        for v, ok in zip(values, accepted, strict=True):
-            b = value_bin(v)
-            sent[b] += 1
-            kept[b] += ok
-        for b in range(VALUE_BINS):  # bins decay by round, as alpha does
+        kept, tried = [0.0] * Q_BINS, [0.0] * Q_BINS
+        for par, qj, ok in zip(parents, q, accepted, strict=True):
+            if par < 0 or accepted[par]:  # tried: its parent was kept
+                b = q_bin(qj)
+                tried[b] += 1
+                kept[b] += ok
+        for b in range(Q_BINS):  # bins decay by round, as alpha does
             self._bin_kept[b] = (1 - self.weight) * self._bin_kept[b] + kept[b]
-            self._bin_sent[b] = (1 - self.weight) * self._bin_sent[b] + sent[b]
+            self._bin_tried[b] = (1 - self.weight) * self._bin_tried[b] + tried[b]
 
-    def expected(self, v: float) -> float:
-        """Tokens a node of path value `v` is expected to add: its bin's accepted share (prior: v)."""
-        b = value_bin(v)
-        return (self._bin_kept[b] + self.prior_nodes * v) / (self._bin_sent[b] + self.prior_nodes)
+    def conditional(self, q: float) -> float:
+        """How often a node of this q is accepted once its parent was: its bin's share (prior: q)."""
+        b = q_bin(q)
+        return (self._bin_kept[b] + self.prior_nodes * q) / (self._bin_tried[b] + self.prior_nodes)
+
+    def expected(self, parents: list[int], q: list[float]) -> list[float]:
+        """Tokens each node is expected to add: `conditional` multiplied along its path."""
+        out: list[float] = []
+        for par, qj in zip(parents, q, strict=True):
+            out.append(self.conditional(qj) * (out[par] if par >= 0 else 1.0))
+        return out
 
     def observe(self, accepted: int, depth: int) -> None:
         if depth <= 0:

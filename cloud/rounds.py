@@ -66,8 +66,8 @@ async def verify(core: ServiceCore, req: VerifyRequest, owner: str, declared_k: 
         depth = max(depths(parents), default=0)
         kept = set(resp.accepted_nodes if resp.accepted_nodes is not None else range(resp.accepted_len))
         resp.node_budget = core.node_budget(s, resp.accepted_len, depth, resp.accepted_len
-                                            + int(resp.next_kind != "none"), path_values(parents, req.draft.q_token_probs),
-                                            [j in kept for j in range(k)])
+                                            + int(resp.next_kind != "none"), list(parents),
+                                            list(req.draft.q_token_probs), [j in kept for j in range(k)])
         entry = s.replies.get(req.request_id) if req.request_id else None
         if entry is not None:  # a retry is answered with the budget first given (the same answer)
             entry.response.node_budget = resp.node_budget
@@ -115,14 +115,6 @@ def round_job(core: ServiceCore, s: Session, req: VerifyRequest, q_dense: Any) -
     job: Job[RoundResult] = Job(plan=plan, finish=finish, abort=abort, answer=answer, key=s.ctx_id, kind=ROUND,
                                 owner=s.owner, sampling=lambda _: round_sampling(s, req, planned[0]))
     return job
-
-
-def path_values(parents: list[int], q: list[float]) -> list[float]:
-    """Each node's q multiplied along its path (a chain's parents are -1, 0, 1, ...)."""
-    out: list[float] = []
-    for par, qj in zip(parents, q, strict=True):
-        out.append(qj * (out[par] if par >= 0 else 1.0))
-    return out
 
 
 def log_round(req: VerifyRequest, resp: VerifyResponse, k: int, replayed: bool) -> None:

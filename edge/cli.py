@@ -9,7 +9,8 @@
         a --host beyond loopback needs --server-api-key)
 
 Defaults (EdgeSettings, overridable by SPECSPLIT_EDGE_* variables): without --draft, the edge asks the cloud
-for its tokenizer (GET /v1/model) and drafts with the model under models/ that speaks it (edge/settings.py
+for its tokenizer (GET /v1/model; `serve` started before its cloud asks at the cloud's first answer) and
+drafts with the model under models/ that speaks it (edge/settings.py
 draft_for_tokenizer: models/qwen2.5-coder-0.5b-instruct for the coder pair's cloud, the SmolLM2 draft for
 SmolLM2's); a draft directory holding model.gguf, or a .gguf file, drafts on llama.cpp (edge/settings.py
 load_draft_model); --draft ngram drafts from the context alone. Temperature 1.0, top-p 0.9, top-k 0 (off),
@@ -36,6 +37,7 @@ from pydantic import ValidationError
 
 from shared.errors import SpecSplitError
 from shared.logs import setup_logging
+from shared.protocol import ModelInfo
 
 from .client import EdgeClient, GenerationResult
 from .settings import EdgeSettings, draft_for_tokenizer
@@ -215,39 +217,56 @@ def draft_given(args: argparse.Namespace) -> bool:
 
 
 def with_cloud_draft(settings: EdgeSettings, args: argparse.Namespace) -> EdgeSettings:
-    """The settings with the draft that speaks the cloud's tokenizer, unless one was given (or none is needed)."""
+    """The settings with the draft that speaks the cloud's tokenizer, unless one was given (or none is needed);
+    a cloud that does not answer leaves the default draft, with one warning line."""
     if draft_given(args) or settings.mode == "cloud_only":
         return settings
-    return settings.model_copy(update={"draft": draft_for_cloud(settings)})
+    chosen = draft_for_cloud(settings)
+    if chosen is None:
+        logging.getLogger(__name__).warning("the cloud did not answer: drafting with %s, which may not speak its "
+                                            "tokenizer; pass --draft to choose", settings.draft)
+        return settings
+    return settings.model_copy(update={"draft": chosen})
 
 
-def draft_for_cloud(settings: EdgeSettings) -> str:
+def cloud_draft_or_later(settings: EdgeSettings, args: argparse.Namespace) -> tuple[EdgeSettings, bool]:
+    """`serve`: as with_cloud_draft, but a cloud that does not answer yet leaves the choice to the server's first
+    contact with it (True: the server chooses then, before any request is served)."""
+    if draft_given(args) or settings.mode == "cloud_only":
+        return settings, False
+    chosen = draft_for_cloud(settings)
+    return (settings, True) if chosen is None else (settings.model_copy(update={"draft": chosen}), False)
+
+
+def draft_for_cloud(settings: EdgeSettings) -> str | None:
     """Without --draft: the draft under models/ that speaks the cloud's tokenizer (the coder pair's draft for
-    a Qwen2.5-Coder cloud, SmolLM2's for SmolLM2's), else the default draft, with one warning line saying
-    why (a cloud that does not answer in 5 s, or one whose tokenizer no draft speaks)."""
+    a Qwen2.5-Coder cloud, SmolLM2's for SmolLM2's), else the default draft with one warning line (a cloud whose
+    tokenizer no draft speaks); None when the cloud does not answer in 5 s."""
     from .transport.grpc_transport import GrpcTransport
     from .transport.rest import RestTransport
 
-    log = logging.getLogger(__name__)
     key = settings.api_key.get_secret_value() if settings.api_key else None
     transport = GrpcTransport(settings.grpc_target, key) if settings.grpc_target else \
         RestTransport(settings.cloud_url, key)
     try:
         info = transport.get_model(5.0)
-    except SpecSplitError as e:
-        log.warning("the cloud did not answer (%s): drafting with %s, which may not speak its tokenizer; pass "
-                    "--draft to choose", e.message, settings.draft)
-        return settings.draft
+    except SpecSplitError:
+        return None
     finally:
         transport.close()
+    return choose_draft(info, settings.draft)
+
+
+def choose_draft(info: ModelInfo, default: str) -> str:
+    """The draft under models/ that speaks `info`'s tokenizer, else `default` with one warning line."""
+    log = logging.getLogger(__name__)
     chosen = draft_for_tokenizer(info.tokenizer_fingerprint, info.vocab_size) if info.tokenizer_fingerprint else None
     if chosen is None:
         log.warning("no draft under models/ speaks the cloud's tokenizer (%s): drafting with %s; pass --draft DIR "
-                    "(or --draft ngram --tokenizer DIR)", info.tokenizer_fingerprint or "no fingerprint",
-                    settings.draft)
-    elif chosen != settings.draft:
+                    "(or --draft ngram --tokenizer DIR)", info.tokenizer_fingerprint or "no fingerprint", default)
+    elif chosen != default:
         log.info("drafting with %s: it speaks the cloud's tokenizer", chosen)
-    return chosen or settings.draft
+    return chosen or default
 
 
 class LiveText:
@@ -366,12 +385,12 @@ def serve(args: argparse.Namespace) -> int:
 
     settings = settings_from_args(args)
     check_exposure(args.host, settings.server_key_values())  # before any model load or cloud call
-    settings = with_cloud_draft(settings, args)
+    settings, choose_later = cloud_draft_or_later(settings, args)
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
-    run(settings, ServeArgs(args.host, args.port, args.chat_template, args.served_model_name),
+    run(settings, ServeArgs(args.host, args.port, args.chat_template, args.served_model_name, choose_later),
         log_level=args.log_level or ("info" if args.verbose else "warning"))
     return 0
 

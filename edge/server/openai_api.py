@@ -323,7 +323,7 @@ def create_app(engine: OpenAIEngine, options: ServeOptions) -> FastAPI:
         arrived = time.monotonic()
         body.check()
         name = await check_model(body.model)
-        template = require(options.chat_template)
+        template = require(engine.chat_template(options.chat_template))
         prompt = await asyncio.to_thread(template.render, body.chat_messages())
         ids = await asyncio.to_thread(engine.encode, prompt, False)  # the template placed its own specials
         rid = CURRENT.get()

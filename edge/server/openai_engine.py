@@ -133,8 +133,14 @@ class OpenAIEngine:
     """Shared parts (settings, draft weights, tokenizer, cloud model info, metrics) and the runner."""
 
     def __init__(self, settings: EdgeSettings, draft: SharedDraftModel, tokenizer: LockedTokenizer,
-                 prometheus: EdgePrometheus | None = None) -> None:
+                 prometheus: EdgePrometheus | None = None, choose_draft: bool = False) -> None:
         self.settings = settings
+        # the draft is chosen from the cloud's tokenizer at its first answer (`_adopt`): no --draft, and the
+        # cloud was not up at start-up
+        self.choose_draft = choose_draft
+        # --chat-template FILE, and the template of a tokenizer adopted later (None until then: the server's own)
+        self.chat_template_file: str | None = None
+        self.adopted_template: Any = None
         self.draft = draft
         self.tokenizer = tokenizer
         self.prometheus = prometheus or EdgePrometheus.create()
@@ -169,6 +175,7 @@ class OpenAIEngine:
         if mine:
             try:
                 info = self._fetch_model_info()
+                self._adopt(info)
                 self._info = info
                 fetch.set_result(info)
             except BaseException as e:
@@ -177,6 +184,33 @@ class OpenAIEngine:
                 with self._info_lock:
                     self._info_fetch = None
         return fetch.result()
+
+    def _adopt(self, info: ModelInfo) -> None:
+        """At the cloud's first answer, when the server started before it: the draft under models/ that speaks
+        its tokenizer (edge/cli.py `choose_draft`), with that draft's tokenizer and chat template, before any
+        request uses them. None speaks it: the draft stays, and the pairing check refuses it with the fix."""
+        if not self.choose_draft:
+            return
+        from shared.tokenizer_id import load_tokenizer
+
+        from ..cli import choose_draft
+        from ..client import check_tokenizer_dir
+        from .chat import load_chat_template
+
+        self.choose_draft = False
+        chosen = choose_draft(info, self.settings.draft)
+        if chosen == self.settings.draft:
+            return
+        settings = self.settings.model_copy(update={"draft": chosen})
+        tokenizer = load_tokenizer(check_tokenizer_dir(settings))
+        self.draft, self.settings, self.tokenizer = SharedDraftModel(settings), settings, LockedTokenizer(tokenizer)
+        self.adopted_template = load_chat_template(self.chat_template_file, tokenizer) or False
+
+    def chat_template(self, started_with: Any) -> Any:
+        """The chat template requests use: the server's own, or the adopted tokenizer's (None: it has none)."""
+        if self.adopted_template is None:
+            return started_with
+        return self.adopted_template or None
 
     def check_ready(self) -> None:
         """The cloud answers with this server's key (GET /v1/model needs it when auth is on), and the

@@ -3,7 +3,9 @@
 The draft model and the tokenizer load once at start-up. Start-up then checks the port, and the
 cloud: a cloud that refuses the key, or a draft / tokenizer the target does not speak, stops the
 start with one line naming the fix; a cloud that cannot be reached yet only warns (the server starts,
-`/readyz` answers 503 until the cloud answers, and requests fail fast with 503 meanwhile).
+`/readyz` answers 503 until the cloud answers, and requests fail fast with 503 meanwhile). Without `--draft`,
+the draft is the one that speaks the cloud's tokenizer: asked at start-up, or, when the cloud is not up yet, at
+the first answer, before any request is served (openai_engine.py `_adopt`).
 """
 
 from __future__ import annotations
@@ -33,23 +35,26 @@ class ServeArgs:
     chat_template_file: str | None = None
     # the model id of /v1/models; None: the cloud's model_id
     served_model_name: str | None = None
+    # no --draft and no cloud at start-up: the draft is chosen from the cloud's tokenizer at the first answer
+    choose_draft: bool = False
 
 
 log = logging.getLogger(__name__)
 
 
-def build_engine(settings: EdgeSettings) -> OpenAIEngine:
+def build_engine(settings: EdgeSettings, choose_draft: bool = False) -> OpenAIEngine:
     from shared.tokenizer_id import load_tokenizer
 
     from ..client import check_tokenizer_dir
 
     tokenizer = load_tokenizer(check_tokenizer_dir(settings))  # one-line error when the directory has none
-    return OpenAIEngine(settings, SharedDraftModel(settings), LockedTokenizer(tokenizer))
+    return OpenAIEngine(settings, SharedDraftModel(settings), LockedTokenizer(tokenizer), choose_draft=choose_draft)
 
 
 def build_app(settings: EdgeSettings, args: ServeArgs, engine: OpenAIEngine | None = None) -> FastAPI:
     engine = engine or build_engine(settings)
     template = load_chat_template(args.chat_template_file, engine.tokenizer.tokenizer)
+    engine.chat_template_file = args.chat_template_file  # reloaded when the draft (and tokenizer) is chosen later
     options = ServeOptions(served_model_name=args.served_model_name, chat_template=template,
                            chat_default_max_tokens=settings.max_new_tokens)
     return create_app(engine, options)
@@ -81,7 +86,7 @@ def run(settings: EdgeSettings, args: ServeArgs, log_level: str = "warning") -> 
     import uvicorn
 
     check_port(args.host, args.port)
-    engine = build_engine(settings)
+    engine = build_engine(settings, args.choose_draft)
     check_cloud(engine)  # a refused key or a mismatched pair raises: the start stops with one line
     # log_config=None: uvicorn's own lines go through the root logger, in the --log-format chosen
     uvicorn.run(build_app(settings, args, engine), host=args.host, port=args.port, log_level=log_level,

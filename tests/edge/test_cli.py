@@ -132,6 +132,59 @@ def test_without_draft_the_edge_drafts_with_the_model_that_speaks_the_clouds_tok
     assert "no draft under models/ speaks the cloud's tokenizer" in caplog.text
 
 
+def test_a_server_started_before_its_cloud_chooses_its_draft_at_the_first_answer(
+        tiny_pair: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`serve` without --draft while the cloud is down: start-up leaves the choice to the first answer
+    (cloud_draft_or_later), the server starts on the default draft, and the engine's first successful model
+    info adopts the draft that speaks the cloud's tokenizer (settings, draft weights, tokenizer) before anything
+    uses them; a failed first contact changes nothing, and --draft is never second-guessed."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    import edge.settings
+    from edge.cli import cloud_draft_or_later
+    from edge.server.serve import build_engine
+    from edge.transport.errors import CloudUnavailable
+    from edge.transport.rest import RestTransport
+    from shared.protocol import ModelInfo
+    from shared.tokenizer_id import load_tokenizer, tokenizer_fingerprint
+
+    models = tmp_path / "models"
+    coder, default = models / "qwen2.5-coder-0.5b-instruct", models / "demo-draft"
+    shutil.copytree(tiny_pair[1], coder)
+    shutil.copytree(tiny_pair[1], default)
+    tok = AutoTokenizer.from_pretrained(default)
+    tok.add_special_tokens({"additional_special_tokens": ["<|only-here|>"]})  # another tokenizer
+    tok.save_pretrained(default)
+    monkeypatch.setattr(edge.settings, "REPO_ROOT", tmp_path)
+    monkeypatch.delenv("SPECSPLIT_EDGE_DRAFT", raising=False)
+    want = tokenizer_fingerprint(load_tokenizer(coder))
+    up: list[bool] = []
+
+    def get_model(self: RestTransport, timeout: float) -> ModelInfo:
+        if not up:
+            raise CloudUnavailable("down")
+        return ModelInfo(model_id="m", vocab_size=256, tokenizer_fingerprint=want)
+
+    monkeypatch.setattr(RestTransport, "get_model", get_model)
+    args = build_parser().parse_args(["serve", "--max-retries", "0", "--draft", str(default)])
+    assert cloud_draft_or_later(settings_from_args(args), args)[1] is False  # --draft given: never chosen
+    args = build_parser().parse_args(["serve", "--max-retries", "0"])
+    settings, later = cloud_draft_or_later(settings_from_args(args), args)
+    assert later and settings.draft == str(default)
+    engine = build_engine(settings, choose_draft=True)
+    assert engine.tokenizer.fingerprint != want
+    with pytest.raises(CloudUnavailable):
+        engine.model_info()
+    assert engine.settings.draft == str(default) and engine.choose_draft  # still to be chosen
+    up.append(True)
+    engine.model_info()
+    assert engine.settings.draft == str(coder) and engine.draft.settings.draft == str(coder)
+    assert engine.tokenizer.fingerprint == want and not engine.choose_draft
+    engine.check_ready()  # the adopted pair passes the pairing check
+
+
 def _options(command: str) -> set[str]:
     sub = build_parser()._subparsers._group_actions[0].choices[command]  # type: ignore[union-attr]
     return {o for a in sub._actions for o in a.option_strings}
