@@ -12,7 +12,7 @@ own greedy text of the prompt; 32 nodes, 4 wide, 8 deep, no copy branches), kept
 results so a rerun skips it. Greedy verification is deterministic, so a replayed edge cuts the tree at its position
 to its policy's size (a chain: the draft's greedy path; a tree: its n most valuable nodes) and knows what the cloud
 must answer: the reference's next tokens. The "edge" and "adaptive" edges choose n as the edge does
-(edge/treecontrol.py, fed the answers' times), adaptive capped by each answer's node_budget.
+(edge/treecontrol.py, fed the answers' times), adaptive capped by each answer's node_budget; every level runs every prompt at least once (one session runs them one after another).
 
 One core each: this process (the load) on core 0, the cloud on core 1 with one torch thread, PyTorch runner
 (the batch-invariant one: every shape gives the reference's text).
@@ -147,8 +147,7 @@ async def speculative(stub: Any, table: Table, policy: str, n_new: int) -> Sessi
             run.rows += len(tokens) + 1
             S, pos, i, budget = S + got, pos + len(got), i + 1, a.node_budget
             if parents is not None:
-                values = [tree["values"][j] for j in range(len(tree["values"]))]
-                ctl.observe(len(tokens), sum(sorted(values, reverse=True)[:len(tokens)]), a.accepted_len,
+                ctl.observe(len(tokens), sum(sorted(tree["values"], reverse=True)[:len(tokens)]), a.accepted_len,
                             max((d for d in _depths(parents)), default=0), wall * 1000,
                             a.metrics.prefill_ms + a.metrics.queue_ms)
         run.tokens = pos
@@ -274,9 +273,11 @@ def run(out: Path, command: str, prompts: int = 8, n_new: int = 32, sessions: tu
     machine = {**cpu_info(), "load_start": os.getloadavg(), "pinned": pin("self", 0)}
     tokenizer = AutoTokenizer.from_pretrained(TARGET)
     ids = [chat_ids(tokenizer, humaneval_message(p["prompt"])) for p in humaneval_prompts(prompts)]
-    results = REPO / "bench" / "results" / "capacity_curve.json"
+    # the repository's report keeps its rows in bench/results; another --out keeps them (and the plot) beside it
+    own = out.resolve() == (REPO / "BENCHMARKS.md").resolve()
+    results = REPO / "bench" / "results" / "capacity_curve.json" if own else out.with_suffix(".json")
     results.parent.mkdir(parents=True, exist_ok=True)
-    trees = results.with_name("capacity_curve_trees.json")
+    trees = REPO / "bench" / "results" / "capacity_curve_trees.json"
     done: dict[str, Any] = json.loads(results.read_text()) if results.exists() else {}
     rows: list[dict[str, Any]] = done.get("rows", []) if done.get("key") == [prompts, n_new] else []
     with CloudServer(TARGET, torch_threads=1, extra_args=["--runner", "torch", "--max-tree-nodes", "64"],
@@ -293,9 +294,10 @@ def run(out: Path, command: str, prompts: int = 8, n_new: int = 32, sessions: tu
                     continue  # measured by an earlier run that stopped
                 rows.append(asyncio.run(one_case(cloud, tables, policy, n, n_new)))
                 results.write_text(json.dumps({"key": [prompts, n_new], "rows": rows}, indent=1))
-    plot_path = REPO / "bench" / "plots" / "capacity_curve.png"
+    plot_path = REPO / "bench" / "plots" / "capacity_curve.png" if own else out.with_suffix(".png")
     plot(rows, plot_path)
-    res = {"rows": rows, "n_new": n_new, "prompts": prompts, "command": command, "plot": "bench/plots/capacity_curve.png"}
+    res = {"rows": rows, "n_new": n_new, "prompts": prompts, "command": command,
+           "plot": str(plot_path.relative_to(REPO)) if own else str(plot_path)}
     return finish(res, machine, t0, out, "capacity-curve", (START, END), render)
 
 

@@ -207,10 +207,10 @@ class ServiceCore:
         target accepted each (`kept`)."""
         self.budget.committed(committed)
         s.acceptance.observe(accepted, depth)
-        s.acceptance.observe_nodes(parents, q, kept)
+        s.acceptance.nodes.observe(parents, q, kept)
         if not self.settings.node_budget:
             return 0
-        n = self.budget.budget(s.acceptance.alpha, s.acceptance.expected(parents, q))
+        n = self.budget.budget(s.acceptance.alpha, s.acceptance.nodes.expected(parents, q))
         self.metrics.node_budget.observe(n)
         return n
 

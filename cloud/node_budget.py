@@ -40,6 +40,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from shared.node_value import NodeCalibration
+
 
 @dataclass
 class ForwardCost:
@@ -102,14 +104,6 @@ class ForwardCost:
                 "prefill_token_ms": round(self.prefill_token_s * 1000, 4), "forwards": self.forwards}
 
 
-# a node's q (its draft probability given its parent) is binned by tenths
-Q_BINS = 10
-
-
-def q_bin(q: float) -> int:
-    return min(max(int(q * Q_BINS), 0), Q_BINS - 1)
-
-
 @dataclass
 class Acceptance:
     """A session's acceptance: as a chain's (alpha = accepted positions / positions tried) and node by node.
@@ -118,46 +112,14 @@ class Acceptance:
     short (the last one rejected) and la when everything to its depth was kept. Weighted by round, with a prior
     of `prior_tries` positions at `prior_alpha` so the first rounds do not swing the budget to either end.
 
-    Nodes: a node can be accepted only if its parent was; given that, a calibrated draft's node is accepted with
-    its q. Drafts are not calibrated, and not uniformly so (a confident draft's main path is kept far more often
-    than its q says, its siblings less), so the session keeps, per tenth of q, the share of the nodes whose
-    parent was accepted (or that hung from the root) that were accepted themselves: `conditional(q)`, with a
-    prior of `prior_nodes` nodes accepted at q itself (a new session reads its draft as calibrated). A node is
-    expected to add the product of `conditional` along its path (`expected`)."""
+    Nodes: how often nodes of each q were accepted once their parent was (shared/node_value.py), from which a
+    node's expected tokens are read."""
     prior_alpha: float = 0.8
     prior_tries: float = 5.0
-    prior_nodes: float = 2.0
     weight: float = 0.1
     _kept: float = 0.0
     _tried: float = 0.0
-    _bin_kept: list[float] = field(default_factory=lambda: [0.0] * Q_BINS)
-    _bin_tried: list[float] = field(default_factory=lambda: [0.0] * Q_BINS)
-
-    def observe_nodes(self, parents: list[int], q: list[float], accepted: list[bool]) -> None:
-        """A round's nodes (parent index, -1 for the root; q) and which of them the target accepted."""
-        if not q:
-            return
-        kept, tried = [0.0] * Q_BINS, [0.0] * Q_BINS
-        for par, qj, ok in zip(parents, q, accepted, strict=True):
-            if par < 0 or accepted[par]:  # tried: its parent was kept
-                b = q_bin(qj)
-                tried[b] += 1
-                kept[b] += ok
-        for b in range(Q_BINS):  # bins decay by round, as alpha does
-            self._bin_kept[b] = (1 - self.weight) * self._bin_kept[b] + kept[b]
-            self._bin_tried[b] = (1 - self.weight) * self._bin_tried[b] + tried[b]
-
-    def conditional(self, q: float) -> float:
-        """How often a node of this q is accepted once its parent was: its bin's share (prior: q)."""
-        b = q_bin(q)
-        return (self._bin_kept[b] + self.prior_nodes * q) / (self._bin_tried[b] + self.prior_nodes)
-
-    def expected(self, parents: list[int], q: list[float]) -> list[float]:
-        """Tokens each node is expected to add: `conditional` multiplied along its path."""
-        out: list[float] = []
-        for par, qj in zip(parents, q, strict=True):
-            out.append(self.conditional(qj) * (out[par] if par >= 0 else 1.0))
-        return out
+    nodes: NodeCalibration = field(default_factory=NodeCalibration)
 
     def observe(self, accepted: int, depth: int) -> None:
         if depth <= 0:

@@ -90,12 +90,12 @@ def test_a_node_is_expected_to_add_what_nodes_of_its_q_were_accepted_along_its_p
     tokens (its q product says 0.2), its siblings under 0.1, and a q bin never tried still reads its prior."""
     acc = Acceptance()
     parents, q = [-1, 0, 1, 2, -1, 0, 1, 2], [0.65, 0.6, 0.7, 0.65, 0.3, 0.3, 0.3, 0.3]
-    assert acc.expected(parents[:4], q[:4])[3] == pytest.approx(0.65 * 0.6 * 0.7 * 0.65)
+    assert acc.nodes.expected(parents[:4], q[:4])[3] == pytest.approx(0.65 * 0.6 * 0.7 * 0.65)
     for _ in range(200):
-        acc.observe_nodes(parents, q, [True] * 4 + [False] * 4)
-    e = acc.expected(parents, q)
+        acc.nodes.observe(parents, q, [True] * 4 + [False] * 4)
+    e = acc.nodes.expected(parents, q)
     assert e[3] > 0.8 and max(e[4:]) < 0.1
-    assert acc.conditional(0.95) == pytest.approx(0.95)
+    assert acc.nodes.conditional(0.95) == pytest.approx(0.95)
 
 
 def test_a_calibrated_draft_keeps_its_q() -> None:
@@ -111,9 +111,9 @@ def test_a_calibrated_draft_keeps_its_q() -> None:
         kept: list[bool] = []
         for j, qj in enumerate(q):
             kept.append((j == 0 or kept[j - 1]) and rng.random() < qj)
-        acc.observe_nodes(list(range(-1, 7)), q, kept)
+        acc.nodes.observe(list(range(-1, 7)), q, kept)
         if i > 100:
-            errs.append(abs(acc.conditional(0.75) - 0.75))
+            errs.append(abs(acc.nodes.conditional(0.75) - 0.75))
     assert sum(errs) / len(errs) < 0.1
 
 

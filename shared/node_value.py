@@ -1,0 +1,57 @@
+"""What a draft's tree node is worth: how often nodes of its q are accepted, multiplied along its path.
+
+A node can be accepted only if its parent was; given that, a calibrated draft's node is accepted with its q, so
+its expected tokens are its q multiplied along its path (the draft's own `values`). Drafts are not calibrated,
+and not uniformly so: a confident draft's main path is kept far more often than its q says (greedy targets
+agree with it), while a second branch at q 0.3 is kept less, and the two mix at every path value (a main path
+eight deep has the value of a second branch one deep). `NodeCalibration` keeps, per tenth of q, the share of
+the nodes whose parent was accepted (or that hung from the root) that were accepted themselves, with a prior of
+`prior_nodes` nodes accepted at q itself (a new session reads its draft as calibrated), decayed by round. The
+cloud reads its node budget from it (cloud/node_budget.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# q is binned by tenths
+Q_BINS = 10
+
+
+def q_bin(q: float) -> int:
+    return min(max(int(q * Q_BINS), 0), Q_BINS - 1)
+
+
+@dataclass
+class NodeCalibration:
+    prior_nodes: float = 2.0
+    # weight of a new round
+    weight: float = 0.1
+    _kept: list[float] = field(default_factory=lambda: [0.0] * Q_BINS)
+    _tried: list[float] = field(default_factory=lambda: [0.0] * Q_BINS)
+
+    def observe(self, parents: list[int], q: list[float], accepted: list[bool]) -> None:
+        """A round's nodes (parent index, -1 for the root; q) and which of them the target accepted."""
+        if not q:
+            return
+        kept, tried = [0.0] * Q_BINS, [0.0] * Q_BINS
+        for par, qj, ok in zip(parents, q, accepted, strict=True):
+            if par < 0 or accepted[par]:  # tried: its parent was kept
+                b = q_bin(qj)
+                tried[b] += 1
+                kept[b] += ok
+        for b in range(Q_BINS):
+            self._kept[b] = (1 - self.weight) * self._kept[b] + kept[b]
+            self._tried[b] = (1 - self.weight) * self._tried[b] + tried[b]
+
+    def conditional(self, q: float) -> float:
+        """How often a node of this q is accepted once its parent was: its bin's share (prior: q)."""
+        b = q_bin(q)
+        return (self._kept[b] + self.prior_nodes * q) / (self._tried[b] + self.prior_nodes)
+
+    def expected(self, parents: list[int], q: list[float]) -> list[float]:
+        """Tokens each node is expected to add: `conditional` multiplied along its path."""
+        out: list[float] = []
+        for par, qj in zip(parents, q, strict=True):
+            out.append(self.conditional(qj) * (out[par] if par >= 0 else 1.0))
+        return out
