@@ -129,14 +129,15 @@ class GrpcClient:
                 "max_tree_nodes": m.max_tree_nodes, "max_feature_window": m.max_feature_window,
                 "session_stream": m.session_stream, "max_generate_tokens": m.max_generate_tokens,
                 "dtype_reason": m.dtype_reason, "batch_invariant": m.batch_invariant, "runner": m.runner,
-                "forward_cost": {f.name: getattr(m.forward_cost, f.name) for f in m.forward_cost.DESCRIPTOR.fields}}
+                "numerics": m.numerics, "forward_cost": {f.name: getattr(m.forward_cost, f.name) for f in m.forward_cost.DESCRIPTOR.fields}}
 
     def shutdown(self) -> None:
         self.channel.close()
 
 
 def _info(m: pb.SessionInfo) -> dict[str, Any]:
-    out = {"ctx_id": m.ctx_id, "ctx_len": m.ctx_len, "ctx_hash": m.ctx_hash, "vocab_size": m.vocab_size}
+    out = {"ctx_id": m.ctx_id, "ctx_len": m.ctx_len, "ctx_hash": m.ctx_hash, "vocab_size": m.vocab_size,
+           "numerics": m.numerics}
     if m.counters_json:
         out["counters"] = json.loads(m.counters_json)
     return out
