@@ -63,6 +63,17 @@ class LoadResult:
     client_cpu_s: float
     # largest sum over running texts of (prompt + committed) positions: the KV the load needs
     peak_positions: int
+    # the first few distinct errors that ended texts early, as `describe` words them
+    error_messages: list[str] = field(default_factory=list)
+
+
+def first_errors(texts: Sequence[TextRun], most: int = 3) -> list[str]:
+    """The first `most` distinct errors among the texts, in the order the texts ran."""
+    out: list[str] = []
+    for t in sorted(texts, key=lambda t: t.start_s):
+        if t.error is not None and t.error not in out and len(out) < most:
+            out.append(t.error)
+    return out
 
 
 def assign_texts(sessions: int, n_traces: int, texts: int | None = None) -> list[list[int]]:
@@ -254,4 +265,9 @@ async def run_load(mode: str, traces: Sequence[Trace], sessions: int, max_tokens
     finally:
         await http.aclose()
         await channel.close()
-    return LoadResult(mode, sessions, wall_s, [t for texts in per_session for t in texts], cpu_s, occ.peak)
+    runs = [t for texts in per_session for t in texts]
+    errors = first_errors(runs)
+    if errors:
+        print(f"loadgen: {mode}, {sessions} sessions: {sum(t.error is not None for t in runs)} texts ended early; "
+              f"first errors: {errors}", flush=True)
+    return LoadResult(mode, sessions, wall_s, runs, cpu_s, occ.peak, errors)

@@ -115,3 +115,43 @@ def test_sequences_run_out_with_a_clear_error_and_come_back(runner: LlamaTarget)
     assert pool.manager.available() == blocks - 1 and out.shape[0] == 1
     pool.release(slots[1])
     assert pool.manager.available() == blocks
+
+
+def test_sixteen_sessions_of_trees_share_the_context_and_give_their_sequences_back(
+        runner: LlamaTarget, reference) -> None:  # type: ignore[no-untyped-def]
+    """16 sessions with a 24-node tree each per round: more leaves than the free leaf sequences (rows past them
+    wait, as the scheduler leaves them), forwards longer than one llama.cpp batch, paths past dropped nodes;
+    every forward runs, every leaf sequence comes back, and a session's next token sees its own kept path."""
+    import random
+
+    pool = runner.pool
+    assert pool is not None
+    rng = random.Random(0)
+    texts = {pool.allocate(): [rng.randrange(1, 400) for _ in range(rng.randrange(20, 60))] for _ in range(16)}
+    runner.forward([Row(slot, 0, ids, keep=1) for slot, ids in texts.items()])  # > one batch of n_batch
+    free = pool.tree_seqs_free
+    for _ in range(3):
+        rows, left = [], pool.tree_seqs_free
+        for slot, ids in texts.items():
+            parents = (-1, *(rng.randrange(j) for j in range(1, 24)))
+            row = Row(slot, len(ids) - 1, [ids[-1]] + [rng.randrange(1, 400) for _ in parents],
+                      keep=len(parents) + 1, tree=parents, tree_base=len(ids))
+            if pool.tree_seqs(row) <= left:
+                rows.append(row)
+                left -= pool.tree_seqs(row)
+        assert 0 < len(rows) < len(texts)  # the leaves ran out before the sessions did
+        runner.forward(rows)
+        for r in rows:
+            assert r.tree is not None
+            path, at = [], rng.randrange(len(r.tree))
+            while at >= 0:
+                path.insert(0, at)
+                at = r.tree[at]
+            tokens = [r.ids[1 + j] for j in path]
+            runner.keep_path(r.slot, r.tree_base, path, tokens)
+            pool.set_length(r.slot, r.tree_base + len(path))
+            texts[r.slot] += tokens
+        assert pool.tree_seqs_free == free
+    slot, ids = next(iter(texts.items()))
+    (out,) = runner.forward([Row(slot, len(ids), [99], keep=1)])
+    assert (out[0] - reference(ids + [99])).abs().max() < TOL
