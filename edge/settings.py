@@ -106,7 +106,8 @@ class EdgeSettings(BaseSettings):
     # dtype of the draft model's weights and KV: float32, bfloat16, or auto (bfloat16 where the CPU has AMX or
     # AVX512-BF16, shared/dtypes.py). Exact in any dtype: q is whatever the draft computed and the cloud's rule
     # reads it as sent. auto by default: on an AVX512-BF16 CPU the coder pair's 0.5B draft grows a tree of 32
-    # nodes in two thirds of float32's time (BENCHMARKS.md, "The draft's cost and memory")
+    # nodes in two thirds of float32's time (BENCHMARKS.md, "The draft's cost and memory"; measured before its
+    # bfloat16 forwards were made batch-invariant, edge/drafters/model.py, so a seed keeps one text)
     draft_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     # what runs the draft model: "llamacpp" (a GGUF file, or a directory with model.gguf, run by llama.cpp as
     # devices do), "torch" (a Hugging Face directory in PyTorch), or "auto": llama.cpp where the draft has a GGUF

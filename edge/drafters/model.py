@@ -6,10 +6,21 @@ ones are refused at load). Each `propose(S, k)` crops the KV to the longest comm
 `_ids` and S and feeds the rest of S: normally one token (the round's correction), two when all
 k drafts were accepted (y_k was sampled but never fed, so its KV is filled in here together with
 the bonus), more after local commits or a reopen.
+
+How many tokens a forward holds depends on timing (the k schedule, drafting ahead, a catch-up after a
+correction), so in bfloat16 a position's logits would too: its kernels round differently by row count, and
+a seeded sampled session could change its text with timing. A draft in any dtype but float32 therefore runs
+batch-invariant like the cloud (shared/invariant.py: linear rows in whole tiles, attention in fixed key
+chunks), so q is a function of the context alone: at load, shared/invariant_calibration.py measures the
+smallest row tile whose kernels give a row the same bits at every row count up to FEED_ROWS, and longer
+feeds run in forwards of FEED_ROWS tokens. float32 keeps the plain kernels: their differences by row count
+stay in the last bits, too small to move a seeded draw (tests/e2e/test_seeded_text.py), and tiles would cost
+its single-row steps time.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -18,6 +29,8 @@ import torch
 
 from shared.config import SamplingConfig
 from shared.hf_model import check_rollback, load_causal_lm
+from shared.invariant import tile_linears
+from shared.invariant_calibration import Calibration, calibrate
 from shared.kvpool import KVPool, Row, UnsupportedModel, attention_layout, exclusive
 from shared.rng import position_uniform, sample_index
 from shared.sampling import process_logits
@@ -28,8 +41,12 @@ from .base import DraftBlock
 from .compact import is_compact, load_compact
 from .tree import TreeShape, TreeStopped, grow_tree
 
+log = logging.getLogger(__name__)
 # rng stream of the edge's draft samples, apart from the cloud's COIN (0) and SAMPLE (1) streams
 DRAFT_STREAM = 2
+# most tokens one forward of a batch-invariant draft feeds (its calibration's largest row count; a tree level
+# feeds at most tree_width <= 16 nodes)
+FEED_ROWS = 64
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
@@ -188,7 +205,7 @@ class ModelDrafter(CausalDrafter):
     """A Hugging Face causal LM in PyTorch, its KV in a one-slot KVPool (shared/kvpool.py)."""
 
     def __init__(self, model_dir: str | Path, device: str = "cpu", mc_dropout_samples: int = 0,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, invariant: bool | None = None) -> None:
         if not Path(model_dir).is_dir():
             raise UnsupportedModel(f"the draft model directory {model_dir} does not exist: pass --draft DIR (a local "
                                    "Hugging Face model directory; nothing is downloaded) or --draft ngram")
@@ -200,6 +217,11 @@ class ModelDrafter(CausalDrafter):
             self.model = load_causal_lm(Path(model_dir), device, dtype)
         # weights and KV (q is whatever the draft computes: draw and match and the verify rule read it as sent)
         self.device, self.dtype = device, dtype
+        # batch-invariant forwards (see the module docstring): a position's q whatever else its forward fed;
+        # None: on in every dtype but float32
+        self.invariant = dtype != torch.float32 if invariant is None else invariant
+        if self.invariant:
+            tile_linears(self.model)
         # the ids the draft speaks (its embedding's rows), and the ids q is taken over (the target's
         # tokenizer_size once paired: rows past it are padding of the embedding table, never a token)
         self.logit_rows = int(self.model.get_input_embeddings().weight.shape[0] if self.out_ids is not None
@@ -215,9 +237,20 @@ class ModelDrafter(CausalDrafter):
         self._layout = attention_layout(self.model.config)
         check_rollback(self.model, self._new_pool(), self.logit_rows, dtype)
         self.reset()
+        # what the load measured of the invariant forwards (None: plain kernels)
+        self.calibration: Calibration | None = None
+        if self.invariant:
+            self.calibration = calibrate(self.model, FEED_ROWS, self._pool)
+            c = self.calibration
+            if c.invariant:
+                log.info("the %s draft's forwards are batch-invariant (row tile %d, %d threads, measured in %.1f s)",
+                         dtype, c.tile, c.threads, c.seconds)
+            else:
+                log.warning("the %s draft's forwards are not batch-invariant on this machine (%s): its q, and a "
+                            "seeded sampled text, may change with how tokens are fed", dtype, c.failure)
 
     def _new_pool(self) -> KVPool:
-        pool = KVPool(self._layout, self.max_context or 1 << 20, self.device, self.dtype)
+        pool = KVPool(self._layout, self.max_context or 1 << 20, self.device, self.dtype, invariant=self.invariant)
         template = self.__dict__.get("_template")
         if template is None:
             pool.prepare(self.model)
@@ -241,9 +274,12 @@ class ModelDrafter(CausalDrafter):
     @torch.no_grad()
     def _feed(self, tokens: Sequence[int]) -> torch.Tensor:
         """Run `tokens` after `_ids` through the model, extending the cache; logits of the last ([vocab])."""
-        row = Row(self._slot, len(self._ids), [int(t) for t in tokens], keep=1)
-        (logits,) = self._pool.forward(self.model, [row])  # [1, rows]
-        self._ids.extend(row.ids)
+        ids = [int(t) for t in tokens]
+        step = FEED_ROWS if self.invariant else max(len(ids), 1)
+        for lo in range(0, len(ids), step):
+            row = Row(self._slot, len(self._ids), ids[lo: lo + step], keep=1)
+            (logits,) = self._pool.forward(self.model, [row])  # [1, rows]
+            self._ids.extend(row.ids)
         return self._spread(logits[-1])  # [vocab]
 
     def _spread(self, logits: torch.Tensor) -> torch.Tensor:

@@ -3,10 +3,13 @@
 Module-scoped, so the tests of one module share one process; each test opens its own sessions.
 `cloud`, `tokenizer` and `drafter` are the tiny pair's, as the edge modules use them; a module
 that needs others (the cloud modules use the demo pair) defines its own, which take precedence.
+`drafter` runs in the suite's dtype (SPECSPLIT_TEST_DTYPE, float32 unless scripts/test.sh's bfloat16 pass
+names bfloat16), as the cloud does (tests/server.py).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +18,7 @@ import pytest
 import torch
 
 from edge.drafters import ModelDrafter
+from shared.hf_model import DTYPES
 from tests.server import CloudProcess
 
 
@@ -57,7 +61,7 @@ def tokenizer(tiny_pair: tuple[Path, Path]) -> Any:
 
 @pytest.fixture(scope="module")
 def drafter(tiny_pair: tuple[Path, Path]) -> ModelDrafter:
-    return ModelDrafter(tiny_pair[1])
+    return ModelDrafter(tiny_pair[1], dtype=DTYPES[os.environ.get("SPECSPLIT_TEST_DTYPE", "float32")])
 
 
 @pytest.fixture(scope="module")

@@ -26,11 +26,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from edge.client import EdgeClient
 from edge.drafters import ModelDrafter
 from edge.drafters.base import DraftBlock
-from edge.settings import EdgeSettings
+from edge.settings import EdgeSettings, draft_torch_dtype
 from edge.waycontrol import WayControl
 from tests.e2e.test_feature_fed import ClosesOnce
 from tests.server import CloudProcess
@@ -46,7 +47,8 @@ SCHEDULES: list[dict[str, Any]] = [
 
 
 def run(cloud: CloudProcess, tokenizer: Any, draft: Path, seed: int, transport: str = "rest", reopen: bool = False,
-        result: bool = False, **kw: Any) -> Any:
+        result: bool = False, drafter: ModelDrafter | None = None, **kw: Any) -> Any:
+    """One generation of PROMPT; the draft in the suite's dtype (SPECSPLIT_TEST_DTYPE) unless `drafter` is given."""
     where = {"cloud_url": cloud.http_url} if transport == "rest" else {"grpc_target": cloud.grpc_target}
     kw.setdefault("check_last", True)
     kw.setdefault("tree", "off")
@@ -55,7 +57,7 @@ def run(cloud: CloudProcess, tokenizer: Any, draft: Path, seed: int, transport: 
     s = EdgeSettings(top_p=0.9, max_new_tokens=N_NEW, seed=seed, stop_at_eos=False, head="none",
                      draft=str(draft), timeout_ms=60_000, **where, **kw)
     plain = EdgeClient(s, tokenizer=tokenizer)
-    client = EdgeClient(s, tokenizer=tokenizer, drafter=ModelDrafter(draft),
+    client = EdgeClient(s, tokenizer=tokenizer, drafter=drafter or ModelDrafter(draft, dtype=draft_torch_dtype(s)),
                         transport=ClosesOnce(plain.transport) if reopen else None)
     r = client.generate(PROMPT)
     assert r.metrics.local_commits == 0 and (r.metrics.reopens == 1) == reopen
@@ -68,6 +70,28 @@ def test_one_seed_gives_one_text_under_any_round_structure(tiny_cloud_server: Cl
     texts = [run(tiny_cloud_server, tokenizer, tiny_pair[1], seed, **sch) for sch in SCHEDULES]
     texts.append(run(tiny_cloud_server, tokenizer, tiny_pair[1], seed, transport="grpc", fixed_k=4))
     texts.append(run(tiny_cloud_server, tokenizer, tiny_pair[1], seed, reopen=True, fixed_k=2))
+    assert all(t == texts[0] for t in texts), [t[:12] for t in texts]
+    assert len(texts[0]) == N_NEW and len(set(texts[0])) > 5
+
+
+BF16_SCHEDULES: list[dict[str, Any]] = [
+    {"fixed_k": 1, "draft_ahead": False}, {"fixed_k": 2, "draft_ahead": False}, {"fixed_k": 3, "draft_ahead": True},
+    {"fixed_k": 5, "draft_ahead": False}, {"fixed_k": 6, "draft_ahead": True}, {"k_policy": "cost", "draft_ahead": True},
+]
+
+
+@pytest.mark.parametrize("seed", [3])
+def test_a_bfloat16_draft_gives_one_text_under_any_round_structure(
+        tiny_cloud_server: CloudProcess, demo_draft_dir: Path, tokenizer: Any, seed: int) -> None:
+    """A bfloat16 draft's q depends on the context alone (its forwards are batch-invariant,
+    edge/drafters/model.py), so sampled chain sessions keep one text across k schedules and drafting ahead
+    on and off. The demo draft (width 128), whose plain bfloat16 forwards round differently by how many
+    tokens they feed (the tiny draft's width 32 does not show it), against the suite's tiny cloud; one
+    drafter loaded, each run on a fork of it. With its plain kernels (invariant=False) both seeds 3 and 11
+    gave other texts across these schedules."""
+    draft = ModelDrafter(demo_draft_dir, dtype=torch.bfloat16)
+    texts = [run(tiny_cloud_server, tokenizer, demo_draft_dir, seed, drafter=draft.fork(), **sch)
+             for sch in BF16_SCHEDULES]
     assert all(t == texts[0] for t in texts), [t[:12] for t in texts]
     assert len(texts[0]) == N_NEW and len(set(texts[0])) > 5
 
@@ -117,7 +141,8 @@ def test_trees_grown_while_the_cloud_verifies_keep_the_text(tiny_cloud_server: C
                          cloud_url=c.http_url, tree="8", temperature=0.0, stream_switch=False, draft_ahead=ahead,
                          node_budget=False)  # the cloud's budget follows the slowed answers' timing
         slow = SlowVerify(EdgeClient(s, tokenizer=tokenizer).transport)  # the worker finishes each tree
-        return EdgeClient(s, tokenizer=tokenizer, drafter=ModelDrafter(d), transport=slow).generate(PROMPT)
+        draft = ModelDrafter(d, dtype=draft_torch_dtype(s))
+        return EdgeClient(s, tokenizer=tokenizer, drafter=draft, transport=slow).generate(PROMPT)
 
     on, off = generate(True), generate(False)
     assert on.token_ids == off.token_ids == want
