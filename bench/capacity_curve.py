@@ -11,8 +11,9 @@ Edges draft nothing during the run, so 64 sessions load the cloud as 64 devices 
 own greedy text of the prompt; 32 nodes, 4 wide, 8 deep, no copy branches), kept in `trees.json` beside the
 results so a rerun skips it. Greedy verification is deterministic, so a replayed edge cuts the tree at its position
 to its policy's size (a chain: the draft's greedy path; a tree: its n most valuable nodes) and knows what the cloud
-must answer: the reference's next tokens. The "edge" and "adaptive" edges choose n as the edge does
-(edge/treecontrol.py, fed the answers' times), adaptive capped by each answer's node_budget; every level runs every prompt at least once (one session runs them one after another).
+must answer: the reference's next tokens. The "edge" and "adaptive" edges rank and choose n as the edge does
+(edge/treecontrol.py: nodes by the session's acceptance by q, n from the answers' times), adaptive capped by
+each answer's node_budget; every level runs every prompt at least once (one session runs them one after another).
 
 One core each: this process (the load) on core 0, the cloud on core 1 with one torch thread, PyTorch runner
 (the batch-invariant one: every shape gives the reference's text).
@@ -109,6 +110,7 @@ class SessionRun:
 
 async def speculative(stub: Any, table: Table, policy: str, n_new: int) -> SessionRun:
     """One replayed edge: open, rounds cut from the position's tree by `policy`, close."""
+    from edge.drafters.base import DraftBlock
     from edge.treecontrol import TreeControl
     from shared.hashing import ctx_hash
     from shared.pb import verify_pb2 as pb
@@ -124,7 +126,9 @@ async def speculative(stub: Any, table: Table, policy: str, n_new: int) -> Sessi
     try:
         while pos < n_new:
             tree = table.trees[pos]
-            if policy in ("edge", "adaptive"):
+            if policy in ("edge", "adaptive"):  # ranked by the session's acceptance by q, as the edge ranks
+                tree = {**tree, "values": ctl.ranked(DraftBlock(tree["tokens"], tree["q"], "sampled",
+                                                                 parents=tree["parents"]))}
                 n = ctl.choose(tree["values"])
                 n = min(n, budget) if policy == "adaptive" and budget else n
             else:
@@ -150,6 +154,7 @@ async def speculative(stub: Any, table: Table, policy: str, n_new: int) -> Sessi
                 ctl.observe(len(tokens), sum(sorted(tree["values"], reverse=True)[:len(tokens)]), a.accepted_len,
                             max((d for d in _depths(parents)), default=0), wall * 1000,
                             a.metrics.prefill_ms + a.metrics.queue_ms)
+                ctl.observe_nodes(DraftBlock(tokens, q, "sampled", parents=parents), list(a.accepted_nodes))
         run.tokens = pos
     finally:
         await stub.CloseSession(pb.CloseSessionRequest(ctx_id=info.ctx_id), timeout=CALL_TIMEOUT_S)

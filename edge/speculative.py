@@ -245,6 +245,7 @@ class SpeculativeRun(CloudSession):
         self._copy_path = lookup_path(self.S, copy_depth) if self.tree.copy_branches else []
         if self._copy_path:
             block = graft(block, self._copy_path, self.tree.copy.value)
+        block = replace(block, values=self.tree.ranked(block, self._copy_path))
         assert block.values is not None
         block = prune(block, min(nodes, self.tree.choose(block.values)))
         wait_ms = 0.0
@@ -381,6 +382,7 @@ class SpeculativeRun(CloudSession):
         self.metrics.tree_nodes += block.k
         self.metrics.record_positions(deepest, la)
         self.tree.observe(block.k, sum(block.values), la, max(drafted, default=0), rtt_ms, cloud_ms)
+        self.tree.observe_nodes(block, accepted)
         if block.copied is not None:
             self.metrics.copy_nodes += sum(block.copied)
             self.metrics.copy_accepted += sum(block.copied[j] for j in accepted)

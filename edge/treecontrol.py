@@ -2,9 +2,12 @@
 
 A tree round's expected committed tokens are 1 + sum over the sent nodes of P(node accepted). The verify
 rule accepts a node iff the target's draw matched its whole path (shared/tree.py), which a calibrated draft
-puts at the node's value (the product of q along its path, edge/drafters/tree.py). Drafts are not
-calibrated, so the values are scaled by c, the running ratio of accepted nodes to the values of the nodes
-sent (exponentially weighted, prior 1):
+puts at the product of q along its path (edge/drafters/tree.py). Drafts are not calibrated, and not uniformly
+so (a confident main path is kept more often than its q says, a second branch less), so a node is valued by
+the session's own acceptance of its q given its parent kept, multiplied along its path (`ranked`, the same
+reading as the cloud's node budget, shared/node_value.py); the nodes are ranked and pruned by that value, and
+what error remains is scaled by c, the running ratio of accepted nodes to the values of the nodes sent
+(exponentially weighted, prior 1):
 
     E[tokens](n) = 1 + c * (sum of the n largest values)        (the n most valuable nodes form a tree)
     rate(n) = E[tokens](n) / (t_verify(n) + RTT)
@@ -27,7 +30,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .drafters.lookup import CopyConfidence
+from shared.node_value import NodeCalibration
+
+from .drafters.base import DraftBlock
+from .drafters.lookup import CopyConfidence, path_values
 from .drafters.tree import TreeShape
 
 
@@ -64,6 +70,9 @@ class TreeControl:
     copy_branches: bool = True
     copy_depth: int = 16
     copy: CopyConfidence = field(default_factory=CopyConfidence)
+    # the session's acceptance by q (given the parent kept): what the draft's nodes are worth, as the cloud's
+    # node budget reads it (shared/node_value.py)
+    nodes: NodeCalibration = field(default_factory=NodeCalibration)
     _rounds: int = 0
 
     def shape(self) -> TreeShape:
@@ -104,6 +113,30 @@ class TreeControl:
         if self._rounds % self.probe_every == 0:
             best = (best + 1) // 2
         return max(best, 1)
+
+    def ranked(self, block: DraftBlock, copy_path: list[int] | None = None) -> list[float]:
+        """Each node's expected tokens: the session's acceptance of its q multiplied along its path; a node of
+        a grafted copy path keeps the larger of that and its copy value (a node only the copy proposed, its
+        copy value), so values never rise along a path and `prune` keeps a tree."""
+        assert block.parents is not None
+        copied = block.copied or [False] * block.k
+        fixed = path_values(block, copy_path, self.copy.value) if copy_path else [None] * block.k
+        out: list[float] = []
+        for j, (par, q) in enumerate(zip(block.parents, block.q_probs, strict=True)):
+            v = 0.0 if copied[j] else self.nodes.conditional(q) * (out[par] if par >= 0 else 1.0)
+            f = fixed[j]
+            out.append(v if f is None else max(v, f))
+        return out
+
+    def observe_nodes(self, block: DraftBlock, accepted: list[int]) -> None:
+        """The sent tree's nodes the target accepted (indices), into the acceptance by q (copy-only nodes
+        left out: their q is the copies' share, not the draft's)."""
+        assert block.parents is not None
+        kept = [False] * block.k
+        for j in accepted:
+            kept[j] = True
+        counted = [not c for c in block.copied] if block.copied is not None else None
+        self.nodes.observe(block.parents, block.q_probs, kept, counted)
 
     def observe(self, sent: int, predicted: float, accepted_len: int, deepest: int, exchange_ms: float,
                 cloud_ms: float) -> None:

@@ -7,7 +7,9 @@ agree with it), while a second branch at q 0.3 is kept less, and the two mix at 
 eight deep has the value of a second branch one deep). `NodeCalibration` keeps, per tenth of q, the share of
 the nodes whose parent was accepted (or that hung from the root) that were accepted themselves, with a prior of
 `prior_nodes` nodes accepted at q itself (a new session reads its draft as calibrated), decayed by round. The
-cloud reads its node budget from it (cloud/node_budget.py).
+cloud reads its node budget from it (cloud/node_budget.py), and the edge ranks its tree's nodes by it
+(edge/treecontrol.py): both sides then value a node alike, so a tree cut to the budget keeps the nodes the
+budget counted.
 """
 
 from __future__ import annotations
@@ -30,16 +32,22 @@ class NodeCalibration:
     _kept: list[float] = field(default_factory=lambda: [0.0] * Q_BINS)
     _tried: list[float] = field(default_factory=lambda: [0.0] * Q_BINS)
 
-    def observe(self, parents: list[int], q: list[float], accepted: list[bool]) -> None:
-        """A round's nodes (parent index, -1 for the root; q) and which of them the target accepted."""
+    def observe(self, parents: list[int], q: list[float], accepted: list[bool],
+                counted: list[bool] | None = None) -> None:
+        """A round's nodes (parent index, -1 for the root; q) and which of them the target accepted; `counted`
+        leaves out nodes whose q is not the draft's (an edge's copy branches)."""
         if not q:
             return
         kept, tried = [0.0] * Q_BINS, [0.0] * Q_BINS
-        for par, qj, ok in zip(parents, q, accepted, strict=True):
+        for j, (par, qj, ok) in enumerate(zip(parents, q, accepted, strict=True)):
+            if counted is not None and not counted[j]:
+                continue
             if par < 0 or accepted[par]:  # tried: its parent was kept
                 b = q_bin(qj)
                 tried[b] += 1
                 kept[b] += ok
+        if not sum(tried):  # nothing of the draft's own was tried: the round says nothing
+            return
         for b in range(Q_BINS):
             self._kept[b] = (1 - self.weight) * self._kept[b] + kept[b]
             self._tried[b] = (1 - self.weight) * self._tried[b] + tried[b]

@@ -72,6 +72,21 @@ def graft(block: DraftBlock, path: Sequence[int], conf: float) -> DraftBlock:
     return DraftBlock(tokens=tokens, q_probs=qs, kind=block.kind, parents=parents, values=values, copied=copied)
 
 
+def path_values(block: DraftBlock, path: Sequence[int], conf: float) -> list[float | None]:
+    """Per node of `block`, its value as a node of the grafted `path` (`conf ** j` at depth j), None off it."""
+    assert block.parents is not None
+    out: list[float | None] = [None] * block.k
+    children = {(p, t): j for j, (p, t) in enumerate(zip(block.parents, block.tokens, strict=True))}
+    at, value = -1, 1.0
+    for tok in path:
+        j = children.get((at, tok))
+        if j is None:  # pruned away
+            break
+        value *= conf
+        out[j], at = value, j
+    return out
+
+
 class CopyConfidence:
     """The running share of copy-path nodes the target accepted, among those whose parent it accepted
     (exponentially weighted; `prior` before any)."""

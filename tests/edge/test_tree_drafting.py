@@ -12,10 +12,13 @@
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import torch
 
 from edge.drafters import ModelDrafter
+from edge.drafters.base import DraftBlock
+from edge.drafters.lookup import graft
 from edge.drafters.tree import TreeShape, grow_tree, prune
 from edge.treecontrol import TreeControl
 from shared.config import SamplingConfig
@@ -91,3 +94,51 @@ def test_controller_keeps_a_fixed_count_adapts_depth_and_probes() -> None:
     assert ctl.depth == 6
     first, second = ctl.choose([0.9] * 32), ctl.choose([0.9] * 32)
     assert second == (first + 1) // 2
+
+
+def _main_and_side(depth: int = 6) -> DraftBlock:
+    """A confident main path (q 0.65 at every level) with one second branch (q 0.3) under each of its nodes."""
+    tokens, q, parents = [], [], []
+    at = -1
+    for d in range(depth):
+        tokens += [100 + d, 200 + d]
+        q += [0.65, 0.3]
+        parents += [at, at]
+        at = len(tokens) - 2
+    values: list[float] = []
+    for par, qj in zip(parents, q, strict=True):
+        values.append(qj * (values[par] if par >= 0 else 1.0))
+    return DraftBlock(tokens, q, "sampled", parents=parents, values=values)
+
+
+def test_nodes_are_ranked_by_the_sessions_acceptance_of_their_q() -> None:
+    """A new session ranks nodes by q along the path (its acceptance's prior is q itself); once its rounds
+    show the main path (q 0.65) always kept and second branches (q 0.3) never, a pruned tree keeps the main path
+    to its end before any second branch, where the path value kept the shallow second branches (0.3 > 0.65^3).
+    Copy-only nodes keep their copy value and leave the acceptance by q alone."""
+    ctl = TreeControl(copy_branches=False)
+    block = _main_and_side()
+    assert ctl.ranked(block) == block.values  # prior: calibrated
+
+    main = [j for j in range(block.k) if block.q_probs[j] == 0.65]
+    for _ in range(30):
+        ctl.observe_nodes(block, main)
+    ranked = ctl.ranked(block)
+    cut = prune(replace(block, values=ranked), len(main))
+    assert cut.tokens == [block.tokens[j] for j in main]
+    old = prune(block, len(main))
+    assert old.tokens != cut.tokens and 201 in old.tokens  # the q-product ranking kept a second branch
+
+    # a copy path grafted beside the main path: copy-only nodes are valued conf ** depth, shared ones the larger
+    path = [100, 101, 7, 8]
+    grafted = graft(block, path, ctl.copy.value)
+    values = ctl.ranked(grafted, path)
+    assert grafted.copied is not None
+    copy_only = [j for j in range(grafted.k) if grafted.copied[j]]
+    assert [values[j] for j in copy_only] == [ctl.copy.value ** 3, ctl.copy.value ** 4]
+    assert all(values[j] <= (values[p] if p >= 0 else 1.0) for j, p in enumerate(grafted.parents or []))
+    prune(replace(grafted, values=values), 5)  # still a tree
+    before = copy.deepcopy(ctl.nodes)
+    only_copies = replace(grafted, copied=[True] * grafted.k)
+    ctl.observe_nodes(only_copies, list(range(grafted.k)))
+    assert ctl.nodes == before
