@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import sys
 import time
+from typing import get_args
 
 from pydantic import ValidationError
 
@@ -32,8 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         default = "required" if field.is_required() else f"default {field.default}"
         text = (field.description or "").replace("%", "%%")  # argparse formats help with %
-        if field.annotation is bool:  # --flag, --flag true|false, --no-flag
-            p.add_argument(flag, dest=name, nargs="?", const="true", metavar="true|false",
+        if bool in (field.annotation, *get_args(field.annotation)):  # --flag, --flag true|false, --no-flag
+            literals = [v for arg in get_args(field.annotation) if arg is not bool for v in get_args(arg)]
+            choices = "|".join(["true", "false", *literals])  # kv_preallocate also takes "auto"
+            p.add_argument(flag, dest=name, nargs="?", const="true", metavar=choices,
                            help=f"{text} ({default}; env {env}; --no-{flag[2:]} for false)")
             p.add_argument(f"--no-{flag[2:]}", dest=name, action="store_const", const="false",
                            help=argparse.SUPPRESS)

@@ -140,7 +140,7 @@ class TargetModel:
                 "kv_bytes_per_token": self.kv_bytes_per_token}})
 
     def use_pool(self, kv_budget_bytes: int | None, block_size: int = BLOCK_SIZE, prefix_cache: bool = True,
-                 preallocate: bool = False) -> None:
+                 preallocate: bool | str = False) -> None:
         """A fresh, empty pool with these limits (each service starts with its own); rank 0 of a
         tensor-parallel group has every rank do the same."""
         if self.group is not None and self.group.rank == 0:

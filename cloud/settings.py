@@ -68,11 +68,12 @@ class CloudSettings(BaseSettings):
                      "unreferenced cached prefix blocks, then least recently used idle sessions are evicted, else 429. "
                      "Under tensor parallelism (torchrun) it is per rank: each rank's pool holds its share of the KV "
                      "heads"))
-    kv_preallocate: bool = Field(default=False,
+    kv_preallocate: bool | Literal["auto"] = Field(default="auto",
         description=("allocate the KV pool's tensors for the whole budget at start (all of it resident from then on) "
                      "instead of doubling them as sessions come: each doubling copies the pool while every round waits "
-                     '(a 200-450 ms stall under sustained opens, BENCHMARKS.md "The verifier under sustained load"); for '
-                     "a dedicated server"))
+                     '(a 200-450 ms stall under sustained opens, BENCHMARKS.md "The verifier under sustained load"); '
+                     '"auto": when the budget takes at most half the memory free at start (the GPU\'s on a GPU), '
+                     "else grow; false: always grow (memory as sessions come)"))
     eviction_grace_s: float = Field(default=5.0, ge=0,
         description=("a session opened (or reopened) less than this long ago that has not run a round yet is never "
                      "evicted for blocks: under overload new work waits or gets 429 rather than evicting sessions before "

@@ -181,7 +181,7 @@ class Op:
     # "idle" (nothing: keeps the workers' wait under the collective timeout), "stop"
     kind: str
     plan: ForwardPlan | None = None
-    pool: tuple[int | None, int, bool, bool] | None = None
+    pool: tuple[int | None, int, bool, bool | str] | None = None
     moves: list[tuple[int, int]] | None = None
 
 

@@ -21,7 +21,8 @@ Memory traffic per forward and layer: the new K/V are written once (T = sum of t
 the keys and values each row attends to are read once (one gather over all rows: sum over rows of
 c + len(ids) positions, or of the window on sliding layers). A copy happens only when a sequence
 writes into a block shared through the prefix cache (copy-on-write of one block) and when the pool
-grows (doubling, up to the budget).
+grows (doubling, up to the budget; a pool whose budget takes at most half the free memory is allocated whole at
+start by default and never grows).
 
 Sliding-window layers keep the whole history in blocks and read only the window, so rollback is a
 crop on every layer. Models whose layers keep recurrent or convolution state cannot be rolled back by
@@ -31,6 +32,7 @@ position and are refused by `attention_layout` (shared/attention_layout.py).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -60,16 +62,44 @@ __all__ = ["BLOCK_SIZE", "FULL", "SLIDING", "AttentionLayout", "ForwardPlan", "K
 BLOCK_SIZE = 16
 
 
+def free_memory_bytes(device: torch.device) -> int | None:
+    """Memory free for new tensors now: the GPU's free memory, or the host's MemAvailable (None if unknown)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def preallocates(preallocate: bool | str, budget_bytes: int | None, device: torch.device) -> bool:
+    """Whether a pool allocates its whole budget at start: as told, or with "auto" when the budget takes at most
+    half the memory free at start."""
+    if budget_bytes is None or preallocate is False:
+        return False
+    if preallocate == "auto":
+        free = free_memory_bytes(device)
+        return free is not None and budget_bytes <= free // 2
+    return True
+
+
 class KVPool:
     """The paged KV of many sequences of one model (see the module docstring)."""
 
     def __init__(self, layout: AttentionLayout, max_positions: int, device: torch.device | str,
                  dtype: torch.dtype, *, budget_bytes: int | None = None, block_size: int = BLOCK_SIZE,
-                 prefix_cache: bool = False, invariant: bool = False, preallocate: bool = False) -> None:
+                 prefix_cache: bool = False, invariant: bool = False, preallocate: bool | str = False) -> None:
         self.layout = layout
         # allocate the whole budget when sized instead of growing it by doubling (each growth copies the pool
-        # while the model waits: under load one round met it as a 200-450 ms queue wait)
-        self.preallocate = preallocate and budget_bytes is not None
+        # while the model waits: under load one round met it as a 200-450 ms forward); "auto": when it fits
+        self.preallocate = preallocates(preallocate, budget_bytes, torch.device(device))
         # batch-invariant attention (shared/invariant.py): a query's result whatever its forward's other rows
         self.invariant = invariant
         # position ids past this are clamped (callers check real rows against the model's context)
@@ -113,6 +143,8 @@ class KVPool:
                                  f"{block_bytes} bytes; raise it")
             self.blocks = BlockManager(self.block_size, self.budget_bytes // block_bytes, self.prefix_cache,
                                        initial_blocks=self.budget_bytes // block_bytes if self.preallocate else 16)
+            log.info("KV pool: %s (budget %.0f MB)", "the whole budget allocated at start" if self.preallocate else
+                     "grows by doubling up to the budget", self.budget_bytes / 2**20)
         self._fit()
 
     def _fit(self, capacity: int | None = None) -> None:

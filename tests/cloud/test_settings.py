@@ -88,3 +88,6 @@ def test_boolean_flags_take_a_bare_switch_a_value_or_no(flags: list[str], expect
     s = settings_from_args(["--model", str(tiny_pair[0]), *flags, "--max-k", "5"])
     assert s.prefix_cache is expected and s.max_k == 5
     assert settings_from_args(["--model", str(tiny_pair[0]), "--kv-preallocate"]).kv_preallocate is True
+    assert settings_from_args(["--model", str(tiny_pair[0]), "--no-kv-preallocate"]).kv_preallocate is False
+    assert settings_from_args(["--model", str(tiny_pair[0]), "--kv-preallocate", "auto"]).kv_preallocate == "auto"
+    assert settings_from_args(["--model", str(tiny_pair[0])]).kv_preallocate == "auto"

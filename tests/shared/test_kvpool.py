@@ -155,6 +155,23 @@ def test_a_preallocated_pool_holds_its_budget_from_the_start_and_never_grows(mod
     assert torch.equal(outs[0], outs[1])
 
 
+def test_auto_preallocates_a_budget_that_fits_in_half_the_free_memory(model: torch.nn.Module,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default ("auto"): a budget of at most half the free memory is allocated whole at start (no growth
+    stalls under load); a larger one grows by doubling, as does any budget when the free memory is unknown."""
+    import shared.kvpool as kvpool
+
+    probe = new_pool(model)
+    budget = 40 * 4 * probe.bytes_per_position
+    for free, whole in ((2 * budget, True), (2 * budget - 1, False), (None, False)):
+        monkeypatch.setattr(kvpool, "free_memory_bytes", lambda device, free=free: free)
+        pool = new_pool(model, budget_bytes=budget, preallocate="auto")
+        assert (pool.keys[0].shape[1] == 40 * 4) is whole, free
+    monkeypatch.undo()
+    free = kvpool.free_memory_bytes(torch.device("cpu"))
+    assert free is not None and free > 0
+
+
 @torch.inference_mode()
 def test_forwards_of_one_model_from_two_threads_do_not_overlap_and_stay_exact(model: torch.nn.Module) -> None:
     """Two threads run one set of weights through two pools (drafters forked from one model, as in
