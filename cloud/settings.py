@@ -69,7 +69,8 @@ class CloudSettings(BaseSettings):
                      "Under tensor parallelism (torchrun) it is per rank: each rank's pool holds its share of the KV "
                      "heads"))
     kv_preallocate: bool | Literal["auto"] = Field(default="auto",
-        description=("allocate the KV pool's tensors for the whole budget at start (all of it resident from then on) "
+        description=("allocate the KV pool's tensors for the whole budget at start (on a CPU its pages become resident as they are first "
+                     "written, on a GPU all at once) "
                      "instead of doubling them as sessions come: each doubling copies the pool while every round waits "
                      '(a 200-450 ms stall under sustained opens, BENCHMARKS.md "The verifier under sustained load"); '
                      '"auto": when the budget takes at most half the memory free at start (the GPU\'s on a GPU), '

@@ -155,10 +155,13 @@ class KVPool:
         if self.keys and self.keys[0].shape[1] >= rows:
             return
         t0, had = time.perf_counter(), self.keys[0].shape[1] if self.keys else 0
+        # a pool allocated whole on a CPU takes its pages from the OS as blocks are first written (an untouched
+        # page costs no memory; no position is read before it was written: a row reads its own slots only)
+        new = torch.empty if not had and self.preallocate and self.device.type == "cpu" else torch.zeros
         with torch.inference_mode(False):  # normal tensors: writable in and outside inference mode
             for store, which in ((self.keys, 1), (self.values, 2)):
                 for i, shape in enumerate(self._shapes):
-                    grown = torch.zeros(shape[0], rows, shape[which], dtype=self.dtype, device=self.device)
+                    grown = new(shape[0], rows, shape[which], dtype=self.dtype, device=self.device)
                     if i < len(store):
                         grown[:, : store[i].shape[1]] = store[i]
                         store[i] = grown
