@@ -47,6 +47,9 @@ START, END = "<!-- cloud-runner:start -->", "<!-- cloud-runner:end -->"
 TOKENS = (1, 2, 4, 8, 16, 32)
 AIM_PEER = 0.9
 AIM_SPEEDUP = {0: 1.3, 50: 1.0, 100: 1.0}
+# the decode rule of every text compared here: plain greedy, as the peer decodes (the edge's defaults sample at
+# temperature 1 with a repetition penalty of 1.1)
+GREEDY: dict[str, Any] = {"temperature": 0.0, "repetition_penalty": 1.0}
 
 
 def verify_costs(path: Path, threads: int, kv: int = 64, repeats: int = 5) -> dict[int, float]:
@@ -96,7 +99,7 @@ def one_runner(runner: str, tokenizer: Any, drafter: Any, ids: list[list[int]], 
     res: dict[str, Any] = {"runner": runner}
     with CloudServer(TARGET, torch_threads=1, extra_args=["--runner", runner], startup_timeout_s=600.0) as cloud:
         machine["pinned"] = machine["pinned"] and pin(cloud.pid, 1)
-        client = client_for(settings(cloud.url, n_new, mode="cloud_only"), tokenizer, drafter)
+        client = client_for(settings(cloud.url, n_new, mode="cloud_only", **GREEDY), tokenizer, drafter)
         info = client.model_info()
         res["dtype"], res["reason"] = info.dtype, info.dtype_reason
         c0 = cpu_seconds(cloud.pid)
@@ -109,7 +112,7 @@ def one_runner(runner: str, tokenizer: Any, drafter: Any, ids: list[list[int]], 
         if runner == "llamacpp":
             for rtt in RTTS_MS:
                 with DelayProxy("127.0.0.1", cloud.http_port, rtt_ms=rtt) as proxy:
-                    spec_client = client_for(settings(proxy.url, n_new, temperature=0.0), tokenizer, drafter)
+                    spec_client = client_for(settings(proxy.url, n_new, **GREEDY), tokenizer, drafter)
                     spec = tally(spec_client, ids)
                     spec_client.close()
                 row = summary(spec, rtt_ms=rtt)
