@@ -9,8 +9,8 @@ accepted path, and a pool whose block accounting (shared/blocks.py) admission an
 - a forward is one llama.cpp batch of every row's tokens, each at its position and in its row's sequence;
 - a tree row: each leaf of the tree gets a sequence of its own that shares the session's cells (`seq_cp` adds an
   id to cells, it copies nothing); a node joins the sequences of every leaf below it and attends through its
-  first one, which holds the context and the node's own path (llama.cpp's `examples/speculative` verifies trees
-  the same way). The accepted path joins the session's sequence (`keep_path`), the leaves go;
+  first one, which holds the context and the node's own path. The accepted path joins the session's sequence
+  (`keep_path`: decoded again as a chain when dropped nodes' cells lie between its own), the leaves go;
 - the KV budget (kv_budget_bytes) sizes the context: its cells are allocated at start, as --kv-preallocate does.
 
 p comes from llama.cpp's float32 logits through shared/sampling.py, so the verify rule, draw and match and every
@@ -18,9 +18,11 @@ exactness test hold as on the PyTorch runner. What llama.cpp does not give: bit-
 batch (BENCHMARKS.md measures how far they move), the target's hidden states (no feature-fed heads), prefix
 sharing across sessions, tensor parallelism. With --batch-invariant (the default) the weights are not repacked
 and every micro-batch is at most as long as the kernels keep a token's one-token bits (shared/llama_invariance.py,
-measured at start); `batch_invariant` in /v1/model is true only if the whole claim was measured to hold, which
-llama.cpp's unified cache breaks once a crop frees cells that later positions take (attention then sums a
-sequence's keys out of position order).
+measured at start); `batch_invariant` in /v1/model is true only if the whole claim was measured to hold.
+Attention sums a sequence's keys in cell order, and the cache gives a batch's tokens the lowest free cells: a
+session's own crops and kept tree paths leave its cells in position order, but cells another session freed below
+a session's own are taken by its next tokens, which moves their logits (by up to 0.55 over 20 steps on the coder
+0.5B, measured), so with sessions side by side the claim does not hold and the probe says so.
 """
 
 from __future__ import annotations
@@ -142,13 +144,24 @@ class LlamaPool(KVPool):
         return 0  # no prefix sharing across sessions on this runner
 
     def keep_path(self, slot: int, start: int, src: list[int], tokens: list[int]) -> list[tuple[int, int]]:
-        """The accepted path's cells (positions start .. start + len(src) - 1 of the leaf that holds its last node)
-        join the session's sequence; every leaf of the tree goes."""
+        """The accepted path joins the session's sequence at positions start .. start + len(src) - 1; every leaf
+        of the tree goes.
+
+        Attention sums a sequence's keys in cell order, so a session's cells must ascend with its positions for
+        its logits to be the bits of a plain decode. The tree's tokens took cells in row order: the path's first
+        nodes while they are nodes 0, 1, 2, ... keep their cells, with the dropped nodes' cells above them. Past
+        the first node that is not, dropped nodes' cells lie between the path's own and the next tokens would take
+        them below the path's last nodes, so the rest of the path is decoded again as a chain into the cells the
+        tree freed (the same kernel path, so the same K and V bits; about one verify row a token)."""
         self.manager.rewrite(slot, start, tokens)
         leaf_of = self._trees.get(slot, {})
-        if src:
-            self.ctx.seq_cp(leaf_of[src[-1]], self._seq[slot], start, start + len(src))
+        seq = self._seq[slot]
+        kept = next((i for i, j in enumerate(src) if i != j), len(src))
+        if kept:
+            self.ctx.seq_cp(leaf_of[src[kept - 1]], seq, start, start + kept)
         self._drop_tree(slot)
+        if kept < len(src):
+            self.ctx.decode([Token(t, start + i, (seq,), False) for i, t in enumerate(tokens) if i >= kept])
         return []
 
     def move_rows(self, moves: list[tuple[int, int]]) -> None:
@@ -291,7 +304,7 @@ class LlamaTarget:
 
     def calibrate(self, max_tokens: int) -> bool:
         """What use_pool measured (shared/llama_invariance.py): true only if a token's logits were the bits of a
-        one-token step beside batch mates and in cells a crop freed."""
+        one-token step beside batch mates and in cells another sequence's crop freed below its own."""
         if not self.invariant:
             log.warning("batch-invariant forwards off: llama.cpp's kernels change a token's logits with the batch "
                         "around it, so greedy text may part from the cloud's own at near-ties")

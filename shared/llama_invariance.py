@@ -8,7 +8,8 @@ another; at 2 threads the bits are those of 1 thread. So a context whose micro-b
 of the first path (`n_ubatch`) computes every token through one kernel path whatever the batch around it:
 a decode step, a verify row, a tree level, a prefill chunk. What decides the path is the build and the CPU, so
 it is measured here at start-up (`invariant_ubatch`), never assumed, and `check_invariance` then proves the whole
-claim on the context's real layout (batch mates, cells freed by a crop and taken again) before anyone says it.
+claim on the context's real layout (batch mates, cells another sequence's crop freed below a sequence's own and
+taken by its next tokens: attention sums a sequence's keys in cell order) before anyone says it.
 A micro-batch of 7 makes long prefills slower (64 prompt tokens: 4.1 s against 2.5 s on one core for the 1.5B)
 and verifies of 8 tokens faster (568 ms against 1,065).
 """
@@ -55,7 +56,7 @@ def invariant_ubatch(model: GGUFModel, threads: int, most: int = 16) -> int:
 
 def check_invariance(model: GGUFModel, threads: int, n_ubatch: int, n: int = 24) -> bool:
     """Whether a context of micro-batches of `n_ubatch` gives n tokens decoded in one batch, beside another
-    sequence's tokens and in cells a crop freed, the bits of one-token steps."""
+    sequence's tokens and in cells that sequence's crop freed below their own, the bits of one-token steps."""
     ids = _probe_ids(model, PREFIX + n)
     alone = _alone(model, threads, ids)  # [n, vocab]
     ctx = GGUFContext(model, 2 * len(ids) + 16, 2, threads, n_batch=2 * n, n_ubatch=n_ubatch)

@@ -70,7 +70,8 @@ def test_tree_nodes_see_their_path_and_the_kept_path_serves_the_next_round(
     (out,) = runner.forward([Row(slot, L - 1, [CTX[-1]] + nodes, keep=len(nodes) + 1, tree=parents, tree_base=L)])
     assert (out[0] - reference(CTX)).abs().max() < TOL
     for j in range(len(nodes)):
-        path, at = [], j
+        path: list[int] = []
+        at = j
         while at >= 0:
             path.insert(0, nodes[at])
             at = parents[at]
@@ -117,6 +118,27 @@ def test_sequences_run_out_with_a_clear_error_and_come_back(runner: LlamaTarget)
     assert pool.manager.available() == blocks
 
 
+def test_a_kept_path_past_dropped_nodes_serves_the_next_round_with_a_chains_bits(runner: LlamaTarget) -> None:
+    """Attention sums a sequence's keys in cell order: the path 0 -> 2 -> 5 leaves the cells of nodes 1, 3, 4
+    between its own, and the next token must not take them (bit equality with the same tokens fed as a chain)."""
+    pool = runner.pool
+    assert pool is not None
+    L = len(CTX)
+    parents = (-1, 0, 0, 1, 1, 2, 3)
+    nodes = [11, 12, 13, 14, 15, 16, 17]
+    chain = pool.allocate()
+    runner.forward([Row(chain, 0, CTX[:-1], keep=0)])
+    runner.forward([Row(chain, L - 1, [CTX[-1], 11, 13, 16], keep=0)])
+    (want,) = runner.forward([Row(chain, L + 3, [99, 98], keep=2)])  # [2, vocab]
+    slot = pool.allocate()
+    runner.forward([Row(slot, 0, CTX[:-1], keep=0)])
+    runner.forward([Row(slot, L - 1, [CTX[-1]] + nodes, keep=len(nodes) + 1, tree=parents, tree_base=L)])
+    runner.keep_path(slot, L, [0, 2, 5], [11, 13, 16])
+    pool.set_length(slot, L + 3)
+    (got,) = runner.forward([Row(slot, L + 3, [99, 98], keep=2)])  # [2, vocab]
+    assert torch.equal(got, want)
+
+
 def test_sixteen_sessions_of_trees_share_the_context_and_give_their_sequences_back(
         runner: LlamaTarget, reference) -> None:  # type: ignore[no-untyped-def]
     """16 sessions with a 24-node tree each per round: more leaves than the free leaf sequences (rows past them
@@ -143,7 +165,8 @@ def test_sixteen_sessions_of_trees_share_the_context_and_give_their_sequences_ba
         runner.forward(rows)
         for r in rows:
             assert r.tree is not None
-            path, at = [], rng.randrange(len(r.tree))
+            path: list[int] = []
+            at = rng.randrange(len(r.tree))
             while at >= 0:
                 path.insert(0, at)
                 at = r.tree[at]
