@@ -292,7 +292,8 @@ def replayed_cpu(cloud: CloudServer, traces: list[Any], sampling: dict[str, Any]
         rows.append({**cpu_row(mode, sessions, used, tokens), "replayed": True,
                      "p50_ms": statistics.median(lat) if lat else 0.0,
                      "mismatches": sum(t.mismatches for t in res.texts),
-                     "errors": sum(t.error is not None for t in res.texts)})
+                     "errors": sum(t.error is not None for t in res.texts),
+                     "error_messages": res.error_messages})
         print(f"coder-pair: {sessions} replayed sessions, {mode}: {rows[-1]['cpu_s_per_token']:.3f} cloud "
               f"CPU-s/token, {rows[-1]['mismatches']} mismatches, {rows[-1]['errors']} errors", flush=True)
     return rows
