@@ -80,6 +80,7 @@ class ServiceCore:
         self.worker = Scheduler(clock, max_batch_size=settings.max_batch_size,
                                 max_batch_tokens=settings.max_batch_tokens, batch_wait_ms=settings.batch_wait_ms,
                                 max_prefill_tokens_with_rounds=settings.max_prefill_tokens_with_rounds,
+                                prefill_slice=self._prefill_slice,
                                 active_s=settings.session_active_ms / 1000.0,
                                 torch_threads=settings.torch_threads,
                                 forward=lambda rows: self.model.forward(rows),
@@ -199,6 +200,21 @@ class ServiceCore:
         """The fitted forward cost, the recent rate and the node value (/v1/model, /metrics, the log)."""
         return {**self.budget.cost.describe(), "tokens_per_second": round(self.budget.rate, 3),
                 "node_value": round(self.budget.node_value, 4)}
+
+    def _prefill_slice(self, running: int) -> int:
+        """Prefill tokens a forward carrying `running` round and decode tokens may add (model thread): what keeps
+        it within `prefill_share_with_rounds` of the rounds' own forward by the fitted cost, at least one KV
+        block so prefills go on; the token cap alone until the fit has seen prefills."""
+        cap, cost = self.settings.max_prefill_tokens_with_rounds, self.budget.cost
+        if cost.forwards < 8 or cost.prefill_token_s <= 0:
+            return cap
+        room = self.settings.prefill_share_with_rounds * cost.predict(max(running, 1)) / cost.prefill_token_s
+        return max(self.settings.kv_block_size, min(cap, int(room)))
+
+    def open_budget(self, s: Session) -> int:
+        """The open answer's budget for the first round: the new session's prior acceptance read as a chain's
+        at the present load (0 with --node-budget false)."""
+        return self.budget.budget(s.acceptance.alpha) if self.settings.node_budget else 0
 
     def node_budget(self, s: Session, accepted: int, depth: int, committed: int, parents: list[int],
                     q: list[float], kept: list[bool]) -> int:

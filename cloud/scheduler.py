@@ -11,13 +11,15 @@ decode steps. Whenever the model is free, the thread builds one forward under a 
 2. Prefills fill the rest of the budget: session opens and /v1/generate prompts, chunked to what is
    left. They are taken round-robin over API keys (the key whose prefill ran least recently first,
    each key's prefills in arrival order), so one key's burst of opens cannot starve another key's.
-   A forward gives prefill chunks at most `max_prefill_tokens_with_rounds` of its tokens when it
-   carries rounds or decode steps, and also while any session is active (opened or answered within the
+   A forward gives prefill chunks at most a slice of its tokens when it carries rounds or decode steps, and
+   also while any session is active (opened or answered within the
    last `active_s`, by `clock`: its next round is on its way; an edge sends it 10-30 ms after its answer,
-   commits, drafts and encodes meanwhile, far longer than `batch_wait_ms`). Only with no session
-   active does a prefill-only forward take the whole budget.
+   commits, drafts and encodes meanwhile, far longer than `batch_wait_ms`). The slice is
+   `max_prefill_tokens_with_rounds` at most, and `prefill_slice(running tokens)` when given: the service
+   reads it from the measured forward cost (what keeps the forward within a share of the rounds' own).
+   Only with no session active does a prefill-only forward take the whole budget.
 So a round that arrives during a burst of prefills, whenever it arrives, waits at most for the forward
-in progress, which carries at most `max_prefill_tokens_with_rounds` prefill tokens (the slice), then
+in progress, which carries at most the slice of prefill tokens, then
 runs in the next forward, never behind the burst.
 3. KV blocks: each row needs the blocks its new positions take (`blocks_needed`). When they are not
    free the thread asks for room (`make_room`: unreferenced cached prefix blocks go first, then the
@@ -68,6 +70,9 @@ class Scheduler:
     # prefill tokens at most in a forward that also carries rounds or decode steps, or that runs while a
     # session is active
     max_prefill_tokens_with_rounds: int = 1 << 30
+    # the slice by measured cost: prefill tokens a forward carrying this many round and decode tokens may add
+    # (at most max_prefill_tokens_with_rounds; None: that cap alone)
+    prefill_slice: Callable[[int], int] | None = None
     # a key answered within this long (s, by `clock`) is active: its next round is expected (0: never)
     active_s: float = 0.0
     # longest wait before a forward for recently answered sessions' next rounds, ms (0: never wait)
@@ -279,7 +284,10 @@ class Scheduler:
         active = self._any_active()
         for job, filling in candidates():
             if filling and (running or active) and budget > 0:  # the prefills' share: the slice
-                budget = min(budget, self.max_prefill_tokens_with_rounds - (self.max_batch_tokens - budget - running))
+                cap = self.max_prefill_tokens_with_rounds
+                if self.prefill_slice is not None:
+                    cap = min(cap, self.prefill_slice(running))
+                budget = min(budget, cap - (self.max_batch_tokens - budget - running))
             if len(batch) >= self.max_batch_size or budget <= 0:
                 break
             try:

@@ -111,6 +111,11 @@ class CloudSettings(BaseSettings):
                      "session is active (see session_active_ms): a round waits behind at most this slice of prefill, "
                      "whenever it arrives, so its latency stays near one small forward during a burst of opens. Only "
                      "with no session active does a prefill-only forward take all max_batch_tokens"))
+    prefill_share_with_rounds: float = Field(default=0.5, gt=0,
+        description=("the slice by measured cost: prefill tokens in a forward that carries rounds (or runs while a "
+                     "session is active) add at most this share of that forward's own cost, by the forward cost fitted "
+                     "online (cloud/node_budget.py), and never more than max_prefill_tokens_with_rounds: a round under "
+                     "others' opens then takes about 1 + share forwards' time plus its wait, near twice its idle time"))
     session_active_ms: float = Field(default=1000.0, ge=0,
         description=("a session answered (or a generate stream served) within this long (ms) is active: its next round "
                      "is expected (an edge sends it 10-30 ms after its answer, longer over a slow link); 0 = only "

@@ -144,3 +144,60 @@ def test_token_ids_are_checked_whole_and_the_first_bad_one_is_named() -> None:
     for bad, index in (([1, 2, 1000, 3], 2), ([1, True, 2], 1), ([0, -1], 1), ([1, 2.0], 1)):
         with pytest.raises(InvalidArgument, match=rf"prompt_ids\[{index}\]"):
             check_ids(bad, 1000, "prompt_ids")  # type: ignore[arg-type]
+
+
+def test_the_slice_follows_the_measured_cost_of_prefill() -> None:
+    """The scheduler's slice is `prefill_slice(running tokens)` when given, under the token cap: with a slice of
+    8 against a cap of 64, the same 100-token prefill behind an answered round runs in forwards of 8 tokens
+    while the session is active, then the rest in one forward."""
+    clock = FakeClock(0.0)
+    calls: list[list[Row]] = []
+    gate = threading.Event()
+    asked: list[int] = []
+
+    def forward(rows: list[Row]) -> list[torch.Tensor]:
+        calls.append(rows)
+        if len(calls) == 4:
+            clock.advance(2.0)
+        return [torch.zeros(r.keep, 4) for r in rows]
+
+    def slice_of(running: int) -> int:
+        asked.append(running)
+        return 8
+
+    sched = Scheduler(clock, forward=forward, max_batch_tokens=256, max_prefill_tokens_with_rounds=64,
+                      prefill_slice=slice_of, active_s=1.0, batch_wait_ms=0)
+
+    async def main() -> None:
+        await sched.submit(Job(plan=lambda _: Row(9, 4, [3], 1), finish=lambda _, __: 0.0, key="s", kind=ROUND))
+        blocker = asyncio.ensure_future(sched.run(gate.wait))
+        job = asyncio.ensure_future(sched.submit(prefill_job(1, 100, calls)))
+        await asyncio.sleep(0.02)
+        gate.set()
+        await blocker
+        await job
+
+    try:
+        asyncio.run(main())
+    finally:
+        sched.shutdown()
+    assert [sum(len(r.ids) for r in c) for c in calls] == [1, 8, 8, 8, 76]
+    assert asked and set(asked) == {0}  # prefill-only forwards while active: no running tokens
+
+
+def test_the_service_reads_the_slice_from_its_fitted_forward_cost(
+        make_service: Callable[..., VerifierService]) -> None:
+    """A forward costs 10 ms + 1 ms a row + c a prefill token (fed to the cost fit): the slice is the prefill
+    that adds half the rounds' own forward (prefill_share_with_rounds 0.5), capped at 64 tokens and at least
+    one KV block (16); the cap alone before the fit has seen 8 forwards."""
+    svc = make_service(clock=FakeClock(), prefill_share_with_rounds=0.5, max_prefill_tokens_with_rounds=64,
+                       kv_block_size=16)
+    core = svc  # the service is its core
+    core.budget.cost = type(core.budget.cost)()
+    assert core._prefill_slice(4) == 64
+    for c_ms, want in ((0.2, 35), (0.05, 64), (2.0, 16)):
+        core.budget.cost = type(core.budget.cost)()
+        for i in range(40):  # rows and prefill tokens varied so both slopes are identified
+            rows, pre = 1 + i % 7, 16 * (i % 5)
+            core.budget.cost.observe(rows, pre, (10 + rows + c_ms * pre) / 1000)
+        assert abs(core._prefill_slice(4) - want) <= 1, c_ms  # the fit is least squares with a small ridge
