@@ -105,6 +105,7 @@ async def open_new(core: ServiceCore, req: OpenSessionRequest, owner: str) -> Se
     log.info("session opened", extra={"fields": {"event": "open", "ctx_id": s.ctx_id,
                                                  "prompt_len": len(req.prompt_ids), "prefill_ms": round(ms, 3)}})
     info = core.session_info(s)
+    info.node_budget = core.open_budget(s)
     if first:  # the prompt's last states: the whole window's, or the last one as the feature
         h = torch.cat(first)[-max(window, 1):]  # [n, d]
         if window:

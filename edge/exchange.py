@@ -118,6 +118,9 @@ class CloudSession:
         # the numerics the session runs under (ModelInfo.numerics, from its first open answer)
         self.numerics = ""
         self.deadline = VerifyDeadline(policy.deadline)
+        # the cloud's node budget from its last answer or open (0: none said): the next round sends at most this
+        # many draft nodes, a chain's k or a tree's nodes (cloud/node_budget.py; it never changes the text)
+        self.node_budget = 0
         self._budget = 0
         # lowest crop point of a request whose answer was dropped: the cloud's S below it is ours
         self._stale_floor = NO_STALE
@@ -141,6 +144,7 @@ class CloudSession:
                         "and a greedy or seeded text may part from the one the first cloud would have given",
                         info.numerics, self.numerics, len(self.S))
         self.numerics = info.numerics or self.numerics
+        self.node_budget = info.node_budget  # the first round's (0: none said)
         self._stale_floor = NO_STALE
         self._take_feature(info.feature, opened=True)
         self._take_states(info.states, opened=True)

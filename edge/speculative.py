@@ -66,10 +66,7 @@ class SpeculativeRun(CloudSession):
         same_text = params.sampling.greedy or (self.tree is not None and params.correction == "strict")
         self.way = way if way is not None and same_text and gate is None and not params.send_q_dists else None
         self.stop_at_eos = stop_at_eos
-        # the cloud's node budget from its last answer (0: none said): the next round sends at most this many
-        # draft nodes, a chain's k or a tree's nodes (cloud/node_budget.py; it never changes the text)
-        self.node_budget = 0
-        self.obey_budget = node_budget
+        self.obey_budget = node_budget  # the cloud's node_budget (CloudSession) is obeyed
 
     # -- session --------------------------------------------------------------------------------
 

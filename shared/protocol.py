@@ -131,6 +131,8 @@ class SessionInfo:
     counters: dict[str, Any] = field(default_factory=dict)
     # the open answer's ModelInfo.numerics: the numerics the session runs under ("" = an older cloud)
     numerics: str = ""
+    # the open answer: the most draft nodes the first round should send (as a verify answer's); 0: none said
+    node_budget: int = 0
     # the open answer of a session that asked for features: the state after the whole prompt
     feature: TargetFeature | None = None
     # the open answer of a session with a feature_window: the last prompt positions' states

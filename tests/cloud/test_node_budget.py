@@ -153,3 +153,26 @@ def test_a_forwards_cost_counts_the_work_on_its_rows_outside_the_forward() -> No
     assert len(stats) == 2
     assert stats[0].cpu_s >= 0.06 > stats[0].ms / 1000
     assert stats[1].cpu_s < 0.05
+
+
+def test_the_open_answer_carries_the_first_rounds_budget(make_service: Any) -> None:
+    """The open answer sizes the first round as later answers size theirs: the largest round before anything is
+    measured, the new session's prior acceptance (alpha 0.8) read as a chain's under load (a node must add ~0.7
+    tokens: 1 node), and 0 with --node-budget false."""
+    import asyncio
+
+    from shared.config import SamplingConfig
+    from shared.protocol import OpenSessionRequest
+
+    def opened(svc: Any) -> int:
+        svc.budget.forward = lambda *a, **k: None  # the load as set: the open's own forward leaves it alone
+        return asyncio.run(svc.open_session(OpenSessionRequest([5, 6, 7], SamplingConfig(0.0)), "")).node_budget
+
+    svc = make_service(max_k=8, max_tree_nodes=32)
+    svc.budget = NodeBudget(max_nodes=32)
+    assert opened(svc) == 32
+    svc.budget = _budget(80, 70, 0.99)
+    assert opened(svc) == svc.budget.budget(0.8) == 1
+    svc.budget = _budget(13, 8, 0.32)
+    assert opened(svc) == svc.budget.budget(0.8) >= 5
+    assert opened(make_service(node_budget=False)) == 0

@@ -72,6 +72,8 @@ class FakeCloud:
     request_ids: list[str | None] = field(default_factory=list)
     # ModelInfo.numerics the open answers carry (a test changes it to play a failover to other numerics)
     numerics: str = "pytorch float32 invariant tp1 avx2 weights:fake"
+    # the node budget the open answers carry (0: none said)
+    open_budget: int = 0
 
     def __post_init__(self) -> None:
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir).eval()
@@ -128,7 +130,8 @@ class FakeCloud:
         self.sessions[ctx_id] = _Session(list(req.prompt_ids), req.sampling_cfg, req.seed, req.correction)
         if f is not None:
             raise f.error
-        return SessionInfo(ctx_id, len(req.prompt_ids), ctx_hash(req.prompt_ids), self.vocab, numerics=self.numerics)
+        return SessionInfo(ctx_id, len(req.prompt_ids), ctx_hash(req.prompt_ids), self.vocab, numerics=self.numerics,
+                           node_budget=self.open_budget)
 
     def verify(self, req: VerifyRequest, timeout: float, sampling: SamplingConfig | None = None) -> VerifyResponse:
         f = self._enter("verify")

@@ -86,6 +86,19 @@ def test_k_is_dynamic_and_capped_by_the_budget(make_client, fake_cloud: FakeClou
     assert {x.k for x in fixed.generate(PROMPTS[0]).rounds[:-1]} == {2}
 
 
+def test_the_first_round_obeys_the_open_answers_budget(make_client, fake_cloud: FakeCloud) -> None:
+    """The open answer's node budget caps the first round (a chain's k, a tree's nodes) as a verify answer's caps
+    the next; without one the first round is the edge's own size."""
+    fake_cloud.open_budget = 2
+    chain, _ = make_client(temperature=0, max_new_tokens=20, fixed_k=6, tree="off")
+    tree, _ = make_client(temperature=0, max_new_tokens=20, tree="auto")
+    assert chain.generate(PROMPTS[0]).rounds[0].k == 2
+    assert tree.generate(PROMPTS[0]).rounds[0].k == 2
+    fake_cloud.open_budget = 0
+    assert chain.generate(PROMPTS[0]).rounds[0].k == 6
+    assert tree.generate(PROMPTS[0]).rounds[0].k > 2
+
+
 def test_generation_stops_after_eos(make_client, fake_cloud: FakeCloud) -> None:
     client, _ = make_client(temperature=0, max_new_tokens=20)
     full = client.generate(PROMPTS[0]).token_ids
