@@ -118,8 +118,10 @@ def heavy_forward_cloud(demo_target_dir: Path) -> Iterator[CloudProcess]:
     """The demo target with rounds riding in forwards that carry up to 1,024 prefill tokens. Under a burst
     of long opens a round then waits for the forward in flight and rides in a whole prefill forward, so
     it takes longer than 50 ms whenever it arrives. (With the default 64 it rides in a small forward and
-    may be answered within 50 ms, if it arrives as a prefill forward ends.)"""
-    with CloudProcess(demo_target_dir, extra_args=("--max-prefill-tokens-with-rounds", "1024")) as c:
+    may be answered within 50 ms, if it arrives as a prefill forward ends; so may it with the default share of
+    its forward's cost, `--prefill-share-with-rounds` 0.5, which this cloud lifts.)"""
+    with CloudProcess(demo_target_dir, extra_args=("--max-prefill-tokens-with-rounds", "1024",
+                                                   "--prefill-share-with-rounds", "1000")) as c:
         yield c
 
 
