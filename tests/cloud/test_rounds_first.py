@@ -9,6 +9,7 @@ import asyncio
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -42,9 +43,9 @@ def prefill_job(slot: int, n: int, calls: list[list[Row]]) -> Job[float]:
     return Job(plan=plan, finish=finish, kind=PREFILL, owner="o")
 
 
-def test_prefill_only_forwards_take_a_slice_while_a_session_is_active_and_the_budget_after() -> None:
-    """Budget 256, slice 16, active for 1 s: a session's round is answered, then a 100-token prefill runs in
-    forwards of 16 tokens; once the clock passes the session's window the rest runs in one forward."""
+def _forward_sizes(**scheduler: Any) -> list[int]:
+    """A session's round is answered, then a 100-token prefill runs (budget 256, active for 1 s); the clock
+    passes the session's window after the fourth forward. The tokens of each forward."""
     clock = FakeClock(0.0)
     calls: list[list[Row]] = []
     gate = threading.Event()
@@ -55,8 +56,7 @@ def test_prefill_only_forwards_take_a_slice_while_a_session_is_active_and_the_bu
             clock.advance(2.0)
         return [torch.zeros(r.keep, 4) for r in rows]
 
-    sched = Scheduler(clock, forward=forward, max_batch_tokens=256, max_prefill_tokens_with_rounds=16,
-                      active_s=1.0, batch_wait_ms=0)
+    sched = Scheduler(clock, forward=forward, max_batch_tokens=256, active_s=1.0, batch_wait_ms=0, **scheduler)
 
     async def main() -> None:
         await sched.submit(Job(plan=lambda _: Row(9, 4, [3], 1), finish=lambda _, __: 0.0, key="s", kind=ROUND))
@@ -71,7 +71,13 @@ def test_prefill_only_forwards_take_a_slice_while_a_session_is_active_and_the_bu
         asyncio.run(main())
     finally:
         sched.shutdown()
-    assert [sum(len(r.ids) for r in c) for c in calls] == [1, 16, 16, 16, 52]
+    return [sum(len(r.ids) for r in c) for c in calls]
+
+
+def test_prefill_only_forwards_take_a_slice_while_a_session_is_active_and_the_budget_after() -> None:
+    """Budget 256, slice 16, active for 1 s: a session's round is answered, then a 100-token prefill runs in
+    forwards of 16 tokens; once the clock passes the session's window the rest runs in one forward."""
+    assert _forward_sizes(max_prefill_tokens_with_rounds=16) == [1, 16, 16, 16, 52]
 
 
 def test_a_forgotten_session_no_longer_holds_prefills_to_the_slice() -> None:
@@ -150,38 +156,13 @@ def test_the_slice_follows_the_measured_cost_of_prefill() -> None:
     """The scheduler's slice is `prefill_slice(running tokens)` when given, under the token cap: with a slice of
     8 against a cap of 64, the same 100-token prefill behind an answered round runs in forwards of 8 tokens
     while the session is active, then the rest in one forward."""
-    clock = FakeClock(0.0)
-    calls: list[list[Row]] = []
-    gate = threading.Event()
     asked: list[int] = []
-
-    def forward(rows: list[Row]) -> list[torch.Tensor]:
-        calls.append(rows)
-        if len(calls) == 4:
-            clock.advance(2.0)
-        return [torch.zeros(r.keep, 4) for r in rows]
 
     def slice_of(running: int) -> int:
         asked.append(running)
         return 8
 
-    sched = Scheduler(clock, forward=forward, max_batch_tokens=256, max_prefill_tokens_with_rounds=64,
-                      prefill_slice=slice_of, active_s=1.0, batch_wait_ms=0)
-
-    async def main() -> None:
-        await sched.submit(Job(plan=lambda _: Row(9, 4, [3], 1), finish=lambda _, __: 0.0, key="s", kind=ROUND))
-        blocker = asyncio.ensure_future(sched.run(gate.wait))
-        job = asyncio.ensure_future(sched.submit(prefill_job(1, 100, calls)))
-        await asyncio.sleep(0.02)
-        gate.set()
-        await blocker
-        await job
-
-    try:
-        asyncio.run(main())
-    finally:
-        sched.shutdown()
-    assert [sum(len(r.ids) for r in c) for c in calls] == [1, 8, 8, 8, 76]
+    assert _forward_sizes(max_prefill_tokens_with_rounds=64, prefill_slice=slice_of) == [1, 8, 8, 8, 76]
     assert asked and set(asked) == {0}  # prefill-only forwards while active: no running tokens
 
 
