@@ -14,6 +14,9 @@ to its policy's size (a chain: the draft's greedy path; a tree: its n most valua
 must answer: the reference's next tokens. The "edge" and "adaptive" edges rank and choose n as the edge does
 (edge/treecontrol.py: nodes by the session's acceptance by q, n from the answers' times), adaptive capped by
 each answer's node_budget; every level runs every prompt at least once (one session runs them one after another).
+A worker is one device: its sessions run one after another, and each starts from the tree controller its last one
+left (TreeControl.carry, as one edge client's sessions do), so at 16 sessions and more each starts fresh. Each row
+records the commit and the start of the run that measured it (`run`).
 
 One core each: this process (the load) on core 0, the cloud on core 1 with one torch thread, PyTorch runner
 (the batch-invariant one: every shape gives the reference's text).
@@ -106,17 +109,23 @@ class SessionRun:
     equal: bool = True
     error: str | None = None
     rows: int = 0
+    # per verify round: (the budget it was sent under, 0: none said; nodes sent; tokens committed)
+    rounds: list[tuple[int, int, int]] = field(default_factory=list)
+    # the edge's tree controller at the session's end: the worker's next session starts from it, as one edge
+    # client's sessions do (TreeControl.carry)
+    ctl: Any = None
 
 
-async def speculative(stub: Any, table: Table, policy: str, n_new: int) -> SessionRun:
-    """One replayed edge: open, rounds cut from the position's tree by `policy`, close."""
+async def speculative(stub: Any, table: Table, policy: str, n_new: int, last: Any = None) -> SessionRun:
+    """One replayed edge: open, rounds cut from the position's tree by `policy`, close; `last`: the same
+    worker's previous session's tree controller."""
     from edge.drafters.base import DraftBlock
     from edge.treecontrol import TreeControl
     from shared.hashing import ctx_hash
     from shared.pb import verify_pb2 as pb
 
-    run = SessionRun()
-    ctl = TreeControl(max_nodes=TREE["nodes"], copy_branches=False)
+    ctl = TreeControl(max_nodes=TREE["nodes"], copy_branches=False).carry(last)
+    run = SessionRun(ctl=ctl)
     cfg = pb.SamplingConfig(temperature=0.0)
     info = await stub.OpenSession(pb.OpenSessionRequest(prompt_ids=table.prompt, sampling_cfg=cfg, seed=1,
                                                         correction="strict", max_new_tokens=n_new + 1),
@@ -128,8 +137,7 @@ async def speculative(stub: Any, table: Table, policy: str, n_new: int) -> Sessi
             if policy in ("edge", "adaptive"):  # ranked by the session's acceptance by q, as the edge ranks
                 tree = {**tree, "values": ctl.ranked(DraftBlock(tree["tokens"], tree["q"], "sampled",
                                                                  parents=tree["parents"]))}
-                n = ctl.choose(tree["values"])
-                n = min(n, budget) if policy == "adaptive" and budget else n
+                n = ctl.choose(tree["values"], cap=budget if policy == "adaptive" and budget else None)
             else:
                 n = int(policy.split("-")[1])
             n = min(n, n_new - pos - 1) if n_new - pos > 1 else 0
@@ -148,6 +156,7 @@ async def speculative(stub: Any, table: Table, policy: str, n_new: int) -> Sessi
                 break
             run.per_token_s += [wall / len(got)] * len(got)
             run.rows += len(tokens) + 1
+            run.rounds.append((budget, len(tokens), len(got)))
             S, pos, i, budget = S + got, pos + len(got), i + 1, a.node_budget
             if parents is not None:
                 ctl.observe(len(tokens), sum(sorted(tree["values"], reverse=True)[:len(tokens)]), a.accepted_len,
@@ -186,7 +195,8 @@ async def cloud_only(http: Any, table: Table, n_new: int) -> SessionRun:
     return run
 
 
-async def one_case(cloud: CloudServer, tables: list[Table], policy: str, sessions: int, n_new: int) -> dict[str, Any]:
+async def one_case(cloud: CloudServer, tables: list[Table], policy: str, sessions: int, n_new: int,
+                   run_id: str = "") -> dict[str, Any]:
     import grpc
     import httpx
 
@@ -201,17 +211,20 @@ async def one_case(cloud: CloudServer, tables: list[Table], policy: str, session
     jobs = max(sessions, len(tables))
     todo = iter(range(jobs))
 
-    async def one(s: int) -> SessionRun:
+    async def one(s: int, last: Any) -> SessionRun:
         table = tables[s % len(tables)]
         try:
             if policy == "cloud_only":
                 return await cloud_only(http, table, n_new)
-            return await speculative(stub, table, policy, n_new)
+            return await speculative(stub, table, policy, n_new, last)
         except Exception as e:  # noqa: BLE001 - counted in the row
-            return SessionRun(error=f"{type(e).__name__}: {e}", equal=False)
+            return SessionRun(error=f"{type(e).__name__}: {e}", equal=False, ctl=last)
 
-    async def worker() -> list[SessionRun]:
-        return [await one(s) for s in todo]
+    async def worker() -> list[SessionRun]:  # one device: its sessions one after another
+        out: list[SessionRun] = []
+        for s in todo:
+            out.append(await one(s, out[-1].ctl if out else None))
+        return out
 
     try:
         c0, t0 = cpu_seconds(cloud.pid), time.perf_counter()
@@ -230,11 +243,23 @@ async def one_case(cloud: CloudServer, tables: list[Table], policy: str, session
            "p99_ms": 1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))] if lat else 0.0,
            "rows_per_token": sum(r.rows for r in runs) / max(tokens, 1),
            "generations": jobs, "equal": sum(r.equal for r in runs), "errors": sum(r.error is not None for r in runs),
-           "forward_cost": fit}
+           "forward_cost": fit, "run": run_id, **round_shape(runs)}
     print(f"capacity-curve: {sessions:3d} sessions {policy:10s} {row['tokens_per_cpu_s']:.3f} tokens/CPU-s, p50 "
           f"{row['p50_ms']:.0f} ms/token, rows/token {row['rows_per_token']:.2f}, texts equal "
           f"{row['equal']}/{jobs}, errors {row['errors']} ({wall:.0f} s); cloud's fit {fit}", flush=True)
     return row
+
+
+def round_shape(runs: list[SessionRun]) -> dict[str, float]:
+    """What the verify rounds looked like: their count, tokens and nodes a round, and the budgets they were
+    sent under (the first rounds', from the open answers, apart)."""
+    rounds = [x for r in runs for x in r.rounds]
+    if not rounds:
+        return {}
+    firsts = [r.rounds[0][0] for r in runs if r.rounds]
+    return {"verify_rounds": len(rounds), "tokens_per_round": statistics.fmean(x[2] for x in rounds),
+            "nodes_per_round": statistics.fmean(x[1] for x in rounds),
+            "budget_mean": statistics.fmean(x[0] for x in rounds), "first_budget_mean": statistics.fmean(firsts)}
 
 
 def cached_references(path: Path, prompts: list[list[int]], n_new: int) -> list[list[int]] | None:
@@ -262,9 +287,10 @@ def references(cloud: CloudServer, prompts: list[list[int]], n_new: int) -> list
 
 
 def run(out: Path, command: str, prompts: int = 8, n_new: int = 32, sessions: tuple[int, ...] = SESSIONS,
-        policies: tuple[str, ...] = POLICIES) -> int:
+        policies: tuple[str, ...] = POLICIES, again: bool = False) -> int:
     """The whole curve, resumable: each case's row is kept in bench/results/capacity_curve.json as it ends, and a
-    rerun of the same token count skips the cases it holds. The plot goes to bench/plots/capacity_curve.png."""
+    rerun of the same token count skips the cases it holds (`again`: the asked cases are measured anew, their
+    old rows replaced). The plot goes to bench/plots/capacity_curve.png."""
     import os
 
     import torch
@@ -273,6 +299,8 @@ def run(out: Path, command: str, prompts: int = 8, n_new: int = 32, sessions: tu
     from edge.settings import EdgeSettings, load_draft_model
 
     t0 = time.perf_counter()
+    # which run measured a row: the commit and the start (a resumed curve mixes runs)
+    run_id = f"{_commit()} {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}"
     torch.set_num_threads(1)
     machine = {**cpu_info(), "load_start": os.getloadavg(), "pinned": pin("self", 0)}
     tokenizer = AutoTokenizer.from_pretrained(TARGET)
@@ -284,6 +312,8 @@ def run(out: Path, command: str, prompts: int = 8, n_new: int = 32, sessions: tu
     trees = REPO / "bench" / "results" / "capacity_curve_trees.json"
     done: dict[str, Any] = json.loads(results.read_text()) if results.exists() else {}
     rows: list[dict[str, Any]] = done.get("rows", []) if done.get("key") == [prompts, n_new] else []
+    if again:
+        rows = [r for r in rows if not (r["sessions"] in sessions and r["policy"] in policies)]
     with CloudServer(TARGET, torch_threads=1, extra_args=["--runner", "torch", "--max-tree-nodes", "64"],
                      startup_timeout_s=900.0) as cloud:
         machine["pinned"] = machine["pinned"] and pin(cloud.pid, 1)
@@ -299,13 +329,24 @@ def run(out: Path, command: str, prompts: int = 8, n_new: int = 32, sessions: tu
             for policy in policies:
                 if any(r["sessions"] == n and r["policy"] == policy for r in rows):
                     continue  # measured by an earlier run that stopped
-                rows.append(asyncio.run(one_case(cloud, tables, policy, n, n_new)))
+                rows.append(asyncio.run(one_case(cloud, tables, policy, n, n_new, run_id)))
                 results.write_text(json.dumps({"key": [prompts, n_new], "rows": rows}, indent=1))
     plot_path = REPO / "bench" / "plots" / "capacity_curve.png" if own else out.with_suffix(".png")
     plot(rows, plot_path)
     res = {"rows": rows, "n_new": n_new, "prompts": prompts, "command": command,
            "plot": str(plot_path.relative_to(REPO)) if own else str(plot_path)}
     return finish(res, machine, t0, out, "capacity-curve", (START, END), render)
+
+
+def _commit() -> str:
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "-C", str(REPO), "describe", "--always", "--dirty"], capture_output=True,
+                             text=True, timeout=10)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:

@@ -76,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="capacity-curve: round policies, comma-separated (default all: cloud_only, chain-2/4/8, "
                         "tree-8/16/32, edge, adaptive)")
     p.add_argument("--curve-tokens", type=int, default=32, help="capacity-curve: tokens a session (default 32)")
+    p.add_argument("--curve-again", action="store_true",
+                   help="capacity-curve: measure the asked cases again (a resumed run skips the cases it holds)")
     p.add_argument("--skip-capacity", action="store_true", help="full run without the cloud capacity section")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                    help="the cloud's dtype in the capacity section")
@@ -252,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         levels = tuple(int(x) for x in args.curve_sessions.split(",") if x.strip())
         policies = tuple(x.strip() for x in args.curve_policies.split(",") if x.strip())
         return run_curve(args.out, command, prompts=args.coder_prompts, n_new=args.curve_tokens, sessions=levels,
-                         policies=policies)
+                         policies=policies, again=args.curve_again)
     if args.only == "tp":  # the target split over 1, 2, 3 tensor-parallel ranks (bench/tensor_parallel.py)
         from bench.tensor_parallel import TARGET as TP_TARGET
         from bench.tensor_parallel import run as run_tp

@@ -162,6 +162,7 @@ class ServiceCore:
         ctx = s.context
         return SessionInfo(ctx_id=s.ctx_id, ctx_len=len(ctx), ctx_hash=ctx.hash_at(len(ctx)),
                            vocab_size=self.model.support, numerics=self.info.numerics,
+                           tokenizer_fingerprint=self.info.tokenizer_fingerprint,
                            counters=s.describe(self.clock()) if counters else {})
 
     # --- KV and the model thread --------------------------------------------------------------
@@ -212,8 +213,8 @@ class ServiceCore:
         return max(self.settings.kv_block_size, min(cap, int(room)))
 
     def open_budget(self, s: Session) -> int:
-        """The open answer's budget for the first round: the new session's prior acceptance read as a chain's
-        at the present load (0 with --node-budget false)."""
+        """The open answer's budget for the first round: the new session's prior acceptance (its key's pool,
+        `NodeBudget.prior`) read as a chain's at the present load (0 with --node-budget false)."""
         return self.budget.budget(s.acceptance.alpha) if self.settings.node_budget else 0
 
     def node_budget(self, s: Session, accepted: int, depth: int, committed: int, parents: list[int],
@@ -224,6 +225,7 @@ class ServiceCore:
         self.budget.committed(committed)
         s.acceptance.observe(accepted, depth)
         s.acceptance.nodes.observe(parents, q, kept)
+        self.budget.pool_round(s.owner, accepted, depth, parents, q, kept)
         if not self.settings.node_budget:
             return 0
         n = self.budget.budget(s.acceptance.alpha, s.acceptance.nodes.expected(parents, q))

@@ -125,7 +125,7 @@ def verify_from_pb(m: pb.VerifyRequest) -> VerifyRequest:
 def info_to_pb(i: SessionInfo) -> pb.SessionInfo:
     out = pb.SessionInfo(ctx_id=i.ctx_id, ctx_len=i.ctx_len, ctx_hash=i.ctx_hash, vocab_size=i.vocab_size,
                          counters_json=json.dumps(i.counters) if i.counters else "", numerics=i.numerics,
-                         node_budget=i.node_budget)
+                         node_budget=i.node_budget, tokenizer_fingerprint=i.tokenizer_fingerprint)
     if i.feature is not None:
         out.feature.CopyFrom(feature_to_pb(i.feature))
     if i.states is not None:

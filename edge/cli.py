@@ -231,11 +231,12 @@ def with_cloud_draft(settings: EdgeSettings, args: argparse.Namespace) -> EdgeSe
 
 def cloud_draft_or_later(settings: EdgeSettings, args: argparse.Namespace) -> tuple[EdgeSettings, bool]:
     """`serve`: as with_cloud_draft, but a cloud that does not answer yet leaves the choice to the server's first
-    contact with it (True: the server chooses then, before any request is served)."""
+    contact with it. True: the draft follows the cloud's tokenizer (no --draft): chosen at that first contact,
+    and again when the cloud comes back with another (edge/server/openai_engine.py)."""
     if draft_given(args) or settings.mode == "cloud_only":
         return settings, False
     chosen = draft_for_cloud(settings)
-    return (settings, True) if chosen is None else (settings.model_copy(update={"draft": chosen}), False)
+    return (settings if chosen is None else settings.model_copy(update={"draft": chosen})), True
 
 
 def draft_for_cloud(settings: EdgeSettings) -> str | None:

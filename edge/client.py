@@ -22,7 +22,7 @@ from shared.errors import InvalidArgument, SpecSplitError
 from shared.request_id import check_request_id
 
 from .drafters.base import Drafter
-from .exchange import RecoveryPolicy, SessionParams
+from .exchange import RecoveryPolicy, SessionParams, TokenizerChanged
 from .gating import GateThresholds
 from .generation import Generation, GenerationJob, GenerationResult, new_request_id
 from .head_choice import HeadChoice
@@ -96,6 +96,7 @@ class EdgeClient(HeadChoice):
         self._head_warned = False
         # the last session's speculate-or-stream controller: the next one starts from its costs
         self._last_way: WayControl | None = None
+        self._last_tree: TreeControl | None = None
         self.clock = clock
         self.sleep = sleep
 
@@ -216,6 +217,9 @@ class EdgeClient(HeadChoice):
                     break
             else:  # the source ran dry before the budget: the context is full
                 job.stop_reason = job.stop_reason or "context"
+        except TokenizerChanged:
+            self._model_info = None  # the next generation asks the cloud's model again and pairs anew
+            raise
         finally:
             source.close()  # the speculative source closes its cloud session
             job.metrics.wall_ms = (self.clock() - job.started) * 1000
@@ -246,7 +250,11 @@ class EdgeClient(HeadChoice):
         return recovery_policy(self.settings)
 
     def _tree_control(self, info: ModelInfo) -> TreeControl | None:
-        return tree_control(self.settings, info)
+        """The tree controller, starting from what the last session's learned (one draft, link and cloud)."""
+        ctl = tree_control(self.settings, info)
+        if ctl is not None:
+            self._last_tree = ctl.carry(self._last_tree)
+        return ctl
 
     def _way_control(self, info: ModelInfo, transport: Transport) -> WayControl | None:
         """The speculate-or-stream controller (None: rounds only); the next session starts from its costs (one
@@ -271,6 +279,8 @@ class EdgeClient(HeadChoice):
         support = check_pairing(info, self.tokenizer, self.settings.tokenizer_dir(), _draft_fingerprint(drafter),
                                 int(rows) if rows is not None else None)
         fit_drafter(drafter, support)  # q over the tokenizer's ids, as p
+        # every open answer of the session must name the tokenizer paired here (CloudSession._open)
+        job.params = replace(job.params, tokenizer_fingerprint=info.tokenizer_fingerprint)
         gate = None
         if s.gating:
             gate = GateThresholds(t_nll=s.t_nll, t_entropy_bits=s.t_entropy_bits, t_margin=s.t_margin,
@@ -288,8 +298,8 @@ class EdgeClient(HeadChoice):
             raise InvalidArgument(f"the prompt has {len(job.prompt_ids)} tokens; the draft model holds "
                                   f"{drafter.max_context} positions")
         traffic0 = (self.transport.traffic.bytes_up, self.transport.traffic.bytes_down)
-        run.open(job.prompt_ids, job.max_new_tokens)
         try:
+            run.open(job.prompt_ids, job.max_new_tokens)  # inside: a session opened and then refused is closed
             emitted = 0
             while emitted < job.max_new_tokens and (max_context is None or len(run.S) < max_context):
                 for tok, origin in run.advance(job.max_new_tokens - emitted, max_context):

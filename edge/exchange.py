@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from shared.config import SamplingConfig
-from shared.errors import ContextMismatch, NotFound, ResourceExhausted, SpecSplitError
+from shared.errors import ContextMismatch, NotFound, ResourceExhausted, SpecSplitError, Unavailable
 from shared.features import decode_feature, decode_states, feature_bytes, states_bytes
 from shared.hashing import FNV_OFFSET, hash_hex, prefix_hashes
 from shared.protocol import (
@@ -76,6 +76,20 @@ class RecoveryPolicy:
         return not (isinstance(err, (ResourceExhausted, NotFound)) and waited_s < self.capacity_wait_s)
 
 
+class TokenizerChanged(Unavailable):
+    """An open answer names another tokenizer than the one the edge paired with: the cloud behind the address
+    was restarted (or failed over) with another model, and this session's ids would mean other text there. The
+    generation stops with what it committed; the next one asks the cloud's model again (the OpenAI server picks
+    its draft again when it chose it from the cloud's tokenizer)."""
+
+    code = "tokenizer_changed"
+
+    def __init__(self, paired: str, now: str, committed: int) -> None:
+        super().__init__(f"the cloud now speaks another tokenizer (fingerprint {now}, paired with {paired}): this "
+                         f"session's {committed} tokens would mean other text there; start the generation again")
+        self.paired, self.now = paired, now
+
+
 @dataclass(frozen=True)
 class SessionParams:
     # shared sampling settings (q and p alike)
@@ -93,6 +107,9 @@ class SessionParams:
     # draft one token more and have the cloud check it instead of drawing a bonus (shared/verify.py):
     # every position is decided alike, so a seed's text does not depend on the k schedule
     check_last: bool = False
+    # the cloud tokenizer's fingerprint the edge paired with (edge/pairing.py; "": unchecked): an open answer
+    # naming another means the cloud behind the address now holds another model, and the session stops
+    tokenizer_fingerprint: str = ""
 
 class CloudSession:
     """One session's wire state and calls; SpeculativeRun builds its rounds on it."""
@@ -138,6 +155,9 @@ class CloudSession:
             raise SpecSplitError(f"opened session holds {info.ctx_len} tokens / hash {info.ctx_hash}, "
                                  f"expected {len(self.S)} / {self.hash_at(len(self.S))}")
         self.ctx_id, self.cloud_len, self.vocab_size = info.ctx_id, info.ctx_len, info.vocab_size
+        paired = self.params.tokenizer_fingerprint
+        if paired and info.tokenizer_fingerprint and info.tokenizer_fingerprint != paired:
+            raise TokenizerChanged(paired, info.tokenizer_fingerprint, len(self.S))
         if self.numerics and info.numerics and info.numerics != self.numerics:
             self.metrics.numerics_changes += 1
             log.warning("the session goes on under other numerics (%s, was %s): its %d committed tokens are kept, "

@@ -244,7 +244,7 @@ class SpeculativeRun(CloudSession):
             block = graft(block, self._copy_path, self.tree.copy.value)
         block = replace(block, values=self.tree.ranked(block, self._copy_path))
         assert block.values is not None
-        block = prune(block, min(nodes, self.tree.choose(block.values)))
+        block = prune(block, self.tree.choose(block.values, cap=nodes))
         wait_ms = 0.0
         if self.ahead is not None:
             wait_ms, self.ahead.wait_ms = self.ahead.wait_ms, 0.0

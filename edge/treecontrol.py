@@ -16,7 +16,8 @@ t_verify(n) = v0 + v1 (n + 1) is fitted to the cloud's reported forward and queu
 weighted least squares over the rounds' node counts, with a ridge pulling v1 towards v0 / `prior_width`
 (a forward of `prior_width` more tokens costs twice one of a single token: about 16 on this machine's CPU,
 BENCHMARKS.md "The real pair"), so a run of equal counts, which shows no slope, reads as that prior and not
-as free nodes; every `probe_every`-th round sends half the chosen count to keep the slope measured. RTT is the
+as free nodes; every `probe_every`-th round sends half the chosen count to keep the slope measured, unless a cap
+(the cloud's node budget, the context's room) decides the count that round: then the probe waits. RTT is the
 answer's wall time minus the cloud's reported time. The tree is drafted before the choice, so drafting time
 is spent either way and does not enter it.
 `fixed_nodes` sends that many nodes whatever the costs. With `copy_branches` every grown tree gets the
@@ -24,10 +25,15 @@ context's own continuation grafted in before the choice (edge/drafters/lookup.py
 running share of copy nodes accepted. Depth follows use: when the deepest sent node sits
 at the last level grown, the next tree grows one level deeper; when the sent tree stops two levels short,
 one level shallower (within [depth_min, depth_max]).
+
+A client's next session starts from what its last one learned (`carry`: the acceptance by q, c, the copies'
+share, the verify fit, RTT and depth): the same draft, link and cloud, where a session of a few rounds would
+otherwise spend them relearning that its draft's main path is kept more often than its q says.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 from shared.node_value import NodeCalibration
@@ -73,7 +79,16 @@ class TreeControl:
     # the session's acceptance by q (given the parent kept): what the draft's nodes are worth, as the cloud's
     # node budget reads it (shared/node_value.py)
     nodes: NodeCalibration = field(default_factory=NodeCalibration)
-    _rounds: int = 0
+    # rounds chosen since the last probe
+    _since_probe: int = 0
+
+    def carry(self, last: TreeControl | None) -> TreeControl:
+        """Start from what `last` (the same client's previous session) learned; the settings stay this one's."""
+        if last is not None:
+            self.calibration, self.rtt_ms, self._fit = last.calibration, last.rtt_ms, list(last._fit)
+            self.depth = min(max(last.depth, self.depth_min), self.depth_max)
+            self.nodes, self.copy = copy.deepcopy(last.nodes), copy.deepcopy(last.copy)
+        return self
 
     def shape(self) -> TreeShape:
         n = self.fixed_nodes or self.max_nodes
@@ -95,23 +110,28 @@ class TreeControl:
         slope = max(0.0, (cov + r * prior) / (var + r))
         return max(0.0, my + slope * (n + 1 - mx))
 
-    def choose(self, values: list[float]) -> int:
-        """How many of the grown tree's nodes (values: their path confidences) to send."""
+    def choose(self, values: list[float], cap: int | None = None) -> int:
+        """How many of the grown tree's nodes (values: their path confidences) to send, at most `cap` (the cloud's
+        node budget, the context's room). A probe halves the edge's own choice; a round whose count the cap
+        decides is sent whole (halving it would measure nothing the choice uses, and cost the cloud a forward for
+        fewer tokens), and the probe comes at the next round the edge decides."""
         if self.fixed_nodes is not None:
-            return min(self.fixed_nodes, len(values))
+            return min(self.fixed_nodes, len(values), cap if cap is not None else self.fixed_nodes)
         best, best_rate = 0, -1.0
         ranked = sorted(values, reverse=True)
         total = 0.0
-        for n in range(0, min(self.max_nodes, len(values)) + 1):
+        top = min(self.max_nodes, len(values), cap if cap is not None else self.max_nodes)
+        for n in range(0, top + 1):
             if n:
                 total += ranked[n - 1]
             ms = self.verify_ms(n) + (self.rtt_ms or 0.0)
             rate = (1.0 + self.calibration * total) / ms if ms > 0 else float(n)
             if rate > best_rate + 1e-12:
                 best, best_rate = n, rate
-        self._rounds += 1
-        if self._rounds % self.probe_every == 0:
-            best = (best + 1) // 2
+        self._since_probe += 1
+        capped = cap is not None and cap < self.max_nodes and best >= cap
+        if self._since_probe >= self.probe_every and not capped:
+            self._since_probe, best = 0, (best + 1) // 2
         return max(best, 1)
 
     def ranked(self, block: DraftBlock, copy_path: list[int] | None = None) -> list[float]:

@@ -133,6 +133,8 @@ class SessionInfo:
     numerics: str = ""
     # the open answer: the most draft nodes the first round should send (as a verify answer's); 0: none said
     node_budget: int = 0
+    # the open answer's ModelInfo.tokenizer_fingerprint: what the session's ids mean ("" = an older cloud)
+    tokenizer_fingerprint: str = ""
     # the open answer of a session that asked for features: the state after the whole prompt
     feature: TargetFeature | None = None
     # the open answer of a session with a feature_window: the last prompt positions' states

@@ -25,6 +25,7 @@ from shared.config import SamplingConfig
 from shared.errors import SpecSplitError
 
 from ..client import EdgeClient
+from ..exchange import TokenizerChanged
 from ..metrics import EdgeMetrics
 from ..pairing import check_pairing
 from ..prom import EdgePrometheus
@@ -135,9 +136,9 @@ class OpenAIEngine:
     def __init__(self, settings: EdgeSettings, draft: SharedDraftModel, tokenizer: LockedTokenizer,
                  prometheus: EdgePrometheus | None = None, choose_draft: bool = False) -> None:
         self.settings = settings
-        # the draft is chosen from the cloud's tokenizer at its first answer (`_adopt`): no --draft, and the
-        # cloud was not up at start-up
-        self.choose_draft = choose_draft
+        # no --draft: the draft follows the cloud's tokenizer, chosen at the cloud's first answer (`_adopt`) and
+        # again at the first answer after a session found the cloud speaking another (`forget_cloud`)
+        self.follow_cloud = self.choose_draft = choose_draft
         # --chat-template FILE, and the template of a tokenizer adopted later (None until then: the server's own)
         self.chat_template_file: str | None = None
         self.adopted_template: Any = None
@@ -147,6 +148,9 @@ class OpenAIEngine:
         self._info: ModelInfo | None = None
         # the feature-fed head, loaded once (new_client) and shared by every generation
         self._head: Any = None
+        # the tree controller of the last generation to start: the next starts from what it learned
+        # (TreeControl.carry), as one client's sessions do
+        self._last_tree: Any = None
         self._info_lock = threading.Lock()
         # the fetch of the model info in flight: concurrent requests share its outcome instead of queueing
         self._info_fetch: Future[ModelInfo] | None = None
@@ -157,6 +161,7 @@ class OpenAIEngine:
         client = EdgeClient(s, transport=make_transport(s.cloud_url, s.grpc_target, key),
                             drafter=self.draft.for_generation(), tokenizer=self.tokenizer, model_info=self._info,
                             head=self._head)
+        client._last_tree = self._last_tree
         if self._head is None and s.head != "none":  # loaded by the first client, shared by every later one
             self._head = client.head()
             client._head = self._head
@@ -185,10 +190,21 @@ class OpenAIEngine:
                     self._info_fetch = None
         return fetch.result()
 
+    def forget_cloud(self, err: TokenizerChanged) -> None:
+        """A session found the cloud speaking another tokenizer (restarted or failed over with another model):
+        the next request asks its model again and, without --draft, picks the draft that speaks it; with
+        --draft, the pairing check then refuses the pair with the fix."""
+        with self._info_lock:
+            self._info = None
+            self.choose_draft = self.follow_cloud
+        log.warning("the cloud's tokenizer changed (%s, was %s): asking its model again at the next request%s",
+                    err.now, err.paired, ", and the draft with it" if self.follow_cloud else "")
+
     def _adopt(self, info: ModelInfo) -> None:
-        """At the cloud's first answer, when the server started before it: the draft under models/ that speaks
-        its tokenizer (edge/cli.py `choose_draft`), with that draft's tokenizer and chat template, before any
-        request uses them. None speaks it: the draft stays, and the pairing check refuses it with the fix."""
+        """At the cloud's first answer (and the first after `forget_cloud`), with no --draft: the draft under
+        models/ that speaks its tokenizer (edge/cli.py `choose_draft`), with that draft's tokenizer and chat
+        template, before any request uses them. None speaks it: the draft stays, and the pairing check refuses
+        it with the fix."""
         if not self.choose_draft:
             return
         from shared.tokenizer_id import load_tokenizer
@@ -257,6 +273,8 @@ class OpenAIEngine:
             if done is None:  # ends the event stream of a response that may still be waiting
                 emit(GenerationCancelled("the generation was cancelled: its client went away"))
         except SpecSplitError as e:
+            if isinstance(e, TokenizerChanged):
+                self.forget_cloud(e)
             summary["error"] = f"{e.code}: {e.message}"
             emit(e)
         except Exception as e:  # a bug must still end the response, not hang it
@@ -304,6 +322,7 @@ class OpenAIEngine:
         finally:
             gen.close()  # ends the generation: its cloud session is closed
             client.close()
+            self._last_tree = client._last_tree or self._last_tree
             result = gen.result()
             drafter = client.drafter
             wait_s = drafter.wait_s if isinstance(drafter, LockedDrafter) else 0.0

@@ -35,7 +35,7 @@ class ServeArgs:
     chat_template_file: str | None = None
     # the model id of /v1/models; None: the cloud's model_id
     served_model_name: str | None = None
-    # no --draft and no cloud at start-up: the draft is chosen from the cloud's tokenizer at the first answer
+    # no --draft: the draft follows the cloud's tokenizer (chosen at its first answer, again after a change)
     choose_draft: bool = False
 
 

@@ -79,6 +79,7 @@ def session_from_pb(m: pb.SessionInfo) -> SessionInfo:
     counters = json.loads(m.counters_json) if m.counters_json else {}
     return SessionInfo(ctx_id=m.ctx_id, ctx_len=m.ctx_len, ctx_hash=m.ctx_hash, vocab_size=m.vocab_size,
                        counters=counters, numerics=m.numerics, node_budget=m.node_budget,
+                       tokenizer_fingerprint=m.tokenizer_fingerprint,
                        feature=feature_from_pb(m.feature) if m.HasField("feature") else None,
                        states=states_from_pb(m.states) if m.HasField("states") else None)
 

@@ -68,6 +68,7 @@ def session_from_json(d: dict[str, Any]) -> SessionInfo:
     return SessionInfo(ctx_id=str(d["ctx_id"]), ctx_len=int(d["ctx_len"]), ctx_hash=str(d["ctx_hash"]),
                        vocab_size=int(d.get("vocab_size", 0)), counters=dict(d.get("counters") or {}),
                        numerics=str(d.get("numerics") or ""), node_budget=int(d.get("node_budget") or 0),
+                       tokenizer_fingerprint=str(d.get("tokenizer_fingerprint") or ""),
                        feature=feature_from_json(d.get("feature")), states=states_from_json(d.get("states")))
 
 

@@ -74,6 +74,8 @@ class FakeCloud:
     numerics: str = "pytorch float32 invariant tp1 avx2 weights:fake"
     # the node budget the open answers carry (0: none said)
     open_budget: int = 0
+    # the tokenizer fingerprint the model info and the open answers carry ("": none, as an older cloud)
+    tokenizer_fingerprint: str = ""
 
     def __post_init__(self) -> None:
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir).eval()
@@ -131,7 +133,7 @@ class FakeCloud:
         if f is not None:
             raise f.error
         return SessionInfo(ctx_id, len(req.prompt_ids), ctx_hash(req.prompt_ids), self.vocab, numerics=self.numerics,
-                           node_budget=self.open_budget)
+                           node_budget=self.open_budget, tokenizer_fingerprint=self.tokenizer_fingerprint)
 
     def verify(self, req: VerifyRequest, timeout: float, sampling: SamplingConfig | None = None) -> VerifyResponse:
         f = self._enter("verify")
@@ -215,7 +217,8 @@ class FakeCloud:
     def get_model(self, timeout: float) -> ModelInfo:
         self._enter("model")
         info = ModelInfo("fake", self.vocab, list(self.eos_ids), self.max_context,
-                         session_stream=self.supports_session_stream)
+                         session_stream=self.supports_session_stream,
+                         tokenizer_fingerprint=self.tokenizer_fingerprint)
         if self.max_generate_tokens:  # set whether or not ModelInfo has the field yet
             object.__setattr__(info, "max_generate_tokens", self.max_generate_tokens)
         return info

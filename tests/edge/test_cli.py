@@ -137,13 +137,16 @@ def test_a_server_started_before_its_cloud_chooses_its_draft_at_the_first_answer
     """`serve` without --draft while the cloud is down: start-up leaves the choice to the first answer
     (cloud_draft_or_later), the server starts on the default draft, and the engine's first successful model
     info adopts the draft that speaks the cloud's tokenizer (settings, draft weights, tokenizer) before anything
-    uses them; a failed first contact changes nothing, and --draft is never second-guessed."""
+    uses them; a failed first contact changes nothing, and --draft is never second-guessed. When a session
+    later finds the cloud speaking another tokenizer (TokenizerChanged: restarted with another model), the next
+    model info chooses again."""
     import shutil
 
     from transformers import AutoTokenizer
 
     import edge.settings
     from edge.cli import cloud_draft_or_later
+    from edge.exchange import TokenizerChanged
     from edge.server.serve import build_engine
     from edge.transport.errors import CloudUnavailable
     from edge.transport.rest import RestTransport
@@ -160,6 +163,7 @@ def test_a_server_started_before_its_cloud_chooses_its_draft_at_the_first_answer
     monkeypatch.setattr(edge.settings, "REPO_ROOT", tmp_path)
     monkeypatch.delenv("SPECSPLIT_EDGE_DRAFT", raising=False)
     want = tokenizer_fingerprint(load_tokenizer(coder))
+    first = want
     up: list[bool] = []
 
     def get_model(self: RestTransport, timeout: float) -> ModelInfo:
@@ -183,6 +187,13 @@ def test_a_server_started_before_its_cloud_chooses_its_draft_at_the_first_answer
     assert engine.settings.draft == str(coder) and engine.draft.settings.draft == str(coder)
     assert engine.tokenizer.fingerprint == want and not engine.choose_draft
     engine.check_ready()  # the adopted pair passes the pairing check
+    assert engine.model_info().tokenizer_fingerprint == first  # kept: asked once
+    want = tokenizer_fingerprint(load_tokenizer(default))  # the cloud comes back with the other model
+    assert engine.model_info().tokenizer_fingerprint == first  # nothing has told the engine yet
+    engine.forget_cloud(TokenizerChanged(first, want, 7))
+    assert engine.model_info().tokenizer_fingerprint == want
+    assert engine.settings.draft == str(default) and engine.tokenizer.fingerprint == want
+    engine.check_ready()
 
 
 def _options(command: str) -> set[str]:

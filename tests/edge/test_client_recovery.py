@@ -149,6 +149,38 @@ def test_a_reopen_on_a_cloud_of_other_numerics_keeps_the_text_and_is_counted(mak
     assert r.metrics.reopens == 2 and r.metrics.numerics_changes == 1
 
 
+def test_a_reopen_on_a_cloud_of_another_tokenizer_stops_the_generation_and_pairs_anew(make_client,
+                                                                                    fake_cloud: FakeCloud) -> None:
+    """The cloud behind the address restarts with another model (here: its tokenizer fingerprint changes while
+    the session is evicted): the reopen's answer names the new tokenizer, the generation stops with
+    TokenizerChanged (503, nothing sent under the wrong ids: no verify after that open), the session it opened
+    is closed, and the client forgets the model info, so the next generation asks again and the pairing check
+    refuses the pair with its fix. A reopen on the same tokenizer goes on as before."""
+    from edge.exchange import TokenizerChanged
+    from shared.tokenizer_id import tokenizer_fingerprint
+
+    client, _ = make_client(temperature=0, max_new_tokens=N)
+    fake_cloud.tokenizer_fingerprint = mine = tokenizer_fingerprint(client.tokenizer)
+    ref = client.generate(PROMPT).token_ids
+    gen = client.stream(PROMPT)
+    seen: list[int] = []
+    with pytest.raises(TokenizerChanged, match="another tokenizer") as err:
+        for tok in gen:
+            seen.append(tok.token_id)
+            if len(seen) == 3:
+                fake_cloud.evict_all()  # the same cloud: it goes on
+            if len(seen) == 6:
+                fake_cloud.tokenizer_fingerprint = "f" * 16
+                fake_cloud.evict_all()
+    assert err.value.http_status == 503 and err.value.paired == mine and err.value.now == "f" * 16
+    assert seen == ref[:len(seen)] and len(seen) >= 6
+    assert fake_cloud.calls[-2:] == ["open", "close"] and not fake_cloud.sessions
+    asked = fake_cloud.calls.count("model")
+    with pytest.raises(InvalidArgument, match="differs from the target's"):
+        client.generate(PROMPT)
+    assert fake_cloud.calls.count("model") == asked + 1
+
+
 def test_404_from_a_verify_reopens(make_client, fake_cloud: FakeCloud) -> None:
     ref = reference(make_client)
     client, _ = make_client(temperature=0, max_new_tokens=N)

@@ -99,6 +99,30 @@ def test_the_first_round_obeys_the_open_answers_budget(make_client, fake_cloud: 
     assert tree.generate(PROMPTS[0]).rounds[0].k > 2
 
 
+def test_a_clients_next_generation_starts_from_the_last_ones_tree_controller(make_client, fake_cloud: FakeCloud,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """One client's sessions share a draft, a link and a cloud: each new tree controller is carried from the last
+    session's (TreeControl.carry), the first from nothing."""
+    from dataclasses import replace
+
+    from edge.treecontrol import TreeControl
+
+    seen: list[TreeControl | None] = []
+    carry = TreeControl.carry
+
+    def recording(self: TreeControl, last: TreeControl | None) -> TreeControl:
+        seen.append(last)
+        return carry(self, last)
+
+    monkeypatch.setattr(TreeControl, "carry", recording)
+    client, _ = make_client(temperature=0, max_new_tokens=20, tree="auto")
+    info = replace(fake_cloud.get_model(1.0), max_tree_nodes=32)  # a cloud that takes trees
+    first = client._tree_control(info)
+    second = client._tree_control(info)
+    assert first is not None and second is not None and second is not first
+    assert seen == [None, first] and client._last_tree is second
+
+
 def test_generation_stops_after_eos(make_client, fake_cloud: FakeCloud) -> None:
     client, _ = make_client(temperature=0, max_new_tokens=20)
     full = client.generate(PROMPTS[0]).token_ids

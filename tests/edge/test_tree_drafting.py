@@ -94,6 +94,12 @@ def test_controller_keeps_a_fixed_count_adapts_depth_and_probes() -> None:
     assert ctl.depth == 6
     first, second = ctl.choose([0.9] * 32), ctl.choose([0.9] * 32)
     assert second == (first + 1) // 2
+    # a round whose count a cap decides (the cloud's budget below the edge's choice) is sent whole, and the
+    # probe comes at the next round the edge decides
+    assert ctl.choose([0.9] * 32) == first
+    assert ctl.choose([0.9] * 32, cap=3) == 3
+    assert ctl.choose([0.9] * 32, cap=3) == 3
+    assert ctl.choose([0.9] * 32) == (first + 1) // 2
 
 
 def _main_and_side(depth: int = 6) -> DraftBlock:
@@ -142,3 +148,26 @@ def test_nodes_are_ranked_by_the_sessions_acceptance_of_their_q() -> None:
     only_copies = replace(grafted, copied=[True] * grafted.k)
     ctl.observe_nodes(only_copies, list(range(grafted.k)))
     assert ctl.nodes == before
+
+
+def test_a_clients_next_session_starts_from_what_its_last_one_learned() -> None:
+    """TreeControl.carry: a new session's controller takes the last one's acceptance by q (so its first tree is
+    the main path the last session learned to trust, where a fresh one keeps a second branch), its c, verify fit,
+    RTT and depth, as copies (the new session's rounds leave the last one's alone); its own settings stay."""
+    block = _main_and_side()
+    main = [j for j in range(block.k) if block.q_probs[j] == 0.65]
+    last = TreeControl(copy_branches=False, depth=6, depth_max=10)
+    for _ in range(30):
+        last.observe_nodes(block, main)
+    last.observe(8, 4.0, 6, deepest=6, exchange_ms=90, cloud_ms=60)
+    fresh = TreeControl(copy_branches=False, max_nodes=12)
+    carried = TreeControl(copy_branches=False, max_nodes=12).carry(last)
+    assert carried.max_nodes == 12 and carried.depth == last.depth == 7
+    assert (carried.calibration, carried.rtt_ms, carried.verify_ms(8)) == (last.calibration, last.rtt_ms,
+                                                                           last.verify_ms(8))
+    n = len(main)
+    assert prune(replace(block, values=carried.ranked(block)), n).tokens == [block.tokens[j] for j in main]
+    assert 201 in prune(replace(block, values=fresh.ranked(block)), n).tokens
+    before = copy.deepcopy(last.nodes)
+    carried.observe_nodes(block, [])  # the new session's misses are its own
+    assert last.nodes == before and carried.nodes != before
