@@ -213,8 +213,8 @@ class ServiceCore:
         return max(self.settings.kv_block_size, min(cap, int(room)))
 
     def open_budget(self, s: Session) -> int:
-        """The open answer's budget for the first round: the new session's prior acceptance (its key's pool,
-        `NodeBudget.prior`) read as a chain's at the present load (0 with --node-budget false)."""
+        """The open answer's budget for the first round: the new session's prior acceptance read as a chain's
+        at the present load (0 with --node-budget false)."""
         return self.budget.budget(s.acceptance.alpha) if self.settings.node_budget else 0
 
     def node_budget(self, s: Session, accepted: int, depth: int, committed: int, parents: list[int],
@@ -225,7 +225,6 @@ class ServiceCore:
         self.budget.committed(committed)
         s.acceptance.observe(accepted, depth)
         s.acceptance.nodes.observe(parents, q, kept)
-        self.budget.pool_round(s.owner, accepted, depth, parents, q, kept)
         if not self.settings.node_budget:
             return 0
         n = self.budget.budget(s.acceptance.alpha, s.acceptance.nodes.expected(parents, q))

@@ -27,11 +27,6 @@ alpha^n >= b * F.
 - idle (one session), a dominates: b * F is small and the budget large (up to `max_tree_nodes`);
 - loaded, b * sum(rows) dominates: b * F nears tau / (n + 1) and the budget shrinks to the path most likely kept.
 
-A new session starts from its owner's pooled acceptance (`NodeBudget.prior`: every verified round of the API
-key's sessions, weighted alike, one pool per key, "" when auth is off) instead of the generic prior: a key's
-sessions mostly share a draft, and a session of a few rounds would otherwise spend them ramping from alpha 0.8,
-which read as a chain gives 2 nodes at a load where a node must add 0.55 tokens, to what its draft earns.
-
 F is measured, not modelled: tokens committed over the forwards' cost, both exponentially weighted by forward.
 The budget never changes the text: any number of nodes is verified exactly (shared/verify.py, shared/tree.py);
 an edge that ignores it is served as before.
@@ -39,7 +34,6 @@ an edge that ignores it is served as before.
 
 from __future__ import annotations
 
-import copy
 import math
 import threading
 from dataclasses import dataclass, field
@@ -156,23 +150,6 @@ class NodeBudget:
     # jobs (sessions, prompts, generations) per forward, recently: above one, sessions share forwards
     jobs_per_forward: float = 1.0
     _lock: threading.Lock = field(default_factory=threading.Lock)
-    # each owner's (API key's) acceptance over its sessions' rounds: a new session's prior (one per key: bounded
-    # by the keys the cloud accepts)
-    _pools: dict[str, Acceptance] = field(default_factory=dict)
-
-    def prior(self, owner: str) -> Acceptance:
-        """A new session's acceptance: a copy of its owner's pool (the generic prior before the first round)."""
-        with self._lock:
-            pool = self._pools.get(owner)
-            return copy.deepcopy(pool) if pool is not None else Acceptance()
-
-    def pool_round(self, owner: str, accepted: int, depth: int, parents: list[int], q: list[float],
-                   kept: list[bool]) -> None:
-        """A verified round of one of the owner's sessions, into the owner's pool."""
-        with self._lock:
-            pool = self._pools.setdefault(owner, Acceptance())
-            pool.observe(accepted, depth)
-            pool.nodes.observe(parents, q, kept)
 
     def forward(self, rows: int, prefill_tokens: int, seconds: float, jobs: int = 1) -> None:
         """One forward ran (model thread): its rows, prefill tokens, seconds and jobs (sessions, prompts)."""

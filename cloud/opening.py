@@ -98,7 +98,7 @@ async def open_new(core: ServiceCore, req: OpenSessionRequest, owner: str) -> Se
                     prompt_len=len(req.prompt_ids), context=context, slot=pre.slot,
                     kv_bytes_per_token=core.model.kv_bytes_per_token, last_used=now, created=now,
                     kv_len=len(pre.ids), replay_bytes_limit=core.settings.replay_cache_bytes,
-                    feature_encoding=encoding, feature_window=window, acceptance=core.budget.prior(owner))
+                    feature_encoding=encoding, feature_window=window)
         core.store.add(s)
     core.metrics.prompt_prefill_ms.observe(ms)
     core.metrics.queue_ms.observe(queue_ms)

@@ -177,32 +177,3 @@ def test_the_open_answer_carries_the_first_rounds_budget(make_service: Any) -> N
     assert opened(svc) == svc.budget.budget(0.8) >= 5
     assert opened(make_service(node_budget=False)) == 0
 
-
-def test_a_new_session_starts_from_its_keys_pooled_acceptance(make_service: Any) -> None:
-    """Twenty rounds of one key's sessions that keep every node of a chain of 8 raise that key's new sessions'
-    prior alpha from 0.8 to above 0.95, so under a load where a node must add ~0.7 tokens the open answer's budget
-    grows from 1 to at least 6 (the generic prior's ramp is what 32-token sessions spent their rounds on);
-    another key's sessions keep the generic prior, and a session's prior is a copy: its own rounds leave the pool
-    alone."""
-    import asyncio
-
-    from shared.config import SamplingConfig
-    from shared.protocol import OpenSessionRequest
-
-    chain, q = list(range(-1, 7)), [0.6] * 8
-    b = _budget(80, 70, 0.99)
-    assert b.prior("key").alpha == Acceptance().alpha == 0.8 and b.budget(0.8) == 1
-    for _ in range(20):
-        b.pool_round("key", 8, 8, chain, q, [True] * 8)
-    mine, other = b.prior("key"), b.prior("other")
-    assert mine.alpha > 0.95 and b.budget(mine.alpha) >= 6 and other.alpha == 0.8
-    mine.observe(0, 8)
-    mine.nodes.observe(chain, q, [False] * 8)
-    assert b.prior("key").alpha > 0.95 and b.prior("key").nodes != mine.nodes
-
-    svc = make_service(max_k=8, max_tree_nodes=32)
-    svc.budget = b
-    svc.budget.forward = lambda *a, **k: None  # type: ignore[method-assign]  # the load as set
-    opened = asyncio.run(svc.open_session(OpenSessionRequest([5, 6, 7], SamplingConfig(0.0)), "key"))
-    assert opened.node_budget >= 6
-    assert asyncio.run(svc.open_session(OpenSessionRequest([5, 6, 7], SamplingConfig(0.0)), "other")).node_budget == 1
