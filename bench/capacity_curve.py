@@ -401,7 +401,8 @@ def verdicts(rows: list[dict[str, Any]]) -> list[str]:
 def render(res: dict[str, Any]) -> str:
     rows, m = res["rows"], res["machine"]
     levels = sorted({r["sessions"] for r in rows})
-    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    seen = {r["policy"] for r in rows}  # the policies' own order, whichever run measured which row
+    policies = [p for p in POLICIES if p in seen] + sorted(seen - set(POLICIES))
     cell = {(r["sessions"], r["policy"]): r for r in rows}
     head = "| sessions | " + " | ".join(policies) + " |"
     rule = "|" + "---|" * (len(policies) + 1)
