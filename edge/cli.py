@@ -10,10 +10,11 @@
 
 Defaults (EdgeSettings, overridable by SPECSPLIT_EDGE_* variables): without --draft, the edge asks the cloud
 for its tokenizer (GET /v1/model; `serve` started before its cloud asks at the cloud's first answer) and
-drafts with the model under models/ that speaks it (edge/settings.py
-draft_for_tokenizer: models/qwen2.5-coder-0.5b-instruct for the coder pair's cloud, the SmolLM2 draft for
-SmolLM2's); a draft directory holding model.gguf, or a .gguf file, drafts on llama.cpp (edge/settings.py
-load_draft_model); --draft ngram drafts from the context alone. Temperature 1.0, top-p 0.9, top-k 0 (off),
+drafts with the model under models/ that speaks it (edge/model_choice.py: the bundled drafts first,
+models/qwen2.5-coder-0.5b-instruct for the coder pair's cloud, the SmolLM2 draft for SmolLM2's, then any
+folder under models/ with that tokenizer); cloud_only without --tokenizer or --draft tokenizes with a folder
+under models/ that holds the cloud's tokenizer, or refuses naming both flags; a draft directory holding
+model.gguf, or a .gguf file, drafts on llama.cpp (edge/settings.py load_draft_model); --draft ngram drafts from the context alone. Temperature 1.0, top-p 0.9, top-k 0 (off),
 repetition penalty 1.1, seed 0, 128 new tokens, k chosen per round by the cost model, trees whenever the cloud
 takes them, gating off, an adaptive verify deadline with every token verified (--timeout-fallback opts into
 committing a late round's first draft token unverified), 6 retries (--max-retries), a random routing key
@@ -37,10 +38,10 @@ from pydantic import ValidationError
 
 from shared.errors import SpecSplitError
 from shared.logs import setup_logging
-from shared.protocol import ModelInfo
 
 from .client import EdgeClient, GenerationResult
-from .settings import EdgeSettings, draft_for_tokenizer
+from .model_choice import ask_cloud, for_cloud
+from .settings import EdgeSettings
 
 COLOURS = {"accepted": "\x1b[32m", "correction": "\x1b[33m", "bonus": "\x1b[36m", "residual": "\x1b[35m",
            "local": "\x1b[31m", "target": ""}
@@ -216,58 +217,40 @@ def draft_given(args: argparse.Namespace) -> bool:
     return getattr(args, "draft", None) is not None or "SPECSPLIT_EDGE_DRAFT" in os.environ
 
 
+def cloud_chooses(settings: EdgeSettings, args: argparse.Namespace) -> bool:
+    """Whether the cloud's tokenizer picks the model: no --draft, and in cloud_only mode no --tokenizer either
+    (there the draft names only the tokenizer)."""
+    if draft_given(args):
+        return False
+    return settings.mode != "cloud_only" or (getattr(args, "tokenizer", None) is None
+                                             and "SPECSPLIT_EDGE_TOKENIZER" not in os.environ)
+
+
 def with_cloud_draft(settings: EdgeSettings, args: argparse.Namespace) -> EdgeSettings:
-    """The settings with the draft that speaks the cloud's tokenizer, unless one was given (or none is needed);
-    a cloud that does not answer leaves the default draft, with one warning line."""
-    if draft_given(args) or settings.mode == "cloud_only":
+    """The settings with the draft (cloud_only: the tokenizer) that speaks the cloud's tokenizer, unless one was
+    given; a cloud that does not answer leaves the default, with one warning line; InvalidArgument naming
+    --tokenizer / --draft when nothing under models/ speaks the tokenizer of a cloud_only cloud."""
+    if not cloud_chooses(settings, args):
         return settings
-    chosen = draft_for_cloud(settings)
-    if chosen is None:
-        logging.getLogger(__name__).warning("the cloud did not answer: drafting with %s, which may not speak its "
-                                            "tokenizer; pass --draft to choose", settings.draft)
+    info = ask_cloud(settings)
+    if info is None:
+        what = "tokenizing" if settings.mode == "cloud_only" else "drafting"
+        flag = "--tokenizer" if settings.mode == "cloud_only" else "--draft"
+        logging.getLogger(__name__).warning("the cloud did not answer: %s with %s, which may not speak its "
+                                            "tokenizer; pass %s to choose", what, settings.tokenizer_dir()
+                                            if settings.mode == "cloud_only" else settings.draft, flag)
         return settings
-    return settings.model_copy(update={"draft": chosen})
+    return for_cloud(settings, info)
 
 
 def cloud_draft_or_later(settings: EdgeSettings, args: argparse.Namespace) -> tuple[EdgeSettings, bool]:
     """`serve`: as with_cloud_draft, but a cloud that does not answer yet leaves the choice to the server's first
-    contact with it. True: the draft follows the cloud's tokenizer (no --draft): chosen at that first contact,
-    and again when the cloud comes back with another (edge/server/openai_engine.py)."""
-    if draft_given(args) or settings.mode == "cloud_only":
+    contact with it. True: the draft (cloud_only: the tokenizer) follows the cloud's tokenizer: chosen at that first
+    contact, and again when the cloud comes back with another (edge/server/openai_engine.py)."""
+    if not cloud_chooses(settings, args):
         return settings, False
-    chosen = draft_for_cloud(settings)
-    return (settings if chosen is None else settings.model_copy(update={"draft": chosen})), True
-
-
-def draft_for_cloud(settings: EdgeSettings) -> str | None:
-    """Without --draft: the draft under models/ that speaks the cloud's tokenizer (the coder pair's draft for
-    a Qwen2.5-Coder cloud, SmolLM2's for SmolLM2's), else the default draft with one warning line (a cloud whose
-    tokenizer no draft speaks); None when the cloud does not answer in 5 s."""
-    from .transport.grpc_transport import GrpcTransport
-    from .transport.rest import RestTransport
-
-    key = settings.api_key.get_secret_value() if settings.api_key else None
-    transport = GrpcTransport(settings.grpc_target, key) if settings.grpc_target else \
-        RestTransport(settings.cloud_url, key)
-    try:
-        info = transport.get_model(5.0)
-    except SpecSplitError:
-        return None
-    finally:
-        transport.close()
-    return choose_draft(info, settings.draft)
-
-
-def choose_draft(info: ModelInfo, default: str) -> str:
-    """The draft under models/ that speaks `info`'s tokenizer, else `default` with one warning line."""
-    log = logging.getLogger(__name__)
-    chosen = draft_for_tokenizer(info.tokenizer_fingerprint, info.vocab_size) if info.tokenizer_fingerprint else None
-    if chosen is None:
-        log.warning("no draft under models/ speaks the cloud's tokenizer (%s): drafting with %s; pass --draft DIR "
-                    "(or --draft ngram --tokenizer DIR)", info.tokenizer_fingerprint or "no fingerprint", default)
-    elif chosen != default:
-        log.info("drafting with %s: it speaks the cloud's tokenizer", chosen)
-    return chosen or default
+    info = ask_cloud(settings)
+    return (settings if info is None else for_cloud(settings, info)), True
 
 
 class LiveText:

@@ -317,6 +317,8 @@ class EdgeClient(HeadChoice):
     def _cloud_only(self, job: GenerationJob) -> Generator[CommittedToken, None, None]:
         transport = self._routed(job)
         if transport.supports_generate:
+            # no session opens (and checks the pairing): the cloud's ids are decoded with this tokenizer
+            check_pairing(self.model_info(), self.tokenizer, self.settings.tokenizer_dir(), None, None)
             yield from target_only(transport, job, Backoff(self._policy(), self.sleep), self.settings.stop_at_eos)
             return
         job.params = replace(job.params, send_q_dists=False)  # over gRPC: k = 0 verify rounds

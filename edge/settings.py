@@ -41,32 +41,6 @@ def default_head() -> str:
     return str(REPO_ROOT / "models" / DEFAULT_HEAD) if (REPO_ROOT / "models" / DEFAULT_HEAD).is_dir() else "none"
 
 
-# Drafts a cloud's tokenizer may pick when --draft is not given (edge/cli.py): the coder pair's draft, then
-# DEFAULT_DRAFTS.
-CLOUD_DRAFTS = ("qwen2.5-coder-0.5b-instruct", *DEFAULT_DRAFTS)
-
-
-def draft_for_tokenizer(fingerprint: str, vocab_size: int) -> str | None:
-    """The first of CLOUD_DRAFTS under models/ whose tokenizer has `fingerprint` (shared/tokenizer_id.py),
-    trying those whose config's vocabulary has `vocab_size` rows first; None when none does."""
-    import json
-
-    from shared.tokenizer_id import directory_fingerprint
-
-    present = [REPO_ROOT / "models" / n for n in CLOUD_DRAFTS if (REPO_ROOT / "models" / n / "config.json").is_file()]
-
-    def rows(d: Path) -> int:
-        try:
-            return int(json.loads((d / "config.json").read_text()).get("vocab_size", 0))
-        except (OSError, ValueError):
-            return 0
-
-    for d in sorted(present, key=lambda d: rows(d) != vocab_size):  # stable: preference order within each
-        if directory_fingerprint(d) == fingerprint:
-            return str(d)
-    return None
-
-
 def default_draft() -> str:
     """The first of DEFAULT_DRAFTS the repository holds, else the n-gram drafter."""
     for name in DEFAULT_DRAFTS:

@@ -202,24 +202,25 @@ class OpenAIEngine:
 
     def _adopt(self, info: ModelInfo) -> None:
         """At the cloud's first answer (and the first after `forget_cloud`), with no --draft: the draft under
-        models/ that speaks its tokenizer (edge/cli.py `choose_draft`), with that draft's tokenizer and chat
-        template, before any request uses them. None speaks it: the draft stays, and the pairing check refuses
-        it with the fix."""
+        models/ that speaks its tokenizer (edge/model_choice.py; cloud_only, without --tokenizer: the tokenizer
+        alone), with that tokenizer and its chat template, before any request uses them. None speaks it: the
+        draft stays, and the pairing check refuses it with the fix (cloud_only: the choice refuses)."""
         if not self.choose_draft:
             return
         from shared.tokenizer_id import load_tokenizer
 
-        from ..cli import choose_draft
         from ..client import check_tokenizer_dir
+        from ..model_choice import for_cloud
         from .chat import load_chat_template
 
+        settings = for_cloud(self.settings, info)
         self.choose_draft = False
-        chosen = choose_draft(info, self.settings.draft)
-        if chosen == self.settings.draft:
+        if settings == self.settings:
             return
-        settings = self.settings.model_copy(update={"draft": chosen})
         tokenizer = load_tokenizer(check_tokenizer_dir(settings))
-        self.draft, self.settings, self.tokenizer = SharedDraftModel(settings), settings, LockedTokenizer(tokenizer)
+        if settings.draft != self.settings.draft:
+            self.draft = SharedDraftModel(settings)
+        self.settings, self.tokenizer = settings, LockedTokenizer(tokenizer)
         self.adopted_template = load_chat_template(self.chat_template_file, tokenizer) or False
 
     def chat_template(self, started_with: Any) -> Any:
@@ -232,7 +233,7 @@ class OpenAIEngine:
         """The cloud answers with this server's key (GET /v1/model needs it when auth is on), and the
         tokenizer and the draft model speak the target's ids; the project's error naming the fix otherwise."""
         info = self.model_info()
-        m = self.draft.model
+        m = self.draft.model if self.settings.mode != "cloud_only" else None  # cloud_only drafts nothing
         check_pairing(info, self.tokenizer, self.settings.tokenizer_dir(), m.tokenizer_fingerprint if m else None,
                       m.logit_rows if m else None)
 
