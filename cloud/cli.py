@@ -64,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"specsplit-cloud: bad settings: {problems}", file=sys.stderr)
         return 2
 
+    if not _bind_allowed(settings):
+        return 2
     from cloud.app import serve
     from cloud.logs import setup_logging
     from cloud.ports import PortInUse
@@ -86,6 +88,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"specsplit-cloud: cannot serve: {e}", file=sys.stderr)
         return 2 if isinstance(e, PortInUse) else 1
     return 0
+
+
+def _bind_allowed(settings: CloudSettings) -> bool:
+    """Keys, a loopback host, or --allow-open-bind; else one line on stderr (before the model load)."""
+    from shared.hosts import is_loopback
+
+    if settings.api_keys or is_loopback(settings.host) or settings.allow_open_bind:
+        return True
+    print(f"specsplit-cloud: refusing to serve on {settings.host} without keys: anyone who reaches ports "
+          f"{settings.http_port} and {settings.grpc_port} would be served; pass --api-key KEY (or "
+          "SPECSPLIT_CLOUD_API_KEYS), or --allow-open-bind to serve without keys", file=sys.stderr)
+    return False
 
 
 def _ports_free(settings: CloudSettings) -> bool:

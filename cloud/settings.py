@@ -39,6 +39,10 @@ class CloudSettings(BaseSettings):
     grpc_port: int = Field(default=50051, ge=0, le=65535, description="gRPC port; 0 picks a free one")
     api_keys: list[SecretStr] = Field(default_factory=list,
         description=("accepted Bearer keys; empty = auth off (every caller is the same anonymous owner)"))
+    allow_open_bind: bool = Field(default=False,
+        description=("true: start without --api-key on a host beyond loopback (0.0.0.0, a LAN address), where anyone "
+                     "who reaches the ports is served; false: such a start is refused (a container publishing its "
+                     "ports on the host's loopback only, or a network of its own, may set it)"))
     metrics_auth: bool = Field(default=False,
         description=("true: GET /metrics needs a key too (when keys are configured); false: /metrics is open, as "
                      "/healthz and /readyz are (keep the port off the public network, or turn this on)"))

@@ -9,15 +9,14 @@ whoever reaches it: `check_exposure` refuses that start.
 from __future__ import annotations
 
 import hmac
-import ipaddress
 from collections.abc import Callable, Sequence
 
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from .openai_errors import OpenAIError
+from shared.hosts import is_loopback
 
-LOOPBACK_NAMES = ("localhost",)
+from .openai_errors import OpenAIError
 
 
 class ServerKeys:
@@ -39,16 +38,6 @@ class ServerKeys:
         self.on_error(err)
         await JSONResponse(err.to_body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})(
             scope, receive, send)
-
-
-def is_loopback(host: str) -> bool:
-    """True for 127.0.0.0/8, ::1 and localhost; False for every other name or address (0.0.0.0 included)."""
-    if host.lower() in LOOPBACK_NAMES:
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def check_exposure(host: str, keys: Sequence[str]) -> None:

@@ -352,3 +352,36 @@ def test_the_tensor_parallel_group_validates_and_meets_at_pod_0() -> None:
     assert "torchrun" in run and f"--master-addr {master}" in run and run.endswith("--no-python specsplit-cloud")
     assert served["spec"]["selector"]["apps.kubernetes.io/pod-index"] == "0"
     assert c["readinessProbe"]["httpGet"]["path"] == "/readyz" and "livenessProbe" not in c
+
+
+def compose_file() -> dict[str, Any]:
+    """docker-compose.yml as YAML reads it (anchors merged), without docker."""
+    return dict(yaml.safe_load((REPO / "docker-compose.yml").read_text()))
+
+
+def test_compose_publishes_every_port_on_loopback_and_says_so_to_a_keyless_cloud() -> None:
+    """Safe by default: nothing is published beyond the host's loopback, and a verifier binding the container's
+    0.0.0.0 without keys says that it means to (SPECSPLIT_CLOUD_ALLOW_OPEN_BIND), or it would refuse to start."""
+    from shared.hosts import is_loopback
+
+    services = compose_file()["services"]
+    published = [(name, p) for name, svc in services.items() for p in svc.get("ports", [])]
+    assert published
+    for name, port in published:
+        host = str(port).rsplit(":", 2)[0] if str(port).count(":") == 2 else ""
+        assert is_loopback(host), f"{name} publishes {port} beyond loopback"
+    for name, svc in services.items():
+        env = svc.get("environment") or {}
+        if "SPECSPLIT_CLOUD_HOST" in env and not is_loopback(env["SPECSPLIT_CLOUD_HOST"]):
+            assert env.get("SPECSPLIT_CLOUD_API_KEYS") or env.get("SPECSPLIT_CLOUD_ALLOW_OPEN_BIND") == "true", name
+
+
+def test_every_kubernetes_verifier_takes_its_keys_from_a_required_secret() -> None:
+    """The pods bind 0.0.0.0 behind an Ingress: the key Secret is required (no `optional: true`), so a cluster
+    without it runs no keyless verifier."""
+    for w in workloads():
+        (cloud,) = [c for c in w["spec"]["template"]["spec"]["containers"] if c["name"] == "cloud"]
+        env = {e["name"]: e for e in cloud["env"]}
+        assert env["SPECSPLIT_CLOUD_HOST"]["value"] == "0.0.0.0"
+        ref = env["SPECSPLIT_CLOUD_API_KEYS"]["valueFrom"]["secretKeyRef"]
+        assert ref["name"] == "specsplit-api-keys" and not ref.get("optional", False), w["metadata"]["name"]

@@ -1,0 +1,21 @@
+"""Which hosts a server binds to stay on this machine: loopback (127.0.0.0/8, ::1, localhost).
+
+A server bound beyond loopback without keys answers whoever reaches it; the cloud (cloud/cli.py) and the edge's
+OpenAI server (edge/server/server_auth.py) refuse that start unless told otherwise.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+
+LOOPBACK_NAMES = ("localhost",)
+
+
+def is_loopback(host: str) -> bool:
+    """True for 127.0.0.0/8, ::1 and localhost; False for every other name or address (0.0.0.0 included)."""
+    if host.lower() in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
