@@ -51,7 +51,8 @@ LOG_FIELDS = ("index", "k", "accepted_len", "la_over_k", "alpha_mean", "edge_tim
               "ahead", "ahead_used", "ahead_saved_ms")
 
 # flag -> EdgeSettings field
-_FLAGS: dict[str, str] = {"cloud": "cloud_url", "grpc": "grpc_target", "api_key": "api_key", "draft": "draft",
+_FLAGS: dict[str, str] = {"cloud": "cloud_url", "grpc": "grpc_target", "api_key": "api_key", "grpc_tls": "grpc_tls",
+                          "ca_cert": "ca_cert", "draft": "draft",
                           "tokenizer": "tokenizer", "mode": "mode", "max_new_tokens": "max_new_tokens",
                           "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
                           "repetition_penalty": "repetition_penalty", "seed": "seed", "correction": "correction",
@@ -80,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cloud", help="cloud REST base URL (default http://127.0.0.1:8000)")
     g.add_argument("--grpc", help="cloud gRPC HOST:PORT (verification over gRPC instead of REST)")
     g.add_argument("--api-key", help="Bearer key for the cloud")
+    g.add_argument("--grpc-tls", action=argparse.BooleanOptionalAction, default=None,
+                   help="gRPC over TLS (a TLS Ingress or nginx in front of the cloud; default off); REST takes TLS "
+                        "from an https:// --cloud URL")
+    g.add_argument("--ca-cert", metavar="PEM", help="the CA certificate that signed the cloud's TLS certificate (a "
+                                                    "private CA; default: the system's trust store)")
     g.add_argument("--route-key", help="routing key sent as X-Specsplit-Route (default: a random one per run); "
                                        "a load balancer hashing on it keeps the session on one replica")
     g.add_argument("--draft", help="tokens-only draft: a .gguf file or a directory holding model.gguf (run by "

@@ -105,11 +105,9 @@ class EdgeClient(HeadChoice):
     @property
     def transport(self) -> Transport:
         if self._transport is None:
-            from .transport import make_transport
+            from .transport import transport_for
 
-            s = self.settings
-            key = s.api_key.get_secret_value() if s.api_key else None
-            self._transport = make_transport(s.cloud_url, s.grpc_target, key)
+            self._transport = transport_for(self.settings)
         return self._transport
 
     @property

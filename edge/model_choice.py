@@ -68,10 +68,9 @@ def draft_for_tokenizer(fingerprint: str, vocab_size: int) -> str | None:
 
 def ask_cloud(settings: EdgeSettings) -> ModelInfo | None:
     """The cloud's model (GET /v1/model, or the gRPC call), None when it does not answer in 5 s."""
-    from .transport import make_transport
+    from .transport import transport_for
 
-    key = settings.api_key.get_secret_value() if settings.api_key else None
-    transport = make_transport(settings.cloud_url, settings.grpc_target, key)
+    transport = transport_for(settings)
     try:
         return transport.get_model(5.0)
     except SpecSplitError:

@@ -58,6 +58,11 @@ class EdgeSettings(BaseSettings):
     grpc_target: str | None = None
     # Bearer key sent to the cloud (REST Authorization header, gRPC metadata)
     api_key: SecretStr | None = None
+    # TLS to the cloud: an https:// cloud_url is verified by httpx; grpc_tls opens the gRPC channel over TLS (a TLS
+    # Ingress or nginx in front of the cloud, README "TLS in front of the cloud"); ca_cert is the PEM file of a
+    # private CA that signed the cloud's certificate (default: the system's trust store, and gRPC's own roots)
+    grpc_tls: bool = False
+    ca_cert: str | None = None
     # routing key sent with every call (X-Specsplit-Route); unset = a fresh random key per generation.
     # Load balancers hash on it; a fixed key pins every generation of this client to one replica
     route_key: str | None = Field(default=None, pattern=r"^[A-Za-z0-9._~-]{1,128}$")
@@ -210,8 +215,16 @@ class EdgeSettings(BaseSettings):
     @classmethod
     def _grpc_target_is_host_port(cls, v: str | None) -> str | None:
         if v is not None and "://" in v:
-            raise ValueError(f"the gRPC target is HOST:PORT without a scheme (e.g. {v.split('://', 1)[1]}), "
-                             f"got {v!r}")
+            raise ValueError(f"the gRPC target is HOST:PORT without a scheme (e.g. {v.split('://', 1)[1]}; TLS: "
+                             f"add --grpc-tls), got {v!r}")
+        return v
+
+    @field_validator("ca_cert")
+    @classmethod
+    def _ca_cert_is_a_file(cls, v: str | None) -> str | None:
+        if v is not None and not Path(v).is_file():
+            raise ValueError(f"the CA certificate {v} is not a file (a PEM file of the CA that signed the cloud's "
+                             "certificate)")
         return v
 
     @model_validator(mode="after")

@@ -30,7 +30,7 @@ from ..metrics import EdgeMetrics
 from ..pairing import check_pairing
 from ..prom import EdgePrometheus
 from ..settings import EdgeSettings
-from ..transport import ModelInfo, make_transport
+from ..transport import ModelInfo, transport_for
 from .shared_draft import LockedDrafter, LockedTokenizer, SharedDraftModel
 from .stop_text import StopText
 
@@ -157,8 +157,7 @@ class OpenAIEngine:
 
     def new_client(self) -> EdgeClient:
         s = self.settings
-        key = s.api_key.get_secret_value() if s.api_key else None
-        client = EdgeClient(s, transport=make_transport(s.cloud_url, s.grpc_target, key),
+        client = EdgeClient(s, transport=transport_for(s),
                             drafter=self.draft.for_generation(), tokenizer=self.tokenizer, model_info=self._info,
                             head=self._head)
         client._last_tree = self._last_tree

@@ -133,13 +133,21 @@ class _EventWatchdog:
             self._expire()
 
 
+def tls_credentials(ca_cert: str | None) -> grpc.ChannelCredentials:
+    """TLS for a channel: the server's certificate checked against `ca_cert` (a PEM file), else gRPC's roots."""
+    if ca_cert is None:
+        return grpc.ssl_channel_credentials()
+    with open(ca_cert, "rb") as f:
+        return grpc.ssl_channel_credentials(root_certificates=f.read())
+
+
 class GrpcTransport:
     supports_generate = False
     supports_session_stream = True
 
-    def __init__(self, target: str, api_key: str | None = None) -> None:
+    def __init__(self, target: str, api_key: str | None = None, tls: bool = False, ca_cert: str | None = None) -> None:
         self._target = target
-        self._channel = grpc.insecure_channel(target)
+        self._channel = grpc.secure_channel(target, tls_credentials(ca_cert)) if tls else grpc.insecure_channel(target)
         self._stub = pb_grpc.VerifierStub(self._channel)
         self._metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         self.traffic = Traffic()

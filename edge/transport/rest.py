@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import ssl
 from collections.abc import Generator, Iterator
 from typing import Any
 
@@ -84,12 +85,14 @@ class RestTransport:
     supports_generate = True
     supports_session_stream = True
 
-    def __init__(self, base_url: str, api_key: str | None = None) -> None:
+    def __init__(self, base_url: str, api_key: str | None = None, ca_cert: str | None = None) -> None:
         headers = {"content-type": "application/json"}
         if api_key:
             headers["authorization"] = f"Bearer {api_key}"
         self._base_url = base_url.rstrip("/")
-        self._http = httpx.Client(base_url=self._base_url, headers=headers)
+        # an https:// URL is verified against the system's trust, or against `ca_cert` (a private CA's PEM)
+        verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=ca_cert) if ca_cert else True
+        self._http = httpx.Client(base_url=self._base_url, headers=headers, verify=verify)
         self.traffic = Traffic()
         # per-call headers of this view: the routing key (see routed())
         self._route_headers: dict[str, str] = {}

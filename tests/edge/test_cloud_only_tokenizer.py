@@ -64,8 +64,8 @@ def _use_cloud(monkeypatch: pytest.MonkeyPatch, cloud: FakeCloud) -> None:
     import edge.server.openai_engine
     import edge.transport
 
-    monkeypatch.setattr(edge.transport, "make_transport", lambda *a, **k: cloud)
-    monkeypatch.setattr(edge.server.openai_engine, "make_transport", lambda *a, **k: cloud)
+    monkeypatch.setattr(edge.transport, "transport_for", lambda *a, **k: cloud)
+    monkeypatch.setattr(edge.server.openai_engine, "transport_for", lambda *a, **k: cloud)
 
 
 @pytest.mark.parametrize("name", sorted(TOKENIZERS))

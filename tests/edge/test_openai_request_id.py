@@ -24,7 +24,7 @@ def test_two_runs_of_one_seeded_request_under_one_id_open_two_cloud_sessions(
         tiny_pair: tuple[Path, Path], fake_cloud: FakeCloud, monkeypatch: pytest.MonkeyPatch) -> None:
     s = EdgeSettings(draft="ngram", tokenizer=str(tiny_pair[0]), tree="off")
     engine = OpenAIEngine(s, SharedDraftModel(s), LockedTokenizer(load_tokenizer(tiny_pair[0])))
-    monkeypatch.setattr(openai_engine, "make_transport", lambda *args: fake_cloud)
+    monkeypatch.setattr(openai_engine, "transport_for", lambda *args: fake_cloud)
     engine._info = fake_cloud.get_model(1.0)
     app = create_app(engine, ServeOptions(served_model_name="m", chat_template=ChatTemplate("")))
     body = {"model": "m", "prompt": "def f(x):", "max_tokens": 6, "temperature": 1.0, "seed": 7}
