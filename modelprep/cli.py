@@ -28,8 +28,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     prep.add_argument("--out", type=Path, default=None,
                       help="output directory (default: models/<model>; for qwen-coder the folder of both)")
     prep.add_argument("--force", action="store_true", help="convert again even when the directory exists")
-    conv = sub.add_parser("convert", help="convert one's own model: a .gguf file (dequantized to float32) or a "
-                                          "Hugging Face directory (its stored dtype) into DIR")
+    conv = sub.add_parser("convert", help="convert one's own model into DIR: a .gguf file (dequantized to float32 "
+                                          "safetensors, the GGUF beside them as model.gguf) or a Hugging Face "
+                                          "directory (safetensors in its stored dtype, no GGUF); the source's "
+                                          "sha256 in DIR/source.json; the source itself is never changed")
     conv.add_argument("source", type=Path, help="a .gguf file or a Hugging Face model directory")
     conv.add_argument("--out", type=Path, required=True, help="the directory to write (must not exist)")
     conv.add_argument("--force", action="store_true", help="replace DIR when it exists")

@@ -8,9 +8,12 @@ checked the same way. Both refuse an architecture the cloud refuses (`shared.att
 before its weights are read, a GGUF file once loaded: transformers reads its config only by parsing the whole
 header, as for its tokenizer and weights), and both finish a directory alike (`finish_dir`):
 
-- `model.gguf`: the GGUF file, hard-linked (a copy where linking fails), for drafters that read GGUF;
+- `model.gguf` (a GGUF source only: a Hugging Face directory yields no GGUF, and the runs that want one, the
+  cloud's `--runner llamacpp` and the edge's llama.cpp drafting, take the PyTorch path instead): the GGUF file,
+  hard-linked when every user may read it already, else copied (a copy where linking fails too), for drafters
+  that read GGUF. The source's mode is never changed: a linked file shares its inode, so it keeps its mode;
 - `source.json`: what was converted (path, bytes, sha256), by which command, and the logit check;
-- every file mode 0644 and every directory 0755, so a container running as another user reads it.
+- every file written mode 0644 and every directory 0755, so a container running as another user reads it.
 
 Each writes into `<out>.partial` and renames it when checked: a directory named `out` is complete.
 """
@@ -167,7 +170,8 @@ def convert_hf_dir(src: Path, out_dir: Path, *, command: str = "") -> Path:
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         raise PrepareError(f"cannot load {src}: {_first_line(e)}") from None
     model.eval()
-    log.info("%s: loaded in %.0f s (%s)", src, time.monotonic() - start, model.dtype)
+    log.info("%s: loaded in %.0f s (%s); the directory gets its weights as safetensors and no model.gguf (llama.cpp "
+             "runs want a GGUF: convert the model's .gguf file instead)", src, time.monotonic() - start, model.dtype)
     weights = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_of(p)} for p in files
                if p.suffix in (".safetensors", ".bin", ".json", ".model", ".txt", ".jinja")}
     record = {"source": {"path": str(src.resolve()), "format": "huggingface", "bytes": size, "files": weights},
@@ -227,7 +231,13 @@ def finish_dir(out_dir: Path, record: dict[str, Any] | None, gguf: Path | None) 
 
 
 def link_or_copy(src: Path, dst: Path) -> str:
-    """`dst` as a hard link to `src`, or a copy where the file system refuses the link; returns which."""
+    """`dst` as a hard link to `src` when every user may read `src` already (a link shares its mode, which is
+    never changed here), else a copy, as where the file system refuses the link; returns which."""
+    if src.stat().st_mode & 0o044 != 0o044:
+        log.info("%s: %s is not readable by every user; copying it (%s) rather than linking it", dst.parent.name,
+                 src, size_text(src.stat().st_size))
+        shutil.copyfile(src, dst)
+        return "copied"
     try:
         os.link(src, dst)
         return "linked"
@@ -239,10 +249,11 @@ def link_or_copy(src: Path, dst: Path) -> str:
 
 
 def make_world_readable(root: Path) -> None:
-    """Mode 0755 for `root` and the directories under it, 0644 for its files (safetensors writes 0600)."""
+    """Mode 0755 for `root` and the directories under it, 0644 for the files it wrote (safetensors writes 0600);
+    a file linked in from elsewhere (more than one link) keeps its owner's mode."""
     root.chmod(0o755)
     for path in root.rglob("*"):
-        if path.is_symlink():
+        if path.is_symlink() or (path.is_file() and path.stat().st_nlink > 1):
             continue
         want = 0o755 if path.is_dir() else 0o644
         if path.stat().st_mode & 0o777 != want:

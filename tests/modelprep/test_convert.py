@@ -75,10 +75,28 @@ def test_the_gguf_is_copied_where_it_cannot_be_linked(tiny_gguf: Path, tmp_path:
     assert copy.stat().st_mode & 0o777 == 0o644
 
 
+@pytest.mark.parametrize("mode", [0o600, 0o640, 0o664])
+def test_convert_never_changes_the_sources_mode(tiny_gguf: Path, tmp_path: Path, mode: int) -> None:
+    """A private GGUF stays private: it is copied (not linked and chmodded); one readable by every user is linked
+    and keeps its own mode whatever it is. The record holds the source's sha256 either way."""
+    src = tmp_path / "private.gguf"
+    src.write_bytes(tiny_gguf.read_bytes())
+    src.chmod(mode)
+    assert convert(src, tmp_path / "mine") == 0
+    assert src.stat().st_mode & 0o777 == mode
+    gguf = tmp_path / "mine" / "model.gguf"
+    assert (gguf.stat().st_ino == src.stat().st_ino) == (mode & 0o044 == 0o044)
+    if mode & 0o044 != 0o044:
+        assert gguf.stat().st_mode & 0o777 == 0o644 and gguf.read_bytes() == src.read_bytes()
+    record = json.loads((tmp_path / "mine" / "source.json").read_text())
+    assert record["source"]["sha256"] == hashlib.sha256(src.read_bytes()).hexdigest()
+
+
 def test_a_hugging_face_directory_is_saved_in_its_dtype_with_its_tokenizer(tmp_path: Path) -> None:
     src = build("llama", tmp_path / "src")
     (src / "model.safetensors").chmod(0o600)
     assert convert(src, tmp_path / "mine") == 0
+    assert (src / "model.safetensors").stat().st_mode & 0o777 == 0o600  # the source as it was
     out = tmp_path / "mine"
     assert {p.stat().st_mode & 0o777 for p in out.iterdir()} == {0o644}
     assert not (out / "model.gguf").exists()
