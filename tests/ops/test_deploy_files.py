@@ -26,6 +26,7 @@ from modelprep.qwen_coder import TARGET
 from tests.ops.deploy import (
     CLOUD_PEAK_BYTES,
     HEADROOM,
+    PREPARE_PEAK_BYTES,
     build_context,
     dockerignore_rules,
     dockerignored,
@@ -217,8 +218,9 @@ def test_verifier_pods_serve_the_prepared_target_within_their_memory() -> None:
         assert read["readOnly"] and not prep_mount.get("readOnly")
         env = env_of(cloud)
         assert env["SPECSPLIT_CLOUD_MODEL"] == f"{read['mountPath']}/{TARGET.out.name}"
-        assert env_of(prep)["PIP_TARGET"] in env_of(prep)["PYTHONPATH"].split(":")
-        assert "limits" not in prep.get("resources", {})  # the conversion's peak is unmeasured
+        assert not {"PIP_TARGET", "PYTHONPATH"} & set(env_of(prep))  # no part wheels are installed any more
+        assert quantity(prep["resources"]["limits"]["memory"]) >= HEADROOM * PREPARE_PEAK_BYTES
+        assert quantity(prep["resources"]["requests"]["memory"]) >= 0.95 * PREPARE_PEAK_BYTES
         res = cloud["resources"]
         assert quantity(res["limits"]["memory"]) >= HEADROOM * CLOUD_PEAK_BYTES, w["metadata"]["name"]
         assert quantity(res["requests"]["memory"]) >= CLOUD_PEAK_BYTES
@@ -374,6 +376,24 @@ def test_compose_publishes_every_port_on_loopback_and_says_so_to_a_keyless_cloud
         env = svc.get("environment") or {}
         if "SPECSPLIT_CLOUD_HOST" in env and not is_loopback(env["SPECSPLIT_CLOUD_HOST"]):
             assert env.get("SPECSPLIT_CLOUD_API_KEYS") or env.get("SPECSPLIT_CLOUD_ALLOW_OPEN_BIND") == "true", name
+
+
+def test_compose_limits_cover_what_each_service_runs_and_no_part_wheel_variables_are_left() -> None:
+    """Each compose limit against the measured figure it names (tests/ops/deploy.py): the float32 PyTorch cloud's
+    15.1 GB per process, prepare's 13.5 GB; and no PIP_TARGET / PYTHONPATH for part wheels nothing installs."""
+    from tests.ops.deploy import EDGE_PEAK_BYTES
+
+    services = compose_file()["services"]
+    for name, svc in services.items():
+        env = svc.get("environment") or {}
+        assert not {"PIP_TARGET", "PYTHONPATH"} & set(env), name
+        if env.get("SPECSPLIT_CLOUD_MODEL"):
+            ranks = 2 if "torchrun" in " ".join(svc.get("entrypoint") or []) else 1
+            assert env["SPECSPLIT_CLOUD_DTYPE"] == "float32", name
+            assert quantity(svc["mem_limit"].replace("g", "Gi")) >= ranks * HEADROOM * CLOUD_PEAK_BYTES, name
+    assert quantity(services["prepare"]["mem_limit"].replace("g", "Gi")) >= HEADROOM * PREPARE_PEAK_BYTES
+    assert quantity(services["edge-demo"]["mem_limit"].replace("g", "Gi")) >= HEADROOM * EDGE_PEAK_BYTES
+    assert "PIP_TARGET" not in (REPO / "Dockerfile.cloud").read_text()
 
 
 def test_every_kubernetes_verifier_takes_its_keys_from_a_required_secret() -> None:
