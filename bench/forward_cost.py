@@ -2,7 +2,7 @@
 
     specsplit-bench --only forward-cost [--forward-models smollm2,coder] [--forward-threads 1] [--out BENCHMARKS.md]
 
-Each target is loaded the way the cloud loads it (`cloud.model.TargetModel`: float32 weights packed for
+Each target is loaded the way the cloud loads it (`cloud.runners.torch_runner.TargetModel`: float32 weights packed for
 oneDNN, the paged KV pool) and timed through `TargetModel.forward` with a KV cache of `CONTEXT` positions per
 session (cropped back after each forward), median of `REPEATS`:
 - one session's row of n new tokens (1..64): a decode step (1), a verify chain (k + 1), a prefill chunk;
@@ -65,7 +65,7 @@ def timed(model: Any, rows_of: Any, repeats: int = REPEATS) -> float:
 
 
 def measure(model_dir: Path, dtype: str, invariant: bool) -> dict[str, float]:
-    from cloud.model import TargetModel
+    from cloud.runners.torch_runner import TargetModel
     from shared.kvpool import Row
 
     m = TargetModel(model_dir, "cpu", dtype, invariant=invariant)

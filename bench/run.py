@@ -13,6 +13,7 @@ write BENCHMARKS.md plus its PNG figures.
     specsplit-bench --only cloud-runner  # the coder target on llama.cpp and PyTorch against llama.cpp's own decode
     specsplit-bench --only capacity-curve  # the coder target at 1..64 sessions, one line per round policy
     specsplit-bench --only forward-cost  # one cloud forward by dtype and batch shape, both targets (~10 minutes)
+    specsplit-bench --only gpu           # the cloud on a CUDA host: forward by shape, graphs, server (~5 minutes)
 """
 
 from __future__ import annotations
@@ -51,7 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip later repeats that would end the run after this many seconds "
                         "(default 570 for the full run, none with --quick; 0 = no budget)")
     p.add_argument("--from-json", type=Path, default=None, help="re-render the report from a results.json")
-    p.add_argument("--only", choices=["capacity", "network", "real-pair", "tp", "coder-pair", "forward-cost",
+    p.add_argument("--gpu-shapes", default="coder-1.5b,qwen2.5-7b",
+                   help="gpu: model shapes timed with random weights (bench/gpu.py SHAPES; 'tiny' for a CPU dry run)")
+    p.add_argument("--gpu-server", default="coder-1.5b",
+                   help="gpu: the shape served for the server part ('none' skips it)")
+    p.add_argument("--only", choices=["gpu", "capacity", "network", "real-pair", "tp", "coder-pair", "forward-cost",
                                         "draft-runtime", "cloud-runner", "capacity-curve"], default=None,
                    help="run only this section and splice it into OUT and the results JSON")
     p.add_argument("--real-pair-drafts", default="",
@@ -226,6 +231,11 @@ def main(argv: list[str] | None = None) -> int:
 
         only = tuple(d.strip() for d in args.real_pair_drafts.split(",") if d.strip())
         return run_real_pair(args.out, command, only=only, head=args.real_pair_head)
+    if args.only == "gpu":  # the cloud on a CUDA host (bench/gpu.py)
+        from bench.gpu import run as run_gpu
+
+        shapes = tuple(x.strip() for x in args.gpu_shapes.split(",") if x.strip())
+        return run_gpu(args.out, command, shapes, None if args.gpu_server == "none" else args.gpu_server)
     if args.only == "forward-cost":  # one cloud forward by dtype and batch shape (bench/forward_cost.py)
         from bench.forward_cost import run as run_forward_cost
 

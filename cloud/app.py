@@ -6,7 +6,7 @@ verify, get and close are still served. The process waits up to `shutdown_grace_
 sessions to close and its rounds to finish (a second signal cuts the wait short), then both servers
 stop, giving calls still in flight `ROUND_FINISH_S` to complete; the model worker stops before them, so
 calls still waiting for it are answered 503 `unavailable` (Retry-After), not cut off.
-Under tensor parallelism a lost rank turns both readiness signals off too (cloud/tensor_parallel.py).
+Under tensor parallelism a lost rank turns both readiness signals off too (cloud/runners/tensor_parallel.py).
 """
 
 from __future__ import annotations

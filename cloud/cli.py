@@ -1,7 +1,7 @@
 """`specsplit-cloud`: the verifier process. Every setting is a flag (overrides SPECSPLIT_CLOUD_*).
 
 Launched by `torchrun --nproc-per-node N --no-python specsplit-cloud ...` it is one verifier whose
-target is split over N ranks (cloud/tensor_parallel.py): rank 0 serves, the others run its forwards.
+target is split over N ranks (cloud/runners/tensor_parallel.py): rank 0 serves, the others run its forwards.
 """
 
 from __future__ import annotations
@@ -69,8 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     from cloud.app import serve
     from cloud.logs import setup_logging
     from cloud.ports import PortInUse
+    from cloud.runners.tensor_parallel import world_size
     from cloud.service import VerifierService
-    from cloud.tensor_parallel import world_size
 
     if world_size() > 1:
         return _main_tensor_parallel(settings)
@@ -122,10 +122,10 @@ def _main_tensor_parallel(settings: CloudSettings) -> int:
 
     from cloud.app import serve
     from cloud.logs import setup_logging
-    from cloud.model import TargetModel
     from cloud.ports import PortInUse
+    from cloud.runners.tensor_parallel import TensorGroup, serve_worker
+    from cloud.runners.torch_runner import TargetModel
     from cloud.service import VerifierService
-    from cloud.tensor_parallel import TensorGroup, serve_worker
 
     first = int(os.environ.get("RANK", "0")) == 0
     if settings.runner == "llamacpp":

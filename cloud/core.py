@@ -28,17 +28,17 @@ from cloud.engine import RoundLimits, check_ids
 from cloud.jobs import BatchStats, Job
 from cloud.kv_room import KvRoom
 from cloud.metrics import CloudMetrics
-from cloud.model import ModelInfo, TargetModel
 from cloud.node_budget import NodeBudget
 from cloud.numerics import matrix_units, numerics, weights_fingerprint
 from cloud.opens import OpenJoiner
+from cloud.runners import Runner
 from cloud.scheduler import Scheduler
 from cloud.session import Session
 from cloud.settings import CloudSettings
 from cloud.store import CLOSED, SessionStore
 from shared.errors import InvalidArgument, NotFound, Unauthenticated, Unavailable
 from shared.features import ENCODINGS
-from shared.protocol import SessionInfo
+from shared.protocol import ModelInfo, SessionInfo
 
 # the service's log lines keep the logger name they have always had
 log = logging.getLogger("cloud.service")
@@ -52,7 +52,7 @@ def key_owner(key: str) -> str:
 
 
 class ServiceCore:
-    def __init__(self, settings: CloudSettings, model: TargetModel, *, clock: Callable[[], float] = time.monotonic,
+    def __init__(self, settings: CloudSettings, model: Runner, *, clock: Callable[[], float] = time.monotonic,
                  new_id: Callable[[], str] = lambda: secrets.token_urlsafe(24)) -> None:
         self.settings, self.model, self.clock, self.new_id = settings, model, clock, new_id
         model.use_pool(settings.kv_budget_bytes, settings.kv_block_size, settings.prefix_cache,
@@ -94,7 +94,7 @@ class ServiceCore:
                                 tree_seqs_available=lambda: getattr(self.model.pool, "tree_seqs_free", 1 << 30),
                                 make_room=self.room.make_room)
         # batch invariance measured on the model thread at its thread count, up to the largest forward, before
-        # /v1/model and /metrics report it (cloud/model.py `calibrate`)
+        # /v1/model and /metrics report it (cloud/runners/torch_runner.py `calibrate`)
         self.info.batch_invariant = self.worker.call_sync(lambda: model.calibrate(settings.max_batch_tokens))
         weights = getattr(model, "weights_path", None)
         self.info.numerics = numerics(self.info, weights_fingerprint(weights) if weights is not None else "unknown",

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from cloud.guards import check_context_room
-from cloud.model import TargetModel
+from cloud.runners import Runner
 from cloud.session import Context, Session
 from shared.config import SamplingConfig
 from shared.errors import ContextMismatch, InvalidArgument, NotFound
@@ -233,7 +233,7 @@ def round_sampling(session: Session, req: VerifyRequest, plan: RoundPlan) -> Row
     return RowSampling(session.sampling_cfg, plan.new.ids, d.draft_tokens[:fed], plan.tree)
 
 
-def finish_round(model: TargetModel, session: Session, req: VerifyRequest, q_dense: torch.Tensor | None,
+def finish_round(model: Runner, session: Session, req: VerifyRequest, q_dense: torch.Tensor | None,
                  plan: RoundPlan, logits: torch.Tensor, prefill_ms: float, replay_keep: int,
                  p: torch.Tensor | None = None) -> RoundResult:
     """The verify rule on this round's logits ([fed + 1, vocab]), then the commit. `p` is their processed
@@ -283,7 +283,7 @@ def finish_round(model: TargetModel, session: Session, req: VerifyRequest, q_den
     return RoundResult(resp, out)
 
 
-def _answer(model: TargetModel, session: Session, req: VerifyRequest, plan: RoundPlan, logits: torch.Tensor,
+def _answer(model: Runner, session: Session, req: VerifyRequest, plan: RoundPlan, logits: torch.Tensor,
             out: VerifyOutcome | TreeOutcome, committed: list[int], rows: list[int], prefill_ms: float,
             depth: int = 0, target_dist: SparseDist | None = None,
             accepted_nodes: list[int] | None = None) -> tuple[VerifyResponse, Context]:
@@ -310,7 +310,7 @@ def _answer(model: TargetModel, session: Session, req: VerifyRequest, plan: Roun
     return resp, final
 
 
-def _commit(model: TargetModel, session: Session, req: VerifyRequest, plan: RoundPlan, final: Context,
+def _commit(model: Runner, session: Session, req: VerifyRequest, plan: RoundPlan, final: Context,
             emitted: int, kv_len: int, prefill_ms: float, replay_keep: int, resp: VerifyResponse) -> None:
     """The round's commit, a chain's or a tree's: `final` is the context, its first `kv_len` positions' KV is
     valid, the counters count the round (`emitted` tokens) and the replay cache keeps its answer."""

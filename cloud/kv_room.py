@@ -15,7 +15,7 @@ import asyncio
 from collections.abc import Callable
 
 from cloud.engine import DecodeState, Prefill
-from cloud.model import TargetModel
+from cloud.runners import Runner
 from cloud.settings import CloudSettings
 from cloud.store import KV_BUDGET, SessionStore
 
@@ -23,7 +23,7 @@ from cloud.store import KV_BUDGET, SessionStore
 class KvRoom:
     """The work that holds KV blocks between forwards (model thread only), and who gives blocks back."""
 
-    def __init__(self, settings: CloudSettings, model: TargetModel, store: SessionStore,
+    def __init__(self, settings: CloudSettings, model: Runner, store: SessionStore,
                  clock: Callable[[], float]) -> None:
         self.settings, self.model, self.store, self.clock = settings, model, store, clock
         # prefills under way (model thread only): an open sharing a full block they are computing waits

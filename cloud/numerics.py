@@ -56,6 +56,7 @@ def matrix_units(device: str, cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
 
 
 def numerics(info: ModelInfo, weights: str, units: str) -> str:
-    """E.g. "pytorch bfloat16 invariant tp1 avx512_bf16 weights:3f9a1c2e07b4": compared whole, read by people."""
-    return (f"{info.runner or 'pytorch'} {info.dtype} {'invariant' if info.batch_invariant else 'plain'} "
+    """The forward path shows when it is not transformers' own (other kernels, other bits). E.g. "pytorch bfloat16 invariant tp1 avx512_bf16 weights:3f9a1c2e07b4": compared whole, read by people."""
+    path = f" {info.forward_path}" if info.forward_path not in ("", "transformers") else ""
+    return (f"{info.runner or 'pytorch'}{path} {info.dtype} {'invariant' if info.batch_invariant else 'plain'} "
             f"tp{info.tensor_parallel} {units} weights:{weights}")

@@ -1,5 +1,5 @@
 """The model thread's scheduler: it decides which queued work runs in each forward; the model
-runner (cloud/model.py, shared/kvpool.py) runs it. Nothing here touches tensors.
+runner (cloud/runners/torch_runner.py, shared/kvpool.py) runs it. Nothing here touches tensors.
 
 Work arrives as `Job`s from the event loop: verify rounds, session-open prefills, /v1/generate
 decode steps. Whenever the model is free, the thread builds one forward under a token budget

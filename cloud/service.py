@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from cloud import generate, opening, rounds, streaming
 from cloud.core import ServiceCore, key_owner
 from cloud.generate import GenerateEvent, GenerateRequest
-from cloud.model import TargetModel
+from cloud.runners import load_target
 from cloud.settings import CloudSettings
 from shared.config import SamplingConfig
 from shared.protocol import (
@@ -28,25 +28,6 @@ from shared.protocol import (
 )
 
 __all__ = ["GenerateEvent", "GenerateRequest", "VerifierService", "key_owner"]
-
-
-def load_target(settings: CloudSettings) -> TargetModel:
-    """The target on the runner `settings.runner` picks: cloud/llama_runner.py or cloud/model.py."""
-    from shared.kvpool import UnsupportedModel
-
-    if settings.runner_choice() == "llamacpp":
-        from cloud.llama_runner import LlamaTarget
-
-        if settings.device != "cpu":
-            raise UnsupportedModel(f"--runner llamacpp runs on the CPU here, not {settings.device}: use --runner "
-                                   "torch on a GPU")
-        return LlamaTarget(settings.model, settings.torch_threads, settings.max_batch_tokens,  # type: ignore[return-value]
-                           invariant=settings.batch_invariant)
-    if settings.model.suffix == ".gguf":
-        raise UnsupportedModel(f"{settings.model} is a GGUF file: the PyTorch runner reads a Hugging Face directory "
-                               "(specsplit-models convert FILE.gguf --out DIR makes one), or run it with --runner "
-                               "llamacpp (needs llama-cpp-python: bash scripts/setup.sh)")
-    return TargetModel(settings.model, settings.device, settings.dtype, invariant=settings.batch_invariant)
 
 
 class VerifierService(ServiceCore):

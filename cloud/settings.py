@@ -32,7 +32,7 @@ class CloudSettings(BaseSettings):
                      'quantized weights as shipped), "torch" (the Hugging Face weights in PyTorch: GPUs, tensor '
                      'parallelism, feature-fed heads, batch-invariant forwards, prefix sharing), or "auto": llama.cpp on '
                      "a CPU when the model has a GGUF and llama-cpp-python is installed, PyTorch otherwise "
-                     "(cloud/llama_runner.py; BENCHMARKS.md compares them)"))
+                     "(cloud/runners/llamacpp.py; BENCHMARKS.md compares them)"))
     host: str = Field(default="127.0.0.1", description="interface both servers bind to")
     http_port: int = Field(default=8000, ge=0, le=65535,
         description=("REST (FastAPI over uvicorn) port; 0 picks a free one"))
@@ -56,6 +56,12 @@ class CloudSettings(BaseSettings):
                      "same whatever else shares its forward (one session or 16, a decode step, a chain, a tree, a "
                      "prefill chunk), so greedy text is one text in every mode; false: the plain kernels (measured in "
                      "BENCHMARKS.md)"))
+    executor: Literal["auto", "graphs", "eager", "transformers"] = Field(default="auto",
+        description=("how the PyTorch runner runs a forward: \"graphs\" (cloud/runners/graphs.py: a forward of its own "
+                     "for Llama / Qwen2 / Qwen3 / Mistral, replayed from CUDA graphs per bucket on a GPU), \"eager\" "
+                     "(the same forward without graphs), \"transformers\" (the model's own modules over the paged "
+                     "pool: every architecture); auto: graphs on a CUDA device where the model allows, transformers "
+                     "elsewhere (docs/GPU.md)"))
     torch_threads: int = Field(default=0, ge=0,
         description=("torch intra-op threads for the model worker; 0 = torch's default"))
 

@@ -20,7 +20,7 @@ the batch:
   chunk and beside any batch mates. A token tree's nodes (`TreeCall`) share the chunks before the tree
   as one set of rows; from the chunk holding the tree's first position on, each node attends over its
   own keys laid out as its path's chain would be (the positions before the tree, its ancestors, itself).
-- **Tensor parallelism** (cloud/tensor_parallel.py): each rank tiles its slices of the linear layers in
+- **Tensor parallelism** (cloud/runners/tensor_parallel.py): each rank tiles its slices of the linear layers in
   ROW_TILE rows (the tile wraps transformers' forward of the layer, so the local product and the collective
   after it both see the padded rows) and attends over its own KV heads as above; a rowwise layer's partial
   products are summed in rank order (`ordered_sum`). A row's bits then depend on the group size, not on its

@@ -138,7 +138,8 @@ def _linear_tile(model: torch.nn.Module, max_rows: int, g: torch.Generator) -> t
         for key, (name, m) in kernels:
             f: Callable[[torch.Tensor], torch.Tensor] = m._untiled_forward  # type: ignore[assignment]
             if key not in cases:
-                x = torch.randn(ref_rows, key[1], generator=g).to(key[3])  # [R, in]
+                # made on the CPU (one seeded stream everywhere), run on the layer's device
+                x = torch.randn(ref_rows, key[1], generator=g).to(next(m.parameters()).device, key[3])  # [R, in]
                 cases[key] = (x, f(x))  # [R, out]
             x, ref = cases[key]
             for n in rows:
@@ -171,7 +172,7 @@ def _attention_failures(model: torch.nn.Module, pool: KVPool, max_rows: int, see
     out = []
     for w, hk, dk, dv in sorted(kinds, key=lambda x: (x[0] is not None, x[0] or 0)):
         probe = _AttentionProbe(hq, hk, dk, dv, w, scaling, softcap, pool.dtype, pool.block_size,
-                                min(pool.max_positions, max_rows + KEY_CHUNK + 5), max_rows, seed)
+                                min(pool.max_positions, max_rows + KEY_CHUNK + 5), max_rows, seed, pool.device)
         failure = probe.first_failure()
         if failure:
             what = "full-attention layers" if w is None else f"sliding-window ({w}) layers"
@@ -188,7 +189,8 @@ class _AttentionProbe:
 
     def __init__(self, hq: int, hk: int, dk: int, dv: int, window: int | None, scaling: float | None,
                  softcap: float | None, dtype: torch.dtype, block: int, length: int, max_rows: int,
-                 seed: int) -> None:
+                 seed: int, device: torch.device | None = None) -> None:
+        self.device = device or torch.device("cpu")  # the pool's: the attention kernels measured are the device's
         self.hq, self.window, self.scaling, self.softcap = hq, window, scaling, softcap
         self.length, self.max_rows, self.rand = length, max_rows, random.Random(seed)
         g = self.g = torch.Generator().manual_seed(seed)
@@ -211,9 +213,9 @@ class _AttentionProbe:
                 parents, path = self._tree(min(5, n - base))
                 self.trees.append((self._sharing(base - chain, base + len(parents)), base, chain, parents, path))
         rows = m.capacity * block
-        self.k = torch.randn(hk, rows, dk, generator=g).to(dtype)  # [Hk, rows, Dk]
-        self.v = torch.randn(hk, rows, dv, generator=g).to(dtype)  # [Hk, rows, Dv]
-        self.q = torch.randn(hq, n, dk, generator=g).to(dtype)  # [Hq, n, Dk]: seq's queries by position
+        self.k = torch.randn(hk, rows, dk, generator=g).to(device, dtype)  # [Hk, rows, Dk]
+        self.v = torch.randn(hk, rows, dv, generator=g).to(device, dtype)  # [Hk, rows, Dv]
+        self.q = torch.randn(hq, n, dk, generator=g).to(device, dtype)  # [Hq, n, Dk]: seq's queries by position
         mine = m.slots(self.seq, 0, n)
         self._same_keys(self.copy, list(range(n)), mine)
         for t, base, _, _, path in self.trees:
@@ -236,8 +238,8 @@ class _AttentionProbe:
 
     def _same_keys(self, s: int, offsets: list[int], rows: list[int]) -> None:
         """Copy `seq`'s keys and values (pool rows `rows`) to `s`'s storage `offsets` (shared blocks hold them)."""
-        dst = torch.tensor([self.m.slots(s, o, o + 1)[0] for o in offsets])
-        src = torch.tensor(rows)
+        dst = torch.tensor([self.m.slots(s, o, o + 1)[0] for o in offsets], device=self.device)
+        src = torch.tensor(rows, device=self.device)
         self.k[:, dst], self.v[:, dst] = self.k[:, src], self.v[:, src]
 
     def _tree(self, depth: int) -> tuple[tuple[int, ...], list[int]]:
@@ -259,7 +261,7 @@ class _AttentionProbe:
             starts.append(starts[-1] + len(r.ids))
         q_all = torch.cat(queries, 1)  # [Hq, T, Dk]
         out = q_all.new_zeros(q_all.shape[1], self.hq, self.v.shape[-1])  # [T, Hq, Dv]
-        for call in build_calls(self.m, rows, starts, self.window, torch.device("cpu")):
+        for call in build_calls(self.m, rows, starts, self.window, self.device):
             if isinstance(call, InvariantCall):
                 attend(call, q_all, self.k, self.v, out, self.scaling, self.softcap)
             else:
@@ -273,7 +275,7 @@ class _AttentionProbe:
         return self._refs[p]
 
     def _random_q(self, n: int) -> torch.Tensor:
-        return torch.randn(self.hq, n, self.q.shape[-1], generator=self.g).to(self.q.dtype)  # [Hq, n, Dk]
+        return torch.randn(self.hq, n, self.q.shape[-1], generator=self.g).to(self.device, self.q.dtype)  # [Hq, n, Dk]
 
     def _mates(self, count: int, tokens: Callable[[], int]) -> tuple[list[Row], list[torch.Tensor]]:
         """Rows of `count` mates, each ending at its last position with `tokens()` tokens."""

@@ -95,8 +95,12 @@ class KVPool:
 
     def __init__(self, layout: AttentionLayout, max_positions: int, device: torch.device | str,
                  dtype: torch.dtype, *, budget_bytes: int | None = None, block_size: int = BLOCK_SIZE,
-                 prefix_cache: bool = False, invariant: bool = False, preallocate: bool | str = False) -> None:
+                 prefix_cache: bool = False, invariant: bool = False, preallocate: bool | str = False,
+                 spare: bool = False) -> None:
         self.layout = layout
+        # one block past every sequence's (taken from the budget): the last of its rows takes what padded tokens
+        # write and padded keys read (cloud/runners/graphs.py); no sequence ever owns it
+        self.spare = block_size if spare else 0
         # allocate the whole budget when sized instead of growing it by doubling (each growth copies the pool
         # while the model waits: under load one round met it as a 200-450 ms forward); "auto": when it fits
         self.preallocate = preallocates(preallocate, budget_bytes, torch.device(device))
@@ -141,8 +145,12 @@ class KVPool:
             if self.budget_bytes < block_bytes:
                 raise ValueError(f"kv_budget_bytes = {self.budget_bytes} holds not one KV block of "
                                  f"{block_bytes} bytes; raise it")
-            self.blocks = BlockManager(self.block_size, self.budget_bytes // block_bytes, self.prefix_cache,
-                                       initial_blocks=self.budget_bytes // block_bytes if self.preallocate else 16)
+            blocks = self.budget_bytes // block_bytes - (1 if self.spare else 0)
+            if blocks < 1:
+                raise ValueError(f"kv_budget_bytes = {self.budget_bytes} holds no KV block of {block_bytes} bytes "
+                                 "beside the spare one; raise it")
+            self.blocks = BlockManager(self.block_size, blocks, self.prefix_cache,
+                                       initial_blocks=blocks if self.preallocate else 16)
             log.info("KV pool: %s (budget %.0f MB)", "the whole budget allocated at start" if self.preallocate else
                      "grows by doubling up to the budget", self.budget_bytes / 2**20)
         self._fit()
@@ -151,7 +159,7 @@ class KVPool:
         """Make the tensors hold `capacity` blocks (default: every block the manager has); growth
         copies what exists."""
         assert self.blocks is not None
-        rows = (self.blocks.capacity if capacity is None else capacity) * self.block_size
+        rows = (self.blocks.capacity if capacity is None else capacity) * self.block_size + self.spare
         if self.keys and self.keys[0].shape[1] >= rows:
             return
         t0, had = time.perf_counter(), self.keys[0].shape[1] if self.keys else 0
@@ -229,6 +237,12 @@ class KVPool:
         return m.blocks_needed(row.slot, row.past, len(row.ids))
 
     @property
+    def spare_row(self) -> int:
+        """The pool row no sequence owns (a pool made with `spare`)."""
+        assert self.spare, "a pool without a spare block"
+        return int(self.keys[0].shape[1]) - 1
+
+    @property
     def allocated_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
@@ -239,7 +253,7 @@ class KVPool:
         past + len(ids)); the caller crops back what it does not keep (`set_length`).
 
         Three steps: `plan` (the block manager's work), `run` (the tensors' work) and `commit`. One
-        process runs them back to back; under tensor parallelism (cloud/tensor_parallel.py) rank 0
+        process runs them back to back; under tensor parallelism (cloud/runners/tensor_parallel.py) rank 0
         plans and commits, and every rank runs rank 0's plan on its own share of the KV heads."""
         if not rows:
             return []
@@ -252,6 +266,30 @@ class KVPool:
             self.manager.undo_writes()  # a failed forward leaves every sequence's blocks as they were
             raise
         return out
+
+    def forward_with(self, run: Any, rows: list[Row]) -> Any:
+        """`forward` through another executor: the rows' blocks planned (copy-on-write done), `run(self, rows)`
+        writes their K/V and returns what it returns, then the sequences hold their ids. A failure leaves every
+        sequence's blocks as they were."""
+        m = self.manager
+        self.check_rows(rows)
+        try:
+            copies = [c for r in rows if (c := m.prepare_write(r.slot, r.past, len(r.ids))) is not None]
+            self._fit(m.capacity)
+            self._copy_blocks(copies)
+            out = run(self, rows)
+            self.commit(rows)
+        except BaseException:
+            m.undo_writes()
+            raise
+        return out
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        for src_block, dst_block in copies:  # copy-on-write of a shared partial block
+            src = torch.arange(src_block * self.block_size, (src_block + 1) * self.block_size, device=self.device)
+            dst = src + (dst_block - src_block) * self.block_size
+            for t in (*self.keys, *self.values):
+                t[:, dst] = t[:, src]
 
     def check_rows(self, rows: list[Row]) -> None:
         """One forward's rows: each sequence once, and the KV blocks they need left (OutOfBlocks if not)."""
@@ -288,11 +326,7 @@ class KVPool:
         """The model over a plan (this pool must have the planning pool's blocks and layout): grow the
         tensors, copy the shared blocks written into, write the new K/V, attend; each row's logits."""
         self._fit(plan.capacity)
-        for src_block, dst_block in plan.copies:  # copy-on-write of a shared partial block
-            src = torch.arange(src_block * self.block_size, (src_block + 1) * self.block_size, device=self.device)
-            dst = src + (dst_block - src_block) * self.block_size
-            for t in (*self.keys, *self.values):
-                t[:, dst] = t[:, src]
+        self._copy_blocks(plan.copies)
         batch = plan.batch.to(self.device)
         keep_idx = plan.keep.to(self.device)  # [P]
         view = PagedView(self, batch)

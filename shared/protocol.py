@@ -109,12 +109,16 @@ class ModelInfo:
     # largest max_new_tokens of a /v1/generate and longest stream chunk (`n`) on a session: --max-generate-tokens
     # (0 = unknown: an older cloud, which answers 422 past its limit)
     max_generate_tokens: int = 0
-    # what runs the target's forward: "pytorch" (cloud/model.py) or "llama.cpp" (cloud/llama_runner.py; a GGUF
+    # what runs the target's forward: "pytorch" (cloud/runners/torch_runner.py) or "llama.cpp" (cloud/runners/llamacpp.py; a GGUF
     # file); "" = an older cloud (PyTorch)
     runner: str = ""
     # what decides the bits of the target's logits (cloud/numerics.py): runner, dtype, invariance, tensor-parallel
     # size, matrix units and weights; replicas that give one text for a seed share it ("" = an older cloud)
     numerics: str = ""
+    # how the PyTorch runner runs a forward: "cuda-graphs" (cloud/runners/graphs.py, replayed per bucket),
+    # "paged-eager" (the same forward without graphs), "transformers" (the model's own modules over the paged
+    # pool); "" = an older cloud or another runner
+    forward_path: str = ""
 
 
 @dataclass

@@ -25,7 +25,7 @@ def test_every_grpc_method_is_documented() -> None:
 
 
 def test_every_rest_path_is_documented(tiny_pair: tuple[Path, Path]) -> None:
-    from cloud.model import TargetModel
+    from cloud.runners.torch_runner import TargetModel
 
     service = VerifierService(CloudSettings(model=tiny_pair[0]), TargetModel(tiny_pair[0]))
     try:

@@ -207,7 +207,8 @@ class GrpcTransport:
                          feature_encodings=list(m.feature_encodings), tensor_parallel=m.tensor_parallel,
                          max_tree_nodes=m.max_tree_nodes, max_feature_window=m.max_feature_window,
                          session_stream=m.session_stream, dtype_reason=m.dtype_reason,
-                         batch_invariant=m.batch_invariant, runner=m.runner, numerics=m.numerics)
+                         batch_invariant=m.batch_invariant, runner=m.runner, numerics=m.numerics,
+                         forward_path=m.forward_path)
         return with_max_generate_tokens(info, int(getattr(m, "max_generate_tokens", 0)))
 
     def generate(self, prompt_ids: list[int], cfg: SamplingConfig, seed: int, max_new_tokens: int,

@@ -168,7 +168,7 @@ class RestTransport:
                          tensor_parallel=int(d.get("tensor_parallel") or 0),
                          session_stream=d.get("session_stream") is True,
                          dtype_reason=str(d.get("dtype_reason", "")), batch_invariant=d.get("batch_invariant") is True, runner=str(d.get("runner", "")),
-                         numerics=str(d.get("numerics") or ""))
+                         numerics=str(d.get("numerics") or ""), forward_path=str(d.get("forward_path") or ""))
         return with_max_generate_tokens(info, int(d.get("max_generate_tokens") or 0))
 
     def generate(self, prompt_ids: list[int], cfg: SamplingConfig, seed: int, max_new_tokens: int,

@@ -10,7 +10,7 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from cloud.model import TargetModel
+from cloud.runners.torch_runner import TargetModel
 from cloud.rest import create_app
 from cloud.service import VerifierService
 from cloud.settings import CloudSettings

@@ -18,7 +18,7 @@ import torch
 from transformers import AutoTokenizer
 
 import cloud.rounds
-from cloud.model import TargetModel
+from cloud.runners.torch_runner import TargetModel
 from cloud.rest import VerifyBody
 from cloud.service import GenerateRequest, VerifierService
 from shared.config import SamplingConfig

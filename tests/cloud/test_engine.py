@@ -20,7 +20,7 @@ from cloud.engine import (
     finish_round,
     plan_round,
 )
-from cloud.model import TargetModel
+from cloud.runners.torch_runner import TargetModel
 from cloud.rest import VerifyBody
 from cloud.session import Context, Session
 from shared.config import SamplingConfig

@@ -13,7 +13,7 @@ import torch
 from fastapi.testclient import TestClient
 
 from cloud.grpc_server import info_to_pb, response_to_pb
-from cloud.model import TargetModel
+from cloud.runners.torch_runner import TargetModel
 from cloud.service import VerifierService
 from shared.features import decode_feature, feature_from_json
 from shared.hashing import ctx_hash

@@ -1,4 +1,4 @@
-"""The llama.cpp runner's pool (cloud/llama_runner.py) on a tiny GGUF target, in process.
+"""The llama.cpp runner's pool (cloud/runners/llamacpp.py) on a tiny GGUF target, in process.
 
 What the serving core relies on: a row's logits are the target's after its context (within 3e-3 of transformers'
 float32 forward of the same weights: llama.cpp keeps K and V in float16); a tree row's node sees the context and
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cloud.llama_runner import SESSION_SEQS, LlamaTarget, leaves_of
+from cloud.runners.llamacpp import SESSION_SEQS, LlamaTarget, leaves_of
 from shared.errors import ResourceExhausted
 from shared.kvpool import Row
 from tests.tiny_gguf import build_qwen2, write_gguf

@@ -15,7 +15,7 @@ import torch
 from transformers import AutoTokenizer
 
 from cloud.logs import JsonFormatter
-from cloud.model import TargetModel
+from cloud.runners.torch_runner import TargetModel
 from cloud.rest import VerifyBody
 from cloud.service import GenerateRequest, VerifierService, key_owner
 from shared.config import SamplingConfig

@@ -13,7 +13,7 @@ import torch
 from fastapi.testclient import TestClient
 
 from cloud.grpc_server import response_to_pb
-from cloud.model import TargetModel
+from cloud.runners.torch_runner import TargetModel
 from edge.transport.grpc_transport import verify_response_from_pb
 from shared.features import decode_states, states_from_json
 from shared.hashing import ctx_hash

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import transformers as tf
 
-from cloud.tensor_parallel import check_splits, world_size
+from cloud.runners.tensor_parallel import check_splits, world_size
 from shared.kvpool import UnsupportedModel
 
 

@@ -7,7 +7,7 @@ from collections import Counter
 from typing import Any
 
 from cloud import tensor_parallel as tp
-from cloud.tensor_parallel import OP_STALE_S, Op, OpWatch, TensorGroup, serve_worker
+from cloud.runners.tensor_parallel import OP_STALE_S, Op, OpWatch, TensorGroup, serve_worker
 
 
 class Clock:

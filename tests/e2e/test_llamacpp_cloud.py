@@ -1,4 +1,4 @@
-"""The cloud on its llama.cpp runner (cloud/llama_runner.py): a real specsplit-cloud serving the tiny target as a
+"""The cloud on its llama.cpp runner (cloud/runners/llamacpp.py): a real specsplit-cloud serving the tiny target as a
 GGUF file, with the PyTorch draft and the llama.cpp draft.
 
 Greedy: for 20 prompts, speculative text (trees and chains, each draft) equals the cloud's own target-only greedy

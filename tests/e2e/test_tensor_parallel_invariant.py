@@ -74,8 +74,8 @@ def main(model_dir: Path, out: Path, cases: list[str]) -> int:
     {case: {bad, total, batch_invariant}} to `out`; the others serve until rank 0's `stop`."""
     import torch.distributed as dist
 
-    import cloud.tensor_parallel as tp
-    from cloud.model import TargetModel
+    import cloud.runners.tensor_parallel as tp
+    from cloud.runners.torch_runner import TargetModel
 
     def all_reduce(x: torch.Tensor, group: Any = None) -> torch.Tensor:
         dist.all_reduce(x, group=group)
@@ -135,7 +135,7 @@ def test_every_row_gets_the_same_bits_at_any_group_size(n: int, target_dir: Path
 
 def test_a_plan_whose_sums_it_cannot_order_is_named_and_left_alone() -> None:
     """A combine neither exact nor rowwise (transformers' `all_reduce` style) keeps invariance off."""
-    from cloud.tensor_parallel import order_sums
+    from cloud.runners.tensor_parallel import order_sums
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
     model.tp_plan = {"0": "rowwise", "1": "all_reduce"}  # type: ignore[assignment]

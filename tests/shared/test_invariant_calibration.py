@@ -19,7 +19,7 @@ import torch
 from fastapi.testclient import TestClient
 
 import shared.invariant_calibration as ic
-from cloud.model import TargetModel
+from cloud.runners.torch_runner import TargetModel
 from cloud.rest import create_app
 from cloud.service import VerifierService
 from cloud.settings import CloudSettings
@@ -123,7 +123,7 @@ def test_the_service_reports_a_failed_calibration(llama: Path, caplog: pytest.Lo
     target = TargetModel(llama, invariant=True)
     for layer in target.model.model.layers:
         layer.self_attn.q_proj._untiled_forward = drifting(layer.self_attn.q_proj._untiled_forward)
-    with caplog.at_level(logging.WARNING, logger="cloud.model"):
+    with caplog.at_level(logging.WARNING, logger="cloud.runners.torch_runner"):
         service = VerifierService(CloudSettings(model=llama, dtype="float32", max_batch_tokens=64), target)
     try:
         with TestClient(create_app(service)) as client:
@@ -140,7 +140,7 @@ def test_the_service_calibrates_at_its_model_threads_thread_count(llama: Path, t
                                                                   caplog: pytest.LogCaptureFixture) -> None:
     """This thread runs two torch threads; the service's model thread runs (and measures at) --torch-threads 1."""
     target = TargetModel(llama, invariant=True)
-    with caplog.at_level(logging.INFO, logger="cloud.model"):
+    with caplog.at_level(logging.INFO, logger="cloud.runners.torch_runner"):
         service = VerifierService(CloudSettings(model=llama, dtype="float32", max_batch_tokens=64, torch_threads=1),
                                   target)
     service.close()

@@ -19,7 +19,7 @@ recurrent or convolution state (no rollback by position), a directory without a 
 any architecture whose batched, cropped forward does not reproduce its own plain forward
 (`check_rollback`, run once at load on a short random sequence).
 
-Under tensor parallelism (`group`, cloud/tensor_parallel.py) every rank builds the same TargetModel
+Under tensor parallelism (`group`, cloud/runners/tensor_parallel.py) every rank builds the same TargetModel
 from its shard of the weights; on rank 0 `forward` and `use_pool` send each op to the other ranks
 before running it, and the other ranks run what they receive (`run_plan`, `use_pool`). Forwards stay
 batch-invariant there: each rank's linear layers run in tiles of ROW_TILE, and the rowwise layers sum
@@ -29,13 +29,16 @@ their ranks' partial products in rank order (`order_sums`).
 from __future__ import annotations
 
 import logging
+import time
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from cloud.tensor_parallel import local_part
+from cloud.runners.graphs import GPU_ROW_TILE, PagedForward, support
+from cloud.runners.invariance import paged_invariance
+from cloud.runners.tensor_parallel import local_part
 from shared.dtypes import resolve_dtype
 from shared.errors import Unavailable
 from shared.hf_model import DTYPES, check_rollback, eos_ids, load_causal_lm
@@ -46,7 +49,7 @@ from shared.protocol import ModelInfo
 from shared.tokenizer_id import load_tokenizer, tokenizer_fingerprint
 
 if TYPE_CHECKING:
-    from cloud.tensor_parallel import TensorGroup
+    from cloud.runners.tensor_parallel import TensorGroup
 
 log = logging.getLogger(__name__)
 # tokens of the largest forward a first forward measures batch invariance for when nobody called `calibrate`
@@ -57,18 +60,18 @@ CALIBRATION_ROWS = 1024
 class TargetModel:
     """A Hugging Face causal LM in eval mode, its facts, and the KV pool of every session."""
 
-    # what /v1/model names this runner (cloud/llama_runner.py is the other)
+    # what /v1/model names this runner (cloud/runners/llamacpp.py is the other)
     runner = "pytorch"
 
     def __init__(self, model_dir: Path, device: str = "cpu", dtype: str = "float32", *,
                  kv_budget_bytes: int | None = None, block_size: int = BLOCK_SIZE, prefix_cache: bool = True,
-                 group: TensorGroup | None = None, invariant: bool = True) -> None:
+                 group: TensorGroup | None = None, invariant: bool = True, executor: str = "auto") -> None:
         # the tensor-parallel group this rank belongs to (None: the whole model in this process)
         self.group = group
         if group is not None:
             from transformers import AutoConfig
 
-            from cloud.tensor_parallel import check_splits
+            from cloud.runners.tensor_parallel import check_splits
 
             check_splits(AutoConfig.from_pretrained(model_dir), group.size)
             device = group.device
@@ -84,7 +87,7 @@ class TargetModel:
         with held:
             self.model = load_causal_lm(model_dir, device, torch_dtype, tensor_parallel=group is not None)
             if invariant and group is not None:  # sums over the ranks in rank order (tensor_parallel.py)
-                from cloud.tensor_parallel import order_sums
+                from cloud.runners.tensor_parallel import order_sums
 
                 unordered = order_sums(self.model)
                 if unordered is not None:
@@ -101,6 +104,9 @@ class TargetModel:
             # torch threads) it last measured at
             self._measures = invariant and group is None
             self._measured: tuple[int, int] | None = None
+            # the graph executor's invariance probe's answer ("" when it found no difference or did not run)
+            self.invariance_failure = ""
+            self.paged = self._executor(executor, invariant)
             cfg = self.model.config.get_text_config()
             n_ctx = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or 2048
             vocab = int(self.model.get_output_embeddings().weight.shape[0])
@@ -111,10 +117,11 @@ class TargetModel:
                 max_context=int(n_ctx), dtype=dtype, dtype_reason=self.dtype_reason,
                 batch_invariant=invariant, device=str(self.device),
                 tokenizer_fingerprint=tokenizer_fingerprint(tokenizer), tokenizer_size=self.support,
-                tensor_parallel=group.size if group is not None else 1, runner=self.runner)
+                tensor_parallel=group.size if group is not None else 1, runner=self.runner,
+                forward_path=self.forward_path)
             self.pool = KVPool(attention_layout(self.model.config), int(n_ctx), self.device, torch_dtype,
                                budget_bytes=kv_budget_bytes, block_size=block_size, prefix_cache=prefix_cache,
-                               invariant=invariant)
+                               invariant=invariant, spare=self.paged is not None)
             try:
                 self.pool.prepare(self.model)
             except ValueError as e:
@@ -144,13 +151,13 @@ class TargetModel:
         """A fresh, empty pool with these limits (each service starts with its own); rank 0 of a
         tensor-parallel group has every rank do the same."""
         if self.group is not None and self.group.rank == 0:
-            from cloud.tensor_parallel import Op
+            from cloud.runners.tensor_parallel import Op
 
             with self.group.lock:
                 self.group.send(Op("use_pool", pool=(kv_budget_bytes, block_size, prefix_cache, preallocate)))
         pool = KVPool(self.pool.layout, self.pool.max_positions, self.device, self.pool.dtype,
                       budget_bytes=kv_budget_bytes, block_size=block_size, prefix_cache=prefix_cache,
-                      invariant=self.pool.invariant, preallocate=preallocate)
+                      invariant=self.pool.invariant, preallocate=preallocate, spare=self.paged is not None)
         try:
             pool.prepare_like(self.pool)
         except ValueError as e:
@@ -165,7 +172,11 @@ class TargetModel:
         self._captured.clear()
         if self._measures and self._measured is None:
             self.calibrate(CALIBRATION_ROWS)
-        if self.group is None:
+        if self.paged is not None:
+            logits, hidden = self.pool.forward_with(self.paged.forward, rows)  # [P, vocab], [P, d]
+            out = list(logits.float().split([r.keep for r in rows]))  # each [keep, vocab]
+            self._captured = [hidden]
+        elif self.group is None:
             out = self.pool.forward(self.model, rows)
         else:
             out = self._forward_everywhere(rows)
@@ -189,6 +200,8 @@ class TargetModel:
         done = self._measured
         if not self._measures or (done is not None and done[0] >= max_rows and done[1] == threads):
             return self.info.batch_invariant
+        if self.paged is not None:
+            return self._calibrate_paged(max_rows, threads)
         c = calibrate(self.model, max_rows, self.pool)
         self._measured, self.row_tile, self.info.batch_invariant = (max_rows, threads), c.tile, c.invariant
         self._captured.clear()
@@ -203,13 +216,49 @@ class TargetModel:
                         c.failure, max_rows, threads, c.seconds)
         return c.invariant
 
+    def _executor(self, executor: str, invariant: bool) -> PagedForward | None:
+        """The forward of our own (cloud/runners/graphs.py) where `executor` asks for it and the model allows:
+        "auto" takes it with CUDA graphs on a CUDA device, "graphs" / "eager" anywhere (graphs on CUDA only),
+        "transformers" never. Sets `forward_path`."""
+        self.forward_path = "transformers"
+        if executor == "transformers" or (executor == "auto" and self.device.type != "cuda") or \
+                self.group is not None:
+            return None
+        why = support(self.model, attention_layout(self.model.config).windows)
+        if why is not None:
+            if executor != "auto":
+                raise UnsupportedModel(f"--executor {executor}: {why}; use --executor transformers")
+            log.info("forwards through transformers' modules: the graph executor does not run this model (%s)", why)
+            return None
+        graphs = executor in ("auto", "graphs") and self.device.type == "cuda"
+        self.forward_path = "cuda-graphs" if graphs else "paged-eager"
+        tile = (GPU_ROW_TILE if self.device.type == "cuda" else ROW_TILE) if invariant else 0
+        return PagedForward(self.model, graphs=graphs, tile=tile)
+
+    def _calibrate_paged(self, max_rows: int, threads: int) -> bool:
+        """`calibrate` for the graph executor: measured on the model's device (cloud/runners/invariance.py)."""
+        assert self.paged is not None
+        t0 = time.perf_counter()
+        self._measured = (max_rows, threads)  # the probe's own forwards do not measure again
+        failure = paged_invariance(self, max_rows)
+        self.info.batch_invariant, self.invariance_failure = not failure, failure
+        self.row_tile = self.paged.tile
+        self._captured.clear()
+        if not failure:
+            log.info("batch-invariant forwards measured on %s: every probed row gets the same bits in every bucket "
+                     "(linear rows in tiles of %d; %.1f s)", self.device, self.paged.tile, time.perf_counter() - t0)
+        else:
+            log.warning("batch-invariant forwards not proven on %s: %s. batch_invariant is false: greedy texts are "
+                        "no longer promised to be the same across batch shapes", self.device, failure)
+        return not failure
+
     def keep_path(self, slot: int, start: int, src: list[int], tokens: list[int]) -> None:
         """A token tree's accepted path moves to the positions it holds (`KVPool.keep_path`); every rank of a
         tensor-parallel group moves the same rows of its share of the KV heads."""
         if self.group is None:
             self.pool.keep_path(slot, start, src, tokens)
             return
-        from cloud.tensor_parallel import Op
+        from cloud.runners.tensor_parallel import Op
 
         with self.group.lock, self.group.watch:
             moves = self.pool.keep_path(slot, start, src, tokens)
@@ -222,7 +271,7 @@ class TargetModel:
 
     def _forward_everywhere(self, rows: list[Row]) -> list[torch.Tensor]:
         """Rank 0 of a tensor-parallel group: plan here, send the plan, run it on every rank."""
-        from cloud.tensor_parallel import Op
+        from cloud.runners.tensor_parallel import Op
 
         assert self.group is not None
         with self.group.lock, self.group.watch:

@@ -1,4 +1,4 @@
-"""The target on llama.cpp: a GGUF file run by the same serving core (cloud/model.py is the PyTorch runner).
+"""The target on llama.cpp: a GGUF file run by the same serving core (cloud/runners/torch_runner.py is the PyTorch runner).
 
 The core (scheduler, sessions, the verify rule, trees, prefill chunks, streams, /v1/generate, eviction) drives a
 runner through what `TargetModel` offers: `forward(rows)` with each row's logits, `keep_path` for a tree's
@@ -238,7 +238,7 @@ class LlamaPool(KVPool):
 
 
 class LlamaTarget:
-    """The runner over a GGUF file: the same calls as cloud/model.py's TargetModel for the serving core."""
+    """The runner over a GGUF file: the same calls as cloud/runners/torch_runner.py's TargetModel for the serving core."""
 
     runner = "llama.cpp"
     group = None

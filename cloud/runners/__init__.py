@@ -1,0 +1,78 @@
+"""What runs the target's forward, behind one interface (`Runner`): the serving core (cloud/core.py, the
+scheduler, the verify rule) calls only these, and never knows which runner it holds.
+
+- torch_runner.py: `TargetModel`, a Hugging Face model in PyTorch over the paged KV pool (shared/kvpool.py); its
+  forward runs through graphs.py (a forward of its own, replayed from CUDA graphs per bucket on a GPU; eager on a
+  CPU when asked) or through transformers' own modules (every architecture). invariance.py measures on the
+  device whether the graph executor's forwards are batch-invariant.
+- tensor_parallel.py: the PyTorch runner split over torchrun ranks (rank 0 plans and serves).
+- llamacpp.py: `LlamaTarget`, a GGUF file through llama.cpp on the CPU.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from shared.protocol import ModelInfo
+from shared.rows import Row
+
+if TYPE_CHECKING:
+    from cloud.settings import CloudSettings
+
+
+class Runner(Protocol):
+    """The target as the serving core uses it."""
+    # "pytorch" | "llama.cpp": what /v1/model names
+    runner: str
+    # the public facts (GET /v1/model); batch_invariant as measured by `calibrate`
+    info: ModelInfo
+    # every session's KV (blocks, prefix cache, crop by length): shared/kvpool.py's interface
+    pool: Any
+    # ids p is taken over (the tokenizer's), bytes of one cached position, width of the feature offered (0: none)
+    support: int
+    kv_bytes_per_token: int
+    feature_size: int
+    # where the checkpoint lives (cloud/numerics.py fingerprints it)
+    weights_path: Path
+
+    def forward(self, rows: list[Row]) -> list[torch.Tensor]:
+        """One forward over every row; each row's logits for its last `keep` ids ([keep, support], float32)."""
+        ...
+
+    def calibrate(self, max_rows: int) -> bool:
+        """Measure batch invariance on the model thread for forwards of up to `max_rows` tokens."""
+        ...
+
+    def use_pool(self, kv_budget_bytes: int | None, block_size: int = ..., prefix_cache: bool = ...,
+                 preallocate: bool | str = ...) -> None: ...
+
+    def keep_path(self, slot: int, start: int, src: list[int], tokens: list[int]) -> None: ...
+
+    def hidden_of(self, row: Row) -> torch.Tensor | None: ...
+
+    def healthy(self) -> bool: ...
+
+
+def load_target(settings: CloudSettings) -> Runner:
+    """The target on the runner `settings.runner` picks: llamacpp.py or torch_runner.py."""
+    from shared.kvpool import UnsupportedModel
+
+    if settings.runner_choice() == "llamacpp":
+        from cloud.runners.llamacpp import LlamaTarget
+
+        if settings.device != "cpu":
+            raise UnsupportedModel(f"--runner llamacpp runs on the CPU here, not {settings.device}: use --runner "
+                                   "torch on a GPU")
+        return LlamaTarget(settings.model, settings.torch_threads, settings.max_batch_tokens,  # type: ignore[return-value]
+                           invariant=settings.batch_invariant)
+    if settings.model.suffix == ".gguf":
+        raise UnsupportedModel(f"{settings.model} is a GGUF file: the PyTorch runner reads a Hugging Face directory "
+                               "(specsplit-models convert FILE.gguf --out DIR makes one), or run it with --runner "
+                               "llamacpp (needs llama-cpp-python: bash scripts/setup.sh)")
+    from cloud.runners.torch_runner import TargetModel
+
+    return TargetModel(settings.model, settings.device, settings.dtype, invariant=settings.batch_invariant,
+                       executor=settings.executor)

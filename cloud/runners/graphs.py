@@ -1,0 +1,379 @@
+"""The target's forward without host overhead: one forward of our own over the KV pool, CUDA graphs per bucket.
+
+Why: through transformers, a forward of the coder-1.5B shape cost 42 ms of host work on an H200 where its kernels
+took 3.8 ms (../notes/GPU.md). Here every forward is a fixed sequence of tensor operations on buffers whose shapes
+come from a few buckets, so on CUDA it is captured once per bucket as a CUDA graph and replayed (nano-vllm's and
+vLLM's way; facts in docs/GPU.md). On a CPU the same function runs eagerly over the same buffers, padding and
+block tables (the tests compare it with the plain path there).
+
+Which models: decoder-only attention families whose layer is "RMSNorm, attention with RoPE, RMSNorm, gated MLP"
+(`FAMILIES`: Llama, Qwen2, Qwen3 with its q/k norms, Mistral without a sliding window), every layer full attention.
+Anything else keeps the plain path (shared/kvpool.py through transformers); `support` names the reason.
+
+A forward's layout. Rows (sessions' rounds, decode steps, prefill chunks) are flattened to T tokens for every
+linear layer. Attention runs per group of rows as [R rows, N queries, W keys]: a row's queries are gathered from
+the flat tokens, its keys from the pool through its block table (pool rows), and a mask [R, N, W] says which key
+each query sees (causal by position; a token tree's node sees the cached prefix and its ancestors only, as
+shared/paged_plan.py's masks). Padding (tokens, queries, keys) points at the pool's spare row, which no sequence
+owns: padded tokens write their K/V there, padded keys are masked, padded queries' outputs land on a spare token.
+
+Buckets (graphs on): T = R x N with R in ROW_BUCKETS, N in QUERY_BUCKETS, W in KEY_BUCKETS; one group. A forward
+outside them (a prefill chunk, a long context) runs eagerly with exact shapes, short rows in one group and each
+long row in its own. Graphs share one memory pool and are captured lazily (at most `max_graphs`, the least
+recently used dropped first); a pool that grows (new storage) drops them all.
+
+Batch invariance. With `tile` > 0 every linear layer runs its rows in tiles of `tile` (one kernel shape whatever
+the forward's size), and attention's padded keys only add exact zeros; whether a row then gets the same bits in
+every bucket is measured on the device (`calibrate`), never assumed.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from shared.rows import Row
+from shared.tree import paths
+
+log = logging.getLogger(__name__)
+
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+QUERY_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32)
+KEY_BUCKETS = tuple(128 * 2**i for i in range(8))  # 128 .. 16384
+# the linear layers' row tile of a batch-invariant forward on a GPU (one kernel shape for every forward size)
+GPU_ROW_TILE = 64
+# rows longer than this run in an attention group of their own (eager forwards)
+LONG_ROW = 32
+
+
+def _bucket(n: int, buckets: tuple[int, ...]) -> int | None:
+    i = bisect.bisect_left(buckets, n)
+    return buckets[i] if i < len(buckets) else None
+
+
+def support(model: torch.nn.Module, windows: Sequence[int | None]) -> str | None:
+    """Why this model cannot run `PagedForward` (None: it can)."""
+    cfg = model.config.get_text_config()  # type: ignore[operator, union-attr]
+    kind = getattr(cfg, "model_type", "")
+    if kind not in FAMILIES:
+        return f"{kind or type(model).__name__} is not one of {', '.join(FAMILIES)}"
+    if any(w is not None for w in windows):
+        return "sliding-window layers"
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None or not hasattr(inner, "embed_tokens") or not hasattr(inner, "norm"):
+        return "not the usual decoder layout (model.embed_tokens, model.layers, model.norm)"
+    a = layers[0].self_attn
+    if not all(hasattr(a, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
+        return "attention without q/k/v/o projections"
+    if getattr(cfg, "rope_scaling", None) and (cfg.rope_scaling or {}).get("rope_type", "default") == "dynamic":
+        return "dynamic RoPE (its frequencies change with the length)"
+    return None
+
+
+@dataclass
+class Group:
+    """One attention call's rows: where their queries sit among the flat tokens, their keys in the pool."""
+    queries: torch.Tensor  # [R x N] flat token of each query slot (padding: the spare token T)
+    keys: torch.Tensor  # [R x W] pool row of each key slot (padding: the spare pool row)
+    mask: torch.Tensor  # [R, 1, N, W] True where the query may see the key
+    shape: tuple[int, int, int]  # R, N, W
+
+
+@dataclass
+class Inputs:
+    """One forward's inputs: the flat tokens (T of them, the last one or more padding) and the attention groups."""
+    ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    write: torch.Tensor  # [T] pool rows of the new K/V (padding: the spare pool row)
+    keep: torch.Tensor  # [P] flat tokens whose logits are wanted (padding: token 0)
+    groups: list[Group]
+
+    def copy_(self, other: Inputs) -> None:
+        for a, b in ((self.ids, other.ids), (self.positions, other.positions), (self.write, other.write),
+                     (self.keep, other.keep)):
+            a.copy_(b, non_blocking=True)
+        for g, h in zip(self.groups, other.groups, strict=True):
+            g.queries.copy_(h.queries, non_blocking=True)
+            g.keys.copy_(h.keys, non_blocking=True)
+            g.mask.copy_(h.mask, non_blocking=True)
+
+
+def _pool_rows(table: list[int], size: int, end: int) -> np.ndarray:
+    """Pool rows (block x size + offset) of a sequence's offsets 0 .. end - 1."""
+    blocks = np.asarray(table[: -(-end // size)], dtype=np.int64)
+    return (blocks[:, None] * size + np.arange(size)).reshape(-1)[:end]
+
+
+def _row_mask(r: Row, out: np.ndarray) -> None:
+    """out[:n, :past + n] = which of the row's storage offsets each of its n queries sees (causal by position;
+    a tree node: the prefix before the tree and its own ancestors)."""
+    n, end = len(r.ids), r.past + len(r.ids)
+    if r.tree is None:
+        out[:n, :end] = np.arange(end)[None, :] <= np.arange(r.past, end)[:, None]
+        return
+    base = r.tree_base
+    qp = np.asarray(r.positions())[:, None]  # [n, 1]
+    kp = np.asarray(r.positions_at(0, end))[None, :]  # [1, end]
+    vis = kp <= qp  # [n, end]
+    anc = np.zeros((len(r.tree), len(r.tree)), dtype=bool)  # [N, N]: j' is j or one of its ancestors
+    for j, path in enumerate(paths(r.tree)):
+        anc[j, path] = True
+    for t in range(n):
+        j = r.past + t - base
+        if j >= 0:
+            vis[t, base:end] = anc[j, : end - base]
+    out[:n, :end] = vis
+
+
+def _group(rows: list[Row], starts: list[int], tables: list[np.ndarray], spare: int, T: int,
+           shape: tuple[int, int, int] | None) -> Group:
+    """The attention call of `rows` (their first flat tokens `starts`, their pool rows `tables`)."""
+    n_max = max(len(r.ids) for r in rows)
+    end_max = max(r.past + len(r.ids) for r in rows)
+    R, N, W = shape if shape is not None else (len(rows), n_max, -(-end_max // 16) * 16)
+    queries = np.full((R, N), T, np.int64)
+    keys = np.full((R, W), spare, np.int64)
+    mask = np.zeros((R, 1, N, W), dtype=bool)
+    mask[:, 0, :, 0] = True  # padded queries see one (padded) key: no row of -inf alone
+    for i, (r, s, table) in enumerate(zip(rows, starts, tables, strict=True)):
+        n = len(r.ids)
+        queries[i, :n] = np.arange(s, s + n)
+        keys[i, : len(table)] = table
+        _row_mask(r, mask[i, 0])
+    return Group(torch.from_numpy(queries.reshape(-1)), torch.from_numpy(keys.reshape(-1)), torch.from_numpy(mask),
+                 (R, N, W))
+
+
+class PagedForward:
+    """The forward of a FAMILIES model over a KV pool's tensors (see the module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, *, graphs: bool, tile: int = 0, buckets: bool | None = None,
+                 max_graphs: int = 48, max_graph_keys: int = 4096) -> None:
+        inner: Any = model.model  # type: ignore[union-attr]
+        cfg = model.config.get_text_config()  # type: ignore[operator, union-attr]
+        self.model, self.inner, self.layers = model, inner, list(inner.layers)
+        self.head = model.get_output_embeddings()  # type: ignore[operator]
+        a = self.layers[0].self_attn
+        self.hq, self.hk = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
+        self.dh = int(getattr(a, "head_dim", 0) or cfg.hidden_size // cfg.num_attention_heads)
+        self.scaling = float(getattr(a, "scaling", self.dh ** -0.5))
+        self.device = self.head.weight.device
+        self.graphs = graphs and self.device.type == "cuda"
+        # forwards padded to the graphs' buckets (default: where graphs run; on a CPU, the same inputs eagerly)
+        self.buckets = self.graphs if buckets is None else buckets or self.graphs
+        self.tile, self.max_graphs, self.max_graph_keys = tile, max_graphs, max_graph_keys
+        # RoPE's cos and sin for every position, computed once by the model's own rotary module ([max_pos, D])
+        n_pos = int(getattr(cfg, "max_position_embeddings", 0) or 4096)
+        pos = torch.arange(n_pos, device=self.device)[None]
+        dummy = torch.zeros(1, dtype=self.head.weight.dtype, device=self.device)
+        with torch.inference_mode():
+            cos, sin = inner.rotary_emb(dummy, pos)
+        self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()  # [max_pos, D]
+        self.max_positions = n_pos
+        self._graphs: OrderedDict[tuple[int, int, int], tuple[Any, Inputs, torch.Tensor, torch.Tensor]] = \
+            OrderedDict()
+        self._mempool: Any = None
+        self._storage: int | None = None
+        # forwards replayed from a graph, run eagerly, graphs captured (and seconds spent capturing)
+        self.replayed = self.eager = self.captured = 0
+        self.capture_s = 0.0
+
+    # --- the tensor work (graph-capturable: no host syncs, static shapes) --------------------------------------
+    def _linear(self, x: torch.Tensor, lin: torch.nn.Module) -> torch.Tensor:
+        """`lin` over the rows of x ([n, in] -> [n, out]); with a tile, in whole tiles of `tile` rows."""
+        f = getattr(lin, "_untiled_forward", lin)  # the plain (or packed) forward under shared/invariant.py's
+        t = self.tile
+        if not t or x.shape[0] in (0, t):
+            return f(x)
+        n = x.shape[0]
+        pad = -n % t
+        if pad:
+            x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
+        return torch.cat([f(x[i: i + t]) for i in range(0, n + pad, t)])[:n]
+
+    def _attention(self, layer: Any, h: torch.Tensor, inp: Inputs, keys: torch.Tensor,
+                   values: torch.Tensor) -> torch.Tensor:
+        a = layer.self_attn
+        T = h.shape[0]
+        q = self._linear(h, a.q_proj).view(T, self.hq, self.dh)  # [T, Hq, D]
+        k = self._linear(h, a.k_proj).view(T, self.hk, self.dh)  # [T, Hk, D]
+        v = self._linear(h, a.v_proj).view(T, self.hk, self.dh)
+        if hasattr(a, "q_norm"):  # Qwen3: per-head RMSNorm before RoPE
+            q, k = a.q_norm(q), a.k_norm(k)
+        cos, sin = self.cos[inp.positions][:, None], self.sin[inp.positions][:, None]  # [T, 1, D]
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        keys.index_copy_(1, inp.write, k.transpose(0, 1).to(keys.dtype))  # pool [Hk, rows, D]
+        values.index_copy_(1, inp.write, v.transpose(0, 1).to(values.dtype))
+        g = self.hq // self.hk
+        out = h.new_zeros(T + 1, self.hq * self.dh)  # [T + 1, Hq x D]: the last row takes padded queries
+        q = torch.cat([q, q.new_zeros(1, self.hq, self.dh)])  # [T + 1, Hq, D]
+        for grp in inp.groups:
+            R, N, W = grp.shape
+            qg = q[grp.queries].view(R, N, self.hk, g, self.dh).permute(0, 2, 3, 1, 4).reshape(R, self.hk, g * N,
+                                                                                                self.dh)
+            kg = keys[:, grp.keys].view(self.hk, R, W, self.dh).transpose(0, 1)  # [R, Hk, W, D]
+            vg = values[:, grp.keys].view(self.hk, R, W, self.dh).transpose(0, 1)
+            m = grp.mask if g == 1 else grp.mask.repeat(1, 1, g, 1)  # [R, 1, g x N, W]
+            o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=m, scale=self.scaling)  # [R, Hk, g x N, D]
+            o = o.view(R, self.hk, g, N, self.dh).permute(0, 3, 1, 2, 4).reshape(R * N, self.hq * self.dh)
+            out.index_copy_(0, grp.queries, o)
+        return self._linear(out[:T], a.o_proj)
+
+    def _mlp(self, layer: Any, h: torch.Tensor) -> torch.Tensor:
+        m = layer.mlp
+        return self._linear(m.act_fn(self._linear(h, m.gate_proj)) * self._linear(h, m.up_proj), m.down_proj)
+
+    def run(self, inp: Inputs, keys: list[torch.Tensor], values: list[torch.Tensor]) -> tuple[torch.Tensor,
+                                                                                             torch.Tensor]:
+        """The model over `inp`: the K/V written into the pool, (logits [P, vocab], final hidden [P, d])."""
+        h = self.inner.embed_tokens(inp.ids)  # [T, d]
+        for i, layer in enumerate(self.layers):
+            h = h + self._attention(layer, layer.input_layernorm(h), inp, keys[i], values[i])
+            h = h + self._mlp(layer, layer.post_attention_layernorm(h))
+        hidden = self.inner.norm(h[inp.keep])  # [P, d]
+        return self._linear(hidden, self.head), hidden
+
+    # --- inputs ------------------------------------------------------------------------------------------------
+    def inputs(self, pool: Any, rows: list[Row], spare: int, shape: tuple[int, int, int] | None) -> Inputs:
+        """The host-side inputs of `rows` (planned: their blocks exist). `shape` (R, N, W): one padded group of
+        that bucket, T = R x N; None: exact shapes, long rows in groups of their own. Built in numpy: this is
+        the host's whole work between two replays."""
+        m = pool.manager
+        n_real = sum(len(r.ids) for r in rows)
+        T = n_real if shape is None else shape[0] * shape[1]
+        ids = np.zeros(T, np.int64)
+        pos = np.zeros(T, np.int64)
+        write = np.full(T, spare, np.int64)
+        keep: list[np.ndarray] = []
+        tables: list[np.ndarray] = []  # each row's pool rows of offsets 0 .. past + n - 1
+        starts = []
+        s = 0
+        for r in rows:
+            n, end = len(r.ids), r.past + len(r.ids)
+            starts.append(s)
+            ids[s: s + n] = r.ids
+            pos[s: s + n] = r.positions() if r.tree is not None else np.arange(r.past, end)
+            table = _pool_rows(m.seqs[r.slot].table, m.size, end)
+            tables.append(table)
+            write[s: s + n] = table[r.past:]
+            keep.append(np.arange(s + n - r.keep, s + n))
+            s += n
+        np.minimum(pos, self.max_positions - 1, out=pos)  # callers check rows' lengths against the context
+        kept = np.concatenate(keep) if keep else np.zeros(0, np.int64)
+        P = len(kept) if shape is None else T
+        if shape is not None:
+            sets: list[tuple[list[int], tuple[int, int, int] | None]] = [(list(range(len(rows))), shape)]
+        else:
+            short = [i for i, r in enumerate(rows) if len(r.ids) <= LONG_ROW]
+            sets = [([i], None) for i, r in enumerate(rows) if len(r.ids) > LONG_ROW]
+            if short:
+                sets.insert(0, (short, None))
+        groups = [_group([rows[i] for i in idx], [starts[i] for i in idx], [tables[i] for i in idx], spare, T, sh)
+                  for idx, sh in sets]
+        keep_all = np.zeros(P, np.int64)
+        keep_all[: len(kept)] = kept
+        return Inputs(torch.from_numpy(ids), torch.from_numpy(pos), torch.from_numpy(write),
+                      torch.from_numpy(keep_all), groups)
+
+    def shape_of(self, rows: list[Row]) -> tuple[int, int, int] | None:
+        """The graph bucket (R, N, W) these rows fit, or None (eager)."""
+        if not self.buckets:
+            return None
+        R = _bucket(len(rows), ROW_BUCKETS)
+        N = _bucket(max(len(r.ids) for r in rows), QUERY_BUCKETS)
+        W = _bucket(max(r.past + len(r.ids) for r in rows), KEY_BUCKETS)
+        if R is None or N is None or W is None or W > self.max_graph_keys:
+            return None
+        return R, N, W
+
+    # --- a forward ---------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, pool: Any, rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every row's kept logits ([P, vocab], rows in order) and final hidden states ([P, d]); the rows must be
+        planned (`KVPool.plan_writes`)."""
+        keys, values = pool.keys, pool.values
+        if self._storage != keys[0].data_ptr():  # new storage: graphs recorded the old addresses
+            self._graphs.clear()
+            self._storage = keys[0].data_ptr()
+        spare = pool.spare_row
+        P = sum(r.keep for r in rows)
+        shape = self.shape_of(rows)
+        if shape is None:
+            self.eager += 1
+            inp = self.inputs(pool, rows, spare, None)
+            logits, hidden = self.run(_to(inp, self.device), keys, values)
+            return logits[:P], hidden[:P]
+        host = self.inputs(pool, rows, spare, shape)
+        if not self.graphs:  # the bucket's padded inputs, eagerly
+            self.eager += 1
+            logits, hidden = self.run(_to(host, self.device), keys, values)
+            return logits[:P], hidden[:P]
+        graph = self._graphs.get(shape)
+        if graph is None:
+            graph = self._capture(shape, host, keys, values)
+        else:
+            self._graphs.move_to_end(shape)
+        g, static, logits, hidden = graph
+        static.copy_(host)
+        g.replay()
+        self.replayed += 1
+        return logits[:P].clone(), hidden[:P].clone()
+
+    def _capture(self, shape: tuple[int, int, int], host: Inputs, keys: list[torch.Tensor],
+                 values: list[torch.Tensor]) -> tuple[Any, Inputs, torch.Tensor, torch.Tensor]:
+        t0 = time.perf_counter()
+        while len(self._graphs) >= self.max_graphs:
+            self._graphs.popitem(last=False)
+        static = _to(host, self.device)
+        # the capture's warm-up writes its padded K/V to the spare row only; real rows' K/V are written by the
+        # warm-up too, with the values the replay writes again
+        s = torch.cuda.Stream(self.device)
+        s.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(s):
+            self.run(static, keys, values)
+        torch.cuda.current_stream(self.device).wait_stream(s)
+        if self._mempool is None:
+            self._mempool = torch.cuda.graph_pool_handle()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self._mempool):
+            logits, hidden = self.run(static, keys, values)
+        entry = (g, static, logits, hidden)
+        self._graphs[shape] = entry
+        self.captured += 1
+        self.capture_s += time.perf_counter() - t0
+        log.info("CUDA graph captured for %d rows x %d queries x %d keys in %.0f ms (%d held)", *shape,
+                 (time.perf_counter() - t0) * 1000, len(self._graphs))
+        return entry
+
+    def facts(self) -> dict[str, Any]:
+        return {"graphs": self.graphs, "tile": self.tile, "held": len(self._graphs), "captured": self.captured,
+                "capture_s": round(self.capture_s, 3), "replayed": self.replayed, "eager": self.eager}
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+def _to(inp: Inputs, dev: torch.device) -> Inputs:
+    if dev.type == "cpu":
+        return inp
+    pin = dev.type == "cuda"
+
+    def mv(t: torch.Tensor) -> torch.Tensor:
+        return (t.pin_memory() if pin else t).to(dev, non_blocking=True)
+
+    return Inputs(mv(inp.ids), mv(inp.positions), mv(inp.write), mv(inp.keep),
+                  [Group(mv(g.queries), mv(g.keys), mv(g.mask), g.shape) for g in inp.groups])

@@ -1,0 +1,86 @@
+"""Whether the graph executor's forwards are batch-invariant on this device: measured at start-up, never assumed.
+
+A row's logits may depend on the bucket its forward ran in (another matrix kernel for another row count, another
+attention tiling for another query or key count) and on eager against replayed forwards. `paged_invariance` runs
+one sequence's next token through the forwards the scheduler makes and compares the bits with a decode step alone:
+
+- beside 7 other sessions' decode steps, one of them far longer (another key bucket);
+- as the first of a verify row of 3 tokens (another query bucket), alone and beside 31 verify rows of 8;
+- as a token tree's first node, a sibling beside it and a child under it;
+- beside a prefill chunk (an eager forward of exact shapes).
+
+Its scratch sequences live in the target's pool and are released after; a pool too small for them answers
+"not measured". The answer is the first difference, named ("" when every probe gave the same bits).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from shared.blocks import OutOfBlocks
+from shared.rows import Row
+
+if TYPE_CHECKING:
+    from cloud.runners.torch_runner import TargetModel
+
+# the probed sequence's prompt, and the long mate's (its context lands in a larger key bucket)
+PROMPT, LONG = 37, 300
+
+
+def paged_invariance(target: TargetModel, max_rows: int, seed: int = 0) -> str:
+    pool = target.pool
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(n: int) -> list[int]:
+        return torch.randint(0, target.support, (n,), generator=g).tolist()
+
+    seqs: list[tuple[int, int]] = []  # (slot, committed length)
+
+    def new(n: int) -> int:
+        s = pool.allocate()
+        seqs.append((s, n))
+        return s
+
+    try:
+        room = target.info.max_context // 2
+        chunk = min(max_rows, 256, room)
+        a = new(PROMPT)
+        mates = [new(min(LONG, room) if i == 0 else 5 + 9 * i) for i in range(31)]
+        lengths = dict(seqs)
+        for s, n in seqs:  # prefill, a few sequences a forward
+            target.forward([Row(s, 0, rand(n), 0)])
+        x = rand(3)
+
+        def first_logits(rows: list[Row]) -> torch.Tensor:
+            out = target.forward(rows)[0][0]  # [support]: row 0 is the probed sequence's, its first kept token
+            for r in rows:
+                pool.crop(r.slot, lengths[r.slot])
+            return out
+
+        ref = first_logits([Row(a, PROMPT, x[:1], 1)])
+        cases = {
+            "beside 7 decode steps (one of a 300-token context)":
+                [Row(a, PROMPT, x[:1], 1)] + [Row(s, lengths[s], rand(1), 1) for s in mates[:7]],
+            "as the first of a verify row of 3":
+                [Row(a, PROMPT, x, 3)],
+            "as the first of a verify row of 3 beside 31 verify rows of 8":
+                [Row(a, PROMPT, x, 3)] + [Row(s, lengths[s], rand(8), 8) for s in mates],
+            "as a token tree's first node (a sibling beside it, a child under it)":
+                [Row(a, PROMPT, x, 3, tree=(-1, -1, 0), tree_base=PROMPT)],
+            f"beside a prefill chunk of {chunk} tokens":
+                [Row(a, PROMPT, x[:1], 1), Row(new(0), 0, rand(chunk), 1)],
+        }
+        for what, rows in cases.items():
+            lengths.update(dict(seqs))
+            got = first_logits(rows)
+            if not torch.equal(got, ref):
+                diff = float((got - ref).abs().max())
+                return f"the probed token's logits {what} differ from a decode step alone (max |diff| {diff:.3g})"
+        return ""
+    except OutOfBlocks:
+        return "not measured: the KV budget holds too few blocks for the probe's sequences"
+    finally:
+        for s, _ in seqs:
+            pool.release(s)

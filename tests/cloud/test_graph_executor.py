@@ -1,0 +1,141 @@
+"""The graph executor (cloud/runners/graphs.py) against transformers' own modules over the same paged pool.
+
+On a CPU the executor runs eagerly, with exact shapes or padded to the graphs' buckets (the same static inputs,
+spare-row padding and block tables a CUDA graph replays); its logits must match the transformers path's for
+chains, decode steps beside other sessions, prefix sharing and token trees. CUDA-only checks (capture, replay)
+skip with their reason where no GPU is present.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers as tf
+
+from cloud.runners.graphs import PagedForward, _bucket, support
+from cloud.runners.invariance import paged_invariance
+from cloud.runners.torch_runner import TargetModel
+from shared.kvpool import UnsupportedModel
+from shared.rows import Row
+from tests.tiny_models import _ATTN, build
+
+CUDA = torch.cuda.is_available()
+
+
+def _qwen2(out: Path) -> Path:
+    """A tiny Qwen2 (q/k/v biases, GQA): the coder pair's architecture."""
+    cfg = tf.Qwen2Config(**_ATTN, num_key_value_heads=2)
+    cfg.eos_token_id = 0
+    torch.manual_seed(3)
+    model = tf.AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(3.0) if p.dim() >= 2 else p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(out)
+    build("llama", out.parent / (out.name + "-tok"))
+    for f in (out.parent / (out.name + "-tok")).iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            (out / f.name).write_bytes(f.read_bytes())
+    return out
+
+
+@pytest.fixture(scope="module", params=["qwen2", "llama", "qwen3"])
+def arch_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp(request.param)
+    return _qwen2(root / "m") if request.param == "qwen2" else build(request.param, root / "m", seed=4)
+
+
+def _rounds(target: TargetModel) -> list[list[torch.Tensor]]:
+    """One script of forwards on `target`'s pool: two prompts (one sharing the other's first block through the
+    prefix cache), decode steps side by side, a verify chain beside a decode step, a token tree; each forward's
+    logits."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 4000, (60,), generator=g).tolist()
+    pool = target.pool
+    a, b = pool.allocate(), pool.allocate()
+    out = [target.forward([Row(a, 0, ids[:40], 1)])]
+    pool.set_length(a, 40)
+    have = pool.match_prefix(b, ids[:16] + ids[40:60], 16)
+    out.append(target.forward([Row(b, have, (ids[:16] + ids[40:60])[have:], 2)]))
+    pool.set_length(b, 36)
+    out.append(target.forward([Row(a, 40, [7], 1), Row(b, 36, [9], 1)]))
+    out.append(target.forward([Row(a, 41, [11, 12, 13, 14, 15], 5), Row(b, 37, [21], 1)]))
+    pool.crop(a, 43)
+    pool.set_length(b, 38)
+    tree = (-1, -1, 0, 1, 2)
+    out.append(target.forward([Row(b, 38, [5, 6, 7, 8, 9], 5, tree=tree, tree_base=38), Row(a, 43, [3, 4], 2)]))
+    pool.release(a)
+    pool.release(b)
+    return out
+
+
+@pytest.mark.parametrize("buckets", [False, True], ids=["exact", "bucketed"])
+def test_executor_matches_the_transformers_path(arch_dir: Path, buckets: bool) -> None:
+    """float32 on the CPU: every kept logit within 1e-4 of the transformers path's, the same argmax (the two paths
+    sum in other orders, so bits may differ)."""
+    ref = _rounds(TargetModel(arch_dir, "cpu", "float32", invariant=False, executor="transformers"))
+    target = TargetModel(arch_dir, "cpu", "float32", invariant=False, executor="eager")
+    assert target.info.forward_path == "paged-eager" and target.paged is not None
+    target.paged.buckets = buckets
+    got = _rounds(target)
+    assert target.paged.eager == len(got)
+    for fw_ref, fw in zip(ref, got, strict=True):
+        for r, x in zip(fw_ref, fw, strict=True):
+            assert x.shape == r.shape
+            torch.testing.assert_close(x, r, atol=1e-4, rtol=1e-4)
+            assert torch.equal(x.argmax(-1), r.argmax(-1))
+
+
+def test_bucketed_forward_pads_to_the_bucket(arch_dir: Path) -> None:
+    target = TargetModel(arch_dir, "cpu", "float32", invariant=False, executor="eager")
+    assert target.paged is not None
+    target.paged.buckets = True
+    rows = [Row(0, 0, [1] * 5, 1), Row(1, 130, [1] * 9, 9), Row(2, 3, [2], 1)]
+    assert target.paged.shape_of(rows) == (4, 12, 256)
+    assert _bucket(65, (1, 64)) is None
+    assert target.paged.shape_of([Row(0, 0, [1] * 40, 1)]) is None  # a prefill chunk: eager, exact shapes
+
+
+def test_invariance_probe_names_a_difference(arch_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The start-up probe finds a row whose bits depend on its forward's size (a known-biased forward: noise
+    scaled by the row count) and names the case; the executor's own forwards in float32 with row tiles are
+    reported as measured, whatever the answer."""
+    target = TargetModel(arch_dir, "cpu", "float32", invariant=True, executor="eager")
+    assert target.paged is not None
+    target.paged.buckets = True
+    measured = target.calibrate(64)
+    assert target.info.batch_invariant is measured
+    real = target.paged.run
+
+    def biased(inp, keys, values):  # type: ignore[no-untyped-def]
+        logits, hidden = real(inp, keys, values)
+        return logits + 1e-3 * inp.ids.shape[0], hidden
+
+    monkeypatch.setattr(target.paged, "run", biased)
+    failure = paged_invariance(target, 64)
+    assert "differ from a decode step alone" in failure
+    assert target.pool.manager.used == 0  # the probe's sequences are released
+
+
+def test_unsupported_models_keep_the_transformers_path(tmp_path: Path) -> None:
+    gpt2 = build("gpt2", tmp_path / "g")
+    auto = TargetModel(gpt2, "cpu", "float32", invariant=False)
+    assert auto.paged is None and auto.info.forward_path == "transformers"
+    with pytest.raises(UnsupportedModel, match="--executor transformers"):
+        TargetModel(gpt2, "cpu", "float32", invariant=False, executor="eager")
+    mistral = build("mistral", tmp_path / "m")
+    assert support(TargetModel(mistral, "cpu", "float32", invariant=False).model, [8, 8]) == "sliding-window layers"
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA device (bench gpu measures them on a GPU host)")
+def test_graph_replay_matches_eager_on_cuda(arch_dir: Path) -> None:
+    eager = _rounds(TargetModel(arch_dir, "cuda", "float32", invariant=False, executor="eager"))
+    target = TargetModel(arch_dir, "cuda", "float32", invariant=False, executor="graphs")
+    assert isinstance(target.paged, PagedForward) and target.paged.graphs
+    got = _rounds(target)
+    assert target.paged.captured > 0 and target.paged.replayed > 0
+    for fw_ref, fw in zip(eager, got, strict=True):
+        for r, x in zip(fw_ref, fw, strict=True):
+            torch.testing.assert_close(x, r, atol=1e-4, rtol=1e-4)
