@@ -70,6 +70,8 @@ class ServiceCore:
         self.metrics = CloudMetrics.create(max(settings.max_k, settings.max_tree_nodes), settings.kv_budget_bytes)
         # the forward cost fitted online and the node budget of each answer (cloud/node_budget.py)
         self.budget = NodeBudget(max_nodes=max(settings.max_k, settings.max_tree_nodes, 1))
+        # a GPU's forward cost is a step function of its size: the budget reads the marginal cost per bucket
+        self.budget.cost.steps = str(getattr(model, "device", "cpu")).startswith("cuda")
         self.store = SessionStore(max_sessions=settings.max_sessions, ttl_s=settings.session_ttl_s,
                                   kv_budget_bytes=settings.kv_budget_bytes, clock=clock, on_remove=self._removed,
                                   max_sessions_per_owner=settings.sessions_per_key_limit())

@@ -27,6 +27,12 @@ alpha^n >= b * F.
 - idle (one session), a dominates: b * F is small and the budget large (up to `max_tree_nodes`);
 - loaded, b * sum(rows) dominates: b * F nears tau / (n + 1) and the budget shrinks to the path most likely kept.
 
+On a GPU a forward's cost is a step function of its size: nearly flat while the weights' reads dominate (a CUDA
+graph per bucket of rows), then rising once the forward is compute-bound. There (`ForwardCost.steps`) the row
+cost the budget reads is the marginal cost at the present load, from the mean cost of each bucket of rows (powers
+of two): the slope from the bucket the recent forwards fill to the next bucket measured above it (or from the
+one below, when none above was seen), the linear fit's b until two buckets are known.
+
 F is measured, not modelled: tokens committed over the forwards' cost, both exponentially weighted by forward.
 The budget never changes the text: any number of nodes is verified exactly (shared/verify.py, shared/tree.py);
 an edge that ignores it is served as before.
@@ -56,8 +62,19 @@ class ForwardCost:
     _xx: np.ndarray = field(default_factory=lambda: np.zeros((3, 3)))
     _xy: np.ndarray = field(default_factory=lambda: np.zeros(3))
     _coef: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    # a GPU: the row cost is the marginal cost between buckets of rows at the present load (module docstring)
+    steps: bool = False
+    # exponentially weighted seconds of forwards without prefill tokens, by bucket of rows (a power of two)
+    _bucket_s: dict[int, float] = field(default_factory=dict)
+    # exponentially weighted rows a forward (the present load)
+    _load: float = 0.0
 
     def observe(self, rows: int, prefill_tokens: int, seconds: float) -> None:
+        self._load = rows if not self.forwards else (1 - self.weight) * self._load + self.weight * rows
+        if self.steps and prefill_tokens == 0 and rows > 0:
+            b = _bucket(rows)
+            old = self._bucket_s.get(b)
+            self._bucket_s[b] = seconds if old is None else (1 - 4 * self.weight) * old + 4 * self.weight * seconds
         x = np.array([1.0, float(rows), float(prefill_tokens)])
         self._xx = (1 - self.weight) * self._xx + np.outer(x, x)
         self._xy = (1 - self.weight) * self._xy + x * seconds
@@ -89,7 +106,22 @@ class ForwardCost:
 
     @property
     def row_s(self) -> float:
-        return self._coef[1]
+        """Seconds a further row costs: the linear fit's b, or on a GPU the marginal cost at the present load."""
+        marginal = self.marginal_row_s() if self.steps else None
+        return self._coef[1] if marginal is None else marginal
+
+    def marginal_row_s(self) -> float | None:
+        """The slope between the present load's bucket of rows and the nearest measured bucket above it (below
+        when none above was measured); None until the load's bucket and another are measured."""
+        here = _bucket(max(1, round(self._load)))
+        if here not in self._bucket_s:
+            return None
+        above = [b for b in self._bucket_s if b > here]
+        below = [b for b in self._bucket_s if b < here]
+        other = min(above) if above else (max(below) if below else None)
+        if other is None:
+            return None
+        return max(0.0, (self._bucket_s[other] - self._bucket_s[here]) / (other - here))
 
     @property
     def prefill_token_s(self) -> float:
@@ -100,8 +132,14 @@ class ForwardCost:
 
     def describe(self) -> dict[str, float | int]:
         """What /v1/model reports: the fit in ms, and how many forwards it has seen."""
-        return {"base_ms": round(self.base_s * 1000, 3), "row_ms": round(self.row_s * 1000, 3),
-                "prefill_token_ms": round(self.prefill_token_s * 1000, 4), "forwards": self.forwards}
+        return {"base_ms": round(self.base_s * 1000, 3), "row_ms": round(self.row_s * 1000, 4),
+                "prefill_token_ms": round(self.prefill_token_s * 1000, 4), "forwards": self.forwards,
+                "linear_row_ms": round(self._coef[1] * 1000, 4), "per_bucket": self.steps}
+
+
+def _bucket(rows: int) -> int:
+    """The power of two at or above `rows`."""
+    return 1 << max(0, rows - 1).bit_length()
 
 
 @dataclass

@@ -206,7 +206,9 @@ class Scheduler:
                 between, self._between = self._between, []
             for fn in between:
                 fn()
+            waited = self.cost_clock()
             self._await_stragglers()
+            self._cpu_mark += self.cost_clock() - waited  # waiting for stragglers is no forward's cost (wall clock)
             with torch.inference_mode():
                 self._step()
             self._flush()

@@ -189,6 +189,8 @@ class TargetModel:
                 self._hidden[id(r)] = h[i: i + r.keep]  # [keep, d]
                 i += r.keep
         self._captured.clear()
+        if self.device.type == "cuda":  # the forward's time is the GPU's (the caller reads the logits next anyway)
+            torch.cuda.current_stream(self.device).synchronize()
         return out
 
     def calibrate(self, max_rows: int) -> bool:

@@ -249,20 +249,24 @@ class ModelInfo(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_ids: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_k: _Optional[int] = ..., tokenizer_size: _Optional[int] = ..., feature_size: _Optional[int] = ..., feature_encodings: _Optional[_Iterable[str]] = ..., tensor_parallel: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., max_feature_window: _Optional[int] = ..., session_stream: _Optional[bool] = ..., max_generate_tokens: _Optional[int] = ..., dtype_reason: _Optional[str] = ..., batch_invariant: _Optional[bool] = ..., runner: _Optional[str] = ..., forward_cost: _Optional[_Union[ForwardCost, _Mapping]] = ..., numerics: _Optional[str] = ..., forward_path: _Optional[str] = ...) -> None: ...
 
 class ForwardCost(_message.Message):
-    __slots__ = ("base_ms", "row_ms", "prefill_token_ms", "forwards", "tokens_per_second", "node_value")
+    __slots__ = ("base_ms", "row_ms", "prefill_token_ms", "forwards", "tokens_per_second", "node_value", "linear_row_ms", "per_bucket")
     BASE_MS_FIELD_NUMBER: _ClassVar[int]
     ROW_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKEN_MS_FIELD_NUMBER: _ClassVar[int]
     FORWARDS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     NODE_VALUE_FIELD_NUMBER: _ClassVar[int]
+    LINEAR_ROW_MS_FIELD_NUMBER: _ClassVar[int]
+    PER_BUCKET_FIELD_NUMBER: _ClassVar[int]
     base_ms: float
     row_ms: float
     prefill_token_ms: float
     forwards: int
     tokens_per_second: float
     node_value: float
-    def __init__(self, base_ms: _Optional[float] = ..., row_ms: _Optional[float] = ..., prefill_token_ms: _Optional[float] = ..., forwards: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., node_value: _Optional[float] = ...) -> None: ...
+    linear_row_ms: float
+    per_bucket: bool
+    def __init__(self, base_ms: _Optional[float] = ..., row_ms: _Optional[float] = ..., prefill_token_ms: _Optional[float] = ..., forwards: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., node_value: _Optional[float] = ..., linear_row_ms: _Optional[float] = ..., per_bucket: _Optional[bool] = ...) -> None: ...
 
 class StreamSessionRequest(_message.Message):
     __slots__ = ("ctx_id", "ctx_len", "ctx_hash", "max_new_tokens", "stop_at_eos")

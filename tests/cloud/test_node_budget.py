@@ -177,3 +177,23 @@ def test_the_open_answer_carries_the_first_rounds_budget(make_service: Any) -> N
     assert opened(svc) == svc.budget.budget(0.8) >= 5
     assert opened(make_service(node_budget=False)) == 0
 
+
+
+def test_gpu_cost_reads_the_marginal_row_cost_per_bucket() -> None:
+    """A GPU-like cost (flat at 5 ms up to 64 rows, then 0.05 ms a row more): with steps, the row cost at a load
+    of 8 rows is the flat stretch's (near 0) where the linear fit over all forwards reads a slope from the
+    compute-bound ones; at a load of 256 rows it is the compute-bound slope."""
+
+    def cost(rows: int) -> float:
+        return 0.005 + 0.00005 * max(0, rows - 64)
+
+    fit = ForwardCost(steps=True)
+    for rows in [1, 2, 4, 8, 16, 32, 64, 128, 256] * 20:
+        fit.observe(rows, 0, cost(rows))
+    for _ in range(200):  # the present load: 8 rows a forward
+        fit.observe(8, 0, cost(8))
+    assert fit.row_s < 1e-6 < fit.describe()["linear_row_ms"] / 1000
+    for _ in range(200):  # then 256
+        fit.observe(256, 0, cost(256))
+    assert abs(fit.row_s - 0.00005) / 0.00005 < 0.05
+    assert ForwardCost().marginal_row_s() is None
