@@ -247,7 +247,11 @@ class ServiceCore:
         self.metrics.padded_tokens.inc(b.padded_tokens)
         self.metrics.forward_ms.observe(b.ms)
         cost = b.cpu_s if b.cpu_s is not None else b.ms / 1000.0
-        self.budget.forward(b.running_tokens, b.tokens - b.running_tokens, cost, b.rows)
+        paged = getattr(self.model, "paged", None)
+        if paged is not None and paged.captured_last:  # a CUDA graph's capture: no forward's cost
+            cost = -1.0
+        if cost >= 0:
+            self.budget.forward(b.running_tokens, b.tokens - b.running_tokens, cost, b.rows)
         if self.budget.cost.forwards % 500 == 0:
             log.info("forward cost", extra={"fields": {"event": "forward_cost", **self.forward_cost()}})
         for kind, waited in b.waits:

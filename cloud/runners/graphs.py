@@ -48,7 +48,9 @@ log = logging.getLogger(__name__)
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
-QUERY_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32)
+QUERY_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+# the most tokens (R x N) a captured forward holds: larger forwards (a long prefill chunk beside many rows) run eagerly
+MAX_GRAPH_TOKENS = 2048
 KEY_BUCKETS = tuple(128 * 2**i for i in range(8))  # 128 .. 16384
 # the linear layers' row tile of a batch-invariant forward on a GPU (one kernel shape for every forward size)
 GPU_ROW_TILE = 64
@@ -188,6 +190,8 @@ class PagedForward:
         # forwards replayed from a graph, run eagerly, graphs captured (and seconds spent capturing)
         self.replayed = self.eager = self.captured = 0
         self.capture_s = 0.0
+        # the last forward captured its graph (its time is the capture's, no forward's cost)
+        self.captured_last = False
 
     # --- the tensor work (graph-capturable: no host syncs, static shapes) --------------------------------------
     def _linear(self, x: torch.Tensor, lin: torch.nn.Module) -> torch.Tensor:
@@ -196,6 +200,8 @@ class PagedForward:
         t = self.tile
         if not t or x.shape[0] in (0, t):
             return f(x)
+        if x.shape[0] % t == 0:  # the forward's tokens (padded to whole tiles by `inputs`)
+            return torch.cat([f(x[i: i + t]) for i in range(0, x.shape[0], t)])
         n = x.shape[0]
         pad = -n % t
         if pad:
@@ -253,6 +259,8 @@ class PagedForward:
         m = pool.manager
         n_real = sum(len(r.ids) for r in rows)
         T = n_real if shape is None else shape[0] * shape[1]
+        if self.tile:  # whole row tiles for every linear layer: padded once here, never per layer
+            T = -(-T // self.tile) * self.tile
         ids = np.zeros(T, np.int64)
         pos = np.zeros(T, np.int64)
         write = np.full(T, spare, np.int64)
@@ -294,7 +302,7 @@ class PagedForward:
         R = _bucket(len(rows), ROW_BUCKETS)
         N = _bucket(max(len(r.ids) for r in rows), QUERY_BUCKETS)
         W = _bucket(max(r.past + len(r.ids) for r in rows), KEY_BUCKETS)
-        if R is None or N is None or W is None or W > self.max_graph_keys:
+        if R is None or N is None or W is None or W > self.max_graph_keys or R * N > MAX_GRAPH_TOKENS:
             return None
         return R, N, W
 
@@ -310,6 +318,7 @@ class PagedForward:
         spare = pool.spare_row
         P = sum(r.keep for r in rows)
         shape = self.shape_of(rows)
+        self.captured_last = False
         if shape is None:
             self.eager += 1
             inp = self.inputs(pool, rows, spare, None)
@@ -321,6 +330,7 @@ class PagedForward:
             logits, hidden = self.run(_to(host, self.device), keys, values)
             return logits[:P], hidden[:P]
         graph = self._graphs.get(shape)
+        self.captured_last = graph is None
         if graph is None:
             graph = self._capture(shape, host, keys, values)
         else:

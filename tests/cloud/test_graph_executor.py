@@ -71,16 +71,19 @@ def _rounds(target: TargetModel) -> list[list[torch.Tensor]]:
     return out
 
 
-@pytest.mark.parametrize("buckets", [False, True], ids=["exact", "bucketed"])
-def test_executor_matches_the_transformers_path(arch_dir: Path, buckets: bool) -> None:
+@pytest.mark.parametrize("buckets,invariant", [(False, False), (True, False), (True, True)],
+                         ids=["exact", "bucketed", "bucketed-tiled"])
+def test_executor_matches_the_transformers_path(arch_dir: Path, buckets: bool, invariant: bool) -> None:
     """float32 on the CPU: every kept logit within 1e-4 of the transformers path's, the same argmax (the two paths
-    sum in other orders, so bits may differ)."""
+    sum in other orders, so bits may differ); tiled: the tokens padded to whole row tiles."""
     ref = _rounds(TargetModel(arch_dir, "cpu", "float32", invariant=False, executor="transformers"))
-    target = TargetModel(arch_dir, "cpu", "float32", invariant=False, executor="eager")
+    target = TargetModel(arch_dir, "cpu", "float32", invariant=invariant, executor="eager")
     assert target.info.forward_path == "paged-eager" and target.paged is not None
     target.paged.buckets = buckets
+    target.calibrate(64)  # the invariance probe's own forwards run first
+    before = target.paged.eager
     got = _rounds(target)
-    assert target.paged.eager == len(got)
+    assert target.paged.eager - before == len(got)
     for fw_ref, fw in zip(ref, got, strict=True):
         for r, x in zip(fw_ref, fw, strict=True):
             assert x.shape == r.shape
@@ -95,7 +98,10 @@ def test_bucketed_forward_pads_to_the_bucket(arch_dir: Path) -> None:
     rows = [Row(0, 0, [1] * 5, 1), Row(1, 130, [1] * 9, 9), Row(2, 3, [2], 1)]
     assert target.paged.shape_of(rows) == (4, 12, 256)
     assert _bucket(65, (1, 64)) is None
-    assert target.paged.shape_of([Row(0, 0, [1] * 40, 1)]) is None  # a prefill chunk: eager, exact shapes
+    assert target.paged.shape_of([Row(0, 0, [1] * 40, 1)]) == (1, 48, 128)  # a prefill chunk in its own bucket
+    assert target.paged.shape_of([Row(0, 0, [1] * 600, 1)]) is None  # longer than any bucket: eager, exact shapes
+    mixed = [Row(0, 0, [1] * 100, 1)] + [Row(i, 5, [1], 1) for i in range(1, 32)]
+    assert target.paged.shape_of(mixed) is None  # 32 rows x 128 queries: past MAX_GRAPH_TOKENS
 
 
 def test_invariance_probe_names_a_difference(arch_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
