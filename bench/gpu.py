@@ -226,7 +226,8 @@ def _static_graph_step(hf: Any, x: torch.Tensor, dev: str) -> float:
     return round(statistics.median(ts), 3)
 
 
-def micro(shape: str, dev: str, records: list[dict[str, Any]], work: Path) -> None:
+def micro(shape: str, dev: str, records: list[dict[str, Any]], work: Path,
+          paths: tuple[tuple[str, bool], ...] = PATHS) -> None:
     from cloud.runners.torch_runner import TargetModel
 
     d = model_dir(shape, work / shape)
@@ -237,8 +238,8 @@ def micro(shape: str, dev: str, records: list[dict[str, Any]], work: Path) -> No
     def ids(n: int) -> list[int]:
         return torch.randint(0, vocab, (n,), generator=g).tolist()
 
-    for executor, invariant in PATHS:
-        if invariant:  # transformers' own forwards before the invariant path tiles the model's linear layers
+    for executor, invariant in paths:
+        if invariant and len(paths) == len(PATHS):  # transformers' own forwards before the invariant path tiles the model's linear layers
             _emit(records, {"part": "hf", "shape": shape, **hf_baselines(hf, dev, ids)})
         t0 = time.perf_counter()
         with random_weights(hf):
@@ -388,7 +389,9 @@ def report(records: list[dict[str, Any]], command: str, machine: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run(out: Path, command: str, shapes: tuple[str, ...], server_shape: str | None = "coder-1.5b") -> int:
+def run(out: Path, command: str, shapes: tuple[str, ...], server_shape: str | None = "coder-1.5b",
+        paths: tuple[str, ...] = ("transformers", "graphs", "graphs-invariant")) -> int:
+    chosen = tuple(p for p in PATHS if f"{p[0]}{'-invariant' if p[1] else ''}" in paths)
     import tempfile
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -400,7 +403,7 @@ def run(out: Path, command: str, shapes: tuple[str, ...], server_shape: str | No
         work = Path(tmp)
         for i, shape in enumerate(shapes):
             try:
-                micro(shape, dev, records, work)
+                micro(shape, dev, records, work, chosen)
             except Exception as e:  # noqa: BLE001 - the other parts still run
                 _emit(records, {"part": "forward", "shape": shape, "path": "all", "invariant_asked": False,
                                 "error": repr(e)[:600]})

@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--from-json", type=Path, default=None, help="re-render the report from a results.json")
     p.add_argument("--gpu-shapes", default="coder-1.5b,qwen2.5-7b",
                    help="gpu: model shapes timed with random weights (bench/gpu.py SHAPES; 'tiny' for a CPU dry run)")
+    p.add_argument("--gpu-paths", default="transformers,graphs,graphs-invariant",
+                   help="gpu: forward paths timed (transformers, graphs, graphs-invariant; transformers' own "
+                        "baselines run with all three)")
     p.add_argument("--gpu-server", default="coder-1.5b",
                    help="gpu: the shape served for the server part ('none' skips it)")
     p.add_argument("--only", choices=["gpu", "capacity", "network", "real-pair", "tp", "coder-pair", "forward-cost",
@@ -235,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
         from bench.gpu import run as run_gpu
 
         shapes = tuple(x.strip() for x in args.gpu_shapes.split(",") if x.strip())
-        return run_gpu(args.out, command, shapes, None if args.gpu_server == "none" else args.gpu_server)
+        paths = tuple(x.strip() for x in args.gpu_paths.split(",") if x.strip())
+        return run_gpu(args.out, command, shapes, None if args.gpu_server == "none" else args.gpu_server, paths)
     if args.only == "forward-cost":  # one cloud forward by dtype and batch shape (bench/forward_cost.py)
         from bench.forward_cost import run as run_forward_cost
 

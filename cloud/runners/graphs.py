@@ -313,7 +313,7 @@ class PagedForward:
         planned (`KVPool.plan_writes`)."""
         keys, values = pool.keys, pool.values
         if self._storage != keys[0].data_ptr():  # new storage: graphs recorded the old addresses
-            self._graphs.clear()
+            self.drop_graphs()
             self._storage = keys[0].data_ptr()
         spare = pool.spare_row
         P = sum(r.keep for r in rows)
@@ -366,6 +366,12 @@ class PagedForward:
         log.info("CUDA graph captured for %d rows x %d queries x %d keys in %.0f ms (%d held)", *shape,
                  (time.perf_counter() - t0) * 1000, len(self._graphs))
         return entry
+
+    def drop_graphs(self) -> None:
+        """Forget every graph, and their memory pool with them (a pool whose graphs are all gone is released:
+        capturing into its handle again fails inside PyTorch's allocator, as the first H200 run showed)."""
+        self._graphs.clear()
+        self._mempool = None
 
     def facts(self) -> dict[str, Any]:
         return {"graphs": self.graphs, "tile": self.tile, "held": len(self._graphs), "captured": self.captured,
