@@ -40,17 +40,22 @@ def _seen_drafts(draft_ids: Sequence[int], parents: Sequence[int] | None) -> lis
     return [(j + 1, int(draft_ids[a])) for j, path in enumerate(paths(parents)) for a in path]
 
 
-def process_logits(logits: torch.Tensor, cfg: SamplingConfig, seen: torch.Tensor | None = None) -> torch.Tensor:
-    """Processed probabilities, float32, same shape as `logits` ([n, vocab]).
-
-    `seen` ([n, vocab] bool) marks the tokens present in each row's context (repetition penalty).
-    """
-    x = logits.float()  # [n, vocab]
+def _penalized(x: torch.Tensor, cfg: SamplingConfig, seen: torch.Tensor | None) -> torch.Tensor:
+    """The repetition penalty applied to float32 logits ([n, vocab]) where `seen`."""
     if cfg.repetition_penalty != 1.0 and seen is not None:
         r = cfg.repetition_penalty
         cols = seen.any(0).nonzero().squeeze(-1)  # [c]: the tokens some row has seen (the rest are untouched)
         sub = x.index_select(-1, cols)  # [n, c]
         x = x.index_copy(-1, cols, torch.where(seen.index_select(-1, cols), torch.where(sub > 0, sub / r, sub * r), sub))
+    return x
+
+
+def process_logits(logits: torch.Tensor, cfg: SamplingConfig, seen: torch.Tensor | None = None) -> torch.Tensor:
+    """Processed probabilities, float32, same shape as `logits` ([n, vocab]).
+
+    `seen` ([n, vocab] bool) marks the tokens present in each row's context (repetition penalty).
+    """
+    x = _penalized(logits.float(), cfg, seen)  # [n, vocab]
     if cfg.greedy:
         return torch.nn.functional.one_hot(x.argmax(-1), x.size(-1)).to(torch.float32)  # [n, vocab]
     x = x / cfg.temperature
@@ -146,9 +151,14 @@ def process_rows(logits: Sequence[torch.Tensor], rows: Sequence[RowSampling | No
         seen = None
         if cfg.repetition_penalty != 1.0:
             seen = _presence_masks([rows[i] for i in idx], x.size(-1), x.device)  # type: ignore[misc]
-        p = process_logits(x, cfg, seen).to("cpu", torch.float64)  # [P, vocab]
-        if not (float(p.amin()) >= 0 and math.isfinite(float(p.sum()))):  # NaN fails the first test
-            raise ValueError("processed probabilities are not finite and non-negative")
+        if cfg.greedy:  # process_logits' one-hot, built on the CPU from the argmax alone (no vocabulary-wide copy)
+            top = _penalized(x.float(), cfg, seen).argmax(-1).cpu()  # [P]
+            p = torch.zeros(x.shape, dtype=torch.float64)  # [P, vocab]
+            p[torch.arange(len(top)), top] = 1.0
+        else:
+            p = process_logits(x, cfg, seen).cpu().double()  # [P, vocab]: 4 bytes a probability cross to the CPU
+            if not (float(p.amin()) >= 0 and math.isfinite(float(p.sum()))):  # NaN fails the first test
+                raise ValueError("processed probabilities are not finite and non-negative")
         start = 0
         for i in idx:
             n = logits[i].size(0)
