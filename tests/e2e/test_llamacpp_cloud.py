@@ -6,12 +6,14 @@ text (POST /v1/generate on the same runner). llama.cpp's logits move with the ba
 float32 weights: not batch-invariant, and /v1/model says so), so a divergence is accepted only where the target's
 two candidates are within TIE_TOL of each other in the float64 transformers forward of the same weights.
 
-Sampling: Pearson chi-square goodness of fit of the first two generated tokens (t1, t2) over N = 2,000 seeded
-generations (seeds 0..1999) against the target's exact distribution (tests/e2e/test_edge_sampling.py:
-temperature 1, top-k 5, repetition penalty 1.3; cells expected below 5 pooled), chains of k = 2 and trees of 6
-nodes; threshold p >= 1e-3. The biased shortcut variant (corrections drawn from p) must fail it with N_BIASED =
-500. The exact distribution comes from transformers' float32 forward of the GGUF's weights: llama.cpp's logits
-differ by ~1e-4, far below what N = 2,000 samples can see.
+Sampling: Pearson chi-square goodness of fit of the first two generated tokens (t1, t2) over N = 400 seeded
+generations (seeds 0..399) against the target's exact distribution (tests/e2e/test_edge_sampling.py: temperature 1,
+top-k 5, repetition penalty 1.3; cells expected below 5 pooled), chains of k = 2 and trees of 6 nodes; threshold
+p >= 1e-3. The biased tree shortcut (corrections drawn from p) must fail it with N_BIASED_TREE = 200. Power, as
+tests/e2e/test_edge_sampling.py measures it: at N = 400 the test rejects the chain shortcut's effect (w^2 = 0.26)
+with probability 0.999995, the tree shortcut's (w^2 = 3.7) at 200 with 1 - 3e-96. The exact distribution comes
+from transformers' float32 forward of the GGUF's weights: llama.cpp's logits differ by ~1e-4, far below what N =
+400 samples can see.
 
 Sessions at once: eight greedy sessions in one cloud (rows of several sessions share llama.cpp batches, trees
 among them) give each its solo text.
@@ -32,7 +34,7 @@ from edge.settings import EdgeSettings
 from tests.e2e.test_edge_greedy import PROMPTS, assert_equal_or_tie
 from tests.e2e.test_edge_sampling import (
     CFG,
-    N_BIASED,
+    N_BIASED_TREE,
     PROMPT,
     TREE,
     N,
@@ -126,7 +128,7 @@ def test_eight_sessions_at_once_keep_their_solo_texts(llama_cloud: CloudProcess,
 @pytest.fixture(scope="module")
 def llama_samples(llama_cloud: CloudProcess, tokenizer: Any, gguf_drafter: Any) -> dict[str, Any]:
     variants: dict[str, tuple[int, dict[str, Any]]] = {
-        "chain": (N, {}), "tree": (N, TREE), "shortcut": (N_BIASED, {**TREE, "correction": "shortcut"})}
+        "chain": (N, {}), "tree": (N, TREE), "shortcut": (N_BIASED_TREE, {**TREE, "correction": "shortcut"})}
     with ThreadPoolExecutor(len(variants)) as pool:
         futures = {name: pool.submit(first_pairs, llama_cloud, tokenizer, gguf_drafter.fork(), n,
                                      **kw)
@@ -144,7 +146,7 @@ def test_the_llamacpp_cloud_keeps_target_sampling(llama_samples: dict[str, Any],
 @pytest.mark.slow
 def test_the_shortcut_fails_the_same_test_on_the_llamacpp_cloud(llama_samples: dict[str, Any],
                                                                 expected: dict[tuple[int, int], float]) -> None:
-    assert_biased_fails("llama.cpp cloud, shortcut", llama_samples["shortcut"], expected, N_BIASED)
+    assert_biased_fails("llama.cpp cloud, shortcut", llama_samples["shortcut"], expected, N_BIASED_TREE)
 
 
 @pytest.fixture(scope="module")

@@ -7,15 +7,19 @@ constant into one hidden unit that only the padding rows read), so any path that
 emits ids outside the tokenizer. Greedy text must equal the target's greedy text over the tokenizer's
 ids, in both directions (target larger, draft larger), over REST and gRPC.
 
-Sampling with the padded target: Pearson chi-square of the first two tokens over N = 600 seeded
+Sampling with the padded target: Pearson chi-square of the first two tokens over N = 400 seeded
 generations against the padded target's exact distribution over the tokenizer's ids (temperature 1,
 top-k 5, repetition penalty 1.3), cells expected below 5 pooled; fails when p < 1e-3. Power: the
-biased shortcut correction over N = 300 generations must fail the same threshold.
+biased shortcut correction over the same N generations must fail the same threshold, and the power at N
+estimated from that sample (tests/e2e/test_edge_sampling.py's `power_at`) must be at least 0.99 (measured
+2026-11-28 from 300 shortcut generations: p = 3.5e-8, w^2 = 0.19, power 0.9989 at N = 400). The two samples are
+drawn concurrently against the one cloud.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -29,13 +33,21 @@ from edge.settings import EdgeSettings
 from shared.errors import InvalidArgument
 from shared.sampling import processed_probs
 from tests.conftest import DEMO_TARGET
-from tests.e2e.test_edge_sampling import CFG, P_THRESHOLD, PROMPT, chi_square_pvalue, first_pairs
+from tests.e2e.test_edge_sampling import (
+    CFG,
+    MIN_POWER,
+    P_THRESHOLD,
+    PROMPT,
+    chi_square_pvalue,
+    first_pairs,
+    power_at,
+)
 from tests.server import CloudProcess
 
 PAD = 64
 N_NEW = 12
-N = 600
-N_BIASED = 300
+N = 400
+N_BIASED = N
 PROMPTS = ["def add(a, b):\n    return a + b\n", "The river that runs through the old town"]
 
 
@@ -165,11 +177,16 @@ def expected_padded(padded_target: Path, tokenizer: Any) -> dict[tuple[int, int]
 def test_sampling_with_a_padded_target_keeps_its_distribution(
         padded_cloud: CloudProcess, tokenizer: Any, drafter: ModelDrafter,
         expected_padded: dict[tuple[int, int], float]) -> None:
-    pairs, origins = first_pairs(padded_cloud, tokenizer, drafter.fork(), N)
+    with ThreadPoolExecutor(2) as pool:
+        exact = pool.submit(first_pairs, padded_cloud, tokenizer, drafter.fork(), N)
+        shortcut = pool.submit(first_pairs, padded_cloud, tokenizer, drafter.fork(), N_BIASED, correction="shortcut")
+        (pairs, origins), (biased, _) = exact.result(), shortcut.result()
     p, dof = chi_square_pvalue(pairs, expected_padded)
     print(f"padded target: chi-square p = {p:.3f} with {dof} dof over {N} generations; origins {dict(origins)}")
     assert p >= P_THRESHOLD, f"chi-square p = {p:.2e} ({dof} dof): not the target's distribution"
-    biased, _ = first_pairs(padded_cloud, tokenizer, drafter.fork(), N_BIASED, correction="shortcut")
     p_biased, dof = chi_square_pvalue(biased, expected_padded)
-    print(f"padded target, shortcut (biased): chi-square p = {p_biased:.2e} with {dof} dof over {N_BIASED}")
+    power = power_at(biased, expected_padded, N)
+    print(f"padded target, shortcut (biased): chi-square p = {p_biased:.2e} with {dof} dof over {N_BIASED}; "
+          f"power at N: {power:.6f}")
     assert p_biased < P_THRESHOLD, "the biased variant passed: the test has no power"
+    assert power >= MIN_POWER, f"N = {N} detects the shortcut with probability {power:.3f} only"
