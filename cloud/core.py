@@ -100,7 +100,8 @@ class ServiceCore:
         self.info.batch_invariant = self.worker.call_sync(lambda: model.calibrate(settings.max_batch_tokens))
         weights = getattr(model, "weights_path", None)
         self.info.numerics = numerics(self.info, weights_fingerprint(weights) if weights is not None else "unknown",
-                                      matrix_units(str(getattr(model, "device", "cpu"))))
+                                      matrix_units(str(getattr(model, "device", "cpu"))),
+                                      tiled=getattr(model, "row_tile", 0) > 0)
         self.metrics.model_dtype.labels(self.info.dtype, self.info.dtype_reason,
                                         str(self.info.batch_invariant).lower()).set(1)
         self.opens = OpenJoiner(OPEN_JOIN_S, max_per_owner=settings.sessions_per_key_limit()

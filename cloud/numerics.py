@@ -55,8 +55,11 @@ def matrix_units(device: str, cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
     return next((f for f in MATRIX_FLAGS if f in flags), "cpu")
 
 
-def numerics(info: ModelInfo, weights: str, units: str) -> str:
-    """The forward path shows when it is not transformers' own (other kernels, other bits). E.g. "pytorch bfloat16 invariant tp1 avx512_bf16 weights:3f9a1c2e07b4": compared whole, read by people."""
+def numerics(info: ModelInfo, weights: str, units: str, tiled: bool = False) -> str:
+    """The forward path shows when it is not transformers' own (other kernels, other bits). E.g. "pytorch bfloat16 invariant tp1 avx512_bf16 weights:3f9a1c2e07b4": compared whole, read by people.
+    Forwards are "invariant" when measured so, "tiled" when built invariant (`tiled`: linear rows in tiles) but
+    not measured or not proven (a tensor-parallel group), else "plain"."""
     path = f" {info.forward_path}" if info.forward_path not in ("", "transformers") else ""
-    return (f"{info.runner or 'pytorch'}{path} {info.dtype} {'invariant' if info.batch_invariant else 'plain'} "
+    kernels = "invariant" if info.batch_invariant else "tiled" if tiled else "plain"
+    return (f"{info.runner or 'pytorch'}{path} {info.dtype} {kernels} "
             f"tp{info.tensor_parallel} {units} weights:{weights}")

@@ -21,9 +21,11 @@ any architecture whose batched, cropped forward does not reproduce its own plain
 
 Under tensor parallelism (`group`, cloud/runners/tensor_parallel.py) every rank builds the same TargetModel
 from its shard of the weights; on rank 0 `forward` and `use_pool` send each op to the other ranks
-before running it, and the other ranks run what they receive (`run_plan`, `use_pool`). Forwards stay
+before running it, and the other ranks run what they receive (`run_plan`, `use_pool`). Forwards are built
 batch-invariant there: each rank's linear layers run in tiles of ROW_TILE, and the rowwise layers sum
-their ranks' partial products in rank order (`order_sums`).
+their ranks' partial products in rank order (`order_sums`). That construction is not measured at start-up
+(a probe would run collectives), so a group reports `batch_invariant: false` and names its forwards
+"tiled" in `numerics`; tests/e2e/test_tensor_parallel_invariant.py measures the bits.
 """
 
 from __future__ import annotations
@@ -104,6 +106,9 @@ class TargetModel:
             # torch threads) it last measured at
             self._measures = invariant and group is None
             self._measured: tuple[int, int] | None = None
+            if invariant and group is not None:
+                log.warning("batch_invariant reported false: a tensor-parallel group's forwards are tiled and sum "
+                            "their ranks' parts in rank order, but this start-up does not measure them")
             # the graph executor's invariance probe's answer ("" when it found no difference or did not run)
             self.invariance_failure = ""
             self.paged = self._executor(executor, invariant)
@@ -115,7 +120,7 @@ class TargetModel:
             self.info = ModelInfo(
                 model_id=model_dir.resolve().name, vocab_size=vocab, eos_ids=eos_ids(self.model),
                 max_context=int(n_ctx), dtype=dtype, dtype_reason=self.dtype_reason,
-                batch_invariant=invariant, device=str(self.device),
+                batch_invariant=self._measures, device=str(self.device),
                 tokenizer_fingerprint=tokenizer_fingerprint(tokenizer), tokenizer_size=self.support,
                 tensor_parallel=group.size if group is not None else 1, runner=self.runner,
                 forward_path=self.forward_path)

@@ -7,7 +7,8 @@ specsplit-cloud does (`TensorGroup`, `TargetModel` with the group, gloo on loopb
 `TargetModel.forward` and `keep_path` (planned on rank 0, run on every rank): one sequence of LENGTH random
 tokens one token per forward (the reference), in rows of 1..64 tokens beside random batch mates (twice),
 and as token trees. Every position's logits must equal the reference bit for bit (torch.equal), in
-bfloat16 and in float32, and /v1/model's `batch_invariant` is true. The target is
+bfloat16 and in float32, while /v1/model's `batch_invariant` stays false: a group's start-up does not
+measure its forwards, so it never claims what this test alone checks. The target is
 tests/e2e/test_tensor_parallel.py's tiny Llama (6 heads and 6 KV heads split over 2 and 3 ranks; its
 embedding is split by vocabulary, its output layer by columns and gathered).
 
@@ -127,7 +128,7 @@ def test_every_row_gets_the_same_bits_at_any_group_size(n: int, target_dir: Path
     result = run_group(target_dir, n, tmp_path / "out.json", DTYPES + power)
     for dtype in DTYPES:
         r = result[dtype]
-        assert r["batch_invariant"] is True
+        assert r["batch_invariant"] is False  # built invariant, not measured at start-up: not claimed
         assert r["bad"] == 0, f"{n} ranks, {dtype}: {r['bad']} of {r['total']} positions differ from decoding"
     if power:  # the test has power: an all-reduce of three ranks' parts changes bits with the row count
         assert result[power[0]]["bad"] > 0, "transformers' all-reduce gave every row the same bits"
