@@ -15,7 +15,8 @@ models/qwen2.5-coder-0.5b-instruct for the coder pair's cloud, the SmolLM2 draft
 folder under models/ with that tokenizer); cloud_only without --tokenizer or --draft tokenizes with a folder
 under models/ that holds the cloud's tokenizer, or refuses naming both flags; a draft directory holding
 model.gguf, or a .gguf file, drafts on llama.cpp (edge/settings.py load_draft_model); --draft ngram drafts from the context alone. Temperature 1.0, top-p 0.9, top-k 0 (off),
-repetition penalty 1.1, seed 0, 128 new tokens, k chosen per round by the cost model, trees whenever the cloud
+repetition penalty 1.1 (generate's defaults; serve uses OpenAI's, top-p 1.0 and no penalty, as an app written
+against OpenAI's API expects of a field it leaves out), seed 0, 128 new tokens, k chosen per round by the cost model, trees whenever the cloud
 takes them, gating off, an adaptive verify deadline with every token verified (--timeout-fallback opts into
 committing a late round's first draft token unverified), 6 retries (--max-retries), a random routing key
 (X-Specsplit-Route) per run, log level warning for generate and info for serve (--log-level, -v = info).
@@ -70,7 +71,8 @@ _FLAGS: dict[str, str] = {"cloud": "cloud_url", "grpc": "grpc_target", "api_key"
                           "stream_switch": "stream_switch", "objective": "objective", "node_budget": "node_budget", "draft_dtype": "draft_dtype",
                           "draft_runtime": "draft_runtime", "threads": "threads",
                           "capacity_wait_s": "capacity_wait_s", "max_retries": "max_retries",
-                          "server_api_keys": "server_api_keys"}
+                          "server_api_keys": "server_api_keys",
+                          "max_generations": "max_generations"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -106,9 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--mode", choices=["speculative", "edge_only", "cloud_only"])
     g.add_argument("--max-new-tokens", type=int)
     g.add_argument("--temperature", type=float, help="0 = greedy (default 1.0)")
-    g.add_argument("--top-p", type=float, help="default 0.9")
+    g.add_argument("--top-p", type=float, help=f"default {_setting_default('top_p')} ({_WHY_NOT_SERVES})")
     g.add_argument("--top-k", type=int, help="default 0 (off)")
-    g.add_argument("--repetition-penalty", type=float, help="default 1.1")
+    g.add_argument("--repetition-penalty", type=float,
+                   help=f"default {_setting_default('repetition_penalty')} ({_WHY_NOT_SERVES})")
     g.add_argument("--seed", type=int)
     g.add_argument("--correction", choices=["strict", "shortcut"])
     g.add_argument("--send-q-dists", action=argparse.BooleanOptionalAction, default=None,
@@ -189,6 +192,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # generate's options that a server takes per request instead (OpenAI fields, OpenAI defaults)
+# why serve's sampling defaults are not generate's (--help says it beside each default that differs)
+_WHY_NOT_SERVES = ("serve's requests default to OpenAI's 1.0, as an app that leaves the field out expects; "
+                   "generate keeps the engineering guide's, edge/settings.py")
+
+
+def _setting_default(name: str) -> Any:
+    """EdgeSettings' default for a field (what generate uses when the flag and SPECSPLIT_EDGE_* are unset)."""
+    return EdgeSettings.model_fields[name].default
+
+
 _PER_REQUEST = {"prompt", "temperature", "top_p", "top_k", "repetition_penalty", "seed", "json", "log", "chat",
                 "help", "request_id"}
 
@@ -206,6 +219,10 @@ def add_serve_parser(sub: Any, generate: argparse.ArgumentParser) -> None:
                         "SPECSPLIT_EDGE_SERVER_API_KEYS, a JSON list); required unless --host is loopback")
     s.add_argument("--served-model-name", help="the model id clients send (default: the cloud's model id)")
     s.add_argument("--max-body-bytes", type=int, help="largest request body; larger answer 413 (default 4 MiB)")
+    s.add_argument("--max-generations", type=int, metavar="N",
+                   help="generations run at once (default 8); one more answers 429 rate_limit_error, code "
+                        "server_busy, with Retry-After: each holds its own draft state (llama.cpp: a context of "
+                        "8,192 KV cells and 128 logit rows)")
 
 
 def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:

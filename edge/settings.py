@@ -194,6 +194,9 @@ class EdgeSettings(BaseSettings):
     server_api_keys: list[SecretStr] = Field(default_factory=list)
     # serve: the largest request body (bytes) the OpenAI server reads; larger answer 413
     max_body_bytes: int = Field(default=4 * 1024**2, ge=1024)
+    # serve: generations the OpenAI server runs at once; one more answers 429 (each holds its own draft state: with
+    # llama.cpp a context of 8,192 KV cells and 128 logit rows, ~180 MB for the coder's 0.5B draft)
+    max_generations: int = Field(default=8, ge=1)
 
     # n-gram drafter: longest context (tokens) and target top-k ids added per checked position
     ngram_order: int = Field(default=4, ge=1)

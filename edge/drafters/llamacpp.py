@@ -48,6 +48,9 @@ def default_threads() -> int:
 class LlamaCppDrafter(CausalDrafter):
     """A GGUF draft model run by llama.cpp; `path` is the .gguf file or a directory that holds one."""
 
+    # the KV cache: sequence 0 the text, one sequence per tree node grown in a round
+    _ctx: GGUFContext
+
     def __init__(self, path: str | Path, threads: int | None = None, context: int = DEFAULT_CONTEXT) -> None:
         why = unavailable()
         if why is not None:
@@ -71,14 +74,18 @@ class LlamaCppDrafter(CausalDrafter):
         self.reset()
 
     def reset(self) -> None:
-        self._ctx = GGUFContext(self.gguf, self.n_ctx, MAX_SEQS, self.threads, n_batch=256, n_outputs=MAX_OUTPUTS,
-                                n_ubatch=self.ubatch)
+        """An empty cache: the context this drafter holds, cleared (a reused one is not allocated again)."""
+        if "_ctx" in self.__dict__:
+            self._ctx.clear()
+        else:
+            self._ctx = GGUFContext(self.gguf, self.n_ctx, MAX_SEQS, self.threads, n_batch=256,
+                                    n_outputs=MAX_OUTPUTS, n_ubatch=self.ubatch)
         self._ids: list[int] = []
 
     def fork(self) -> LlamaCppDrafter:
         """A drafter sharing this one's weights with its own context (one per concurrent generation)."""
         twin = object.__new__(LlamaCppDrafter)
-        twin.__dict__.update(self.__dict__)
+        twin.__dict__.update((k, v) for k, v in self.__dict__.items() if k != "_ctx")  # a context of its own
         twin.reset()
         return twin
 
@@ -89,7 +96,12 @@ class LlamaCppDrafter(CausalDrafter):
             raise UnsupportedModel(f"the draft's context holds {self.n_ctx} positions; "
                                    f"{start + len(tokens)} were asked")
         batch = [Token(int(t), start + i, (0,), i == len(tokens) - 1) for i, t in enumerate(tokens)]
-        (logits,) = self._ctx.decode(batch)  # [vocab]
+        try:
+            (logits,) = self._ctx.decode(batch)  # [vocab]
+        except BaseException:
+            # a decode that failed after its first chunk keeps that chunk's cells: crop back to what _ids records
+            self._ctx.seq_rm(0, start, -1)
+            raise
         self._ids.extend(int(t) for t in tokens)
         return logits[: self.vocab_size]
 

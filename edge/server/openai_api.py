@@ -238,7 +238,8 @@ def create_app(engine: OpenAIEngine, options: ServeOptions) -> FastAPI:
 
     def answer(err: OpenAIError) -> JSONResponse:
         prom.errors.labels(err.type).inc()
-        return JSONResponse(err.to_body(), status_code=err.status)
+        headers = {"Retry-After": str(err.retry_after)} if err.retry_after is not None else None
+        return JSONResponse(err.to_body(), status_code=err.status, headers=headers)
 
     @app.exception_handler(OpenAIError)
     async def on_openai(_: Request, err: OpenAIError) -> JSONResponse:

@@ -31,6 +31,7 @@ from ..pairing import check_pairing
 from ..prom import EdgePrometheus
 from ..settings import EdgeSettings
 from ..transport import ModelInfo, transport_for
+from .openai_errors import ServerBusy
 from .shared_draft import LockedDrafter, LockedTokenizer, SharedDraftModel
 from .stop_text import StopText
 
@@ -154,6 +155,8 @@ class OpenAIEngine:
         self._info_lock = threading.Lock()
         # the fetch of the model info in flight: concurrent requests share its outcome instead of queueing
         self._info_fetch: Future[ModelInfo] | None = None
+        # one per generation running (--max-generations): each holds a draft state of its own
+        self._slots = threading.BoundedSemaphore(settings.max_generations)
 
     def new_client(self) -> EdgeClient:
         s = self.settings
@@ -253,14 +256,22 @@ class OpenAIEngine:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def start(self, req: TextRequest) -> GenerationStream:
+        """The generation on a thread of its own; ServerBusy (429) when --max-generations run already."""
+        if not self._slots.acquire(blocking=False):
+            raise ServerBusy(f"this server runs {self.settings.max_generations} generations at once "
+                             "(--max-generations) and all are busy: retry after a second")
         loop = asyncio.get_running_loop()
         stream = GenerationStream(asyncio.Queue())
 
         def emit(event: Event) -> None:
             loop.call_soon_threadsafe(stream.queue.put_nowait, event)
 
-        threading.Thread(target=self._run, args=(req, stream.cancelled, emit), daemon=True,
-                         name="specsplit-generation").start()
+        try:
+            threading.Thread(target=self._run, args=(req, stream.cancelled, emit), daemon=True,
+                             name="specsplit-generation").start()
+        except BaseException:
+            self._slots.release()
+            raise
         return stream
 
     def _run(self, req: TextRequest, cancelled: threading.Event, emit: Callable[[Event], None]) -> None:
@@ -282,6 +293,7 @@ class OpenAIEngine:
             summary["error"] = f"internal: {type(e).__name__}"
             emit(SpecSplitError(f"internal error: {type(e).__name__}: {e}"))
         finally:
+            self._slots.release()
             self.prometheus.active.dec()
             self.prometheus.generations.labels(req.endpoint, finish).inc()
             log.info("generation ended", extra={"fields": {
@@ -326,6 +338,8 @@ class OpenAIEngine:
             result = gen.result()
             drafter = client.drafter
             wait_s = drafter.wait_s if isinstance(drafter, LockedDrafter) else 0.0
+            if isinstance(drafter, LockedDrafter):
+                drafter.release()  # its draft state serves the next generation
             self.prometheus.record(result.metrics, wait_s, result.rounds)
             m = result.metrics
             summary.update(completion_tokens=n, rounds=m.rounds, drafted=m.drafted, accepted=m.accepted,

@@ -215,7 +215,7 @@ def test_every_setting_a_doc_names_as_a_flag_is_a_flag_of_generate_and_serve() -
     assert "--max-retries" in named
     per_request = {"--" + d.replace("_", "-") for d in _PER_REQUEST}  # a server's OpenAI request fields
     assert named - per_request <= _options("serve"), named - per_request - _options("serve")
-    serve_only = {"--max-body-bytes"}  # a server's request bodies
+    serve_only = {"--max-body-bytes", "--max-generations"}  # a server's request bodies and generations at once
     assert named - serve_only <= _options("generate"), named - serve_only - _options("generate")
 
 

@@ -118,6 +118,31 @@ def test_tree_nodes_see_the_context_and_their_own_path_only(qwen2_dir: Path) -> 
     assert drafter.kv_len == len(CONTEXT)
 
 
+def test_a_decode_that_fails_after_its_first_chunk_leaves_no_cells(qwen2_dir: Path) -> None:
+    """A feed longer than one llama.cpp batch (256 tokens) whose second chunk fails: the first chunk's cells are
+    cropped, so the cache holds what the drafter's ids record, and the next block equals a fresh drafter's."""
+    drafter = LlamaCppDrafter(qwen2_dir)
+    drafter.propose(CONTEXT, 2, GREEDY, seed=0)
+    held = drafter.kv_len
+    real, calls = drafter._ctx._decode_one, []
+
+    def second_fails(tokens: list) -> list:
+        calls.append(len(tokens))
+        if len(calls) == 2:
+            raise RuntimeError("llama_decode failed (1)")
+        return real(tokens)
+
+    drafter._ctx._decode_one = second_fails  # type: ignore[method-assign]
+    long = CONTEXT + [(7 * i) % 400 + 1 for i in range(300)]
+    with pytest.raises(RuntimeError, match="llama_decode failed"):
+        drafter.propose(long, 2, GREEDY, seed=0)
+    drafter._ctx._decode_one = real  # type: ignore[method-assign]
+    assert len(calls) == 2 and calls[0] == 256  # the failure came after one whole chunk was decoded
+    assert drafter._ctx.seq_len(0) == len(drafter._ids) <= held
+    assert drafter.propose(CONTEXT, 4, GREEDY, seed=0).tokens == \
+        LlamaCppDrafter(qwen2_dir).propose(CONTEXT, 4, GREEDY, seed=0).tokens
+
+
 def test_forks_share_weights_and_keep_their_own_cache(qwen2_dir: Path) -> None:
     drafter = LlamaCppDrafter(qwen2_dir)
     twin = drafter.fork()
@@ -162,5 +187,6 @@ def test_q_is_the_same_bits_however_the_context_was_fed() -> None:
     one, four, twelve = (_qs(drafter, text, step) for step in (1, 4, 12))
     assert one[::4] == four and one[::12] == twelve
     drafter.ubatch = 256
+    drafter = drafter.fork()  # a context made with it (reset clears the context it has)
     one, twelve = _qs(drafter, text, 1), _qs(drafter, text, 12)
     assert one[::12] != twelve

@@ -37,3 +37,21 @@ def test_generate_chat_sends_the_prompt_through_the_template(tiny_tokenizer: Any
     no_template = build_parser().parse_args(["generate", "hi", "--chat"])
     with pytest.raises(NoChatTemplate, match="--chat-template"):
         chat_prompt(_Client(tiny_tokenizer), no_template)  # type: ignore[arg-type]
+
+
+def test_generate_help_says_where_its_sampling_defaults_differ_from_serves(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """generate samples at EdgeSettings' top-p and repetition penalty, serve at OpenAI's (1.0 each, a request's
+    body without them): generate's --help names both and why."""
+    from edge.server.openai_bodies import CompletionBody
+    from edge.settings import EdgeSettings
+
+    served = CompletionBody(model="m", prompt="x").sampling()
+    mine = EdgeSettings.model_fields
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for flag, field, theirs in (("--top-p", "top_p", served.top_p),
+                                ("--repetition-penalty", "repetition_penalty", served.repetition_penalty)):
+        assert mine[field].default != theirs
+        assert f"default {mine[field].default} (serve's requests default to OpenAI's {theirs}" in text, flag

@@ -137,3 +137,36 @@ def test_the_request_body_json_is_unchanged_by_the_limit(client: TestClient) -> 
     body = json.dumps({"model": "m", "prompt": "y" * 3000, "max_tokens": 1, "unknown_field": 1})
     r = client.post("/v1/completions", content=body.encode(), headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "unknown_field"
+
+
+def test_past_max_generations_a_request_is_429_with_retry_after(tiny_pair: tuple[Path, Path]) -> None:
+    """--max-generations bounds the draft states (llama.cpp contexts) alive at once: with its one slot held by a
+    running generation, the next request answers 429 rate_limit_error / server_busy with Retry-After; once that
+    generation ends, a request goes on (here to the absent cloud: 503)."""
+    s = EdgeSettings(cloud_url=f"http://127.0.0.1:{free_port()}", draft="ngram", tokenizer=str(tiny_pair[0]),
+                     max_retries=0, max_generations=1)
+    engine = OpenAIEngine(s, SharedDraftModel(s), LockedTokenizer(load_tokenizer(tiny_pair[0])))
+    release, started = threading.Event(), threading.Event()
+
+    def held(*_: Any) -> None:
+        started.set()
+        release.wait(30)
+        raise CloudUnavailable("the test's cloud is gone")
+
+    engine._generate = held  # type: ignore[method-assign]
+    app = create_app(engine, ServeOptions(served_model_name="m", chat_template=ChatTemplate(TEMPLATE)))
+    body = {"model": "m", "prompt": "hi", "max_tokens": 2}
+    with TestClient(app) as c:
+        first: list[int] = []
+        t = threading.Thread(target=lambda: first.append(c.post("/v1/completions", json=body).status_code))
+        t.start()
+        assert started.wait(30)
+        r = c.post("/v1/completions", json=body)
+        assert r.status_code == 429 and r.headers["retry-after"] == "1"
+        err = r.json()["error"]
+        assert err["type"] == "rate_limit_error" and err["code"] == "server_busy" and "--max-generations" in err["message"]
+        release.set()
+        t.join(30)
+        assert first == [503]
+        engine._generate = OpenAIEngine._generate.__get__(engine)  # type: ignore[method-assign]
+        assert c.post("/v1/completions", json=body).status_code == 503  # the slot came back: on to the cloud

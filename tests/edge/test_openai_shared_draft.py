@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+import pytest
+
 from edge.drafters import ModelDrafter, NGramDrafter
 from edge.server.shared_draft import LockedDrafter, SharedDraftModel
 from edge.settings import EdgeSettings
@@ -48,3 +50,25 @@ def test_the_ngram_drafter_is_fresh_per_generation(tiny_pair: tuple[Path, Path])
     assert isinstance(a, NGramDrafter) and isinstance(b, NGramDrafter) and a is not b
     a.propose([1, 2, 3, 1, 2], 2, GREEDY, 0)
     assert b.propose([1, 2], 2, GREEDY, 0).tokens == []  # b learnt nothing from a's text
+
+
+def test_a_finished_generations_state_is_reused_so_states_never_outnumber_generations(
+        tiny_pair: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A generation gives its fork back at its end; the next resets and reuses it (drafting as a fresh fork), so
+    the forks made (llama.cpp: contexts) are the most generations that ran at once, not every request's."""
+    shared = SharedDraftModel(EdgeSettings(draft=str(tiny_pair[1])))
+    assert shared.model is not None
+    forks: list[object] = []
+    fork = type(shared.model).fork
+    monkeypatch.setattr(type(shared.model), "fork", lambda self: forks.append(1) or fork(self))
+    a, b = shared.for_generation(), shared.for_generation()
+    assert isinstance(a, LockedDrafter) and isinstance(b, LockedDrafter)
+    a.propose([5, 9, 14, 3], 3, GREEDY, 0)
+    a.release()
+    a.release()  # once only
+    for _ in range(5):  # one generation at a time after them: the pool's state every time
+        c = shared.for_generation()
+        assert isinstance(c, LockedDrafter) and c.inner.kv_len == 0  # type: ignore[attr-defined]
+        assert c.propose([200, 3], 3, GREEDY, 0).tokens == ModelDrafter(tiny_pair[1]).propose([200, 3], 3, GREEDY, 0).tokens
+        c.release()
+    assert len(forks) == 2
