@@ -10,7 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from cloud import settings
-from cloud import tensor_parallel as tp
+from cloud.runners import tensor_parallel as tp
 from cloud.cli import settings_from_args
 from cloud.runners.tensor_parallel import Op, serve_worker
 from tests.cloud.test_tensor_parallel_watch import Clock, worker

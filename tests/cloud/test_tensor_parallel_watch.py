@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from cloud import tensor_parallel as tp
+from cloud.runners import tensor_parallel as tp
 from cloud.runners.tensor_parallel import OP_STALE_S, Op, OpWatch, TensorGroup, serve_worker
 
 
