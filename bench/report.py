@@ -108,7 +108,7 @@ def summary_section(an: Analysis) -> list[str]:
         "that is capacity for other users even where one text is not faster (*Cloud capacity* below).",
         "- **Over a network** every round pays the round trip, while cloud_only pays it once per text: "
         "*Speedup vs round-trip time* and *Speculation over real links* show where it still pays and what "
-        "the cost-model k and drafting while verifying recover; the README's *When does it pay?* explains "
+        "the cost-model k and drafting while verifying recover; docs/DECODING.md's *When does it pay?* explains "
         "the bound in plain words.",
         "- **Noise**: the machine is shared (2 cores, other jobs); counts (acceptance, forwards, bytes) repeat "
         "exactly, timings move by several per cent between runs (*Noise*).", "",
