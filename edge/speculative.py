@@ -317,6 +317,9 @@ class SpeculativeRun(CloudSession):
                          traffic: tuple[int, int], decision: GateDecision | None,
                          extra_calls: int) -> list[tuple[int, Origin]]:
         la, n_before = resp.accepted_len, len(self.S)
+        # the context's tail this round fed the target (its append_ids: a local commit's tokens, the last round's
+        # correction), read before the answer moves cloud_len; at least one row when none was sent
+        tail = max(n_before - self.cloud_len, 1)
         kept = block.tokens[:la] if block.parents is None else [block.tokens[j] for j in resp.accepted_nodes or []]
         out: list[tuple[int, Origin]] = [(t, "accepted") for t in kept]
         if resp.next_kind == "residual":
@@ -343,7 +346,7 @@ class SpeculativeRun(CloudSession):
         m.verify_calls += 1
         checked = self.params.check_last and block.k > 0 and block.parents is None  # the last one is not run
         fed_drafts = block.k - int(checked)
-        m.target_rows += max(n_before - self.cloud_len, 1) + fed_drafts  # the context's unfed tail, the drafts
+        m.target_rows += tail + fed_drafts  # the context's unfed tail, the drafts
         m.drafted += block.k
         m.accepted += la
         m.cloud_prefill_ms += resp.metrics.prefill_ms

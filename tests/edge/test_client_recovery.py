@@ -303,6 +303,19 @@ def test_gate_commits_easy_blocks_locally_and_sends_them_as_append_ids(make_clie
     requests_are_consistent(fake_cloud, r.prompt_ids, r.token_ids)
 
 
+def test_target_rows_count_the_locally_committed_tail_the_next_verify_feeds(make_client,
+                                                                           fake_cloud: FakeCloud) -> None:
+    """A gated block of 4 tokens committed locally goes to the cloud as the next verify's append_ids: that round's
+    target rows are those 4 plus its drafts, not one row for the whole tail."""
+    client, _ = make_client(ScriptedDrafter(fake_cloud.vocab), temperature=1.0, max_new_tokens=30, gating=True,
+                            rule_triggers=False, fixed_k=4, check_last=False)
+    r = client.generate(PROMPT)
+    assert r.metrics.gated_rounds > 0 and len(fake_cloud.requests) == r.metrics.verify_calls  # no resends here
+    assert any(len(req.append_ids) == 4 for req in fake_cloud.requests)
+    fed = sum(max(len(req.append_ids), 1) + len(req.draft.draft_tokens) for req in fake_cloud.requests)
+    assert r.metrics.target_rows == fed
+
+
 def test_gating_is_off_by_default(make_client, fake_cloud: FakeCloud) -> None:
     client, _ = make_client(ScriptedDrafter(fake_cloud.vocab), temperature=1.0, max_new_tokens=10, fixed_k=3)
     r = client.generate(PROMPT)
