@@ -50,4 +50,4 @@ if [ -z "${SPECSPLIT_SKIP_LLAMACPP:-}" ] && ! .venv/bin/python -c "import llama_
   fi
 fi
 .venv/bin/python -c "import torch, transformers, shared, cloud, edge; print('specsplit ready: torch', torch.__version__, '| transformers', transformers.__version__)"
-.venv/bin/python -c "from shared.llama_runtime import unavailable; w = unavailable(); print('llama.cpp:', w or 'ready')"
+.venv/bin/python -c "from shared.llama_runtime import unavailable, version_note; w = unavailable() or version_note(); print('llama.cpp:', w or 'ready')"

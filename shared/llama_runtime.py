@@ -51,9 +51,24 @@ def _lib() -> Any:
     with _init_lock:
         if not _initialised:
             logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # its log hook prints below ERROR
+            note = version_note()
+            if note is not None:
+                log.warning(note)
             llama_cpp.llama_backend_init()
             _initialised = True
     return llama_cpp
+
+
+def version_note() -> str | None:
+    """One line when the installed llama-cpp-python is not the pinned one (None when it is): this code calls its
+    low-level API, whose functions and structures change between releases, and every llama.cpp figure was
+    measured on the pinned one."""
+    found = llama_version()
+    if found == PINNED_VERSION:
+        return None
+    return (f"llama-cpp-python {found} is installed, not the pinned {PINNED_VERSION}: its low-level API may differ "
+            f"and the measured figures are the pinned one's; pip install llama-cpp-python=={PINNED_VERSION} "
+            "(bash scripts/setup.sh builds it)")
 
 
 def find_gguf(path: str | Path) -> Path | None:
