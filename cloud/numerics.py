@@ -11,30 +11,86 @@ text and counts the change (PROTOCOL.md, "Model info").
 from __future__ import annotations
 
 import hashlib
+import json
+import logging
+import os
+import time
 from pathlib import Path
 
 from shared.protocol import ModelInfo
 
+log = logging.getLogger(__name__)
+
 # CPU flags (Linux /proc/cpuinfo) that change which matrix kernels run, best first
 MATRIX_FLAGS = ("amx_bf16", "avx512_bf16", "avx512f", "avx2")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt")
+# weight files at least this large keep their sha256 in the cache (smaller ones are hashed at every start)
+CACHED_FROM_BYTES = 64 << 20
 
 
-def weights_fingerprint(path: Path) -> str:
-    """12 hex digits over a model's configuration and the names and sizes of its weight files (a GGUF file: its
-    size and first MiB, which holds its metadata); cheap at start-up, and changed by any other checkpoint."""
+def default_cache() -> Path:
+    """Where weight files' digests are kept: $XDG_CACHE_HOME/specsplit (else ~/.cache/specsplit)/weights.json."""
+    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(root) / "specsplit" / "weights.json"
+
+
+def weights_fingerprint(path: Path, cache: Path | None = None) -> str:
+    """12 hex digits over a model's configuration and the sha256 of every byte of its weight files (a GGUF file:
+    the file), so two fine-tunes of one base with the same file names and sizes differ. A large file is hashed
+    once (0.75 GB/s measured on the 2-core EPYC, page cache warm: ~8 s for the 1.5B coder's 6.2 GB in float32,
+    beside its load): its digest is kept in `cache` (default `default_cache()`)
+    under its path, size, modification time and inode, and read back while those hold."""
     h = hashlib.sha256()
     if path.is_file():
-        h.update(str(path.stat().st_size).encode())
-        with path.open("rb") as fh:
-            h.update(fh.read(1 << 20))
-        return h.hexdigest()[:12]
-    for name in ("config.json", "generation_config.json"):
-        if (path / name).exists():
-            h.update((path / name).read_bytes())
-    for f in sorted(p for p in path.iterdir() if p.suffix in WEIGHT_SUFFIXES):
-        h.update(f"{f.name}:{f.stat().st_size};".encode())
+        files = [path]
+    else:
+        for name in ("config.json", "generation_config.json"):
+            if (path / name).exists():
+                h.update((path / name).read_bytes())
+        files = sorted(p for p in path.iterdir() if p.suffix in WEIGHT_SUFFIXES)
+    cache = cache or default_cache()
+    for f in files:
+        h.update(f"{f.name}:{file_digest(f, cache)};".encode())
     return h.hexdigest()[:12]
+
+
+def file_digest(path: Path, cache: Path) -> str:
+    """sha256 of the file, from `cache` when it was hashed there at its present size, mtime and inode."""
+    st = path.stat()
+    if st.st_size < CACHED_FROM_BYTES:
+        return _sha256(path)
+    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
+    try:
+        known = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if not isinstance(known, dict):
+        known = {}
+    if isinstance(known.get(key), str):
+        return str(known[key])
+    t0 = time.monotonic()
+    digest = _sha256(path)
+    log.info("weights fingerprint: hashed %s (%.1f GB) in %.1f s, kept in %s", path, st.st_size / 1e9,
+             time.monotonic() - t0, cache)
+    known = {k: v for k, v in known.items() if not k.startswith(f"{path.resolve()}|")}  # its older versions go
+    known[key] = digest
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(known, indent=1) + "\n")
+        tmp.replace(cache)
+    except OSError as e:
+        log.info("weights fingerprint: cannot keep the digest in %s (%s); it is hashed again at the next start",
+                 cache, e.strerror)
+    return digest
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        while chunk := fh.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def matrix_units(device: str, cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
