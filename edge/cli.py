@@ -35,6 +35,7 @@ import os
 import sys
 from typing import Any, TextIO
 
+import httpx
 from pydantic import ValidationError
 
 from shared.errors import SpecSplitError
@@ -43,6 +44,7 @@ from shared.logs import setup_logging
 from .client import EdgeClient, GenerationResult
 from .model_choice import ask_cloud, for_cloud
 from .settings import EdgeSettings
+from .verdict import Run, cloud_cpu_seconds, verdict, verify_steps
 
 COLOURS = {"accepted": "\x1b[32m", "correction": "\x1b[33m", "bonus": "\x1b[36m", "residual": "\x1b[35m",
            "local": "\x1b[31m", "target": ""}
@@ -342,6 +344,8 @@ def generate(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     client = EdgeClient(settings)
+    compare = args.against_cloud_only and settings.mode != "cloud_only"
+    cpu0 = cloud_cpu_seconds(*_cloud_http(settings)) if compare else None
     try:
         gen = client.stream(chat_prompt(client, args) if args.chat else args.prompt, request_id=args.request_id)
         if not args.json:
@@ -358,23 +362,45 @@ def generate(args: argparse.Namespace) -> int:
         print(json.dumps(result.to_json()))
     else:
         print(summary_table(result), file=sys.stderr)
-    if args.against_cloud_only and settings.mode != "cloud_only":
-        print(against_cloud_only(settings, args, result), file=sys.stderr)
+    if compare:
+        print(against_cloud_only(settings, args, result, cpu0), file=sys.stderr)
     return 0
 
 
-def against_cloud_only(settings: EdgeSettings, args: argparse.Namespace, result: GenerationResult) -> str:
-    """The same prompt in cloud_only mode (the cloud's own decoding), and the two decode rates."""
+def _cloud_http(settings: EdgeSettings) -> tuple[str, dict[str, str], Any]:
+    """The cloud's REST URL, headers and TLS verification, for its /metrics and /v1/model."""
+    key = settings.api_key.get_secret_value() if settings.api_key else None
+    return settings.cloud_url, {"authorization": f"Bearer {key}"} if key else {}, settings.ca_cert or True
+
+
+def against_cloud_only(settings: EdgeSettings, args: argparse.Namespace, result: GenerationResult,
+                       cpu0: float | None = None) -> str:
+    """The same prompt in cloud_only mode (the cloud's own decoding), the two decode rates, and what speculation
+    buys on this machine (edge/verdict.py: the cloud's CPU-seconds a token of each run, its verify cost)."""
+    url, headers, verify = _cloud_http(settings)
+    cpu1 = cloud_cpu_seconds(url, headers, verify)
     client = EdgeClient(settings.model_copy(update={"mode": "cloud_only"}))
     try:
         alone = client.generate(chat_prompt(client, args) if args.chat else args.prompt)
     finally:
         client.close()
+    cpu2 = cloud_cpu_seconds(url, headers, verify)
     spec = result.metrics.decode_tokens_per_s
     base = alone.metrics.decode_tokens_per_s
     same = "the same text" if list(alone.token_ids) == list(result.token_ids) else "another text"
-    return (f"decode: {spec:.2f} tokens/s speculating against {base:.2f} tokens/s for the cloud alone "
+    line = (f"decode: {spec:.2f} tokens/s speculating against {base:.2f} tokens/s for the cloud alone "
             f"({spec / base if base else 0:.2f}x; {same})")
+    try:
+        info = httpx.get(url.rstrip("/") + "/v1/model", headers=headers, timeout=10, verify=verify).json()
+    except (httpx.HTTPError, ValueError):
+        info = {}
+    m = result.metrics
+    k = max(1, round(m.drafted / m.verify_calls)) if m.verify_calls else 1
+    runs = [Run(spec, len(result.token_ids), cpu1 - cpu0 if cpu0 is not None and cpu1 is not None else None),
+            Run(base, len(alone.token_ids), cpu2 - cpu1 if cpu1 is not None and cpu2 is not None else None)]
+    said = verdict(runs[0], runs[1], k, verify_steps(info.get("forward_cost"), k),
+                   "cpu" if str(info.get("device", "cpu")).startswith("cpu") else str(info.get("device")))
+    return f"{line}\n{said}"
 
 
 def chat_prompt(client: EdgeClient, args: argparse.Namespace) -> list[int]:

@@ -8,7 +8,10 @@
 # same prompt with the cloud alone, and prints both decode rates; then stops the cloud.
 # stdout holds the answer alone; set-up's output (pip, the editable install's banner, the models' preparation),
 # the demo's own lines, the summary table and the decode rates go to stderr.
-# Usage: bash scripts/demo.sh [--pair coder|smollm2|tiny] ["PROMPT"] [extra specsplit-edge flags]
+# Usage: bash scripts/demo.sh [--pair coder|smollm2|tiny] [--runner auto|llamacpp|torch] ["PROMPT"] [extra edge flags]
+# After the two decode rates it prints what speculation buys on this machine (edge/verdict.py): the cloud's
+# CPU-seconds a token of each run and what a verify costs against one step here. --runner torch serves the
+# target in PyTorch, where a verify row costs a fraction of a step: the cloud-capacity case on a CPU.
 # --pair smollm2: SmolLM2-135M-Instruct with its attention head (models/smollm2-135m-attention-head, fed the
 # target's states by the cloud; the draft cut from the target as its fallback); --pair tiny (or
 # SPECSPLIT_DEMO_PAIR=tiny): the old bundled toy pair (models/demo-target, models/demo-draft).
@@ -19,7 +22,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 pair=${SPECSPLIT_DEMO_PAIR:-coder}
-if [ "${1:-}" = "--pair" ]; then pair=${2:?--pair needs coder, smollm2 or tiny}; shift 2; fi
+cloud_runner=auto
+while [ "${1:-}" = "--pair" ] || [ "${1:-}" = "--runner" ]; do
+  if [ "$1" = "--pair" ]; then pair=${2:?--pair needs coder, smollm2 or tiny}; else cloud_runner=${2:?--runner needs auto, llamacpp or torch}; fi
+  shift 2
+done
+case "$cloud_runner" in auto|llamacpp|torch) ;; *) echo "demo: --runner must be auto, llamacpp or torch" >&2; exit 2 ;; esac
 case "$pair" in real) pair=smollm2 ;; coder|smollm2|tiny) ;; *) echo "demo: --pair must be coder, smollm2 or tiny" >&2; exit 2 ;; esac
 bash scripts/setup.sh dev,bench >&2  # its chatter (and its errors) on stderr
 if [ "$pair" = coder ] && { [ ! -f models/qwen2.5-coder-0.5b-instruct/model.safetensors ] ||
@@ -48,7 +56,7 @@ port_free() {
 port_free "$http_port" || { echo "demo: port $http_port on 127.0.0.1 is in use (another specsplit-cloud?): stop that process or set SPECSPLIT_DEMO_HTTP_PORT=PORT" >&2; exit 1; }
 port_free "$grpc_port" || { echo "demo: port $grpc_port on 127.0.0.1 is in use (another specsplit-cloud?): stop that process or set SPECSPLIT_DEMO_GRPC_PORT=PORT" >&2; exit 1; }
 
-.venv/bin/specsplit-cloud --model "$target" --host 127.0.0.1 \
+.venv/bin/specsplit-cloud --model "$target" --host 127.0.0.1 --runner "$cloud_runner" \
   --http-port "$http_port" --grpc-port "$grpc_port" --torch-threads 1 >"$log" 2>&1 &
 cloud=$!
 trap 'kill $cloud 2>/dev/null; wait $cloud 2>/dev/null || true' EXIT
