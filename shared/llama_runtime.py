@@ -231,6 +231,27 @@ def gguf_vocab_size(path: str | Path) -> int:
     return len(field.data) if field is not None else 0
 
 
+def vocabulary_mismatch(path: str | Path, tokenizer: Any) -> str | None:
+    """None when `tokenizer` (the files beside a GGUF) speaks the GGUF's own vocabulary, else what differs: it
+    defines more ids than the GGUF has tokens, or one of eight ids spread over its range (the first three, where
+    special tokens sit, and the last) is another token string there. The GGUF may pad its vocabulary past the
+    tokenizer's ids."""
+    import gguf
+
+    field = gguf.GGUFReader(str(path)).get_field("tokenizer.ggml.tokens")
+    if field is None:
+        return f"{path} holds no vocabulary (tokenizer.ggml.tokens)"
+    n, rows = len(tokenizer), len(field.data)
+    if n > rows:
+        return f"the tokenizer defines {n} ids and the GGUF {rows}"
+    for i in sorted({0, 1, 2, n // 7, n // 3, n // 2, 2 * n // 3, n - 1} & set(range(n))):
+        theirs = bytes(field.parts[field.data[i]]).decode("utf-8", errors="replace")
+        mine = tokenizer.convert_ids_to_tokens(i)
+        if mine != theirs:
+            return f"id {i} is {mine!r} in the tokenizer and {theirs!r} in the GGUF"
+    return None
+
+
 def llama_version() -> str:
     import llama_cpp
 

@@ -35,7 +35,7 @@ import torch
 from shared.blocks import BlockManager, OutOfBlocks
 from shared.errors import ResourceExhausted
 from shared.kvpool import KVPool, Row, UnsupportedModel
-from shared.llama_runtime import GGUFContext, GGUFModel, Token, find_gguf, unavailable
+from shared.llama_runtime import GGUFContext, GGUFModel, Token, find_gguf, unavailable, vocabulary_mismatch
 from shared.protocol import ModelInfo
 
 log = logging.getLogger(__name__)
@@ -263,6 +263,11 @@ class LlamaTarget:
         self.gguf = GGUFModel(path, repack=not invariant)
         self.ubatch, self.invariant_ok = 0, False
         tokenizer = load_tokenizer(path.parent)  # the tokenizer files beside the GGUF (a prepared directory)
+        wrong = vocabulary_mismatch(path, tokenizer)
+        if wrong is not None:
+            raise UnsupportedModel(f"the tokenizer beside {path} is not the GGUF's own ({wrong}): put the model's "
+                                   "own tokenizer files beside it (specsplit-models convert FILE.gguf --out DIR "
+                                   "writes both)")
         self.support = min(len(tokenizer), self.gguf.n_vocab)
         eos = [int(tokenizer.eos_token_id)] if tokenizer.eos_token_id is not None else []
         self.kv_bytes_per_token = kv_bytes_per_position(path)

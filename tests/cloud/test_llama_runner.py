@@ -178,3 +178,39 @@ def test_sixteen_sessions_of_trees_share_the_context_and_give_their_sequences_ba
     slot, ids = next(iter(texts.items()))
     (out,) = runner.forward([Row(slot, len(ids), [99], keep=1)])
     assert (out[0] - reference(ids + [99])).abs().max() < TOL
+
+
+def _retokenize(src: Path, dst: Path, edit) -> Path:  # type: ignore[no-untyped-def]
+    import json
+    import shutil
+
+    shutil.copytree(src, dst)
+    spec = json.loads((dst / "tokenizer.json").read_text())
+    edit(spec)
+    (dst / "tokenizer.json").write_text(json.dumps(spec))
+    return dst
+
+
+def test_a_tokenizer_that_is_not_the_ggufs_own_is_refused_at_load(target_dir: Path, tmp_path: Path) -> None:
+    """The tokenizer beside the GGUF is checked against the GGUF's vocabulary: two token strings swapped at an id
+    the check samples (the vocabulary's middle), or more ids than the GGUF has, and the load stops in one line."""
+    from shared.kvpool import UnsupportedModel
+    from shared.tokenizer_id import load_tokenizer
+
+    n = len(load_tokenizer(target_dir))
+
+    def swap(spec: dict) -> None:  # type: ignore[type-arg]
+        vocab = spec["model"]["vocab"]
+        a, b = (next(t for t, i in vocab.items() if i == j) for j in (n // 2, n // 2 + 1))
+        vocab[a], vocab[b] = vocab[b], vocab[a]
+
+    def grow(spec: dict) -> None:  # type: ignore[type-arg]
+        spec["added_tokens"].append({"id": 100_000, "content": "<extra>", "single_word": False, "lstrip": False,
+                                     "rstrip": False, "normalized": False, "special": True})
+
+    for name, edit, said in (("swapped", swap, f"id {n // 2} is"), ("grown", grow, "ids and the GGUF")):
+        d = _retokenize(target_dir, tmp_path / name, edit)
+        with pytest.raises(UnsupportedModel, match="is not the GGUF's own") as err:
+            LlamaTarget(d, threads=1)
+        assert said in str(err.value) and "\n" not in str(err.value)
+    LlamaTarget(target_dir, threads=1)  # its own tokenizer passes
