@@ -109,3 +109,30 @@ def test_edge_refuses_a_hybrid_draft_at_start(models: Path) -> None:
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.startswith("specsplit-edge: cannot start:") and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_graph_executor_keeps_greedy_exactness(arch: str, models: Path) -> None:
+    """The cloud on its own forward (cloud/runners/graphs.py, --executor eager: the CUDA-graph path's code,
+    eagerly on the CPU): greedy speculative text, chains and the edge's token trees, equals greedy decoding of
+    the target without any cache."""
+    target = build(arch, models / f"{arch}-graph-target", seed=2)
+    draft = noisy_copy(target, models / f"{arch}-graph-draft")
+    with CloudProcess(target, extra_args=("--executor", "eager")) as cloud:
+        import httpx
+
+        assert httpx.get(cloud.http_url + "/v1/model").json()["forward_path"] == "paged-eager"
+        texts = []
+        for fixed_k in (4, None):
+            settings = EdgeSettings(cloud_url=cloud.http_url, draft=str(draft), temperature=0.0, top_p=1.0,
+                                    repetition_penalty=1.0, fixed_k=fixed_k, max_new_tokens=NEW_TOKENS,
+                                    stop_at_eos=False, timeout_fallback=False)
+            client = EdgeClient(settings)
+            try:
+                texts.append(client.generate(PROMPT))
+            finally:
+                client.close()
+    expected = greedy_reference(target, texts[0].prompt_ids, NEW_TOKENS)
+    assert [t.token_ids for t in texts] == [expected, expected]
+    assert any(r.accepted_len > 0 for r in texts[0].rounds)
+    assert texts[1].metrics.tree_rounds > 0  # the edge's defaults sent trees
