@@ -353,7 +353,50 @@ def test_the_tensor_parallel_group_validates_and_meets_at_pod_0() -> None:
     master = f"{sts['metadata']['name']}-0.{headless['metadata']['name']}"
     assert "torchrun" in run and f"--master-addr {master}" in run and run.endswith("--no-python specsplit-cloud")
     assert served["spec"]["selector"]["apps.kubernetes.io/pod-index"] == "0"
-    assert c["readinessProbe"]["httpGet"]["path"] == "/readyz" and "livenessProbe" not in c
+    assert "exec" in c["readinessProbe"] and "livenessProbe" not in c
+
+
+def test_every_tensor_parallel_rank_is_probed_on_what_it_serves(tmp_path: Path) -> None:
+    """A StatefulSet's rolling update waits for each pod to be Ready, and only rank 0 serves HTTP: the probe
+    (run here as the kubelet runs it, with the pod's environment) passes on a rank > 0 with nothing listening, and
+    on rank 0 only while /readyz answers 200."""
+    import http.server
+    import os
+    import socket
+    import threading
+
+    (c,) = next(d for d in tp_docs() if d["kind"] == "StatefulSet")["spec"]["template"]["spec"]["containers"]
+    command = c["readinessProbe"]["exec"]["command"]
+    assert command[0] == "python"  # the image's (its venv first on PATH); this test's interpreter here
+    probe = [sys.executable, *command[1:]]
+    status = [503]
+
+    class Ready(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802
+            self.send_response(status[0] if self.path == "/readyz" else 404)
+            self.end_headers()
+
+        def log_message(self, *_: Any) -> None:
+            return None
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]
+
+    def ready(rank: str, port: int) -> bool:
+        env = {**os.environ, "NODE_RANK": rank, "SPECSPLIT_CLOUD_HTTP_PORT": str(port)}
+        return subprocess.run(probe, env=env, capture_output=True, timeout=30).returncode == 0
+
+    assert ready("1", free) and not ready("0", free)  # nothing listens: rank 1 ready, rank 0 not
+    server = http.server.HTTPServer(("127.0.0.1", 0), Ready)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        port = server.server_address[1]
+        assert not ready("0", port)  # 503: loading, or a lost rank
+        status[0] = 200
+        assert ready("0", port)
+    finally:
+        server.shutdown()
 
 
 def compose_file() -> dict[str, Any]:
