@@ -10,8 +10,8 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from cloud.runners.torch_runner import TargetModel
 from cloud.rest import create_app
+from cloud.runners.torch_runner import TargetModel
 from cloud.service import VerifierService
 from cloud.settings import CloudSettings
 from tests.cloud.reference import CausalLM, Drafter

@@ -18,8 +18,8 @@ import torch
 from transformers import AutoTokenizer
 
 import cloud.rounds
-from cloud.runners.torch_runner import TargetModel
 from cloud.rest import VerifyBody
+from cloud.runners.torch_runner import TargetModel
 from cloud.service import GenerateRequest, VerifierService
 from shared.config import SamplingConfig
 from shared.errors import InvalidArgument, NotFound

@@ -20,8 +20,8 @@ from cloud.engine import (
     finish_round,
     plan_round,
 )
-from cloud.runners.torch_runner import TargetModel
 from cloud.rest import VerifyBody
+from cloud.runners.torch_runner import TargetModel
 from cloud.session import Context, Session
 from shared.config import SamplingConfig
 from shared.errors import ContextMismatch, InvalidArgument, SpecSplitError

@@ -15,8 +15,8 @@ import torch
 from transformers import AutoTokenizer
 
 from cloud.logs import JsonFormatter
-from cloud.runners.torch_runner import TargetModel
 from cloud.rest import VerifyBody
+from cloud.runners.torch_runner import TargetModel
 from cloud.service import GenerateRequest, VerifierService, key_owner
 from shared.config import SamplingConfig
 from shared.errors import (

@@ -10,8 +10,8 @@ import pytest
 from pydantic import ValidationError
 
 from cloud import settings
-from cloud.runners import tensor_parallel as tp
 from cloud.cli import settings_from_args
+from cloud.runners import tensor_parallel as tp
 from cloud.runners.tensor_parallel import Op, serve_worker
 from tests.cloud.test_tensor_parallel_watch import Clock, worker
 

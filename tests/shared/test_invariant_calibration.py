@@ -19,8 +19,8 @@ import torch
 from fastapi.testclient import TestClient
 
 import shared.invariant_calibration as ic
-from cloud.runners.torch_runner import TargetModel
 from cloud.rest import create_app
+from cloud.runners.torch_runner import TargetModel
 from cloud.service import VerifierService
 from cloud.settings import CloudSettings
 from shared.hf_model import load_causal_lm
