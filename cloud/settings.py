@@ -199,16 +199,35 @@ class CloudSettings(BaseSettings):
             raise ValueError("api keys must not be empty")
         return self
 
+    @model_validator(mode="after")
+    def _dtype_is_torch_s(self) -> CloudSettings:
+        if self.runner == "llamacpp" and self.dtype != "auto":
+            raise ValueError(f"--dtype {self.dtype} is the PyTorch runner's: llama.cpp runs the GGUF's own types; "
+                             "drop --dtype, or use --runner torch")
+        return self
+
     def runner_choice(self) -> str:
         """"torch" or "llamacpp": `runner` with auto resolved (see the field)."""
+        return self.runner_and_reason()[0]
+
+    def runner_and_reason(self) -> tuple[str, str]:
+        """The runner `auto` resolves to, and why (logged at start, so replicas that resolved differently show)."""
         from shared.llama_runtime import find_gguf, unavailable
 
         if self.runner != "auto":
-            return self.runner
+            return self.runner, "asked for"
         if self.model.suffix == ".gguf":
-            return "llamacpp"
-        usable = self.device == "cpu" and find_gguf(self.model) is not None and unavailable() is None
-        return "llamacpp" if usable else "torch"
+            return "llamacpp", "auto: the model is a GGUF file"
+        if self.dtype != "auto":
+            return "torch", f"auto: --dtype {self.dtype} asks for the PyTorch weights"
+        if self.device != "cpu":
+            return "torch", f"auto: llama.cpp runs on the CPU here, the device is {self.device}"
+        if find_gguf(self.model) is None:
+            return "torch", "auto: the model directory holds no GGUF"
+        why = unavailable()
+        if why is not None:
+            return "torch", f"auto: llama.cpp is not usable ({why}); pin --runner to keep replicas alike"
+        return "llamacpp", "auto: a CPU, the model's GGUF and llama-cpp-python"
 
     def api_key_values(self) -> list[str]:
         return [k.get_secret_value() for k in self.api_keys]

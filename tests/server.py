@@ -50,6 +50,9 @@ class CloudProcess:
                     # tiny target is served from a GGUF of its weights, `gguf_of`)
                     "SPECSPLIT_CLOUD_RUNNER": os.environ.get("SPECSPLIT_TEST_RUNNER", "torch"),
                     "SPECSPLIT_CLOUD_DTYPE": os.environ.get("SPECSPLIT_TEST_DTYPE", "float32"), **(env or {})}
+        llama = self.env["SPECSPLIT_CLOUD_RUNNER"] == "llamacpp" or "llamacpp" in self.extra_args
+        if llama:  # llama.cpp runs the GGUF's own types: a --dtype is refused there
+            self.env["SPECSPLIT_CLOUD_DTYPE"] = "auto"
         self.startup_timeout_s = startup_timeout_s
         self.host = "127.0.0.1"
         self.http_port = free_port()

@@ -11,6 +11,7 @@ scheduler, the verify rule) calls only these, and never knows which runner it ho
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -21,6 +22,8 @@ from shared.rows import Row
 
 if TYPE_CHECKING:
     from cloud.settings import CloudSettings
+
+log = logging.getLogger(__name__)
 
 
 class Runner(Protocol):
@@ -60,7 +63,9 @@ def load_target(settings: CloudSettings) -> Runner:
     """The target on the runner `settings.runner` picks: llamacpp.py or torch_runner.py."""
     from shared.kvpool import UnsupportedModel
 
-    if settings.runner_choice() == "llamacpp":
+    runner, why = settings.runner_and_reason()
+    log.info("runner %s (%s)", runner, why)
+    if runner == "llamacpp":
         from cloud.runners.llamacpp import LlamaTarget
 
         if settings.device != "cpu":

@@ -227,6 +227,20 @@ def test_verifier_pods_serve_the_prepared_target_within_their_memory() -> None:
         per_node = int(env.get("NPROC_PER_NODE", "1"))
         assert int(env["SPECSPLIT_CLOUD_TORCH_THREADS"]) * per_node == quantity(res["requests"]["cpu"])
         assert env["SPECSPLIT_CLOUD_DTYPE"] == "float32"
+        assert env["SPECSPLIT_CLOUD_RUNNER"] == "torch"  # pinned: the peak above is the PyTorch runner's
+
+
+def test_every_compose_verifier_pins_its_runner() -> None:
+    """Replicas never differ by whether llama.cpp happened to build: every compose service that runs the cloud
+    pins SPECSPLIT_CLOUD_RUNNER (the image is PyTorch's; its limits are the PyTorch runner's measured peak)."""
+    import yaml
+
+    compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())
+    clouds = {n: svc for n, svc in compose["services"].items() if "SPECSPLIT_CLOUD_MODEL" in
+              (svc.get("environment") or {})}
+    assert clouds
+    for name, svc in clouds.items():
+        assert svc["environment"].get("SPECSPLIT_CLOUD_RUNNER") == "torch", name
 
 
 def test_deployment_probes_and_ingress_routing() -> None:
