@@ -17,6 +17,7 @@ import os
 import time
 from pathlib import Path
 
+from shared.hashing import file_sha256
 from shared.protocol import ModelInfo
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ def file_digest(path: Path, cache: Path) -> str:
     """sha256 of the file, from `cache` when it was hashed there at its present size, mtime and inode."""
     st = path.stat()
     if st.st_size < CACHED_FROM_BYTES:
-        return _sha256(path)
+        return file_sha256(path)
     key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
     try:
         known = json.loads(cache.read_text())
@@ -69,7 +70,7 @@ def file_digest(path: Path, cache: Path) -> str:
     if isinstance(known.get(key), str):
         return str(known[key])
     t0 = time.monotonic()
-    digest = _sha256(path)
+    digest = file_sha256(path)
     log.info("weights fingerprint: hashed %s (%.1f GB) in %.1f s, kept in %s", path, st.st_size / 1e9,
              time.monotonic() - t0, cache)
     known = {k: v for k, v in known.items() if not k.startswith(f"{path.resolve()}|")}  # its older versions go
@@ -83,14 +84,6 @@ def file_digest(path: Path, cache: Path) -> str:
         log.info("weights fingerprint: cannot keep the digest in %s (%s); it is hashed again at the next start",
                  cache, e.strerror)
     return digest
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as fh:
-        while chunk := fh.read(1 << 24):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def matrix_units(device: str, cpuinfo: Path = Path("/proc/cpuinfo")) -> str:

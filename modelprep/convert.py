@@ -21,7 +21,6 @@ Each writes into `<out>.partial` and renames it when checked: a directory named 
 from __future__ import annotations
 
 import datetime
-import hashlib
 import importlib.util
 import json
 import logging
@@ -30,6 +29,8 @@ import shutil
 import time
 from pathlib import Path
 from typing import Any
+
+from shared.hashing import file_sha256
 
 # The text the converted logits are checked on (any fixed text would do).
 CHECK_TEXT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\""
@@ -54,11 +55,7 @@ def is_prepared(out_dir: Path) -> bool:
 
 
 def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 24):
-            h.update(chunk)
-    return h.hexdigest()
+    return file_sha256(path)
 
 
 def size_text(n: int) -> str:

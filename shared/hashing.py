@@ -1,8 +1,10 @@
-"""The context hash of PROTOCOL.md: 64-bit FNV-1a over the little-endian int32 token ids."""
+"""The context hash of PROTOCOL.md: 64-bit FNV-1a over the little-endian int32 token ids; and a file's sha256."""
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable
+from pathlib import Path
 
 FNV_OFFSET = 0xCBF29CE484222325
 FNV_PRIME = 0x100000001B3
@@ -36,3 +38,12 @@ def prefix_hashes(ids: Iterable[int], state: int = FNV_OFFSET) -> list[int]:
         h = fnv1a64((tok,), h)
         out.append(h)
     return out
+
+
+def file_sha256(path: Path) -> str:
+    """The sha256 of a file's bytes, read in 16 MiB chunks."""
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        while chunk := fh.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()

@@ -35,8 +35,8 @@ def test_two_fine_tunes_with_the_same_names_and_sizes_differ(tmp_path: Path) -> 
 def test_a_large_file_is_hashed_once_per_version(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(numerics, "CACHED_FROM_BYTES", 0)
     hashed: list[Path] = []
-    sha = numerics._sha256
-    monkeypatch.setattr(numerics, "_sha256", lambda p: hashed.append(p) or sha(p))
+    sha = numerics.file_sha256
+    monkeypatch.setattr(numerics, "file_sha256", lambda p: hashed.append(p) or sha(p))
     d, cache = checkpoint(tmp_path / "m", b"x" * 4096), tmp_path / "cache" / "weights.json"
     first = weights_fingerprint(d, cache)
     assert weights_fingerprint(d, cache) == first and len(hashed) == 1  # the second start reads the cache
