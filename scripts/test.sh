@@ -14,7 +14,29 @@ bash scripts/install_prometheus.sh   # the ops tests run promtool and a real Pro
 if [ $# -gt 0 ]; then
   exec .venv/bin/python -m pytest -q --durations=25 "$@"
 fi
-.venv/bin/python -m pytest -q --durations=25
-echo "== the exactness suite against a bfloat16 cloud, with bfloat16 drafts"
-SPECSPLIT_TEST_DTYPE=bfloat16 .venv/bin/python -m pytest -q tests/e2e/test_seeded_text.py \
-  tests/e2e/test_session_stream.py tests/e2e/test_edge_greedy.py tests/e2e/test_tree_rounds.py
+# The whole suite runs as two pytest processes at once, which a 2-core machine runs side by side: the
+# compute-bound pass (tests/shared: batch invariance bit for bit, the toy exactness chi-squares; then the bfloat16
+# exactness pass) and everything else. Each pass keeps about one core busy (models at one torch thread, each cloud
+# process at one), so together they take about the longer one's time instead of the sum. They share no port
+# (every cloud, proxy and server asks the OS for free ones), no temporary folder (a --basetemp each) and no
+# pytest cache (the background pass runs without one). The background pass's output follows the main pass's.
+work=$(mktemp -d)
+(
+  rc=0
+  .venv/bin/python -m pytest -q --durations=15 -p no:cacheprovider --basetemp="$work/shared" tests/shared || rc=$?
+  echo "== the exactness suite against a bfloat16 cloud, with bfloat16 drafts"
+  SPECSPLIT_TEST_DTYPE=bfloat16 .venv/bin/python -m pytest -q --durations=10 -p no:cacheprovider \
+    --basetemp="$work/bf16" tests/e2e/test_seeded_text.py tests/e2e/test_session_stream.py \
+    tests/e2e/test_edge_greedy.py tests/e2e/test_tree_rounds.py || rc=$?
+  exit $rc
+) > "$work/background.log" 2>&1 &
+background=$!
+trap 'kill "$background" 2>/dev/null; rm -rf "$work"' EXIT
+rc=0
+.venv/bin/python -m pytest -q --durations=25 --basetemp="$work/main" --ignore=tests/shared || rc=$?
+bg=0
+wait "$background" || bg=$?
+trap 'rm -rf "$work"' EXIT
+echo "== tests/shared, then the bfloat16 exactness pass (run beside the pass above)"
+cat "$work/background.log"
+[ "$rc" -eq 0 ] && [ "$bg" -eq 0 ]
