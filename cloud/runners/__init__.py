@@ -60,11 +60,17 @@ class Runner(Protocol):
 
 
 def load_target(settings: CloudSettings) -> Runner:
-    """The target on the runner `settings.runner` picks: llamacpp.py or torch_runner.py."""
+    """The target on the runner `settings.runner` picks: llamacpp.py or torch_runner.py; the choice and its reason
+    logged once the target loaded (so replicas that resolved `auto` differently show it)."""
+    runner, why = settings.runner_and_reason()
+    target = _load(settings, runner)
+    log.info("runner %s (%s)", runner, why)
+    return target
+
+
+def _load(settings: CloudSettings, runner: str) -> Runner:
     from shared.kvpool import UnsupportedModel
 
-    runner, why = settings.runner_and_reason()
-    log.info("runner %s (%s)", runner, why)
     if runner == "llamacpp":
         from cloud.runners.llamacpp import LlamaTarget
 
