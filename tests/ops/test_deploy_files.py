@@ -1,7 +1,8 @@
 """deploy/ checked by the tools that read it, offline: promtool (scrape config, alert rules and their
 unit tests), the scrape targets against the compose services, the Grafana dashboard's queries against
 the series the services export, every Kubernetes manifest (kubernetes-validate, strict schemas; the volumes
-and claims they name, the model, memory, threads and dtype of the verifier pods), every Dockerfile
+and claims they name, the one Job that prepares the models and the pods that wait for it, the model, memory,
+threads and dtype of the verifier pods), every Dockerfile
 (hadolint), .dockerignore (what reaches the build context) and yamllint. nginx -t of the balancer config:
 tests/e2e/test_replicas_deploy.py."""
 
@@ -27,6 +28,7 @@ from tests.ops.deploy import (
     CLOUD_PEAK_BYTES,
     HEADROOM,
     PREPARE_PEAK_BYTES,
+    PREPARED_BYTES,
     build_context,
     dockerignore_rules,
     dockerignored,
@@ -170,8 +172,12 @@ def test_every_kubernetes_manifest_validates_strictly() -> None:
         validate(broken)
 
 
+def all_k8s_docs() -> list[dict[str, Any]]:
+    return [d for p in k8s_files() for d in k8s_docs(p)]
+
+
 def workloads() -> list[dict[str, Any]]:
-    return [d for p in k8s_files() for d in k8s_docs(p) if d["kind"] in ("Deployment", "StatefulSet")]
+    return [d for d in all_k8s_docs() if d["kind"] in ("Deployment", "StatefulSet")]
 
 
 def undefined_volumes(workload: dict[str, Any], docs: list[dict[str, Any]]) -> list[str]:
@@ -188,14 +194,13 @@ def undefined_volumes(workload: dict[str, Any], docs: list[dict[str, Any]]) -> l
 
 
 def test_every_volume_and_claim_a_pod_uses_is_defined() -> None:
-    docs = [d for p in k8s_files() for d in k8s_docs(p)]
-    for w in workloads():
+    docs = all_k8s_docs()
+    for w in [*workloads(), *(d for d in docs if d["kind"] == "Job")]:
         assert not undefined_volumes(w, docs), (w["metadata"]["name"], undefined_volumes(w, docs))
-    # the tensor-parallel group as it was: a claim that nothing defined
+    # the tensor-parallel group reading a claim that nothing defines
     tp = copy.deepcopy(next(w for w in workloads() if w["kind"] == "StatefulSet"))
-    tp["spec"].pop("volumeClaimTemplates")
-    tp["spec"]["template"]["spec"]["volumes"].append(
-        {"name": "models", "persistentVolumeClaim": {"claimName": "specsplit-tp-models", "readOnly": True}})
+    (models,) = [v for v in tp["spec"]["template"]["spec"]["volumes"] if "persistentVolumeClaim" in v]
+    models["persistentVolumeClaim"]["claimName"] = "specsplit-tp-models"
     assert undefined_volumes(tp, docs) == ["claim specsplit-tp-models"]
 
 
@@ -203,24 +208,135 @@ def env_of(container: dict[str, Any]) -> dict[str, str]:
     return {e["name"]: e.get("value", "") for e in container.get("env", [])}
 
 
-def test_verifier_pods_serve_the_prepared_target_within_their_memory() -> None:
-    """Each verifier pod's init container prepares the coder pair into the volume the cloud reads its target
-    from (`specsplit-models` writes under ./models: working directory / for a mount at /models); the limit is
-    HEADROOM x the measured peak at least, threads = the CPU request per rank, the dtype pinned to float32."""
-    assert {w["metadata"]["name"] for w in workloads()} == {"specsplit-cloud", "specsplit-cloud-tp"}
+def command_line(container: dict[str, Any]) -> str:
+    return " ".join([*container.get("command", []), *container.get("args", [])])
+
+
+def pod_containers(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    pod = doc["spec"]["template"]["spec"]
+    return [*pod.get("initContainers", []), *pod["containers"]]
+
+
+def claim_mount(doc: dict[str, Any], container: dict[str, Any]) -> tuple[str, dict[str, Any], bool]:
+    """(claim name, the container's mount of it, whether the pod's volume is read-only) of the one claim the
+    container mounts."""
+    volumes = {v["name"]: v["persistentVolumeClaim"] for v in doc["spec"]["template"]["spec"].get("volumes", [])
+               if "persistentVolumeClaim" in v}
+    (mount,) = [m for m in container.get("volumeMounts", []) if m["name"] in volumes]
+    claim = volumes[mount["name"]]
+    return claim["claimName"], mount, claim.get("readOnly", False)
+
+
+def prepare_job() -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the Job, its container) that runs `specsplit-models prepare`: exactly one in deploy/k8s/."""
+    jobs = [(d, c) for d in all_k8s_docs() if d["kind"] == "Job" for c in pod_containers(d)
+            if "specsplit-models prepare" in command_line(c)]
+    assert len(jobs) == 1, [d["metadata"]["name"] for d, _ in jobs]
+    return jobs[0]
+
+
+def marker_in_claim(doc: dict[str, Any], container: dict[str, Any]) -> tuple[str, Path]:
+    """(claim, path inside it) of the file MODELS_READY names: the Job's done-marker, or what a pod waits for."""
+    claim, mount, _ = claim_mount(doc, container)
+    return claim, Path(env_of(container)["MODELS_READY"]).relative_to(mount["mountPath"])
+
+
+def test_one_job_prepares_the_models_and_no_verifier_pod_prepares_its_own() -> None:
+    """One Job (restarted on failure, a bounded number of times) runs `prepare qwen-coder` into its claim with
+    the verifiers' image; no pod template of a verifier runs specsplit-models, in an init container or else."""
+    job, prep = prepare_job()
+    assert "specsplit-models prepare qwen-coder" in command_line(prep)
+    assert job["spec"]["template"]["spec"]["restartPolicy"] == "OnFailure" and 0 < job["spec"]["backoffLimit"] <= 6
+    _, mount, read_only = claim_mount(job, prep)
+    # specsplit-models writes under ./models
+    assert Path(prep["workingDir"]) / "models" == Path(mount["mountPath"])
+    assert not read_only and not mount.get("readOnly")
+    assert not {"PIP_TARGET", "PYTHONPATH"} & set(env_of(prep))  # no part wheels are installed any more
+    for w in workloads():
+        assert not [c["name"] for c in pod_containers(w) if "specsplit-models prepare" in command_line(c)], \
+            w["metadata"]["name"]
+        assert prep["image"] == next(c for c in pod_containers(w) if c["name"] == "cloud")["image"]
+
+
+def test_the_prepare_job_and_its_claim_are_sized_above_their_measured_figures() -> None:
+    """The Job's memory limit is HEADROOM x prepare's measured 13.5 GB peak at least and its request the peak; the
+    claim (ReadWriteMany: replicas on other nodes read it) holds HEADROOM x the prepared files' 10.6 GiB."""
+    job, prep = prepare_job()
+    res = prep["resources"]
+    assert quantity(res["limits"]["memory"]) >= HEADROOM * PREPARE_PEAK_BYTES
+    assert quantity(res["requests"]["memory"]) >= PREPARE_PEAK_BYTES
+    name, _, _ = claim_mount(job, prep)
+    (claim,) = [d for d in all_k8s_docs() if d["kind"] == "PersistentVolumeClaim" and d["metadata"]["name"] == name]
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert quantity(claim["spec"]["resources"]["requests"]["storage"]) >= HEADROOM * PREPARED_BYTES
+
+
+def test_every_verifier_pod_mounts_the_jobs_claim_read_only_and_waits_for_its_marker() -> None:
+    """Each verifier pod reads the Job's claim read-only, its one init container waits for the file the Job
+    writes last (the same path inside the claim), and the cloud's model is the target the Job prepared there."""
+    job, prep = prepare_job()
+    job_claim, job_mount, _ = claim_mount(job, prep)
+    target_in_claim = (Path(prep["workingDir"]) / TARGET.out).relative_to(job_mount["mountPath"])
     for w in workloads():
         pod = w["spec"]["template"]["spec"]
-        (prep,) = pod["initContainers"]
+        (wait,) = pod["initContainers"]
         (cloud,) = [c for c in pod["containers"] if c["name"] == "cloud"]
-        assert prep["command"] == ["specsplit-models", "prepare", "qwen-coder"] and prep["image"] == cloud["image"]
-        (prep_mount,) = [m for m in prep["volumeMounts"] if Path(prep["workingDir"]) / "models" == Path(m["mountPath"])]
-        (read,) = [m for m in cloud["volumeMounts"] if m["name"] == prep_mount["name"]]
-        assert read["readOnly"] and not prep_mount.get("readOnly")
+        assert marker_in_claim(w, wait) == marker_in_claim(job, prep), w["metadata"]["name"]
+        for c in (wait, cloud):
+            claim, mount, read_only = claim_mount(w, c)
+            assert claim == job_claim and read_only and mount["readOnly"], (w["metadata"]["name"], c["name"])
+        _, read, _ = claim_mount(w, cloud)
+        assert Path(env_of(cloud)["SPECSPLIT_CLOUD_MODEL"]).relative_to(read["mountPath"]) == target_in_claim
+
+
+def test_the_marker_comes_after_prepare_succeeds_and_ends_the_wait(tmp_path: Path) -> None:
+    """The Job's and the wait container's commands run here as the kubelet runs them (sh, the container's env;
+    a stub specsplit-models on PATH): no marker when prepare fails (and the failure is the container's exit
+    status, so the Job retries), the marker when it succeeds; the wait logs while the marker is missing and
+    ends, status 0, once it is there."""
+    import os
+    import signal
+    import stat
+
+    _, prep = prepare_job()
+    bin_dir, marker = tmp_path / "bin", tmp_path / "claim" / "qwen-coder.prepared"
+    bin_dir.mkdir()
+    marker.parent.mkdir()
+    stub = bin_dir / "specsplit-models"
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "MODELS_READY": str(marker)}
+
+    def prepare(status: int) -> int:
+        stub.write_text(f"#!/bin/sh\nexit {status}\n")
+        stub.chmod(stub.stat().st_mode | stat.S_IXUSR)
+        return subprocess.run([*prep["command"], *prep["args"]], env=env, timeout=30).returncode
+
+    assert prepare(2) == 2 and not marker.exists()
+    assert prepare(0) == 0 and marker.is_file()
+
+    (wait,) = workloads()[0]["spec"]["template"]["spec"]["initContainers"]
+    marker.unlink()
+    waiting = subprocess.Popen([*wait["command"], *wait["args"]], env=env, stdout=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):
+            waiting.wait(timeout=2)
+    finally:
+        os.killpg(waiting.pid, signal.SIGKILL)  # its sleep too, which holds the pipe
+    assert f"waiting for {marker}" in waiting.communicate()[0]
+    marker.touch()
+    done = subprocess.run([*wait["command"], *wait["args"]], env=env, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0 and f"found {marker}" in done.stdout
+    assert [c for w in workloads() for c in w["spec"]["template"]["spec"]["initContainers"]
+            if [*c["command"], *c["args"]] != [*wait["command"], *wait["args"]]] == []
+
+
+def test_verifier_pods_serve_within_their_memory() -> None:
+    """Each verifier pod's limit is HEADROOM x the cloud's measured peak at least, threads = the CPU request per
+    rank, the dtype pinned to float32, the runner to PyTorch."""
+    assert {w["metadata"]["name"] for w in workloads()} == {"specsplit-cloud", "specsplit-cloud-tp"}
+    for w in workloads():
+        (cloud,) = [c for c in w["spec"]["template"]["spec"]["containers"] if c["name"] == "cloud"]
         env = env_of(cloud)
-        assert env["SPECSPLIT_CLOUD_MODEL"] == f"{read['mountPath']}/{TARGET.out.name}"
-        assert not {"PIP_TARGET", "PYTHONPATH"} & set(env_of(prep))  # no part wheels are installed any more
-        assert quantity(prep["resources"]["limits"]["memory"]) >= HEADROOM * PREPARE_PEAK_BYTES
-        assert quantity(prep["resources"]["requests"]["memory"]) >= 0.95 * PREPARE_PEAK_BYTES
         res = cloud["resources"]
         assert quantity(res["limits"]["memory"]) >= HEADROOM * CLOUD_PEAK_BYTES, w["metadata"]["name"]
         assert quantity(res["requests"]["memory"]) >= CLOUD_PEAK_BYTES
