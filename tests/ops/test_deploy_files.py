@@ -260,7 +260,7 @@ def test_one_job_prepares_the_models_and_no_verifier_pod_prepares_its_own() -> N
 
 def test_the_prepare_job_and_its_claim_are_sized_above_their_measured_figures() -> None:
     """The Job's memory limit is HEADROOM x prepare's measured 13.5 GB peak at least and its request the peak; the
-    claim (ReadWriteMany: replicas on other nodes read it) holds HEADROOM x the prepared files' 10.6 GiB."""
+    claim (ReadWriteMany: replicas on other nodes read it) holds HEADROOM x the prepared files' 11.3 GB."""
     job, prep = prepare_job()
     res = prep["resources"]
     assert quantity(res["limits"]["memory"]) >= HEADROOM * PREPARE_PEAK_BYTES
