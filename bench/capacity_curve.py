@@ -161,7 +161,7 @@ async def speculative(stub: Any, table: Table, policy: str, n_new: int, last: An
             if parents is not None:
                 ctl.observe(len(tokens), sum(sorted(tree["values"], reverse=True)[:len(tokens)]), a.accepted_len,
                             max((d for d in _depths(parents)), default=0), wall * 1000,
-                            a.metrics.prefill_ms + a.metrics.queue_ms)
+                            a.metrics.prefill_ms + a.metrics.queue_ms, a.metrics.row_ms)
                 ctl.observe_nodes(DraftBlock(tokens, q, "sampled", parents=parents), list(a.accepted_nodes))
         run.tokens = pos
     finally:

@@ -216,9 +216,10 @@ class ServiceCore:
         return max(self.settings.kv_block_size, min(cap, int(room)))
 
     def open_budget(self, s: Session) -> int:
-        """The open answer's budget for the first round: the new session's prior acceptance read as a chain's
-        at the present load (0 with --node-budget false)."""
-        return self.budget.budget(s.acceptance.alpha) if self.settings.node_budget else 0
+        """The open answer's budget for the first round: what its owner's recent rounds were given, or before
+        those the new session's prior acceptance read as a chain's at the present load (cloud/node_budget.py;
+        0 with --node-budget false)."""
+        return self.budget.first_budget(s.owner, s.acceptance.alpha) if self.settings.node_budget else 0
 
     def node_budget(self, s: Session, accepted: int, depth: int, committed: int, parents: list[int],
                     q: list[float], kept: list[bool]) -> int:
@@ -231,8 +232,15 @@ class ServiceCore:
         if not self.settings.node_budget:
             return 0
         n = self.budget.budget(s.acceptance.alpha, s.acceptance.nodes.expected(parents, q))
+        self.budget.given(s.owner, n)
         self.metrics.node_budget.observe(n)
         return n
+
+    def row_ms(self) -> float:
+        """What a further row costs a forward at the present load (ms), for the edge's count; 0 before the fit has
+        seen 8 forwards, or with --node-budget false."""
+        cost = self.budget.cost
+        return round(cost.row_s * 1000, 4) if self.settings.node_budget and cost.forwards >= 8 else 0.0
 
     def speculate_instead(self, s: Session) -> bool:
         """Whether a session's stream should end for speculative rounds (stop_reason "speculate"): the cloud

@@ -33,6 +33,15 @@ cost the budget reads is the marginal cost at the present load, from the mean co
 of two): the slope from the bucket the recent forwards fill to the next bucket measured above it (or from the
 one below, when none above was seen), the linear fit's b until two buckets are known.
 
+A new session's first round has no nodes of its own to read yet. Its open answer takes the median of the budgets
+its owner's (API key's) recent rounds were given (`first_budget`; the last `recent_rounds` of them, any session's,
+one list per key, "" when auth is off): a key's sessions mostly share a draft and see the same load, so their
+recent budgets are what a round of theirs is worth now, where the generic prior (alpha 0.8 read as a chain's)
+gives 2-5 nodes under load and a session of four or five rounds spends them ramping by half again a round. Before
+`min_rounds` rounds of the key are known, the chain reading stands. (A pooled acceptance read as a chain's was
+tried first: kept rounds cut short by the budget read as alpha near 1 and gave 64 nodes, BENCHMARKS "The capacity
+curve"; budgets already answer the question of how many nodes a round at this load is worth.)
+
 F is measured, not modelled: tokens committed over the forwards' cost, both exponentially weighted by forward.
 The budget never changes the text: any number of nodes is verified exactly (shared/verify.py, shared/tree.py);
 an edge that ignores it is served as before.
@@ -41,7 +50,9 @@ an edge that ignores it is served as before.
 from __future__ import annotations
 
 import math
+import statistics
 import threading
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -187,6 +198,10 @@ class NodeBudget:
     _pending: int = 0
     # jobs (sessions, prompts, generations) per forward, recently: above one, sessions share forwards
     jobs_per_forward: float = 1.0
+    # each owner's last budgets given to verified rounds, and how many a first budget needs (module docstring)
+    recent_rounds: int = 32
+    min_rounds: int = 4
+    _recent: dict[str, deque[int]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def forward(self, rows: int, prefill_tokens: int, seconds: float, jobs: int = 1) -> None:
@@ -228,3 +243,17 @@ class NodeBudget:
         else:
             n = math.floor(math.log(threshold) / math.log(alpha)) if alpha < 1 else self.max_nodes
         return max(1, min(n, self.max_nodes))
+
+    def given(self, owner: str, n: int) -> None:
+        """A verified round of one of `owner`'s sessions was given the budget `n`."""
+        with self._lock:
+            self._recent.setdefault(owner, deque(maxlen=self.recent_rounds)).append(n)
+
+    def first_budget(self, owner: str, alpha: float) -> int:
+        """A new session's first round: the median of its owner's recent rounds' budgets, or with fewer than
+        `min_rounds` of them the chain reading of `alpha`."""
+        with self._lock:
+            recent = list(self._recent.get(owner, ()))
+        if len(recent) < self.min_rounds or self.node_value <= 0 or self.cost.forwards < 8:
+            return self.budget(alpha)
+        return max(1, min(round(statistics.median(recent)), self.max_nodes))

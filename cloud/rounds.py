@@ -69,8 +69,10 @@ async def verify(core: ServiceCore, req: VerifyRequest, owner: str, declared_k: 
                                             + int(resp.next_kind != "none"), list(parents),
                                             list(req.draft.q_token_probs), [j in kept for j in range(k)])
         entry = s.replies.get(req.request_id) if req.request_id else None
-        if entry is not None:  # a retry is answered with the budget first given (the same answer)
+        resp.metrics.row_ms = core.row_ms()
+        if entry is not None:  # a retry is answered with the budget and row cost first given (the same answer)
             entry.response.node_budget = resp.node_budget
+            entry.response.metrics.row_ms = resp.metrics.row_ms
     log_round(req, resp, k, res.replayed)
     return resp
 

@@ -352,7 +352,7 @@ class SpeculativeRun(CloudSession):
         m.cloud_prefill_ms += resp.metrics.prefill_ms
         cloud_ms = resp.metrics.prefill_ms + resp.metrics.queue_ms
         if block.parents is not None:
-            self._observe_tree(block, la, rtt_ms, cloud_ms, resp.accepted_nodes or [])
+            self._observe_tree(block, la, rtt_ms, cloud_ms, resp.accepted_nodes or [], resp.metrics.row_ms)
             self._record(block.k, la, resp.next_kind, "cloud", len(out), edge_ms, rtt_ms, traffic, decision,
                          alpha=resp.metrics.alpha_mean, prefill=resp.metrics.prefill_ms, extra_calls=extra_calls,
                          queue=resp.metrics.queue_ms)
@@ -371,7 +371,7 @@ class SpeculativeRun(CloudSession):
         return out
 
     def _observe_tree(self, block: DraftBlock, la: int, rtt_ms: float, cloud_ms: float,
-                      accepted: list[int]) -> None:
+                      accepted: list[int], row_ms: float = 0.0) -> None:
         """A verified tree round: the tree controller's estimates, acceptance by depth, and copy branches'."""
         assert block.parents is not None and block.values is not None and self.tree is not None
         depth = depths(block.parents)
@@ -381,7 +381,7 @@ class SpeculativeRun(CloudSession):
         self.metrics.tree_rounds += 1
         self.metrics.tree_nodes += block.k
         self.metrics.record_positions(deepest, la)
-        self.tree.observe(block.k, sum(block.values), la, max(drafted, default=0), rtt_ms, cloud_ms)
+        self.tree.observe(block.k, sum(block.values), la, max(drafted, default=0), rtt_ms, cloud_ms, row_ms)
         self.tree.observe_nodes(block, accepted)
         if block.copied is not None:
             self.metrics.copy_nodes += sum(block.copied)

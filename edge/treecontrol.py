@@ -12,12 +12,17 @@ what error remains is scaled by c, the running ratio of accepted nodes to the va
     E[tokens](n) = 1 + c * (sum of the n largest values)        (the n most valuable nodes form a tree)
     rate(n) = E[tokens](n) / (t_verify(n) + RTT)
 
-t_verify(n) = v0 + v1 (n + 1) is fitted to the cloud's reported forward and queue time by exponentially
-weighted least squares over the rounds' node counts, with a ridge pulling v1 towards v0 / `prior_width`
-(a forward of `prior_width` more tokens costs twice one of a single token: about 16 on this machine's CPU,
-BENCHMARKS.md "The real pair"), so a run of equal counts, which shows no slope, reads as that prior and not
-as free nodes; every `probe_every`-th round sends half the chosen count to keep the slope measured, unless a cap
-(the cloud's node budget, the context's room) decides the count that round: then the probe waits. RTT is the
+t_verify(n) = v0 + v1 (n + 1) is fitted to the cloud's reported forward and queue time over the rounds' node
+counts. A cloud that says what a further row costs its forwards at the present load (each answer's `row_ms`,
+measured over every session's forwards, cloud/node_budget.py) gives v1, and only v0 is fitted from this session's
+answers: no round is spent measuring a slope the cloud already knows. Otherwise v1 comes from exponentially
+weighted least squares with a ridge pulling v1 towards v0 / `prior_width` (a forward of `prior_width` more
+tokens costs twice one of a single token: about 16 on this machine's CPU, BENCHMARKS.md "The real pair"), so a
+run of equal counts, which shows no slope, reads as that prior and not as free nodes; and every
+`probe_every`-th round sends half the chosen count to keep the slope measured, unless a cap (the cloud's node
+budget, the context's room) decides the count that round: then the probe waits. (Probes at half the count cost
+a quarter of the rounds about a third of their tokens: at one session on the coder pair the edge's rounds
+averaged 6.0 nodes where chains of 8 commit 8.5 tokens, BENCHMARKS "The capacity curve".) RTT is the
 answer's wall time minus the cloud's reported time. The tree is drafted before the choice, so drafting time
 is spent either way and does not enter it.
 `fixed_nodes` sends that many nodes whatever the costs. With `copy_branches` every grown tree gets the
@@ -68,6 +73,8 @@ class TreeControl:
     # the link's round trip beyond the cloud's time, ms (None until measured), and its weight
     rtt_ms: float | None = None
     rtt_weight: float = 0.4
+    # what a further row costs the cloud's forwards, ms, as its last answer said (None: the cloud does not say)
+    row_ms: float | None = None
     # exponentially weighted sums of the verify fit: weight, x, y, x^2, x y (x = nodes + 1, y = ms)
     _fit: list[float] = field(default_factory=lambda: [0.0] * 5)
     # copy branches grafted into each tree, the longest (they may run deeper than the draft's levels: a copied
@@ -86,6 +93,7 @@ class TreeControl:
         """Start from what `last` (the same client's previous session) learned; the settings stay this one's."""
         if last is not None:
             self.calibration, self.rtt_ms, self._fit = last.calibration, last.rtt_ms, list(last._fit)
+            self.row_ms = last.row_ms
             self.depth = min(max(last.depth, self.depth_min), self.depth_max)
             self.nodes, self.copy = copy.deepcopy(last.nodes), copy.deepcopy(last.copy)
         return self
@@ -103,6 +111,8 @@ class TreeControl:
         if w <= 0:
             return 0.0
         mx, my = sx / w, sy / w
+        if self.row_ms is not None:  # the cloud's slope; the intercept is this session's
+            return max(0.0, my + self.row_ms * (n + 1 - mx))
         var, cov = sxx / w - mx * mx, sxy / w - mx * my
         r = self.ridge / w
         # slope pulled to the prior's: v1 = v0 / prior_width, with v0 = my - v1 mx
@@ -130,7 +140,7 @@ class TreeControl:
                 best, best_rate = n, rate
         self._since_probe += 1
         capped = cap is not None and cap < self.max_nodes and best >= cap
-        if self._since_probe >= self.probe_every and not capped:
+        if self._since_probe >= self.probe_every and not capped and self.row_ms is None:
             self._since_probe, best = 0, (best + 1) // 2
         return max(best, 1)
 
@@ -159,9 +169,11 @@ class TreeControl:
         self.nodes.observe(block.parents, block.q_probs, kept, counted)
 
     def observe(self, sent: int, predicted: float, accepted_len: int, deepest: int, exchange_ms: float,
-                cloud_ms: float) -> None:
+                cloud_ms: float, row_ms: float = 0.0) -> None:
         """One verified tree round: `predicted` is the sum of the sent nodes' values, `deepest` the depth of
-        the deepest sent node."""
+        the deepest sent node, `row_ms` the cloud's row cost its answer said (0: none)."""
+        if row_ms > 0:
+            self.row_ms = row_ms
         if predicted > 0:
             ratio = min(accepted_len / predicted, 4.0)
             self.calibration = (1 - self.weight) * self.calibration + self.weight * ratio

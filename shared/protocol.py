@@ -237,6 +237,8 @@ class RoundMetrics:
     queue_ms: float = 0.0
     # a token tree: accepted_len / its depth, the longest path it could accept (0 for a chain)
     la_over_depth: float = 0.0
+    # what a further row costs the cloud's forward at the present load, ms (0: not measured yet)
+    row_ms: float = 0.0
 
 
 @dataclass

@@ -57,7 +57,8 @@ def verify_response_from_pb(m: pb.VerifyResponse) -> VerifyResponse:
         target_dist=SparseDist(list(m.target_dist.ids), list(m.target_dist.probs)) if m.HasField("target_dist") else None,
         ctx_len=m.ctx_len, ctx_hash=m.ctx_hash, top_k_ids=[list(row.ids) for row in m.top_k_ids],
         metrics=RoundMetrics(alpha_mean=m.metrics.alpha_mean, la_over_k=m.metrics.la_over_k,
-                             prefill_ms=m.metrics.prefill_ms, queue_ms=m.metrics.queue_ms),
+                             prefill_ms=m.metrics.prefill_ms, queue_ms=m.metrics.queue_ms,
+                             row_ms=m.metrics.row_ms),
         feature=feature_from_pb(m.feature) if m.HasField("feature") else None,
         accepted_nodes=list(m.accepted_nodes),
         states=states_from_pb(m.states) if m.HasField("states") else None, node_budget=m.node_budget)

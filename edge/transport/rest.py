@@ -56,8 +56,8 @@ def verify_response_from_json(d: dict[str, Any]) -> VerifyResponse:
         target_dist=None if dist is None else SparseDist([int(i) for i in dist["ids"]], [float(p) for p in dist["probs"]]),
         ctx_len=int(d["ctx_len"]), ctx_hash=str(d["ctx_hash"]),
         top_k_ids=[[int(i) for i in row] for row in d.get("top_k_ids") or []],
-        metrics=RoundMetrics(**{k: float(m[k]) for k in ("alpha_mean", "la_over_k", "prefill_ms", "queue_ms")
-                                if k in m}),
+        metrics=RoundMetrics(**{k: float(m[k]) for k in ("alpha_mean", "la_over_k", "prefill_ms", "queue_ms",
+                                                                  "row_ms") if k in m}),
         feature=feature_from_json(d.get("feature")),
         accepted_nodes=None if d.get("accepted_nodes") is None else [int(j) for j in d["accepted_nodes"]],
         states=states_from_json(d.get("states")),

@@ -137,18 +137,20 @@ class VerifyRequest(_message.Message):
     def __init__(self, ctx_id: _Optional[str] = ..., ctx_len: _Optional[int] = ..., ctx_hash: _Optional[str] = ..., append_ids: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., q_token_probs: _Optional[_Iterable[float]] = ..., q_dists: _Optional[_Iterable[_Union[SparseDist, _Mapping]]] = ..., draft_kind: _Optional[str] = ..., hard_mask: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., return_top_k: _Optional[int] = ..., request_id: _Optional[str] = ..., sampling_cfg: _Optional[_Union[SamplingConfig, _Mapping]] = ..., check_last: _Optional[bool] = ..., tree: _Optional[bool] = ..., tree_parents: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RoundMetrics(_message.Message):
-    __slots__ = ("alpha_mean", "la_over_k", "prefill_ms", "queue_ms", "la_over_depth")
+    __slots__ = ("alpha_mean", "la_over_k", "prefill_ms", "queue_ms", "la_over_depth", "row_ms")
     ALPHA_MEAN_FIELD_NUMBER: _ClassVar[int]
     LA_OVER_K_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     LA_OVER_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    ROW_MS_FIELD_NUMBER: _ClassVar[int]
     alpha_mean: float
     la_over_k: float
     prefill_ms: float
     queue_ms: float
     la_over_depth: float
-    def __init__(self, alpha_mean: _Optional[float] = ..., la_over_k: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., la_over_depth: _Optional[float] = ...) -> None: ...
+    row_ms: float
+    def __init__(self, alpha_mean: _Optional[float] = ..., la_over_k: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., la_over_depth: _Optional[float] = ..., row_ms: _Optional[float] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("accepted_len", "correction", "next_kind", "target_dist", "ctx_len", "ctx_hash", "top_k_ids", "metrics", "feature", "accepted_nodes", "states", "node_budget")

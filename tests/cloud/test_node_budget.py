@@ -179,6 +179,36 @@ def test_the_open_answer_carries_the_first_rounds_budget(make_service: Any) -> N
 
 
 
+def test_a_new_session_starts_from_its_owners_recent_budgets(make_service: Any) -> None:
+    """Under load (a node must add ~0.7 tokens) the chain reading of the generic prior gives a first round of 1
+    node; once an owner's rounds were given budgets of 5-9 nodes, its next session opens at their median (7),
+    while another owner, and an owner with fewer than `min_rounds` budgets, still opens at the chain reading.
+    Only the last `recent_rounds` budgets count (a load that changed is followed)."""
+    import asyncio
+
+    from shared.config import SamplingConfig
+    from shared.protocol import OpenSessionRequest
+
+    def opened(svc: Any, owner: str) -> int:
+        svc.budget.forward = lambda *a, **k: None  # the load as set
+        return asyncio.run(svc.open_session(OpenSessionRequest([5, 6, 7], SamplingConfig(0.0)), owner)).node_budget
+
+    svc = make_service(max_k=8, max_tree_nodes=32)
+    svc.budget = _budget(80, 70, 0.99)
+    chain = svc.budget.budget(0.8)
+    assert chain == 1
+    for n in (5, 6, 7):
+        svc.budget.given("a", n)
+    assert opened(svc, "a") == chain  # three rounds: not yet
+    for n in (8, 9):
+        svc.budget.given("a", n)
+    assert opened(svc, "a") == 7
+    assert opened(svc, "b") == chain
+    for _ in range(svc.budget.recent_rounds):
+        svc.budget.given("a", 3)
+    assert opened(svc, "a") == 3
+
+
 def test_gpu_cost_reads_the_marginal_row_cost_per_bucket() -> None:
     """A GPU-like cost (flat at 5 ms up to 64 rows, then 0.05 ms a row more): with steps, the row cost at a load
     of 8 rows is the flat stretch's (near 0) where the linear fit over all forwards reads a slope from the

@@ -155,7 +155,7 @@ def response_dict(m: pb.VerifyResponse) -> dict[str, Any]:
         "ctx_len": m.ctx_len, "ctx_hash": m.ctx_hash,
         "top_k_ids": [list(t.ids) for t in m.top_k_ids],
         "metrics": {"alpha_mean": m.metrics.alpha_mean, "la_over_k": m.metrics.la_over_k,
-                    "prefill_ms": m.metrics.prefill_ms, "queue_ms": m.metrics.queue_ms},
+                    "prefill_ms": m.metrics.prefill_ms, "queue_ms": m.metrics.queue_ms, "row_ms": m.metrics.row_ms},
         "accepted_nodes": list(m.accepted_nodes),
         "node_budget": m.node_budget,
     }

@@ -1,7 +1,8 @@
 """The node budget (cloud/node_budget.py, PROTOCOL.md "Node budget") against the real cloud process.
 
 - every verify answer carries a budget between 1 and the cloud's largest round, over REST and gRPC alike, and the
-  cloud reports the forward cost it fitted (GET /v1/model, gRPC GetModel, /metrics);
+  cloud reports the forward cost it fitted (GET /v1/model, gRPC GetModel, /metrics); from the 8th forward on, each
+  answer's metrics.row_ms is that fit's row cost as of the answer (0 before);
 - the edge sends no more nodes than the last answer's budget, chains and trees alike, and its greedy text stays the
   cloud's own greedy text (a transport that lowers every budget to 2 makes the budget bind on this small pair);
 - with the budget off on the edge (an edge that ignores it), rounds keep the edge's own size and are verified as
@@ -41,6 +42,7 @@ def test_answers_carry_a_budget_and_the_cloud_reports_its_fitted_cost(cloud: Clo
             assert out["ctx_len"] == len(S)
         cost = client.model()["forward_cost"]
         assert cost["forwards"] >= 12 and cost["base_ms"] >= 0 and cost["row_ms"] >= 0
+        assert out["metrics"]["row_ms"] == pytest.approx(cost["row_ms"], abs=1e-3)
         assert cost["tokens_per_second"] > 0
     text = httpx.get(f"{cloud.http_url}/metrics").text
     assert "specsplit_cloud_node_budget_count" in text and 'specsplit_cloud_forward_cost_seconds{term="row"}' in text
@@ -53,6 +55,12 @@ class LowBudget:
         self.inner, self.budget = inner, budget
         self.sent: list[int] = []
         self.said: list[int] = []
+        self.opened = 0
+
+    def open_session(self, req: Any, timeout: float) -> Any:
+        info = self.inner.open_session(req, timeout)
+        self.opened = info.node_budget  # the first round's (the cloud's own, not lowered)
+        return info
 
     def verify(self, req: VerifyRequest, timeout: float, sampling: Any = None) -> VerifyResponse:
         self.sent.append(len(req.draft.draft_tokens))
@@ -78,7 +86,7 @@ def test_the_edge_sends_no_more_than_the_budget_and_its_text_stays_the_targets(c
         low = LowBudget(RestTransport(cloud.http_url), 2)
         spec = EdgeClient(s, transport=low, drafter=drafter, tokenizer=tokenizer).generate(prompt)  # type: ignore[arg-type]
         assert spec.token_ids == reference.generate(prompt).token_ids
-        assert low.sent[0] > 2  # the first round, before any budget, is the edge's own size
+        assert 1 <= low.sent[0] <= low.opened  # the first round: the open answer's budget
         assert all(n <= said for n, said in zip(low.sent[1:], low.said, strict=False))
         free = LowBudget(RestTransport(cloud.http_url), 2)
         EdgeClient(s.model_copy(update={"node_budget": False}), transport=free, drafter=drafter,  # type: ignore[arg-type]

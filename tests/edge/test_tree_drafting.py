@@ -84,6 +84,30 @@ def test_controller_sends_more_nodes_over_a_slower_link() -> None:
     assert counts[200.0] > counts[0.0] >= 1
 
 
+def test_the_clouds_row_cost_gives_the_slope_and_no_round_is_spent_probing() -> None:
+    """A cloud whose answers say what a row costs (row_ms): the edge's verify model takes that slope and fits
+    only its intercept, so equal counts (no slope of their own) read as the cloud's row cost, never as the prior's;
+    and no fourth round is halved to measure a slope. A cheap row (a GPU's 0.03 ms beside a 6 ms forward) sends
+    the whole ranked tree of nodes worth anything; a CPU's 50 ms beside 700 sends fewer; the same rounds without
+    row_ms keep probing (every 4th choice halved)."""
+    values = [0.95 ** (i + 1) for i in range(32)]
+    counts = {}
+    for base, row in ((6.0, 0.03), (700.0, 50.0)):
+        ctl = TreeControl(max_nodes=32)
+        for _ in range(6):
+            ctl.observe(8, 6.0, 6, 6, exchange_ms=base + row * 9 + 1, cloud_ms=base + row * 9, row_ms=row)
+        assert abs(ctl.verify_ms(20) - ctl.verify_ms(10) - 10 * row) < 1e-6
+        chosen = [ctl.choose(values) for _ in range(8)]
+        assert len(set(chosen)) == 1  # no probe
+        counts[row] = chosen[0]
+    assert counts[0.03] == 32 > counts[50.0] >= 8
+    silent = TreeControl(max_nodes=32)
+    for _ in range(6):
+        silent.observe(8, 6.0, 6, 6, exchange_ms=751, cloud_ms=750)
+    chosen = [silent.choose(values) for _ in range(8)]
+    assert chosen[3] == (chosen[0] + 1) // 2 and chosen[7] == chosen[3]
+
+
 def test_controller_keeps_a_fixed_count_adapts_depth_and_probes() -> None:
     fixed = TreeControl(fixed_nodes=10)
     assert fixed.choose([0.5] * 32) == 10 and fixed.shape().nodes == 10
