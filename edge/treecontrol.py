@@ -106,10 +106,11 @@ class TreeControl:
         return 1.0 + self.calibration * sum(sorted(values, reverse=True)[:n])
 
     def verify_ms(self, n: int) -> float:
-        """t_verify(n) from the fit (0 before any answer)."""
+        """t_verify(n) from the fit; before any answer, in units of a row: the prior's `prior_width` + n + 1 (so a
+        new edge's first tree is cut where its nodes stop paying at the prior's cost, not sent whole)."""
         w, sx, sy, sxx, sxy = self._fit
         if w <= 0:
-            return 0.0
+            return self.prior_width + n + 1
         mx, my = sx / w, sy / w
         if self.row_ms is not None:  # the cloud's slope; the intercept is this session's
             return max(0.0, my + self.row_ms * (n + 1 - mx))

@@ -84,6 +84,14 @@ def test_controller_sends_more_nodes_over_a_slower_link() -> None:
     assert counts[200.0] > counts[0.0] >= 1
 
 
+def test_a_new_controllers_first_tree_is_cut_where_its_nodes_stop_paying_at_the_priors_cost() -> None:
+    """Before any answer there is no verify fit: the first tree is priced at the prior (a forward of
+    `prior_width` more rows costs twice one), not sent whole. A main path of 8 nodes worth 0.99 each with 24
+    weak siblings worth 0.1: the path alone (8 of 32); a slowly fading path (0.95^i): fewer than all 32."""
+    assert TreeControl(max_nodes=32).choose([0.99] * 8 + [0.1] * 24) == 8
+    assert 8 < TreeControl(max_nodes=32).choose([0.95 ** (i + 1) for i in range(32)]) < 32
+
+
 def test_the_clouds_row_cost_gives_the_slope_and_no_round_is_spent_probing() -> None:
     """A cloud whose answers say what a row costs (row_ms): the edge's verify model takes that slope and fits
     only its intercept, so equal counts (no slope of their own) read as the cloud's row cost, never as the prior's;
