@@ -1,14 +1,18 @@
-"""Target-only generation (POST /v1/generate): no session, one token a scheduler job.
+"""Target-only generation (POST /v1/generate): no session, one scheduler job for the whole generation.
 
 The prompt is prefilled in chunks, then each token is the target's draw at its position, keyed by
-(seed, position) as a k = 0 bonus would be. The generation is admitted as new work when it starts; its
-blocks go back between forwards when it ends, however it ends.
+(seed, position) as a k = 0 bonus would be. The job stays queued from token to token: its finish hands each token
+to the event loop and asks for the next forward itself, so the model thread never waits for the event loop to
+send a token and submit the next step (a job a token left the model thread idle about 5 % of a one-token
+llama.cpp step, BENCHMARKS "cloud_only against llama.cpp's own loop"). The generation is admitted as new work
+when it starts; its blocks go back between forwards when it ends, however it ends (a caller that leaves cancels
+the job before its next forward).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,25 +67,44 @@ async def generate(core: ServiceCore, req: GenerateRequest, owner: str = "") -> 
     reason, prefill_ms, decode_ms, queue_ms = "length", 0.0, 0.0, 0.0
     try:
         with core.admission.new_work(owner):
-            for i in range(max(limit, 0)):
-                step = decode_job(core, st, req, owner, i == 0)
-                job = asyncio.ensure_future(core.worker.submit(step, since=t_start if i == 0 else None))
+            if limit > 0:
+                loop = asyncio.get_running_loop()
+                tokens: asyncio.Queue[tuple[int, float]] = asyncio.Queue()
+                step = decode_job(core, st, req, owner, limit,
+                                  lambda tok, ms: loop.call_soon_threadsafe(tokens.put_nowait, (tok, ms)))
+                job = asyncio.ensure_future(core.worker.submit(step, since=t_start))
+                got: asyncio.Future[tuple[int, float]] | None = None
                 try:
-                    (tok, ms), waited = await asyncio.shield(job)
+                    i = 0
+                    while True:
+                        got = asyncio.ensure_future(tokens.get())
+                        await asyncio.wait({got, job}, return_when=asyncio.FIRST_COMPLETED)
+                        if not got.done():  # the job ended: its last tokens are already queued
+                            got.cancel()
+                            if tokens.empty():
+                                (_, waited) = job.result()  # raises the job's error
+                                queue_ms = waited
+                                break
+                            got = asyncio.ensure_future(tokens.get())
+                            await got
+                        tok, ms = got.result()
+                        prefill_ms, decode_ms = (ms, decode_ms) if i == 0 else (prefill_ms, decode_ms + ms)
+                        i += 1
+                        core.metrics.generated.inc()
+                        core.budget.committed(1)
+                        yield GenerateEvent(token_id=tok)
+                        if req.stop_at_eos and tok in core.info.eos_ids:
+                            reason = "eos"
                 except BaseException:
-                    await core.abandon(step, job)  # the slot is released once the model let go of it
+                    if got is not None and not got.done():
+                        got.cancel()
+                    if not job.done():
+                        await core.abandon(step, job)  # the slot is released once the model let go of it
                     raise
-                prefill_ms, decode_ms = (ms, decode_ms) if i == 0 else (prefill_ms, decode_ms + ms)
-                queue_ms += waited
-                core.metrics.generated.inc()
-                core.budget.committed(1)
-                yield GenerateEvent(token_id=tok)
-                if req.stop_at_eos and tok in core.info.eos_ids:
-                    reason = "eos"
-                    break
-            else:
-                if limit < req.max_new_tokens:
+                if reason != "eos" and limit < req.max_new_tokens:
                     reason = "context"
+            elif limit < req.max_new_tokens:
+                reason = "context"
     finally:
         core.worker.between_batches(lambda: core.room.end_generate(st))
         core.worker.forget(f"generate-{id(st)}")
@@ -91,27 +114,38 @@ async def generate(core: ServiceCore, req: GenerateRequest, owner: str = "") -> 
                                  "total_ms": (core.clock() - t_start) * 1000.0, "stop_reason": reason})
 
 
-def decode_job(core: ServiceCore, st: DecodeState, req: GenerateRequest, owner: str,
-               first: bool) -> Job[tuple[int, float]]:
-    """One target-only token (a long prompt first runs in chunks); result (token, forward ms)."""
+def decode_job(core: ServiceCore, st: DecodeState, req: GenerateRequest, owner: str, limit: int,
+               emit: Callable[[int, float], object]) -> Job[int]:
+    """The whole generation as one job: the prompt in chunks, then a token a forward, each handed to `emit`
+    (token, ms of the forwards since the last token) on the model thread; it stays queued (PENDING) until
+    `limit` tokens or an eos token with stop_at_eos, then answers the token count."""
     room, model = core.room, core.model
     rows: list[Row] = []
     spent = [0.0]
+    made = [0]
 
     def plan(budget: int) -> Row:
         rows[:] = [st.plan(model.pool, budget)]
         room.in_forward.add(id(st))
         return rows[0]
 
-    def finish(logits: Any, ms: float) -> tuple[int, float] | Pending:
+    def finish(logits: Any, ms: float) -> int | Pending:
         room.in_forward.discard(id(st))
         spent[0] += ms
         tok = st.step(model.pool, rows[0], logits, req.sampling_cfg, req.seed, job.p)
-        if tok is None and st not in room.gen_prefilling:  # its next chunk waits for a later forward
-            room.gen_prefilling.append(st)
-        elif tok is not None:
+        if tok is None:  # its next chunk waits for a later forward
+            if st not in room.gen_prefilling:
+                room.gen_prefilling.append(st)
+            return PENDING
+        if made[0] == 0:
             room.forget_generate(st)
-        return PENDING if tok is None else (tok, spent[0])
+            job.kind = DECODE  # running work from now on
+        made[0] += 1
+        emit(tok, spent[0])
+        spent[0] = 0.0
+        if made[0] >= limit or (req.stop_at_eos and tok in core.info.eos_ids):
+            return made[0]
+        return PENDING
 
     def abort() -> None:
         room.in_forward.discard(id(st))
@@ -123,7 +157,7 @@ def decode_job(core: ServiceCore, st: DecodeState, req: GenerateRequest, owner: 
         room.in_forward.discard(id(st))
         st.unplan(model.pool)
 
-    job: Job[tuple[int, float]] = Job(
-        plan=plan, finish=finish, abort=abort, key=f"generate-{id(st)}", kind=PREFILL if first else DECODE,
+    job: Job[int] = Job(
+        plan=plan, finish=finish, abort=abort, key=f"generate-{id(st)}", kind=PREFILL,
         owner=owner, unplan=unplan, sampling=lambda _: RowSampling(req.sampling_cfg, st.ids))
     return job

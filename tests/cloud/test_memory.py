@@ -85,7 +85,8 @@ def test_a_generate_prompt_half_prefilled_gives_its_blocks_back_and_its_token_is
     req = GenerateRequest(text[:100], GREEDY, max_new_tokens=1)
 
     def run(st: DecodeState, disturb: bool) -> int:
-        job = decode_job(svc, st, req, "", True)
+        emitted: list[int] = []
+        job = decode_job(svc, st, req, "", 1, lambda tok, ms: emitted.append(tok))
         out: Any = PENDING
         chunks = 0
         while out is PENDING:
@@ -102,7 +103,8 @@ def test_a_generate_prompt_half_prefilled_gives_its_blocks_back_and_its_token_is
                 job.unplan()
         assert st not in svc.room.gen_prefilling
         svc.room.end_generate(st)
-        return int(out[0])
+        assert out == 1 and len(emitted) == 1
+        return emitted[0]
 
     disturbed = svc.worker.call_sync(lambda: run(DecodeState(list(text[:100]), salt=b"g"), True))
     clean = svc.worker.call_sync(lambda: run(DecodeState(list(text[:100]), salt=b"h"), False))

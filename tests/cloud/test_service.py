@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
@@ -316,6 +317,59 @@ def test_generate_is_the_target_alone_with_position_keyed_draws(make_service: Ca
         p = processed_probs(tiny_reference.logits(ref, 1), CFG, ref)[0]  # [vocab]
         ref.append(sample_index(p.double(), position_uniform(21, len(ref) + 1, SAMPLE)))
     assert gen == by_rounds == ref[len(prompt):]
+
+
+def test_a_generation_is_one_job_whose_tokens_need_no_event_loop_between_forwards(
+        make_service: Callable[..., VerifierService], prompt: list[int]) -> None:
+    """The whole generation is one scheduler job: while the event loop is blocked after the first token, the
+    model thread still runs every further forward (the tokens arrive all at once afterwards, in order, with the
+    same text as an unblocked run), and a caller that leaves mid-generation stops it with its blocks back."""
+    svc = make_service()
+    req = GenerateRequest(prompt, CFG, seed=3, max_new_tokens=6, stop_at_eos=False)
+    submits = []
+    submit = svc.worker.submit
+
+    def counted(job: Any, since: float | None = None) -> Any:
+        submits.append(job)
+        return submit(job, since)
+
+    svc.worker.submit = counted  # type: ignore[method-assign]
+
+    async def blocked() -> list[int]:
+        out = []
+        async for e in svc.start_generate(req, ""):
+            if e.token_id is not None:
+                out.append(e.token_id)
+                if len(out) == 1:
+                    time.sleep(1.0)  # the event loop blocked: no step could be submitted from here
+        return out
+
+    async def plain() -> list[int]:
+        return [e.token_id async for e in svc.start_generate(req, "") if e.token_id is not None]
+
+    forwards: list[float] = []
+    on_batch = svc.worker.on_batch
+
+    def timed(b: Any) -> None:
+        forwards.append(time.monotonic())
+        on_batch(b)
+
+    svc.worker.on_batch = timed
+    t0 = time.monotonic()
+    first = run(blocked())
+    assert len(submits) == 1 and len(first) == 6
+    assert sum(t < t0 + 0.9 for t in forwards) >= 6  # prompt + 6 tokens' forwards ran while the loop slept
+    assert run(plain()) == first
+
+    async def leave() -> None:
+        async for e in svc.start_generate(GenerateRequest(prompt, CFG, max_new_tokens=50, stop_at_eos=False), ""):
+            if e.token_id is not None:
+                break
+        await svc.worker.run(lambda: None)
+        await svc.worker.run(lambda: None)
+
+    run(leave())
+    assert svc.worker.call_sync(lambda: svc.model.pool.manager.seqs) == {}
 
 
 def test_generate_checks_its_request_before_streaming(make_service: Callable[..., VerifierService]) -> None:
