@@ -35,7 +35,7 @@ from shared.kvpool import KVPool, Row
 from shared.protocol import RoundMetrics, SparseDist, VerifyRequest, VerifyResponse
 from shared.rng import SAMPLE, position_uniform, sample_index
 from shared.sampling import RowSampling, processed_probs
-from shared.tree import TreeOutcome, check_tree, depths, verify_tree
+from shared.tree import TreeOutcome, check_tree, depths, is_chain, verify_tree
 from shared.verify import VerifyOutcome, check_draft, dense_from_sparse, verify_round
 
 HASH_RE = re.compile(r"[0-9a-f]{16}")
@@ -221,8 +221,13 @@ def plan_round(session: Session, req: VerifyRequest, fp: str) -> RoundPlan | Ver
     c = min(session.kv_len, m, L - 1)
     fed = req.draft.draft_tokens[:-1] if req.check_last else req.draft.draft_tokens  # check_last: y_k is not run
     tree = req.draft.tree_parents
-    row = Row(slot, c, list(new.ids[c:]) + fed, keep=len(fed) + 1,  # a tree's nodes are stored after S'
-              tree=None if tree is None else tuple(tree), tree_base=L)
+    # a tree's nodes are stored after S'; a tree of one branch (each node the child of the one before) runs as the
+    # chain it is: its nodes sit at the offsets and positions a chain's would, and the chain's attention is cheaper
+    # (1-3 % of a forward of 4-16 nodes on a CPU, `python -m bench.tree_cost`) for the same logits (the
+    # batch-invariant kernels give a tree node the sums of its path run as a chain, shared/invariant.py); the
+    # round is still verified and answered as the tree the edge sent
+    row = Row(slot, c, list(new.ids[c:]) + fed, keep=len(fed) + 1,
+              tree=None if tree is None or is_chain(tree) else tuple(tree), tree_base=L)
     return RoundPlan(new, c, row, fp, tree=tree)
 
 

@@ -175,3 +175,51 @@ def test_rejected_nodes_give_their_blocks_back(make_service: Callable[..., objec
     pool.manager.check()
     kv_len = len(S) - 1  # the last committed token has no KV yet
     assert pool.manager.used == -(-kv_len // 4)
+
+
+def test_a_one_branch_tree_runs_as_a_chain(make_service: Callable[..., object],
+                                           tiny_reference: CausalLM) -> None:
+    """A tree whose every node is the child of the one before is forwarded as a chain row (no tree in the row the
+    model runs), is answered as the tree it was (accepted_nodes, depth), and commits what the same drafts sent
+    as a chain commit. The swap is exact because a chain-shaped tree row and a chain row give bitwise equal
+    logits on the batch-invariant runner (checked here on the tiny target directly); without the swap the spy
+    sees the tree."""
+    from cloud.rest import create_app
+    from shared.kvpool import Row
+
+    svc = make_service()
+    model = svc.model  # type: ignore[attr-defined]
+    seen: list[tuple[int, ...] | None] = []
+    forward = model.forward
+
+    def spy(rows: list[Row]) -> list[torch.Tensor]:
+        seen.extend(r.tree for r in rows if r.keep > 1)
+        return forward(rows)
+
+    model.forward = spy
+    c = TestClient(create_app(svc))  # type: ignore[arg-type]
+    truth = greedy_text(tiny_reference, PROMPT, 6)
+    drafts = truth[:3] + [decoys(set(truth), 1, 500)[0]]  # three kept, the fourth rejected
+    answers = []
+    for tree in (True, False):
+        sid = c.post("/v1/sessions", json={"prompt_ids": PROMPT, "sampling_cfg": {"temperature": 0}}).json()["ctx_id"]
+        body = {"ctx_id": sid, "ctx_len": len(PROMPT), "ctx_hash": ctx_hash(PROMPT), "append_ids": [],
+                "draft_tokens": drafts, "q_token_probs": [0.5] * 4, "k": 4,
+                **({"tree_parents": [-1, 0, 1, 2]} if tree else {})}
+        answers.append(c.post("/v1/verify", json=body).json())
+    model.forward = forward
+    assert seen == [None, None], seen
+    as_tree, as_chain = answers
+    assert as_tree["accepted_nodes"] == [0, 1, 2] and as_tree["accepted_len"] == as_chain["accepted_len"] == 3
+    assert as_tree["correction"] == as_chain["correction"] == truth[3]
+
+    s = model.pool.allocate()  # the equality the swap rests on, on the same runner
+    ids = PROMPT + drafts
+    outs = []
+    for tree in ((-1, 0, 1, 2), None):
+        model.forward([Row(s, 0, PROMPT[:-1], 0)])
+        outs.append(model.forward([Row(s, len(PROMPT) - 1, ids[len(PROMPT) - 1:], 5, tree=tree,
+                                       tree_base=len(PROMPT))])[0])
+        model.pool.crop(s, 0)
+    model.pool.release(s)
+    assert torch.equal(outs[0], outs[1])
