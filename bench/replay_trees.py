@@ -3,10 +3,12 @@ for the edge's own count (edge/treecontrol.py), with no cloud. Greedy verificati
 accepted nodes are the longest path matching the reference text; its cost is priced as `base + row x rows` (the
 cloud's fit). Reads bench/results/capacity_curve_trees.json, which `specsplit-bench --only capacity-curve` leaves.
 
-    python -m bench.replay_trees [--base-ms 370] [--row-ms 44] [--fresh]
+    python -m bench.replay_trees [--base-ms 370] [--row-ms 44] [--fresh] [--seeded]
 
 --fresh starts every session with a new controller (as the curve's workers at 16 sessions and more do); without it
-each session carries the last one's (TreeControl.carry).
+each session carries the last one's (TreeControl.carry). --seeded starts each new controller's acceptance by q from
+the pool of every earlier session's rounds, as the cloud's open answer gives it (`node_acceptance`,
+shared/node_value.py).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from bench.capacity_curve import cut
 from bench.cloud_proc import REPO
 from edge.drafters.base import DraftBlock
 from edge.treecontrol import TreeControl
+from shared.node_value import NodeCalibration
 from shared.tree import depths
 
 N_NEW = 32
@@ -36,13 +39,17 @@ def accepted(tokens: list[int], parents: list[int], ref: list[int]) -> list[int]
     return kept
 
 
-def replay(tables: list[dict[str, Any]], policy: str, base: float, row: float, fresh: bool) -> tuple[float, float, float]:
+def replay(tables: list[dict[str, Any]], policy: str, base: float, row: float, fresh: bool,
+           seeded: bool = False) -> tuple[float, float, float]:
     """Tokens a round, rows a round, and tokens per second of priced cost, over every table."""
     tokens = rows = rounds = 0
     ctl: TreeControl | None = None
+    pool = NodeCalibration()  # every round's nodes, as the cloud pools one key's
     for t in tables:
         ref = t["reference"]
         ctl = TreeControl(max_nodes=32, copy_branches=False).carry(None if fresh else ctl)
+        if seeded:
+            ctl.nodes.seed(*pool.counts())
         pos = 0
         while pos < N_NEW:
             tree = t["trees"][pos]
@@ -60,6 +67,7 @@ def replay(tables: list[dict[str, Any]], policy: str, base: float, row: float, f
                 ctl.observe(len(toks), sum(sorted(tree["values"], reverse=True)[:len(toks)]), len(kept),
                             max(depths(par), default=0), ms, ms, row)
                 ctl.observe_nodes(DraftBlock(toks, q, "sampled", parents=par), kept)
+                pool.observe(par, q, [j in kept for j in range(len(toks))])
             tokens, rows, rounds, pos = tokens + len(kept) + 1, rows + len(toks) + 1, rounds + 1, pos + len(kept) + 1
     return tokens / rounds, rows / rounds, 1000 * tokens / (rounds * base + rows * row)
 
@@ -69,10 +77,11 @@ def main() -> None:
     p.add_argument("--base-ms", type=float, default=370.0)
     p.add_argument("--row-ms", type=float, default=44.0)
     p.add_argument("--fresh", action="store_true")
+    p.add_argument("--seeded", action="store_true")
     args = p.parse_args()
     tables = json.loads((REPO / "bench" / "results" / "capacity_curve_trees.json").read_text())["tables"]
     for policy in ("chain-4", "chain-8", "tree-8", "tree-16", "edge"):
-        tpr, rpr, rate = replay(tables, policy, args.base_ms, args.row_ms, args.fresh)
+        tpr, rpr, rate = replay(tables, policy, args.base_ms, args.row_ms, args.fresh, args.seeded)
         print(f"{policy:8s} tokens a round {tpr:.2f}, rows a round {rpr:.2f}, tokens per s of priced cost {rate:.3f}")
 
 

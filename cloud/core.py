@@ -38,7 +38,7 @@ from cloud.settings import CloudSettings
 from cloud.store import CLOSED, SessionStore
 from shared.errors import InvalidArgument, NotFound, Unauthenticated, Unavailable
 from shared.features import ENCODINGS
-from shared.protocol import ModelInfo, SessionInfo
+from shared.protocol import ModelInfo, NodeAcceptance, SessionInfo
 
 # the service's log lines keep the logger name they have always had
 log = logging.getLogger("cloud.service")
@@ -221,6 +221,15 @@ class ServiceCore:
         0 with --node-budget false)."""
         return self.budget.first_budget(s.owner, s.acceptance.alpha) if self.settings.node_budget else 0
 
+    def open_acceptance(self, s: Session) -> NodeAcceptance | None:
+        """The open answer's node acceptance: the owner's pooled one (cloud/node_budget.py), which the new session's
+        own starts from as the edge's does (None before the owner's first round, or with --node-budget false)."""
+        pooled = self.budget.pooled(s.owner) if self.settings.node_budget else None
+        if pooled is None:
+            return None
+        s.acceptance.nodes.seed(*pooled)
+        return NodeAcceptance(*pooled)
+
     def node_budget(self, s: Session, accepted: int, depth: int, committed: int, parents: list[int],
                     q: list[float], kept: list[bool]) -> int:
         """A verified round's committed tokens counted, the session's acceptance updated, and its next budget
@@ -231,6 +240,7 @@ class ServiceCore:
         s.acceptance.nodes.observe(parents, q, kept)
         if not self.settings.node_budget:
             return 0
+        self.budget.pool(s.owner, parents, q, kept)
         n = self.budget.budget(s.acceptance.alpha, s.acceptance.nodes.expected(parents, q))
         self.budget.given(s.owner, n)
         self.metrics.node_budget.observe(n)

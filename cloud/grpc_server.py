@@ -130,6 +130,9 @@ def info_to_pb(i: SessionInfo) -> pb.SessionInfo:
         out.feature.CopyFrom(feature_to_pb(i.feature))
     if i.states is not None:
         out.states.CopyFrom(states_to_pb(i.states))
+    if i.node_acceptance is not None:
+        out.node_acceptance.kept.extend(i.node_acceptance.kept)
+        out.node_acceptance.tried.extend(i.node_acceptance.tried)
     return out
 
 

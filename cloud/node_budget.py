@@ -38,7 +38,10 @@ its owner's (API key's) recent rounds were given (`first_budget`; the last `rece
 one list per key, "" when auth is off): a key's sessions mostly share a draft and see the same load, so their
 recent budgets are what a round of theirs is worth now, where the generic prior (alpha 0.8 read as a chain's)
 gives 2-5 nodes under load and a session of four or five rounds spends them ramping by half again a round. Before
-`min_rounds` rounds of the key are known, the chain reading stands. (A pooled acceptance read as a chain's was
+`min_rounds` rounds of the key are known, the chain reading stands. The open answer also carries the key's pooled
+acceptance by q (`pooled`, every round of the key's sessions): the new session's nodes are valued from it on both
+sides (`NodeCalibration.seed`, shared/node_value.py) where a new session read its draft as calibrated, and sent
+second branches a greedy target rarely keeps instead of the main path it nearly always keeps. (A pooled acceptance read as a chain's was
 tried first: kept rounds cut short by the budget read as alpha near 1 and gave 64 nodes, BENCHMARKS "The capacity
 curve"; budgets already answer the question of how many nodes a round at this load is worth.)
 
@@ -202,6 +205,8 @@ class NodeBudget:
     recent_rounds: int = 32
     min_rounds: int = 4
     _recent: dict[str, deque[int]] = field(default_factory=dict)
+    # each owner's acceptance by q over all its sessions' rounds (a new session's prior, module docstring)
+    _pooled: dict[str, NodeCalibration] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def forward(self, rows: int, prefill_tokens: int, seconds: float, jobs: int = 1) -> None:
@@ -248,6 +253,18 @@ class NodeBudget:
         """A verified round of one of `owner`'s sessions was given the budget `n`."""
         with self._lock:
             self._recent.setdefault(owner, deque(maxlen=self.recent_rounds)).append(n)
+
+    def pool(self, owner: str, parents: list[int], q: list[float], kept: list[bool]) -> None:
+        """A verified round's nodes into its owner's pooled acceptance."""
+        with self._lock:
+            self._pooled.setdefault(owner, NodeCalibration()).observe(parents, q, kept)
+
+    def pooled(self, owner: str) -> tuple[list[float], list[float]] | None:
+        """The owner's pooled acceptance (per tenth of q: nodes accepted, nodes tried); None before any node."""
+        with self._lock:
+            c = self._pooled.get(owner)
+            kept, tried = c.counts() if c is not None else ([], [])
+        return (kept, tried) if sum(tried) > 0 else None
 
     def first_budget(self, owner: str, alpha: float) -> int:
         """A new session's first round: the median of its owner's recent rounds' budgets, or with fewer than

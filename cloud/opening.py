@@ -106,6 +106,7 @@ async def open_new(core: ServiceCore, req: OpenSessionRequest, owner: str) -> Se
                                                  "prompt_len": len(req.prompt_ids), "prefill_ms": round(ms, 3)}})
     info = core.session_info(s)
     info.node_budget = core.open_budget(s)
+    info.node_acceptance = core.open_acceptance(s)
     if first:  # the prompt's last states: the whole window's, or the last one as the feature
         h = torch.cat(first)[-max(window, 1):]  # [n, d]
         if window:

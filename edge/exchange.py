@@ -26,6 +26,7 @@ from shared.features import decode_feature, decode_states, feature_bytes, states
 from shared.hashing import FNV_OFFSET, hash_hex, prefix_hashes
 from shared.protocol import (
     DraftProposal,
+    NodeAcceptance,
     OpenSessionRequest,
     SparseDist,
     TargetFeature,
@@ -138,6 +139,7 @@ class CloudSession:
         # the cloud's node budget from its last answer or open (0: none said): the next round sends at most this
         # many draft nodes, a chain's k or a tree's nodes (cloud/node_budget.py; it never changes the text)
         self.node_budget = 0
+        self.node_acceptance: NodeAcceptance | None = None
         self._budget = 0
         # lowest crop point of a request whose answer was dropped: the cloud's S below it is ours
         self._stale_floor = NO_STALE
@@ -165,6 +167,7 @@ class CloudSession:
                         info.numerics, self.numerics, len(self.S))
         self.numerics = info.numerics or self.numerics
         self.node_budget = info.node_budget  # the first round's (0: none said)
+        self.node_acceptance = info.node_acceptance  # the key's pooled acceptance by q (None: none said)
         self._stale_floor = NO_STALE
         self._take_feature(info.feature, opened=True)
         self._take_states(info.states, opened=True)

@@ -122,6 +122,14 @@ class ModelInfo:
 
 
 @dataclass
+class NodeAcceptance:
+    """An API key's draft nodes of its recent rounds, per tenth of their q: how many (decayed by round) were tried
+    (their parent accepted) and accepted (shared/node_value.py)."""
+    kept: list[float]
+    tried: list[float]
+
+
+@dataclass
 class SessionInfo:
     # unguessable session id
     ctx_id: str
@@ -139,6 +147,9 @@ class SessionInfo:
     node_budget: int = 0
     # the open answer's ModelInfo.tokenizer_fingerprint: what the session's ids mean ("" = an older cloud)
     tokenizer_fingerprint: str = ""
+    # the open answer: the acceptance of the owner's (API key's) recent draft nodes, a new session's prior for the
+    # value of its nodes (None: none said)
+    node_acceptance: NodeAcceptance | None = None
     # the open answer of a session that asked for features: the state after the whole prompt
     feature: TargetFeature | None = None
     # the open answer of a session with a feature_window: the last prompt positions' states

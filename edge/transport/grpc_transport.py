@@ -16,6 +16,7 @@ from shared.features import ENCODINGS
 from shared.pb import verify_pb2 as pb
 from shared.pb import verify_pb2_grpc as pb_grpc
 from shared.protocol import (
+    NodeAcceptance,
     OpenSessionRequest,
     RoundMetrics,
     SessionInfo,
@@ -82,7 +83,9 @@ def session_from_pb(m: pb.SessionInfo) -> SessionInfo:
                        counters=counters, numerics=m.numerics, node_budget=m.node_budget,
                        tokenizer_fingerprint=m.tokenizer_fingerprint,
                        feature=feature_from_pb(m.feature) if m.HasField("feature") else None,
-                       states=states_from_pb(m.states) if m.HasField("states") else None)
+                       states=states_from_pb(m.states) if m.HasField("states") else None,
+                       node_acceptance=NodeAcceptance(list(m.node_acceptance.kept), list(m.node_acceptance.tried))
+                       if m.HasField("node_acceptance") else None)
 
 
 def streamed_from_pb(m: pb.StreamSessionEvent) -> StreamedToken | StreamDone:

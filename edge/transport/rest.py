@@ -15,6 +15,7 @@ from shared.config import SamplingConfig
 from shared.errors import InvalidArgument
 from shared.features import feature_from_json, states_from_json
 from shared.protocol import (
+    NodeAcceptance,
     OpenSessionRequest,
     RoundMetrics,
     SessionInfo,
@@ -70,7 +71,14 @@ def session_from_json(d: dict[str, Any]) -> SessionInfo:
                        vocab_size=int(d.get("vocab_size", 0)), counters=dict(d.get("counters") or {}),
                        numerics=str(d.get("numerics") or ""), node_budget=int(d.get("node_budget") or 0),
                        tokenizer_fingerprint=str(d.get("tokenizer_fingerprint") or ""),
-                       feature=feature_from_json(d.get("feature")), states=states_from_json(d.get("states")))
+                       feature=feature_from_json(d.get("feature")), states=states_from_json(d.get("states")),
+                       node_acceptance=acceptance_from_json(d.get("node_acceptance")))
+
+
+def acceptance_from_json(d: Any) -> NodeAcceptance | None:
+    if not isinstance(d, dict):
+        return None
+    return NodeAcceptance([float(x) for x in d.get("kept") or []], [float(x) for x in d.get("tried") or []])
 
 
 def streamed_from_json(event: str, d: dict[str, Any]) -> StreamedToken | StreamDone:

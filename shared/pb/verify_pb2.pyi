@@ -71,7 +71,7 @@ class OpenSessionRequest(_message.Message):
     def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., sampling_cfg: _Optional[_Union[SamplingConfig, _Mapping]] = ..., seed: _Optional[int] = ..., correction: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., feature_encoding: _Optional[str] = ..., feature_window: _Optional[int] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
-    __slots__ = ("ctx_id", "ctx_len", "ctx_hash", "vocab_size", "counters_json", "feature", "states", "numerics", "node_budget", "tokenizer_fingerprint")
+    __slots__ = ("ctx_id", "ctx_len", "ctx_hash", "vocab_size", "counters_json", "feature", "states", "numerics", "node_budget", "tokenizer_fingerprint", "node_acceptance")
     CTX_ID_FIELD_NUMBER: _ClassVar[int]
     CTX_LEN_FIELD_NUMBER: _ClassVar[int]
     CTX_HASH_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +82,7 @@ class SessionInfo(_message.Message):
     NUMERICS_FIELD_NUMBER: _ClassVar[int]
     NODE_BUDGET_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    NODE_ACCEPTANCE_FIELD_NUMBER: _ClassVar[int]
     ctx_id: str
     ctx_len: int
     ctx_hash: str
@@ -92,7 +93,16 @@ class SessionInfo(_message.Message):
     numerics: str
     node_budget: int
     tokenizer_fingerprint: str
-    def __init__(self, ctx_id: _Optional[str] = ..., ctx_len: _Optional[int] = ..., ctx_hash: _Optional[str] = ..., vocab_size: _Optional[int] = ..., counters_json: _Optional[str] = ..., feature: _Optional[_Union[TargetFeature, _Mapping]] = ..., states: _Optional[_Union[TargetStates, _Mapping]] = ..., numerics: _Optional[str] = ..., node_budget: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ...) -> None: ...
+    node_acceptance: NodeAcceptance
+    def __init__(self, ctx_id: _Optional[str] = ..., ctx_len: _Optional[int] = ..., ctx_hash: _Optional[str] = ..., vocab_size: _Optional[int] = ..., counters_json: _Optional[str] = ..., feature: _Optional[_Union[TargetFeature, _Mapping]] = ..., states: _Optional[_Union[TargetStates, _Mapping]] = ..., numerics: _Optional[str] = ..., node_budget: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., node_acceptance: _Optional[_Union[NodeAcceptance, _Mapping]] = ...) -> None: ...
+
+class NodeAcceptance(_message.Message):
+    __slots__ = ("kept", "tried")
+    KEPT_FIELD_NUMBER: _ClassVar[int]
+    TRIED_FIELD_NUMBER: _ClassVar[int]
+    kept: _containers.RepeatedScalarFieldContainer[float]
+    tried: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, kept: _Optional[_Iterable[float]] = ..., tried: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class TopIds(_message.Message):
     __slots__ = ("ids",)

@@ -209,6 +209,48 @@ def test_a_new_session_starts_from_its_owners_recent_budgets(make_service: Any) 
     assert opened(svc, "a") == 3
 
 
+def test_a_new_session_values_its_nodes_from_its_owners_pooled_acceptance(make_service: Any) -> None:
+    """The open answer carries the acceptance by q of every round of the owner's sessions, and the new session's own
+    acceptance starts from it, each bin's weight cut to SEED_NODES with its share kept: after rounds whose main path
+    (q 0.55) was always kept and whose sibling (q 0.35) never, a new session of that owner values a q-0.55 node at
+    8/(8+2) + 2 x 0.55/(8+2) (not the calibrated 0.55) and a q-0.35 one at 2 x 0.35/(8+2); another owner, and a
+    cloud with --node-budget false, give none and start calibrated. The wire forms carry the counts whole."""
+    import asyncio
+    from dataclasses import asdict
+
+    from cloud.grpc_server import info_to_pb
+    from edge.transport.grpc_transport import session_from_pb
+    from edge.transport.rest import session_from_json
+    from shared.config import SamplingConfig
+    from shared.node_value import SEED_NODES
+    from shared.protocol import OpenSessionRequest
+
+    def opened(svc: Any, owner: str) -> Any:
+        svc.budget.forward = lambda *a, **k: None
+        info = asyncio.run(svc.open_session(OpenSessionRequest([5, 6, 7], SamplingConfig(0.0)), owner))
+        return info, svc.store.get(info.ctx_id, owner)
+
+    svc = make_service(max_k=8, max_tree_nodes=32)
+    svc.budget = _budget(80, 70, 0.99)
+    info, s = opened(svc, "a")
+    assert info.node_acceptance is None and s.acceptance.nodes.conditional(0.55) == pytest.approx(0.55)
+    for _ in range(30):  # rounds of other sessions of "a": a path of three at q 0.55, a sibling at q 0.35
+        svc.node_budget(s, 3, 3, 4, [-1, 0, 1, 0], [0.55, 0.55, 0.55, 0.35], [True, True, True, False])
+    info, s = opened(svc, "a")
+    acc = info.node_acceptance
+    assert acc is not None and acc.tried[5] > acc.tried[3] > SEED_NODES and acc.kept[3] == 0
+    w = 2.0  # NodeCalibration.prior_nodes
+    assert s.acceptance.nodes.conditional(0.55) == pytest.approx((SEED_NODES + w * 0.55) / (SEED_NODES + w))
+    assert s.acceptance.nodes.conditional(0.35) == pytest.approx(w * 0.35 / (SEED_NODES + w))
+    back = session_from_pb(info_to_pb(info)).node_acceptance
+    assert back is not None and back.kept == pytest.approx(acc.kept) and back.tried == pytest.approx(acc.tried)
+    assert session_from_json(asdict(info)).node_acceptance == acc
+    other, t = opened(svc, "b")
+    assert other.node_acceptance is None and t.acceptance.nodes.conditional(0.55) == pytest.approx(0.55)
+    off = make_service(node_budget=False)
+    assert opened(off, "a")[0].node_acceptance is None
+
+
 def test_gpu_cost_reads_the_marginal_row_cost_per_bucket() -> None:
     """A GPU-like cost (flat at 5 ms up to 64 rows, then 0.05 ms a row more): with steps, the row cost at a load
     of 8 rows is the flat stretch's (near 0) where the linear fit over all forwards reads a slope from the

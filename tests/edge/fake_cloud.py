@@ -22,6 +22,7 @@ from shared.errors import ContextMismatch, InvalidArgument, NotFound, SpecSplitE
 from shared.hashing import ctx_hash
 from shared.protocol import (
     DraftProposal,
+    NodeAcceptance,
     OpenSessionRequest,
     RoundMetrics,
     SessionInfo,
@@ -76,6 +77,8 @@ class FakeCloud:
     open_budget: int = 0
     # the tokenizer fingerprint the model info and the open answers carry ("": none, as an older cloud)
     tokenizer_fingerprint: str = ""
+    # the pooled node acceptance the open answers carry (None: none said)
+    open_acceptance: NodeAcceptance | None = None
 
     def __post_init__(self) -> None:
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir).eval()
@@ -133,7 +136,8 @@ class FakeCloud:
         if f is not None:
             raise f.error
         return SessionInfo(ctx_id, len(req.prompt_ids), ctx_hash(req.prompt_ids), self.vocab, numerics=self.numerics,
-                           node_budget=self.open_budget, tokenizer_fingerprint=self.tokenizer_fingerprint)
+                           node_budget=self.open_budget, tokenizer_fingerprint=self.tokenizer_fingerprint,
+                           node_acceptance=self.open_acceptance)
 
     def verify(self, req: VerifyRequest, timeout: float, sampling: SamplingConfig | None = None) -> VerifyResponse:
         f = self._enter("verify")

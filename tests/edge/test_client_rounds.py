@@ -99,6 +99,35 @@ def test_the_first_round_obeys_the_open_answers_budget(make_client, fake_cloud: 
     assert tree.generate(PROMPTS[0]).rounds[0].k > 2
 
 
+def test_a_new_tree_controller_values_its_nodes_from_the_open_answers_acceptance(
+        model_drafter: ModelDrafter, fake_cloud: FakeCloud) -> None:
+    """The open answer's pooled node acceptance seeds a tree controller that has seen nothing of its own: a q-0.55
+    node then reads the pool's share (never kept: 2 x 0.55 / 10 with the prior's two nodes), not the calibrated
+    0.55; a controller with rounds of its own (carried from the client's last session) keeps its own; an open
+    answer without one leaves a new controller calibrated."""
+    from edge.exchange import RecoveryPolicy, SessionParams
+    from edge.metrics import EdgeMetrics
+    from edge.round_control import KController
+    from edge.speculative import SpeculativeRun
+    from edge.treecontrol import TreeControl
+    from shared.config import SamplingConfig
+    from shared.protocol import NodeAcceptance
+
+    def opened(tree: TreeControl) -> TreeControl:
+        run = SpeculativeRun(fake_cloud, model_drafter, SessionParams(SamplingConfig(temperature=0.0), 1),
+                             KController(), EdgeMetrics(), RecoveryPolicy(), tree=tree)
+        run.open([5, 6, 7], 8)
+        return tree
+
+    fake_cloud.open_acceptance = NodeAcceptance([0.0] * 10, [10.0] * 10)
+    assert opened(TreeControl()).nodes.conditional(0.55) == pytest.approx(2 * 0.55 / 10)
+    own = TreeControl()
+    own.nodes.observe([-1, 0], [0.55, 0.55], [True, True])
+    assert opened(own).nodes.conditional(0.55) == pytest.approx((2 + 2 * 0.55) / 4)
+    fake_cloud.open_acceptance = None
+    assert opened(TreeControl()).nodes.conditional(0.55) == pytest.approx(0.55)
+
+
 def test_a_clients_next_generation_starts_from_the_last_ones_tree_controller(make_client, fake_cloud: FakeCloud,
                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """One client's sessions share a draft, a link and a cloud: each new tree controller is carried from the last
