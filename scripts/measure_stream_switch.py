@@ -2,7 +2,10 @@
 speculate-or-stream, on the coder-pair bench's HumanEval prompts: decode tokens/s, tokens per verify call,
 tokens streamed and the cloud's CPU-seconds per token, in one run (edge and cloud one core each).
 
-    nice -n 19 .venv/bin/python scripts/measure_stream_switch.py [PROMPTS] [NEW_TOKENS]
+    nice -n 19 .venv/bin/python scripts/measure_stream_switch.py [PROMPTS] [NEW_TOKENS] [RUNNER]
+
+RUNNER is the cloud's `--runner` (auto, the default: llama.cpp where its GGUF and llama-cpp-python are at hand;
+torch; llamacpp).
 """
 
 from __future__ import annotations
@@ -31,13 +34,14 @@ from edge.client import EdgeClient
 
 def main() -> None:
     prompts, n_new = (int(sys.argv[1]) if len(sys.argv) > 1 else 6), (int(sys.argv[2]) if len(sys.argv) > 2 else 96)
+    runner = sys.argv[3] if len(sys.argv) > 3 else "auto"
     torch.set_num_threads(1)
     pin("self", 0)
     tok = AutoTokenizer.from_pretrained(TARGET)
     ids = [chat_ids(tok, humaneval_message(p["prompt"])) for p in humaneval_prompts(prompts)]
     drafter = EdgeClient(settings("http://127.0.0.1:1", n_new)).drafter
-    print(f"load average {os.getloadavg()[0]:.2f} at the start")
-    with CloudServer(TARGET, torch_threads=1, startup_timeout_s=600.0) as cloud:
+    print(f"load average {os.getloadavg()[0]:.2f} at the start; the cloud's --runner {runner}")
+    with CloudServer(TARGET, torch_threads=1, extra_args=["--runner", runner], startup_timeout_s=600.0) as cloud:
         pin(cloud.pid, 1)
         for name, kw in (("cloud_only", {"mode": "cloud_only"}), ("defaults", {}),
                          ("defaults without streaming", {"stream_switch": False})):
