@@ -154,7 +154,9 @@ class LlamaPool(KVPool):
         them below the path's last nodes, so the rest of the path is decoded again as a chain into the cells the
         tree freed (the same kernel path, so the same K and V bits; about one verify row a token)."""
         self.manager.rewrite(slot, start, tokens)
-        leaf_of = self._trees.get(slot, {})
+        if slot not in self._trees:  # a tree of one branch, forwarded as the chain it is (cloud/engine.py): its
+            return []  # nodes are the session's own cells already, in position order; the commit crops the rest
+        leaf_of = self._trees[slot]
         seq = self._seq[slot]
         kept = next((i for i, j in enumerate(src) if i != j), len(src))
         if kept:

@@ -139,6 +139,25 @@ def test_a_kept_path_past_dropped_nodes_serves_the_next_round_with_a_chains_bits
     assert torch.equal(got, want)
 
 
+def test_a_one_branch_tree_run_as_a_chain_keeps_its_path_in_place(runner: LlamaTarget) -> None:
+    """The engine forwards a tree of one branch as a chain row (cloud/engine.py) and then keeps its accepted path
+    as a tree's: the path is the sequence's own cells already, and the next round has a chain's bits."""
+    pool = runner.pool
+    assert pool is not None
+    L = len(CTX)
+    chain = pool.allocate()
+    runner.forward([Row(chain, 0, CTX[:-1], keep=0)])
+    runner.forward([Row(chain, L - 1, [CTX[-1], 11, 12], keep=0)])
+    (want,) = runner.forward([Row(chain, L + 2, [99, 98], keep=2)])  # [2, vocab]
+    slot = pool.allocate()
+    runner.forward([Row(slot, 0, CTX[:-1], keep=0)])
+    runner.forward([Row(slot, L - 1, [CTX[-1], 11, 12, 13], keep=4)])  # nodes 0 -> 1 -> 2, node 2 rejected
+    runner.keep_path(slot, L, [0, 1], [11, 12])
+    pool.set_length(slot, L + 2)
+    (got,) = runner.forward([Row(slot, L + 2, [99, 98], keep=2)])
+    assert torch.equal(got, want)
+
+
 def test_sixteen_sessions_of_trees_share_the_context_and_give_their_sequences_back(
         runner: LlamaTarget, reference) -> None:  # type: ignore[no-untyped-def]
     """16 sessions with a 24-node tree each per round: more leaves than the free leaf sequences (rows past them
