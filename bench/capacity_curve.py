@@ -131,7 +131,7 @@ async def speculative(stub: Any, table: Table, policy: str, n_new: int, last: An
                                                         correction="strict", max_new_tokens=n_new + 1),
                                   timeout=CALL_TIMEOUT_S)
     pos, S, i, budget = 0, list(table.prompt), 0, info.node_budget
-    if info.HasField("node_acceptance"):  # the key's pooled acceptance, as the edge takes it (edge/speculative.py)
+    if policy == "adaptive" and info.HasField("node_acceptance"):  # as the edge takes it with the budget on
         ctl.nodes.seed(list(info.node_acceptance.kept), list(info.node_acceptance.tried))
     try:
         while pos < n_new:

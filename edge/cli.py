@@ -134,7 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "speculating, and speculate again when that pays (greedy and tree sessions; default on)")
     g.add_argument("--node-budget", action=argparse.BooleanOptionalAction, default=None,
                    help="send at most the node budget of the cloud's last answer, the draft nodes the cloud wants "
-                        "per round for its load (default on; off: rounds sized for the edge's latency alone)")
+                        "per round for its load, and value a new session's nodes by the key's pooled acceptance "
+                        "the open answer gives (default on; off: rounds sized for the edge's latency and its own "
+                        "evidence alone)")
     g.add_argument("--objective", choices=["latency", "cloud"],
                    help="what the switch minimises: latency (default: the edge's time per token) or cloud "
                         "(the cloud's forward time per token)")

@@ -78,8 +78,9 @@ class SpeculativeRun(CloudSession):
         if self.ahead is not None:
             self.ahead.catch_up(self.S)  # the draft reads the prompt while the cloud does
         self._open()
-        if self.tree is not None and self.node_acceptance is not None:  # a controller with nothing of its own
-            # values its nodes from the key's pooled acceptance, as the cloud's budget does (shared/node_value.py)
+        if self.tree is not None and self.obey_budget and self.node_acceptance is not None:
+            # a controller with nothing of its own values its nodes from the key's pooled acceptance, as the
+            # cloud's budget does (shared/node_value.py); --no-node-budget: the edge's own evidence alone
             self.tree.nodes.seed(self.node_acceptance.kept, self.node_acceptance.tried)
 
     def close(self) -> None:

@@ -104,7 +104,7 @@ def test_a_new_tree_controller_values_its_nodes_from_the_open_answers_acceptance
     """The open answer's pooled node acceptance seeds a tree controller that has seen nothing of its own: a q-0.55
     node then reads the pool's share (never kept: 2 x 0.55 / 10 with the prior's two nodes), not the calibrated
     0.55; a controller with rounds of its own (carried from the client's last session) keeps its own; an open
-    answer without one leaves a new controller calibrated."""
+    answer without one, or an edge with --no-node-budget, leaves a new controller calibrated."""
     from edge.exchange import RecoveryPolicy, SessionParams
     from edge.metrics import EdgeMetrics
     from edge.round_control import KController
@@ -113,14 +113,15 @@ def test_a_new_tree_controller_values_its_nodes_from_the_open_answers_acceptance
     from shared.config import SamplingConfig
     from shared.protocol import NodeAcceptance
 
-    def opened(tree: TreeControl) -> TreeControl:
+    def opened(tree: TreeControl, budget: bool = True) -> TreeControl:
         run = SpeculativeRun(fake_cloud, model_drafter, SessionParams(SamplingConfig(temperature=0.0), 1),
-                             KController(), EdgeMetrics(), RecoveryPolicy(), tree=tree)
+                             KController(), EdgeMetrics(), RecoveryPolicy(), tree=tree, node_budget=budget)
         run.open([5, 6, 7], 8)
         return tree
 
     fake_cloud.open_acceptance = NodeAcceptance([0.0] * 10, [10.0] * 10)
     assert opened(TreeControl()).nodes.conditional(0.55) == pytest.approx(2 * 0.55 / 10)
+    assert opened(TreeControl(), budget=False).nodes.conditional(0.55) == pytest.approx(0.55)  # --no-node-budget
     own = TreeControl()
     own.nodes.observe([-1, 0], [0.55, 0.55], [True, True])
     assert opened(own).nodes.conditional(0.55) == pytest.approx((2 + 2 * 0.55) / 4)
