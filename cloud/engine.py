@@ -33,8 +33,9 @@ from shared.errors import ContextMismatch, InvalidArgument, NotFound
 from shared.features import encode_feature, encode_states
 from shared.kvpool import KVPool, Row
 from shared.protocol import RoundMetrics, SparseDist, VerifyRequest, VerifyResponse
-from shared.rng import SAMPLE, position_uniform, sample_index
+from shared.rng import SAMPLE, position_uniform
 from shared.sampling import RowSampling, processed_probs
+from shared.target_probs import TargetProbs
 from shared.tree import TreeOutcome, check_tree, depths, is_chain, verify_tree
 from shared.verify import VerifyOutcome, check_draft, dense_from_sparse, verify_round
 
@@ -235,12 +236,20 @@ def round_sampling(session: Session, req: VerifyRequest, plan: RoundPlan) -> Row
     """The processing of this round's kept logits: after S', then after each fed draft token."""
     d = req.draft
     fed = len(d.draft_tokens) - 1 if req.check_last else len(d.draft_tokens)  # drafts run through the target
-    return RowSampling(session.sampling_cfg, plan.new.ids, d.draft_tokens[:fed], plan.tree)
+    L = req.ctx_len
+    if plan.tree is None:  # kept position i draws at L + i + 1 and scores draft i
+        positions = [L + i + 1 for i in range(fed + 1)]
+        scored = [(i, int(y)) for i, y in enumerate(d.draft_tokens[: fed + 1])]
+    else:  # row 0 after S', row j + 1 after node j's path (drawn at L + depth(j) + 1); a node scored in its parent's
+        positions = [L + 1] + [L + dep + 1 for dep in depths(plan.tree)]
+        scored = [(par + 1, int(y)) for par, y in zip(plan.tree, d.draft_tokens, strict=True)]
+    return RowSampling(session.sampling_cfg, plan.new.ids, d.draft_tokens[:fed], plan.tree, seed=session.seed,
+                       positions=positions, scored=scored)
 
 
 def finish_round(model: Runner, session: Session, req: VerifyRequest, q_dense: torch.Tensor | None,
                  plan: RoundPlan, logits: torch.Tensor, prefill_ms: float, replay_keep: int,
-                 p: torch.Tensor | None = None) -> RoundResult:
+                 p: TargetProbs | torch.Tensor | None = None) -> RoundResult:
     """The verify rule on this round's logits ([fed + 1, vocab]), then the commit. `p` is their processed
     probabilities when the forward's rows were processed together (`round_sampling`). A raised error
     leaves context and counters as they were; the caller's abort() crops the KV back to `plan.past`."""
@@ -377,11 +386,12 @@ class Prefill:
         return self.done >= len(self.ids)
 
 
-def next_token(p: torch.Tensor, cfg: SamplingConfig, seed: int, position: int) -> int:
-    """Target-only draw at `position` from processed p ([vocab]): the same rule as a k = 0 bonus."""
+def next_token(p: torch.Tensor | TargetProbs, cfg: SamplingConfig, seed: int, position: int) -> int:
+    """Target-only draw at `position` from processed p (its row 0): the same rule as a k = 0 bonus."""
+    probs = TargetProbs.dense(p) if isinstance(p, torch.Tensor) else p
     if cfg.greedy:
-        return int(p.argmax())
-    return sample_index(p.to("cpu", torch.float64), position_uniform(seed, position, SAMPLE))
+        return probs.argmax(0)
+    return probs.draw(0, position_uniform(seed, position, SAMPLE))
 
 
 @dataclass
@@ -425,7 +435,7 @@ class DecodeState:
             self.slot, self.kv_len, self.matched, self.fresh = None, 0, 0, False
 
     def step(self, pool: KVPool, row: Row, logits: torch.Tensor, cfg: SamplingConfig, seed: int,
-             p: torch.Tensor | None = None) -> int | None:
+             p: TargetProbs | torch.Tensor | None = None) -> int | None:
         """After a forward: the token at position len(ids) + 1 (appended), or None after a prompt chunk.
         `p`: the logits' processed probabilities when the forward's rows were processed together."""
         assert self.slot is not None
@@ -436,6 +446,6 @@ class DecodeState:
             return None
         if p is None:
             p = processed_probs(logits, cfg, self.ids)  # [1, vocab]
-        tok = next_token(p[0], cfg, seed, len(self.ids) + 1)
+        tok = next_token(p, cfg, seed, len(self.ids) + 1)
         self.ids.append(tok)
         return tok

@@ -159,5 +159,5 @@ def decode_job(core: ServiceCore, st: DecodeState, req: GenerateRequest, owner: 
 
     job: Job[int] = Job(
         plan=plan, finish=finish, abort=abort, key=f"generate-{id(st)}", kind=PREFILL,
-        owner=owner, unplan=unplan, sampling=lambda _: RowSampling(req.sampling_cfg, st.ids))
+        owner=owner, unplan=unplan, sampling=lambda _: RowSampling(req.sampling_cfg, st.ids, seed=req.seed, positions=[len(st.ids) + 1]))
     return job

@@ -12,6 +12,7 @@ import torch
 
 from shared.kvpool import Row
 from shared.sampling import RowSampling
+from shared.target_probs import TargetProbs
 
 T = TypeVar("T")
 # job kinds: running work goes before prefills
@@ -66,9 +67,10 @@ class Job(Generic[T]):
     # already taken are not held by a job that waits; it plans again later
     unplan: Callable[[], None] = lambda: None
     # the sampling processing its kept logits need (a verify row, a decode step), or None: run for every
-    # job of a forward at once (`process_rows`), and handed to `finish` as `p` (float64, on the CPU)
+    # job of a forward at once (`process_rows`), and handed to `finish` as `p` (where the logits are:
+    # shared/target_probs.py)
     sampling: Callable[[Row], RowSampling | None] | None = None
-    p: torch.Tensor | None = None
+    p: TargetProbs | None = None
     # its caller went away (`Scheduler.cancel`): no further forward runs for it
     cancelled: bool = False
 

@@ -6,13 +6,14 @@ top-p, softmax. Temperature 0 gives a one-hot distribution on the (penalised) ar
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from shared.config import SamplingConfig
+from shared.rng import SAMPLE, position_uniform
+from shared.target_probs import TargetProbs, draws, host_values
 
 
 def presence_mask(context_ids: Sequence[int], draft_ids: Sequence[int], vocab: int,
@@ -127,43 +128,108 @@ def processed_probs(logits: torch.Tensor, cfg: SamplingConfig, context_ids: Sequ
 @dataclass(frozen=True)
 class RowSampling:
     """What `processed_probs` needs for one row of a forward: its config, the context before its first
-    kept position, and the draft ids fed after that context (one kept position each)."""
+    kept position, and the draft ids fed after that context (one kept position each); and what the verify rule
+    will ask of its p, so a device computes it ahead for every row at once (shared/target_probs.py)."""
     cfg: SamplingConfig
     context_ids: Sequence[int]
     draft_ids: Sequence[int] = ()
     # a token tree's parents (shared/tree.py); None: the drafts are a chain
     parents: Sequence[int] | None = None
+    # the session's seed, and the absolute position of each kept position's draw (its SAMPLE uniform)
+    seed: int = 0
+    positions: Sequence[int] = ()
+    # (kept position, token) pairs whose p the rule scores: a chain's draft i at position i, a tree's node at its
+    # parent's
+    scored: Sequence[tuple[int, int]] = ()
 
 
-def process_rows(logits: Sequence[torch.Tensor], rows: Sequence[RowSampling | None]) -> list[torch.Tensor | None]:
-    """`processed_probs` of many rows at once (a forward's verify rows and decode steps), as float64 on
-    the CPU: the rows that share a config run as one tensor operation over all their positions, with the
-    same operations per position as alone, so every row gets the probabilities it gets alone. Rows whose
-    entry is None are skipped (None). Raises ValueError when a row's probabilities are not finite and
-    non-negative."""
-    out: list[torch.Tensor | None] = [None] * len(rows)
+def process_rows(logits: Sequence[torch.Tensor], rows: Sequence[RowSampling | None],
+                 ahead: bool | None = None) -> list[TargetProbs | None]:
+    """`processed_probs` of many rows at once (a forward's verify rows and decode steps), left where the logits
+    are (shared/target_probs.py): the rows that share a config run as one tensor operation over all their
+    positions, with the same operations per position as alone, so every row gets the probabilities it gets
+    alone. Greedy rows keep their argmax only. With `ahead` (default: on a device other than the CPU) each
+    sampled row's draws at `positions` and p at `scored` are computed in one batched pass, and every scalar of
+    the forward crosses to the host in one copy. Rows whose entry is None are skipped (None). Raises ValueError
+    when a row's probabilities are not finite and non-negative."""
+    out: list[TargetProbs | None] = [None] * len(rows)
     groups: dict[SamplingConfig, list[int]] = {}
     for i, r in enumerate(rows):
         if r is not None:
             groups.setdefault(r.cfg, []).append(i)
+    reads: list[torch.Tensor] = []  # every scalar the host needs, read in one copy at the end
+    todo: list[tuple[list[int], torch.Tensor | None, int, int, list[tuple[int, float]], list[tuple[int, int]]]] = []
     for cfg, idx in groups.items():
         x = torch.cat([logits[i] for i in idx])  # [P, vocab]: every kept position of the group
+        go_ahead = x.device.type != "cpu" if ahead is None else ahead
         seen = None
         if cfg.repetition_penalty != 1.0:
             seen = _presence_masks([rows[i] for i in idx], x.size(-1), x.device)  # type: ignore[misc]
-        if cfg.greedy:  # process_logits' one-hot, built on the CPU from the argmax alone (no vocabulary-wide copy)
-            top = _penalized(x.float(), cfg, seen).argmax(-1).cpu()  # [P]
-            p = torch.zeros(x.shape, dtype=torch.float64)  # [P, vocab]
-            p[torch.arange(len(top)), top] = 1.0
-        else:
-            p = process_logits(x, cfg, seen).cpu().double()  # [P, vocab]: 4 bytes a probability cross to the CPU
-            if not (float(p.amin()) >= 0 and math.isfinite(float(p.sum()))):  # NaN fails the first test
-                raise ValueError("processed probabilities are not finite and non-negative")
+        if cfg.greedy:  # process_logits' one-hot, kept as its argmax alone (no vocabulary-sized tensor)
+            reads.append(_penalized(x.float(), cfg, seen).argmax(-1).double())  # [P]
+            todo.append((idx, None, 0, 0, [], []))
+            continue
+        p = process_logits(x, cfg, seen)  # [P, vocab] float32
+        reads.append((p.amin(-1) < 0).logical_or(~torch.isfinite(p.sum(-1))).double())  # [P]: 1 where broken
+        draws_wanted: list[tuple[int, float]] = []  # (flat position, uniform)
+        scored: list[tuple[int, int]] = []  # (flat position, token)
+        if go_ahead:
+            start = 0
+            for i in idx:
+                r = rows[i]
+                assert r is not None
+                draws_wanted += [(start + j, position_uniform(r.seed, pos, SAMPLE)) for j, pos in enumerate(r.positions)]
+                scored += [(start + j, int(t)) for j, t in r.scored]
+                start += logits[i].size(0)
+        n_draws = len(draws_wanted)
+        if draws_wanted:
+            flat = torch.as_tensor([f for f, _ in draws_wanted], device=p.device)
+            u = torch.as_tensor([v for _, v in draws_wanted], dtype=torch.float64, device=p.device)
+            got, sure = draws(p[flat], u)  # [D], [D]
+            reads += [got.double(), sure.double()]
+        if scored:
+            at_rows = torch.as_tensor([f for f, _ in scored], device=p.device)
+            at_toks = torch.as_tensor([t for _, t in scored], device=p.device)
+            reads.append(p[at_rows, at_toks].double())  # [S]
+        todo.append((idx, p, n_draws, len(scored), draws_wanted, scored))
+    values = host_values(torch.cat(reads)) if reads else []
+    at_value = 0
+    for idx, probs, n_draws, n_scored, wanted, pairs in todo:
+        sizes = [logits[i].size(0) for i in idx]
+        total = sum(sizes)
+        head = values[at_value: at_value + total]
+        at_value += total
+        if probs is None:
+            start = 0
+            for i, n in zip(idx, sizes, strict=True):
+                out[i] = TargetProbs(n, logits[i].size(-1), None, top=[int(t) for t in head[start: start + n]])
+                start += n
+            continue
+        if any(head):
+            raise ValueError("processed probabilities are not finite and non-negative")
+        drawn_ids = values[at_value: at_value + n_draws]
+        drawn_sure = values[at_value + n_draws: at_value + 2 * n_draws]
+        at_value += 2 * n_draws
+        ats = values[at_value: at_value + n_scored]
+        at_value += n_scored
+        owner = [0] * total  # flat position -> (row index in idx, its first flat position)
         start = 0
-        for i in idx:
-            n = logits[i].size(0)
-            out[i] = p[start: start + n]
+        firsts = []
+        for k, n in enumerate(sizes):
+            firsts.append(start)
+            for j in range(start, start + n):
+                owner[j] = k
             start += n
+        drawn: list[dict[tuple[int, float], int]] = [{} for _ in idx]
+        at: list[dict[tuple[int, int], float]] = [{} for _ in idx]
+        for (f, uni), g, ok in zip(wanted, drawn_ids, drawn_sure, strict=True):
+            if ok:  # the rest the row draws again itself (exactly the reference's draw)
+                drawn[owner[f]][(f - firsts[owner[f]], uni)] = int(g)
+        for (f, tok), a in zip(pairs, ats, strict=True):
+            at[owner[f]][(f - firsts[owner[f]], tok)] = a
+        for k, i in enumerate(idx):
+            out[i] = TargetProbs(sizes[k], probs.size(-1), probs[firsts[k]: firsts[k] + sizes[k]], drawn=drawn[k],
+                                 at=at[k])
     return out
 
 

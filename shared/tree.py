@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 import torch
 
 from shared.errors import InvalidArgument
-from shared.rng import COIN, SAMPLE, position_uniform, sample_index
+from shared.rng import COIN, SAMPLE, position_uniform
+from shared.target_probs import TargetProbs
 
 
 def check_tree(parents: Sequence[int], tokens: Sequence[int]) -> None:
@@ -85,52 +86,51 @@ class TreeOutcome:
         return len(self.path)
 
 
-def verify_tree(p: torch.Tensor, tokens: Sequence[int], parents: Sequence[int], q_probs: Sequence[float], *,
-                seed: int, ctx_len: int, greedy: bool, correction: str = "strict") -> TreeOutcome:
+def verify_tree(p: torch.Tensor | TargetProbs, tokens: Sequence[int], parents: Sequence[int],
+                q_probs: Sequence[float], *, seed: int, ctx_len: int, greedy: bool,
+                correction: str = "strict") -> TreeOutcome:
     """Walk the tree by the module's rule.
 
     p: [n + 1, vocab] processed target distributions: row 0 after S (|S| = ctx_len), row j + 1 after S and
-    node j's path.
+    node j's path; dense or as the forward left them (shared/target_probs.py).
     """
     n = len(tokens)
-    if p.shape[0] != n + 1:
-        raise InvalidArgument(f"p has {p.shape[0]} rows, expected {n + 1}")
+    if isinstance(p, torch.Tensor):
+        p = TargetProbs.dense(p)
+    if p.rows != n + 1:
+        raise InvalidArgument(f"p has {p.rows} rows, expected {n + 1}")
     check_tree(parents, tokens)
-    p = p.detach().to("cpu", torch.float64)  # [n + 1, vocab]
     children: dict[int, dict[int, int]] = {}
     for j, (par, tok) in enumerate(zip(parents, tokens, strict=True)):
         children.setdefault(par, {})[int(tok)] = j
-    ys = torch.as_tensor(list(tokens), dtype=torch.long)  # [n]
-    rows = torch.as_tensor([par + 1 for par in parents], dtype=torch.long)  # [n]: the row that scores node j
     if greedy:
-        alphas = (p[rows].argmax(-1) == ys).double().tolist() if n else []
+        alphas = [1.0 if p.argmax(par + 1) == int(tok) else 0.0 for par, tok in zip(parents, tokens, strict=True)]
     else:
-        at = p[rows, ys].tolist() if n else []
-        alphas = [min(1.0, a / float(q)) for a, q in zip(at, q_probs, strict=True)]
+        alphas = [min(1.0, p.at(par + 1, int(tok)) / float(q))
+                  for par, tok, q in zip(parents, tokens, q_probs, strict=True)]
     path: list[int] = []
     node = -1
     while True:
         pos = ctx_len + len(path) + 1  # the position of the token drawn after the path
         kids = children.get(node, {})
-        row = p[node + 1]  # [vocab]
         if greedy:
-            x = int(row.argmax())
+            x = p.argmax(node + 1)
         elif correction == "shortcut":
-            x = _shortcut(row, kids, tokens, q_probs, seed, pos)
+            x = _shortcut(p, node + 1, kids, tokens, q_probs, seed, pos)
         else:
-            x = sample_index(row, position_uniform(seed, pos, SAMPLE))
+            x = p.draw(node + 1, position_uniform(seed, pos, SAMPLE))
         if x not in kids:
             return TreeOutcome(path, x, "correction" if kids else "bonus", alphas)
         node = kids[x]
         path.append(node)
 
 
-def _shortcut(row: torch.Tensor, kids: dict[int, int], tokens: Sequence[int], q_probs: Sequence[float],
+def _shortcut(p: TargetProbs, row: int, kids: dict[int, int], tokens: Sequence[int], q_probs: Sequence[float],
               seed: int, pos: int) -> int:
     """The lossy variant: each child in turn with min(1, p/q) (one coin per position), else a draw from p."""
     u = position_uniform(seed, pos, COIN)
     for tok, j in sorted(kids.items(), key=lambda kv: kv[1]):
-        if u < min(1.0, float(row[tok]) / float(q_probs[j])):
+        if u < min(1.0, p.at(row, tok) / float(q_probs[j])):
             return int(tokens[j])
         u = position_uniform(seed + j + 1, pos, COIN)
-    return sample_index(row, position_uniform(seed, pos, SAMPLE))
+    return p.draw(row, position_uniform(seed, pos, SAMPLE))

@@ -34,11 +34,11 @@ import torch
 
 from shared.errors import InvalidArgument
 from shared.rng import COIN, SAMPLE, position_uniform, sample_index
+from shared.target_probs import RESIDUAL_EPS, TargetProbs
 
 Correction = Literal["strict", "shortcut"]
 DraftKind = Literal["sampled", "deterministic"]
 NextKind = Literal["correction", "bonus", "residual", "none"]
-_RESIDUAL_EPS = 1e-12  # below this total mass the residual is float noise: fall back to p
 
 
 @dataclass
@@ -102,7 +102,7 @@ def _check_q_dists(q_dists: torch.Tensor, ys: torch.Tensor, q_probs: Sequence[fl
 def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """max(0, p - q) ([vocab]); p itself when that has no mass (float error only)."""
     r = (p - q).clamp_min(0.0)
-    return r if float(r.sum()) > _RESIDUAL_EPS else p
+    return r if float(r.sum()) > RESIDUAL_EPS else p
 
 
 def sample_residual(target_ids: Sequence[int] | torch.Tensor, target_probs: Sequence[float] | torch.Tensor,
@@ -129,62 +129,61 @@ def sample_residual(target_ids: Sequence[int] | torch.Tensor, target_probs: Sequ
     return int(ids[sample_index(r, position_uniform(seed, position, SAMPLE))])
 
 
-def verify_round(p: torch.Tensor, draft_tokens: Sequence[int], q_probs: Sequence[float], *, seed: int,
-                 ctx_len: int, greedy: bool = False, correction: Correction = "strict",
+def verify_round(p: torch.Tensor | TargetProbs, draft_tokens: Sequence[int], q_probs: Sequence[float], *,
+                 seed: int, ctx_len: int, greedy: bool = False, correction: Correction = "strict",
                  draft_kind: DraftKind = "sampled", q_dists: torch.Tensor | None = None,
                  check_last: bool = False) -> VerifyOutcome:
     """Accept/reject k drafts against the processed target probabilities.
 
     p: [k + 1, vocab] processed target distributions at positions ctx_len + 1 .. ctx_len + k + 1
-    ([k, vocab] with check_last: no bonus row).
+    ([k, vocab] with check_last: no bonus row), dense or as the forward left them (shared/target_probs.py).
     q_dists: optional [k, vocab] processed draft distributions (dense).
     """
     k = len(draft_tokens)
-    vocab = p.size(-1)
     rows = k if check_last else k + 1
     if check_last and k == 0:
         raise InvalidArgument("check_last needs at least one draft token")
-    if p.shape != (rows, vocab):
-        raise InvalidArgument(f"p has shape {tuple(p.shape)}, expected ({rows}, vocab)")
+    if isinstance(p, torch.Tensor):
+        if p.dim() != 2 or p.shape[0] != rows:
+            raise InvalidArgument(f"p has shape {tuple(p.shape)}, expected ({rows}, vocab)")
+        if not (float(p.amin()) >= 0 and math.isfinite(float(p.sum()))):  # NaN fails the first test
+            raise InvalidArgument("p must be finite and non-negative")
+        p = TargetProbs.dense(p)
+    vocab = p.shape[1]
+    if p.rows != rows:
+        raise InvalidArgument(f"p has shape {p.shape}, expected ({rows}, vocab)")
     check_draft(draft_tokens, q_probs, vocab, draft_kind)
-    ys = torch.as_tensor(list(draft_tokens), dtype=torch.long)  # [k]
+    ys = [int(y) for y in draft_tokens]
     if q_dists is not None:
-        _check_q_dists(q_dists, ys, q_probs, vocab)
+        _check_q_dists(q_dists, torch.as_tensor(ys, dtype=torch.long), q_probs, vocab)
         q_dists = q_dists.to(torch.float64)  # [k, vocab]
-    p = p.detach().to("cpu", torch.float64)  # [rows, vocab]
-    if not (float(p.amin()) >= 0 and math.isfinite(float(p.sum()))):  # NaN fails the first test
-        raise InvalidArgument("p must be finite and non-negative")
 
     if greedy:
-        alphas = (p[:k].argmax(-1) == ys).double().tolist()
+        alphas = [1.0 if p.argmax(i) == ys[i] else 0.0 for i in range(k)]
     else:
-        p_at = p[:k].gather(-1, ys[:, None])[:, 0].tolist()  # [k]
-        alphas = [min(1.0, p_at[i] / q_probs[i]) for i in range(k)]
+        alphas = [min(1.0, p.at(i, ys[i]) / q_probs[i]) for i in range(k)]
 
     for i in range(k):
         pos = ctx_len + i + 1
         if greedy:
             if alphas[i] == 1.0:
                 continue
-            return VerifyOutcome(i, int(p[i].argmax()), "correction", alphas=alphas)
+            return VerifyOutcome(i, p.argmax(i), "correction", alphas=alphas)
         if position_uniform(seed, pos, COIN) < alphas[i]:
             continue
         u = position_uniform(seed, pos, SAMPLE)
         if correction == "shortcut":
-            return VerifyOutcome(i, sample_index(p[i], u), "correction", alphas=alphas)
+            return VerifyOutcome(i, p.draw(i, u), "correction", alphas=alphas)
         if q_dists is not None:
-            return VerifyOutcome(i, sample_index(_residual(p[i], q_dists[i]), u), "correction", alphas=alphas)
+            return VerifyOutcome(i, p.draw_residual(i, q_dists[i], u), "correction", alphas=alphas)
         if draft_kind == "deterministic":  # max(0, p_j - point mass on y_j) = p_j with y_j zeroed
-            r = p[i].clone()  # [vocab]
-            r[draft_tokens[i]] = 0.0
-            r = r if float(r.sum()) > _RESIDUAL_EPS else p[i]
-            return VerifyOutcome(i, sample_index(r, u), "correction", alphas=alphas)
-        support = torch.nonzero(p[i] > 0).squeeze(-1)  # [m]
-        return VerifyOutcome(i, None, "residual", target_ids=support, target_probs=p[i, support], alphas=alphas)
+            return VerifyOutcome(i, p.draw_without(i, ys[i], u), "correction", alphas=alphas)
+        ids, probs = p.support(i)
+        return VerifyOutcome(i, None, "residual", target_ids=torch.as_tensor(ids, dtype=torch.long),
+                             target_probs=torch.as_tensor(probs, dtype=torch.float64), alphas=alphas)
 
     if check_last:
         return VerifyOutcome(k, None, "none", alphas=alphas)
     if greedy:
-        return VerifyOutcome(k, int(p[k].argmax()), "bonus", alphas=alphas)
-    bonus = sample_index(p[k], position_uniform(seed, ctx_len + k + 1, SAMPLE))
-    return VerifyOutcome(k, bonus, "bonus", alphas=alphas)
+        return VerifyOutcome(k, p.argmax(k), "bonus", alphas=alphas)
+    return VerifyOutcome(k, p.draw(k, position_uniform(seed, ctx_len + k + 1, SAMPLE)), "bonus", alphas=alphas)

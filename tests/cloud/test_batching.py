@@ -250,7 +250,7 @@ def test_sampled_rounds_in_one_forward_are_processed_together_as_they_would_be_a
         *rest, p = args
         fed = req.draft.draft_tokens
         assert p is not None  # processed with the forward's other rows
-        assert torch.equal(p, processed_probs(logits, s.sampling_cfg, plan.new.ids, fed).double())
+        assert torch.equal(p.dense_probs(), processed_probs(logits, s.sampling_cfg, plan.new.ids, fed).double())
         checked.append(len(fed))
         return real(model, s, req, q, plan, logits, *rest, p)
 
