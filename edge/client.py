@@ -259,6 +259,8 @@ class EdgeClient(HeadChoice):
         link, one cloud)."""
         way = way_control(self.settings, info, transport, self._last_way)
         if way is not None:
+            if way.fit is None:  # the cloud's forward cost from its model info, until an open answer says it
+                way.know_costs(getattr(info, "forward_cost", None))
             self._last_way = way
         return way
 

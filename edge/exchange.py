@@ -19,6 +19,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from shared.config import SamplingConfig
 from shared.errors import ContextMismatch, NotFound, ResourceExhausted, SpecSplitError, Unavailable
@@ -140,6 +141,9 @@ class CloudSession:
         # many draft nodes, a chain's k or a tree's nodes (cloud/node_budget.py; it never changes the text)
         self.node_budget = 0
         self.node_acceptance: NodeAcceptance | None = None
+        # the cloud's fitted forward cost as its last open answer said it (None: not said; edge/waycontrol.py reads
+        # it, a mapping or an object with base_ms, row_ms and forwards)
+        self.forward_cost: Any = None
         self._budget = 0
         # lowest crop point of a request whose answer was dropped: the cloud's S below it is ours
         self._stale_floor = NO_STALE
@@ -168,6 +172,7 @@ class CloudSession:
         self.numerics = info.numerics or self.numerics
         self.node_budget = info.node_budget  # the first round's (0: none said)
         self.node_acceptance = info.node_acceptance  # the key's pooled acceptance by q (None: none said)
+        self.forward_cost = getattr(info, "forward_cost", None)  # an older cloud's open answer has none
         self._stale_floor = NO_STALE
         self._take_feature(info.feature, opened=True)
         self._take_states(info.states, opened=True)

@@ -148,6 +148,14 @@ class EdgeMetrics:
     streamed: int = 0
     stream_calls: int = 0
     switches: int = 0
+    # how the session began (edge/waycontrol.py): "stream" (from its first token, no round before it) or
+    # "speculate" ("" without a way controller); why, by name: "cloud_costs" (the cloud's fitted forward cost and
+    # the key's pooled acceptance, or the draft's prior, priced both ways), "carried_costs" (the client's last
+    # session measured both ways), "no_cost_figures" (the cloud did not say its cost: rounds first); and the
+    # figures behind it, in words
+    start_way: str = ""
+    start_reason: str = ""
+    start_note: str = ""
     # rows of the target's forwards this generation took, as the edge counts them: per verified round the context
     # tokens it fed (at least one) and the drafts it ran through the target, one per streamed token (each is a row
     # of its own forward); the prompt's prefill is not counted

@@ -30,7 +30,7 @@ from .prefetch import AheadOutcome, DraftAhead, concat_blocks
 from .round_control import KController
 from .transport.base import Transport
 from .treecontrol import TreeControl
-from .waycontrol import WayControl
+from .waycontrol import WayControl, pooled_accept
 
 log = logging.getLogger(__name__)
 
@@ -75,13 +75,52 @@ class SpeculativeRun(CloudSession):
         self._extend([int(t) for t in prompt_ids])
         self._budget = max_new_tokens
         self.drafter.reset()
-        if self.ahead is not None:
-            self.ahead.catch_up(self.S)  # the draft reads the prompt while the cloud does
+        counts, link_ms, draft_ms = self._draft_counts(), *self._measured_costs()
+        # the draft reads the prompt while the cloud does, unless the session streams its first token whatever the
+        # open answer says: then nothing is read before that token (edge/waycontrol.py)
+        if self.ahead is not None and not (self.way is not None and self.way.streams_first(counts, link_ms, draft_ms)):
+            self.ahead.catch_up(self.S)
         self._open()
         if self.tree is not None and self.obey_budget and self.node_acceptance is not None:
             # a controller with nothing of its own values its nodes from the key's pooled acceptance, as the
             # cloud's budget does (shared/node_value.py); --no-node-budget: the edge's own evidence alone
             self.tree.nodes.seed(self.node_acceptance.kept, self.node_acceptance.tried)
+        if self.way is not None:
+            self._start_way(counts, link_ms, draft_ms)
+
+    def _draft_counts(self) -> range:
+        """The draft counts a round may send: a tree's nodes, the k controller's range, or its fixed k."""
+        if self.tree is not None:
+            n = self.tree.fixed_nodes or self.tree.max_nodes
+            return range(n, n + 1) if self.tree.fixed_nodes else range(1, n + 1)
+        ctl = self.k_ctl
+        if not ctl.dynamic:
+            return range(ctl.k, ctl.k + 1)
+        return range(max(1, ctl.k_min), max(1, ctl.k_min, ctl.k_max) + 1)
+
+    def _measured_costs(self) -> tuple[float | None, float | None]:
+        """The link's round trip beyond the cloud's time and the drafting a round waits for per draft token, ms, as
+        the controllers measured them so far (a tree controller carries its link from the client's last session;
+        None: unmeasured)."""
+        link = self.tree.rtt_ms if self.tree is not None else getattr(self.k_ctl, "rtt_ms", None)
+        return link, getattr(self.k_ctl, "t_draft_ms", None)
+
+    def _start_way(self, counts: range, link_ms: float | None, draft_ms: float | None) -> None:
+        """The way controller's first decision, from the open answer's cost and acceptance (edge/waycontrol.py),
+        recorded in the metrics."""
+        assert self.way is not None
+        self.way.know_costs(self.forward_cost)
+        prior = float(getattr(self.k_ctl, "prior_accept", CostModelK.prior_accept))
+        pool = self.node_acceptance if self.obey_budget else None  # --no-node-budget: the edge's own evidence
+        pooled = pooled_accept(pool.kept, pool.tried, prior) if pool is not None else None
+        if self.node_budget and self.obey_budget:  # the first round sends at most the open answer's budget
+            counts = range(min(counts.start, self.node_budget), min(counts.stop - 1, self.node_budget) + 1)
+        way = self.way.start(prior if pooled is None else pooled, "prior" if pooled is None else "pooled", counts,
+                             link_ms, draft_ms)
+        m = self.metrics
+        m.start_way, m.start_reason, m.start_note = way, self.way.start_reason, self.way.start_note
+        if way == "stream":
+            log.info("streaming from the first token (%s): %s", self.way.start_reason, self.way.start_note)
 
     def close(self) -> None:
         if self.ahead is not None:
@@ -152,12 +191,15 @@ class SpeculativeRun(CloudSession):
                 self.node_budget = ev.node_budget
                 self._take_feature(ev.feature)
                 self._take_states(ev.states)
-                if self.ahead is not None:  # the draft reads streamed tokens while the next ones come
-                    self.ahead.catch_up(self.S)
                 got += 1
                 self.metrics.streamed += 1
                 self.metrics.target_rows += 1
                 yield ev.token_id, "target"
+                # once the token is out, the draft reads what it lacks while the next ones come, where a probe
+                # round will need it (with no probe to come it reads nothing: it would only take CPU from the cloud
+                # where both share a machine)
+                if self.ahead is not None and self.way.probes:
+                    self.ahead.catch_up(self.S)
         except NotFound:
             self.ctx_id = None  # evicted: the next round reopens with the full S
         except SpecSplitError as e:  # refused (422), cut, late: the session itself is intact, rounds go on

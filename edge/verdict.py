@@ -18,6 +18,8 @@ from typing import Any
 
 import httpx
 
+from .waycontrol import ForwardFit
+
 # measured on one NVIDIA H200, coder-1.5B shape (BENCHMARKS.md, "The cloud on a GPU", 2026-11-28)
 GPU_VERIFY_8 = "1.02-1.09"
 
@@ -51,12 +53,10 @@ def cloud_cpu_seconds(url: str, headers: dict[str, str] | None = None, verify: A
 
 
 def verify_steps(forward_cost: dict[str, Any] | None, k: int) -> float | None:
-    """What a forward of k + 1 rows costs against one of 1 row, by the cloud's fit (None: not fitted yet)."""
-    if not forward_cost or int(forward_cost.get("forwards", 0)) < 8:
-        return None
-    base, row = float(forward_cost.get("base_ms", 0)), float(forward_cost.get("row_ms", 0))
-    one = base + row
-    return (base + row * (k + 1)) / one if one > 0 else None
+    """What a forward of k + 1 rows costs against one of 1 row, by the cloud's fit (None: not fitted yet); the
+    reading the edge's first speculate-or-stream decision makes of it (edge/waycontrol.py)."""
+    fit = ForwardFit.of(forward_cost)
+    return fit.steps(k) if fit is not None else None
 
 
 def verdict(spec: Run, alone: Run, k: int, steps: float | None, device: str) -> str:

@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -79,6 +80,10 @@ class FakeCloud:
     tokenizer_fingerprint: str = ""
     # the pooled node acceptance the open answers carry (None: none said)
     open_acceptance: NodeAcceptance | None = None
+    # the fitted forward cost the open answers / the model info carry, as GET /v1/model's `forward_cost` (base_ms,
+    # row_ms, forwards); None: none said, as an older cloud (set whether or not the dataclasses have the field yet)
+    open_forward_cost: dict[str, Any] | None = None
+    model_forward_cost: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir).eval()
@@ -135,9 +140,12 @@ class FakeCloud:
         self.sessions[ctx_id] = _Session(list(req.prompt_ids), req.sampling_cfg, req.seed, req.correction)
         if f is not None:
             raise f.error
-        return SessionInfo(ctx_id, len(req.prompt_ids), ctx_hash(req.prompt_ids), self.vocab, numerics=self.numerics,
+        info = SessionInfo(ctx_id, len(req.prompt_ids), ctx_hash(req.prompt_ids), self.vocab, numerics=self.numerics,
                            node_budget=self.open_budget, tokenizer_fingerprint=self.tokenizer_fingerprint,
                            node_acceptance=self.open_acceptance)
+        if self.open_forward_cost is not None:
+            object.__setattr__(info, "forward_cost", dict(self.open_forward_cost))
+        return info
 
     def verify(self, req: VerifyRequest, timeout: float, sampling: SamplingConfig | None = None) -> VerifyResponse:
         f = self._enter("verify")
@@ -225,6 +233,8 @@ class FakeCloud:
                          tokenizer_fingerprint=self.tokenizer_fingerprint)
         if self.max_generate_tokens:  # set whether or not ModelInfo has the field yet
             object.__setattr__(info, "max_generate_tokens", self.max_generate_tokens)
+        if self.model_forward_cost is not None:
+            object.__setattr__(info, "forward_cost", dict(self.model_forward_cost))
         return info
 
     def generate(self, prompt_ids: list[int], cfg: SamplingConfig, seed: int, max_new_tokens: int,
