@@ -26,6 +26,7 @@ from cloud.grpc_server import SERVICE_NAME, start_grpc
 from cloud.ports import bind_tcp
 from cloud.rest import create_app
 from cloud.service import VerifierService
+from shared.hosts import bracketed
 
 log = logging.getLogger(__name__)
 # seconds the servers give calls still in flight once the drain is over (a verify round is far shorter)
@@ -79,7 +80,8 @@ def rest_config(service: VerifierService) -> uvicorn.Config:
 async def serve(service: VerifierService) -> None:
     st = service.settings
     sock = bind_tcp(st.host, st.http_port, "REST", "--http-port")  # exclusive; a port in use stops here
-    grpc_server, grpc_port, health = await start_grpc(service, st.host, st.grpc_port)
+    # gRPC reads HOST:PORT, so an IPv6 host goes in brackets ([::1]:50051)
+    grpc_server, grpc_port, health = await start_grpc(service, bracketed(st.host), st.grpc_port)
     http = _Uvicorn(rest_config(service))
     stop, hurry = asyncio.Event(), asyncio.Event()
 

@@ -60,7 +60,8 @@ class EdgeSettings(BaseSettings):
     api_key: SecretStr | None = None
     # TLS to the cloud: an https:// cloud_url is verified by httpx; grpc_tls opens the gRPC channel over TLS (a TLS
     # Ingress or nginx in front of the cloud, README "TLS in front of the cloud"); ca_cert is the PEM file of a
-    # private CA that signed the cloud's certificate (default: the system's trust store, and gRPC's own roots)
+    # private CA that signed the cloud's certificate (default: the system's trust store, and gRPC's own roots), taken
+    # only with a TLS connection (grpc_tls, or an https:// cloud_url without grpc_target): refused otherwise
     grpc_tls: bool = False
     ca_cert: str | None = None
     # routing key sent with every call (X-Specsplit-Route); unset = a fresh random key per generation.
@@ -220,6 +221,9 @@ class EdgeSettings(BaseSettings):
         if v is not None and "://" in v:
             raise ValueError(f"the gRPC target is HOST:PORT without a scheme (e.g. {v.split('://', 1)[1]}; TLS: "
                              f"add --grpc-tls), got {v!r}")
+        if v is not None and v.count(":") > 1 and not v.startswith("["):
+            host, _, port = v.rpartition(":")
+            raise ValueError(f"an IPv6 address in the gRPC target goes in brackets (e.g. [{host}]:{port}), got {v!r}")
         return v
 
     @field_validator("ca_cert")
@@ -243,8 +247,22 @@ class EdgeSettings(BaseSettings):
             raise ValueError("k_down_at must be below k_up_at")
         if any(not k.get_secret_value() for k in self.server_api_keys):
             raise ValueError("server api keys must not be empty")
+        self._check_ca_cert_has_tls()
         self.sampling()  # raises on a bad combination
         return self
+
+    def _check_ca_cert_has_tls(self) -> None:
+        """A CA certificate is for a TLS connection: given with a plaintext one it would check nothing, so it is
+        refused, naming the flag that turns TLS on."""
+        if self.ca_cert is None:
+            return
+        if self.grpc_target is not None and not self.grpc_tls:
+            raise ValueError(f"--ca-cert is for TLS, but the gRPC channel to {self.grpc_target} is plaintext: add "
+                             "--grpc-tls (the cloud's TLS port, e.g. nginx's 50443), or drop --ca-cert")
+        if self.grpc_target is None and not self.cloud_url.startswith("https://"):
+            raise ValueError(f"--ca-cert is for TLS, but the cloud URL {self.cloud_url} is plain http://: use "
+                             f"https://{self.cloud_url.removeprefix('http://')} (TLS in front of the cloud), or "
+                             "drop --ca-cert")
 
     def server_key_values(self) -> list[str]:
         return [k.get_secret_value() for k in self.server_api_keys]
@@ -284,7 +302,8 @@ def load_draft_model(settings: EdgeSettings) -> Any:
             from .drafters.llamacpp import LlamaCppDrafter
 
             return LlamaCppDrafter(gguf, threads=settings.threads)
-        if runtime == "llamacpp" or not (Path(settings.draft) / "config.json").is_file():
+        if runtime == "llamacpp" or not has_torch_weights(Path(settings.draft)):
+            # a GGUF alone (a file, or a directory `specsplit-models convert` left without --safetensors)
             raise UnsupportedModel(why)
         logging.getLogger(__name__).warning("drafting in PyTorch, not llama.cpp: %s", why)
     elif runtime == "llamacpp":
@@ -294,6 +313,12 @@ def load_draft_model(settings: EdgeSettings) -> Any:
 
     return ModelDrafter(settings.draft, device=settings.device, mc_dropout_samples=settings.mc_dropout_samples,
                         dtype=draft_torch_dtype(settings))
+
+
+def has_torch_weights(model_dir: Path) -> bool:
+    """Whether `model_dir` is a Hugging Face directory PyTorch loads: a config and weights (safetensors or .bin)."""
+    return (model_dir / "config.json").is_file() and (any(model_dir.glob("*.safetensors"))
+                                                       or any(model_dir.glob("pytorch_model*.bin")))
 
 
 def draft_torch_dtype(settings: EdgeSettings) -> Any:

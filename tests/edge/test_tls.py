@@ -121,3 +121,32 @@ def test_a_key_sent_in_clear_beyond_this_machine_is_said_in_one_warning(
                         {"cloud_url": "http://127.0.0.1:8000"}, {"grpc_target": "[::1]:50051"}):
             transport_for(EdgeSettings(api_key="k", **private)).close()  # type: ignore[arg-type]
     assert not caplog.text
+
+
+@pytest.mark.parametrize(("flags", "cause", "fix"), [
+    (["--grpc", "cloud.example.org:50443"], "plaintext", "--grpc-tls"),
+    (["--cloud", "http://cloud.example.org:8000"], "plain http://", "https://cloud.example.org:8000"),
+    ([], "plain http://", "https://127.0.0.1:8000"),
+])
+def test_a_ca_cert_without_tls_is_refused_in_one_line_naming_the_cause_and_the_fix(
+        cert: tuple[Path, Path], flags: list[str], cause: str, fix: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A CA certificate checks nothing over a plaintext connection: with a gRPC target and no --grpc-tls, or a
+    plain http:// cloud URL, the edge stops before any connection with one line, not an insecure channel."""
+    from edge.cli import main
+
+    assert main(["generate", "x", *flags, "--ca-cert", str(cert[0]), "--draft", "ngram"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("specsplit-edge: bad settings:"), err
+    assert "--ca-cert" in err and cause in err and fix in err, err
+
+
+def test_a_ca_cert_with_tls_is_taken_either_way(cert: tuple[Path, Path]) -> None:
+    grpc_tls = EdgeSettings(grpc_target="cloud.example.org:50443", grpc_tls=True, ca_cert=str(cert[0]))
+    https = EdgeSettings(cloud_url="https://cloud.example.org", ca_cert=str(cert[0]))
+    assert grpc_tls.ca_cert == https.ca_cert == str(cert[0])
+
+
+def test_an_ipv6_grpc_target_without_brackets_is_refused_naming_the_bracketed_form() -> None:
+    with pytest.raises(ValueError, match=r"\[::1\]:50051"):
+        EdgeSettings(grpc_target="::1:50051")
+    assert EdgeSettings(grpc_target="[::1]:50051").grpc_target == "[::1]:50051"
