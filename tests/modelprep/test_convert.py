@@ -1,7 +1,9 @@
-"""`specsplit-models convert SOURCE --out DIR` on tiny models: a GGUF file (Q8_0 matrices, dequantized) and a
-Hugging Face directory become directories the cloud loads, checked against the source's logits, readable by
-every user, recording their source; what the cloud would refuse, a missing file and a bad GGUF end in one
-line and leave nothing behind."""
+"""`specsplit-models convert SOURCE --out DIR` on tiny models: a GGUF file (Q8_0 matrices) that llama.cpp runs here
+becomes a directory of the GGUF with its tokenizer and config, no weight dequantized (the cloud's llama.cpp runner
+and the edge's llama.cpp drafter load it); with --safetensors, or where llama.cpp cannot run it, the float32 copy
+too, checked against the source's logits; a Hugging Face directory is saved in its dtype. Every directory is
+readable by every user and records its source; what the cloud would refuse, a missing file and a bad GGUF end in
+one line and leave nothing behind."""
 
 from __future__ import annotations
 
@@ -38,12 +40,12 @@ def one_line_error(capsys: pytest.CaptureFixture[str]) -> str:
     return last
 
 
-def test_a_gguf_becomes_a_checked_directory_with_its_gguf_readable_by_every_user(tiny_gguf: Path,
-                                                                                  tmp_path: Path) -> None:
+def test_with_safetensors_a_gguf_becomes_a_checked_float32_directory_with_its_gguf_readable_by_every_user(
+        tiny_gguf: Path, tmp_path: Path) -> None:
     out = tmp_path / "mine"
     old = os.umask(0o077)  # a private umask: the modes are set, not inherited
     try:
-        assert convert(tiny_gguf, out) == 0
+        assert convert(tiny_gguf, out, "--safetensors") == 0
     finally:
         os.umask(old)
     assert out.stat().st_mode & 0o777 == 0o755
@@ -55,7 +57,7 @@ def test_a_gguf_becomes_a_checked_directory_with_its_gguf_readable_by_every_user
     assert record["source"] == {"path": str(tiny_gguf.resolve()), "format": "gguf",
                                 "bytes": tiny_gguf.stat().st_size,
                                 "sha256": hashlib.sha256(tiny_gguf.read_bytes()).hexdigest()}
-    assert record["command"] == f"specsplit-models convert {tiny_gguf} --out {out}"
+    assert record["command"] == f"specsplit-models convert {tiny_gguf} --out {out} --safetensors"
     assert record["dtype"] == "float32" and record["check"]["max_abs_logit_diff"] <= 1e-4
     # what the cloud loads: its tokenizer check and its loader
     assert len(load_tokenizer(out)) == 4096
@@ -171,4 +173,90 @@ def test_an_existing_out_is_kept_unless_forced(tiny_gguf: Path, tmp_path: Path,
     assert convert(tiny_gguf, out) == 2
     assert "exists: choose another --out, or pass --force" in one_line_error(capsys)
     assert convert(tiny_gguf, out, "--force") == 0
-    assert not (out / "keep").exists() and (out / "model.safetensors").is_file()
+    assert not (out / "keep").exists() and (out / "model.gguf").is_file()
+
+
+def needs_llama_cpp() -> None:
+    from shared.llama_runtime import unavailable
+
+    why = unavailable()
+    if why is not None:
+        pytest.skip(why)
+
+
+def refuse_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loading a model's weights through transformers fails the test: the GGUF alone needs none."""
+    import transformers
+
+    def no_weights(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the weights were loaded")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_weights)
+
+
+def test_a_gguf_llama_cpp_runs_is_kept_with_its_tokenizer_and_no_float32_copy(
+        tiny_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """By default a GGUF this machine's llama.cpp runs becomes model.gguf with its tokenizer and config and no
+    safetensors, without dequantizing a weight; the cloud's llama.cpp runner and the edge's llama.cpp drafter load
+    the directory, with the tokenizer the cloud's checks accept."""
+    needs_llama_cpp()
+    refuse_weights(monkeypatch)
+    out = tmp_path / "mine"
+    assert convert(tiny_gguf, out) == 0
+    files = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
+    assert {"config.json", "tokenizer.json", "model.gguf", "source.json"} <= set(files), files
+    assert not [n for n in files if n.endswith((".safetensors", ".bin"))], files
+    assert set(files.values()) == {0o644} and (out / "model.gguf").stat().st_ino == tiny_gguf.stat().st_ino
+    record = json.loads((out / "source.json").read_text())
+    assert record["dtype"] == "gguf" and record["source"]["sha256"] == hashlib.sha256(tiny_gguf.read_bytes()).hexdigest()
+    monkeypatch.undo()
+
+    from cloud.runners.llamacpp import LlamaTarget
+    from edge.drafters.llamacpp import LlamaCppDrafter
+    from edge.settings import EdgeSettings, load_draft_model
+    from shared.tokenizer_id import tokenizer_fingerprint
+
+    target = LlamaTarget(out, threads=1)
+    assert target.info.tokenizer_fingerprint == tokenizer_fingerprint(load_tokenizer(out))
+    assert isinstance(load_draft_model(EdgeSettings(draft=str(out), draft_runtime="auto")), LlamaCppDrafter)
+
+
+def test_where_llama_cpp_cannot_run_a_gguf_the_float32_copy_is_written_saying_why(
+        tiny_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from modelprep import convert as conv
+
+    monkeypatch.setattr(conv, "llama_cpp_refuses", lambda src: "llama-cpp-python is not installed")
+    out = tmp_path / "mine"
+    assert convert(tiny_gguf, out) == 0
+    assert (out / "model.safetensors").is_file() and (out / "model.gguf").is_file()
+    assert "llama.cpp cannot run it here: llama-cpp-python is not installed" in capsys.readouterr().err
+
+
+def test_no_safetensors_keeps_the_gguf_alone_even_where_llama_cpp_cannot_run_it(
+        tiny_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--no-safetensors is for a device elsewhere: the GGUF alone, whatever this machine's llama.cpp; a draft
+    there without llama.cpp then stops on the one line saying why, not on a missing weights file."""
+    from modelprep import convert as conv
+    from shared import llama_runtime
+
+    monkeypatch.setattr(conv, "llama_cpp_refuses", lambda src: "llama-cpp-python is not installed")
+    refuse_weights(monkeypatch)
+    out = tmp_path / "mine"
+    assert convert(tiny_gguf, out, "--no-safetensors") == 0
+    assert (out / "model.gguf").is_file() and not list(out.glob("*.safetensors"))
+    monkeypatch.undo()
+
+    from edge.settings import EdgeSettings, load_draft_model
+    from shared.kvpool import UnsupportedModel
+
+    monkeypatch.setattr(llama_runtime, "unavailable", lambda: "llama-cpp-python is not installed (test)")
+    with pytest.raises(UnsupportedModel, match=r"not installed \(test\)"):
+        load_draft_model(EdgeSettings(draft=str(out), draft_runtime="auto"))
+
+
+def test_no_safetensors_for_a_hugging_face_directory_is_one_line(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    src = build("llama", tmp_path / "src")
+    assert convert(src, tmp_path / "mine", "--no-safetensors") == 2
+    assert "--no-safetensors is for a GGUF source" in one_line_error(capsys)
+    assert not (tmp_path / "mine").exists()
