@@ -29,13 +29,17 @@ fi
 # llama.cpp (GGUF drafts on the edge, the cloud's llama.cpp runner): llama-cpp-python is a source distribution,
 # so pip compiles its vendored llama.cpp once for this CPU (cmake and a C++ compiler; about 5 minutes on 2
 # cores) and caches the wheel, so a second setup on the same machine takes seconds. Without it the draft runs in
-# PyTorch. SPECSPLIT_SKIP_LLAMACPP=1 skips the build.
+# PyTorch. SPECSPLIT_SKIP_LLAMACPP=1 skips the build: a GPU cloud host needs none (its cloud runs PyTorch on CUDA;
+# this build is llama.cpp for the CPU), and on a host with an NVIDIA GPU the build's first line says so.
 LLAMACPP="llama-cpp-python==0.3.36"
 if [ -z "${SPECSPLIT_SKIP_LLAMACPP:-}" ] && ! .venv/bin/python -c "import llama_cpp" >/dev/null 2>&1; then
   if ! command -v cmake >/dev/null || ! command -v c++ >/dev/null; then
     echo "llama.cpp not built: cmake or a C++ compiler is missing (Debian: apt-get install cmake g++, then run setup again); drafts run in PyTorch"
   else
     echo "building $LLAMACPP for this CPU (once, about 5 min on 2 cores; pip caches the wheel)"
+    if command -v nvidia-smi >/dev/null; then
+      echo "  (an NVIDIA GPU is here: a cloud on it runs PyTorch on CUDA, not this CPU build; SPECSPLIT_SKIP_LLAMACPP=1 bash scripts/setup.sh skips it)"
+    fi
     t0=$(date +%s)
     CMAKE_ARGS="-DLLAVA_BUILD=OFF ${CMAKE_ARGS:-}" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
       .venv/bin/python -m pip install "$LLAMACPP" > .venv/llama-cpp-build.log 2>&1 &

@@ -6,11 +6,38 @@
 # from a GGUF of its weights; tests/server.py); its forwards are not batch-invariant, so the tests that compare
 # texts across batch shapes do not apply to it.
 # Extra arguments go to pytest and run that selection alone (e.g. bash scripts/test.sh tests/shared -x).
+# nginx and prometheus come from Debian's packages (apt-get) when missing, and only when the tests run need them:
+# the whole suite always; a selection when one of its files (or the files under its folders) runs nginx or
+# promtool / Prometheus (SERVES_NGINX, SERVES_PROMETHEUS below). A selection naming no path under tests/ (only -k,
+# -m, ...) runs the whole suite's files, so it needs both.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# what a test file that runs nginx or Prometheus holds: an import of the local cluster (bench/cluster.py), of the
+# nginx binary's finder (bench/nginx_conf.py) or of the replica tests' helpers; a call of tests/ops/tools.py's
+# promtool(...) or binary("prometheus")
+SERVES_NGINX='bench\.cluster|bench\.nginx_conf|tests\.e2e\.replicas|nginx_binary'
+SERVES_PROMETHEUS='promtool\(|binary\("prometheus"\)'
+
+needs() {  # needs PATTERN [ARG...]: whether the selection ARGS (no test path: the whole suite) has a file matching PATTERN
+  local pattern=$1 arg path paths=0
+  shift
+  for arg in "$@"; do
+    path=${arg%%::*}   # tests/x.py::test_y -> tests/x.py
+    case $path in tests | tests/* | ./tests | ./tests/*) ;; *) continue ;; esac
+    [ -e "$path" ] || continue
+    paths=$((paths + 1))
+    grep -rqE --include='*.py' "$pattern" "$path" && return 0
+  done
+  [ "$paths" -eq 0 ]
+}
+
 bash scripts/setup.sh dev,bench
-bash scripts/install_nginx.sh   # the replica tests run a real nginx
-bash scripts/install_prometheus.sh   # the ops tests run promtool and a real Prometheus
+if needs "$SERVES_NGINX" "$@"; then
+  bash scripts/install_nginx.sh   # the replica tests run a real nginx, the TLS recipe's test nginx -t
+fi
+if needs "$SERVES_PROMETHEUS" "$@"; then
+  bash scripts/install_prometheus.sh   # the ops tests run promtool and a real Prometheus
+fi
 if [ $# -gt 0 ]; then
   exec .venv/bin/python -m pytest -q --durations=25 "$@"
 fi
