@@ -20,13 +20,14 @@ DEPLOY = REPO / "deploy"
 COMPOSE_FILE = REPO / "docker-compose.yml"
 
 # Peak resident memory of the coder pair's processes (Qwen2.5-Coder-1.5B-Instruct target, 0.5B draft) as the deploy
-# files run them: the cloud on PyTorch in float32, 15.1 GB (BENCHMARKS.md, "The cloud on llama.cpp"; the 9,022 MB
-# of "The draft's cost and memory" was a bfloat16 cloud); the edge 9,278 MB (that section); `specsplit-models
-# prepare qwen-coder` 13.5 GB (models/README.md, "The coder pair").
+# files run them, as the README's requirements table records them with their machines and dates (the place of
+# record; tests/ops/test_deploy_files.py checks these agree with it): the cloud on PyTorch in float32, 15.1 GB
+# (BENCHMARKS.md, "The cloud on llama.cpp"); the PyTorch edge 9,278 MB (BENCHMARKS.md, "The draft's cost and
+# memory"); `specsplit-models prepare qwen-coder` 13.5 GB (models/README.md, "The coder pair").
 CLOUD_PEAK_BYTES = 15_100 * 10**6
 EDGE_PEAK_BYTES = 9_278 * 10**6
 PREPARE_PEAK_BYTES = 13_500 * 10**6
-# what `prepare qwen-coder` leaves on disk (models/README.md, `du -sb`: 11.3 GB)
+# what `prepare qwen-coder` leaves on disk (models/README.md, `du -sb`: 11.3 GB; the README's table too)
 PREPARED_BYTES = 11_261 * 10**6
 # a memory limit must exceed its process's measured peak by this factor at least
 HEADROOM = 1.25

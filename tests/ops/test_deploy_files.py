@@ -26,6 +26,7 @@ from edge.transport.base import ROUTE_HEADER
 from modelprep.qwen_coder import TARGET
 from tests.ops.deploy import (
     CLOUD_PEAK_BYTES,
+    EDGE_PEAK_BYTES,
     HEADROOM,
     PREPARE_PEAK_BYTES,
     PREPARED_BYTES,
@@ -292,8 +293,9 @@ def test_every_verifier_pod_mounts_the_jobs_claim_read_only_and_waits_for_its_ma
 def test_the_marker_comes_after_prepare_succeeds_and_ends_the_wait(tmp_path: Path) -> None:
     """The Job's and the wait container's commands run here as the kubelet runs them (sh, the container's env;
     a stub specsplit-models on PATH): no marker when prepare fails (and the failure is the container's exit
-    status, so the Job retries), the marker when it succeeds; the wait logs while the marker is missing and
-    ends, status 0, once it is there."""
+    status, so the Job retries), the marker when it succeeds, and none again once a later run fails (the
+    marker is removed before prepare starts: a re-prepare never leaves an earlier run's marker standing); the
+    wait logs while the marker is missing and ends, status 0, once it is there."""
     import os
     import signal
     import stat
@@ -310,6 +312,8 @@ def test_the_marker_comes_after_prepare_succeeds_and_ends_the_wait(tmp_path: Pat
         stub.chmod(stub.stat().st_mode | stat.S_IXUSR)
         return subprocess.run([*prep["command"], *prep["args"]], env=env, timeout=30).returncode
 
+    assert prepare(2) == 2 and not marker.exists()
+    assert prepare(0) == 0 and marker.is_file()
     assert prepare(2) == 2 and not marker.exists()
     assert prepare(0) == 0 and marker.is_file()
 
@@ -386,8 +390,10 @@ def test_the_gpu_patch_gives_a_valid_deployment_with_a_gpu() -> None:
     by_name.update({e["name"]: e for e in pc["env"]})
     c["env"] = list(by_name.values())
     c["resources"]["limits"].update(pc["resources"]["limits"])
+    cpu_image, c["image"] = c["image"], pc.get("image", c["image"])
     validate(dep)
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 1 and by_name["SPECSPLIT_CLOUD_DEVICE"]["value"] == "cuda"
+    assert c["image"] != cpu_image  # the CPU image's torch cannot use the GPU
 
 
 def hadolint(path: Path) -> subprocess.CompletedProcess[str]:
@@ -578,3 +584,14 @@ def test_every_kubernetes_verifier_takes_its_keys_from_a_required_secret() -> No
         assert env["SPECSPLIT_CLOUD_HOST"]["value"] == "0.0.0.0"
         ref = env["SPECSPLIT_CLOUD_API_KEYS"]["valueFrom"]["secretKeyRef"]
         assert ref["name"] == "specsplit-api-keys" and not ref.get("optional", False), w["metadata"]["name"]
+
+
+def test_the_measured_figures_the_limits_are_sized_on_are_the_readmes() -> None:
+    """The README's requirements table is the place of record of the measured memory and disk: the figures the
+    limits above are checked against are the ones it states (to its one decimal in GB)."""
+    table = next(line for line in (REPO / "README.md").read_text().splitlines() if line.startswith("| memory |"))
+    disk = next(line for line in (REPO / "README.md").read_text().splitlines() if line.startswith("| disk |"))
+    assert f"`specsplit-models prepare qwen-coder` {PREPARE_PEAK_BYTES / 1e9:.1f} GB" in table
+    assert f"{CLOUD_PEAK_BYTES / 1e9:.1f} GB in float32" in table
+    assert f"the 0.5B draft in bfloat16 {EDGE_PEAK_BYTES / 1e9:.1f} GB" in table
+    assert f"the coder pair {PREPARED_BYTES / 1e9:.1f} GB" in disk
