@@ -97,6 +97,10 @@ class ServiceCore:
                                 make_room=self.room.make_room)
         # batch invariance measured on the model thread at its thread count, up to the largest forward, before
         # /v1/model and /metrics report it (cloud/runners/torch_runner.py `calibrate`)
+        # CUDA graphs of the deployment's buckets, captured on the model thread before anything is served or probed
+        capture = getattr(model, "capture_graphs", None)
+        if capture is not None:
+            self.worker.call_sync(lambda: capture(*settings.graph_lists(), settings.graph_memory_bytes))
         self.info.batch_invariant = self.worker.call_sync(lambda: model.calibrate(settings.max_batch_tokens))
         weights = getattr(model, "weights_path", None)
         self.info.numerics = numerics(self.info, weights_fingerprint(weights) if weights is not None else "unknown",
@@ -107,6 +111,7 @@ class ServiceCore:
         self.opens = OpenJoiner(OPEN_JOIN_S, max_per_owner=settings.sessions_per_key_limit()
                                 + settings.queue_depth_per_key_limit())
         self._hits_seen = self._evicted_seen = 0
+        self._paths_seen: dict[str, int] = {}
         self._keys = settings.api_key_values()
         self._ready = True
         # set at SIGTERM (cloud.app.drain): new sessions and generations are refused, verify is still served

@@ -87,6 +87,10 @@ class CloudMetrics:
     kv_budget_bytes: Gauge
     # bytes the KV pool has allocated (blocks that exist x block bytes; never above kv_budget_bytes)
     kv_pool_bytes: Gauge
+    # bytes the graph executor's CUDA graphs hold (never above graph_memory_bytes)
+    graph_bytes: Gauge
+    # the graph executor's forwards, by path: "replayed" (a captured CUDA graph) or "eager" (outside every bucket)
+    executor_forwards: Counter
     # model-bound requests admitted and not finished
     queue_depth: Gauge
     # 1, labelled with the dtype the target runs in, why (what --dtype auto saw) and whether forwards are
@@ -171,6 +175,11 @@ class CloudMetrics:
                                   "evicted beyond it.", registry=r),
             kv_pool_bytes=Gauge(p + "kv_pool_bytes", "Bytes the KV pool has allocated (never above the budget).",
                                 registry=r),
+            graph_bytes=Gauge(p + "graph_bytes", "Bytes the CUDA graphs hold (never above graph_memory_bytes).",
+                              registry=r),
+            executor_forwards=Counter(p + "executor_forwards", "The graph executor's forwards by path: replayed "
+                                      "from a CUDA graph, or eager (outside every captured bucket).", ["path"],
+                                      registry=r),
             queue_depth=Gauge(p + "queue_depth", "Model-bound requests admitted and not finished.", registry=r),
             model_dtype=Gauge(p + "model_dtype", "1, labelled with the target's dtype, why it was chosen and whether "
                               "its forwards are batch-invariant.", ["dtype", "reason", "batch_invariant"], registry=r),

@@ -71,6 +71,12 @@ class VerifierService(ServiceCore):
         self.metrics.open_sessions.set(len(self.store))
         self.metrics.kv_bytes.set(self.store.kv_bytes)
         self.metrics.kv_pool_bytes.set(self.model.pool.allocated_bytes)
+        paged = getattr(self.model, "paged", None)
+        if paged is not None:
+            self.metrics.graph_bytes.set(paged.graph_bytes)
+            for path, seen in (("replayed", paged.replayed), ("eager", paged.eager)):
+                self.metrics.executor_forwards.labels(path=path).inc(seen - self._paths_seen.get(path, 0))
+                self._paths_seen[path] = seen
         m = self.model.pool.manager
         self.metrics.kv_blocks.labels(state="used").set(m.used)
         self.metrics.kv_blocks.labels(state="cached").set(len(m.cached))

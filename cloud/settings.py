@@ -62,6 +62,17 @@ class CloudSettings(BaseSettings):
                      "(the same forward without graphs), \"transformers\" (the model's own modules over the paged "
                      "pool: every architecture); auto: graphs on a CUDA device where the model allows, transformers "
                      "elsewhere (docs/GPU.md)"))
+    graph_rows: str = Field(default="1,2,4,8,16,32,64",
+        description=("CUDA graphs: the row counts (sessions a forward) captured at start-up, comma-separated; a forward "
+                     "outside every captured bucket runs eagerly (counted in specsplit_cloud_executor_forwards_total{path=\"eager\"})"))
+    graph_queries: str = Field(default="1,2,4,8,12,16",
+        description=("CUDA graphs: the tokens a row captured at start-up (1: decode steps; a chain of k verifies k + 1; "
+                     "a tree its nodes + 1), comma-separated"))
+    graph_keys: str = Field(default="512,1024,2048,4096",
+        description=("CUDA graphs: the context lengths (keys a row) captured at start-up, comma-separated"))
+    graph_memory_bytes: int = Field(default=2 * 1024**3, ge=0,
+        description=("CUDA graphs: bytes their memory may take at most, beside kv_budget_bytes; buckets that do not "
+                     "fit run eagerly (the start-up log and specsplit_cloud_graph_bytes say how many and how much)"))
     torch_threads: int = Field(default=0, ge=0,
         description=("torch intra-op threads for the model worker; 0 = torch's default"))
 
@@ -183,6 +194,19 @@ class CloudSettings(BaseSettings):
         if not (v / "config.json").is_file():
             raise ValueError(f"{v} is not a model directory (no config.json) nor a .gguf file")
         return v
+
+    @field_validator("graph_rows", "graph_queries", "graph_keys")
+    @classmethod
+    def _counts(cls, v: str) -> str:
+        parts = [p.strip() for p in v.split(",") if p.strip()]
+        if not parts or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise ValueError(f"{v!r} is not a comma-separated list of positive counts (e.g. 1,2,4,8)")
+        return ",".join(parts)
+
+    def graph_lists(self) -> tuple[list[int], list[int], list[int]]:
+        """(rows, queries, keys) of the CUDA graphs to capture at start-up."""
+        return tuple([int(x) for x in v.split(",")]  # type: ignore[return-value]
+                     for v in (self.graph_rows, self.graph_queries, self.graph_keys))
 
     @field_validator("device")
     @classmethod

@@ -183,8 +183,22 @@ class PagedForward:
             cos, sin = inner.rotary_emb(dummy, pos)
         self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()  # [max_pos, D]
         self.max_positions = n_pos
-        self._graphs: OrderedDict[tuple[int, int, int], tuple[Any, Inputs, torch.Tensor, torch.Tensor]] = \
-            OrderedDict()
+        # q/k/v and gate/up of each layer as one weight: the modules' weights become views of it (no second copy)
+        self.fused: dict[int, Any] = {}
+        self.qkv_sizes = [self.hq * self.dh, self.hk * self.dh, self.hk * self.dh]
+        for layer in self.layers:
+            a, m = layer.self_attn, layer.mlp
+            for mod, parts in ((a, (a.q_proj, a.k_proj, a.v_proj)), (m, (m.gate_proj, m.up_proj))):
+                f = _fuse(parts)
+                if f is not None:
+                    self.fused[id(mod)] = f
+        self._graphs: OrderedDict[tuple[int, int, int], tuple[Any, Inputs, torch.Tensor]] = OrderedDict()
+        # whether a bucket's first forward captures its graph (False once `capture` ran at start-up)
+        self.lazy = True
+        # bytes the captured graphs hold (their memory pool's growth)
+        self.graph_bytes = 0
+        # the start-up capture's buckets and bound (captured again when the pool's storage moves)
+        self._planned: tuple[list[tuple[int, int, int]], int] | None = None
         self._mempool: Any = None
         self._storage: int | None = None
         # forwards replayed from a graph, run eagerly, graphs captured (and seconds spent capturing)
@@ -194,12 +208,11 @@ class PagedForward:
         self.captured_last = False
 
     # --- the tensor work (graph-capturable: no host syncs, static shapes) --------------------------------------
-    def _linear(self, x: torch.Tensor, lin: torch.nn.Module) -> torch.Tensor:
-        """`lin` over the rows of x ([n, in] -> [n, out]); with a tile, in whole tiles of `tile` rows."""
-        f = getattr(lin, "_untiled_forward", lin)  # the plain (or packed) forward under shared/invariant.py's
+    def _rows(self, x: torch.Tensor, f: Any) -> torch.Tensor:
+        """f over the rows of x ([n, in] -> [n, out]); with a tile, in whole tiles of `tile` rows."""
         t = self.tile
         if not t or x.shape[0] in (0, t):
-            return f(x)
+            return f(x)  # type: ignore[no-any-return]
         if x.shape[0] % t == 0:  # the forward's tokens (padded to whole tiles by `inputs`)
             return torch.cat([f(x[i: i + t]) for i in range(0, x.shape[0], t)])
         n = x.shape[0]
@@ -208,13 +221,22 @@ class PagedForward:
             x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
         return torch.cat([f(x[i: i + t]) for i in range(0, n + pad, t)])[:n]
 
+    def _linear(self, x: torch.Tensor, lin: torch.nn.Module) -> torch.Tensor:
+        """`lin` over the rows of x, tiled (`_rows`)."""
+        return self._rows(x, getattr(lin, "_untiled_forward", lin))  # the plain (or packed) forward
+
     def _attention(self, layer: Any, h: torch.Tensor, inp: Inputs, keys: torch.Tensor,
                    values: torch.Tensor) -> torch.Tensor:
         a = layer.self_attn
         T = h.shape[0]
-        q = self._linear(h, a.q_proj).view(T, self.hq, self.dh)  # [T, Hq, D]
-        k = self._linear(h, a.k_proj).view(T, self.hk, self.dh)  # [T, Hk, D]
-        v = self._linear(h, a.v_proj).view(T, self.hk, self.dh)
+        fused = self.fused.get(id(a))
+        if fused is not None:  # one GEMM for q, k and v
+            q, k, v = self._rows(h, fused).split(self.qkv_sizes, dim=-1)  # [T, Hq x D], [T, Hk x D] x 2
+            q, k, v = q.view(T, self.hq, self.dh), k.view(T, self.hk, self.dh), v.view(T, self.hk, self.dh)
+        else:
+            q = self._linear(h, a.q_proj).view(T, self.hq, self.dh)  # [T, Hq, D]
+            k = self._linear(h, a.k_proj).view(T, self.hk, self.dh)  # [T, Hk, D]
+            v = self._linear(h, a.v_proj).view(T, self.hk, self.dh)
         if hasattr(a, "q_norm"):  # Qwen3: per-head RMSNorm before RoPE
             q, k = a.q_norm(q), a.k_norm(k)
         cos, sin = self.cos[inp.positions][:, None], self.sin[inp.positions][:, None]  # [T, 1, D]
@@ -239,17 +261,24 @@ class PagedForward:
 
     def _mlp(self, layer: Any, h: torch.Tensor) -> torch.Tensor:
         m = layer.mlp
+        fused = self.fused.get(id(m))
+        if fused is not None:  # one GEMM for gate and up
+            gate, up = self._rows(h, fused).chunk(2, dim=-1)  # [T, I] each
+            return self._linear(m.act_fn(gate) * up, m.down_proj)
         return self._linear(m.act_fn(self._linear(h, m.gate_proj)) * self._linear(h, m.up_proj), m.down_proj)
 
-    def run(self, inp: Inputs, keys: list[torch.Tensor], values: list[torch.Tensor]) -> tuple[torch.Tensor,
-                                                                                             torch.Tensor]:
-        """The model over `inp`: the K/V written into the pool, (logits [P, vocab], final hidden [P, d])."""
+    def run(self, inp: Inputs, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+        """The model over `inp` up to the output layer: the K/V written into the pool, the final hidden states of
+        the kept tokens ([P, d]). The output layer runs outside (`logits`), on the real kept rows only."""
         h = self.inner.embed_tokens(inp.ids)  # [T, d]
         for i, layer in enumerate(self.layers):
             h = h + self._attention(layer, layer.input_layernorm(h), inp, keys[i], values[i])
             h = h + self._mlp(layer, layer.post_attention_layernorm(h))
-        hidden = self.inner.norm(h[inp.keep])  # [P, d]
-        return self._linear(hidden, self.head), hidden
+        return self.inner.norm(h[inp.keep])  # type: ignore[no-any-return]  # [P, d]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The output layer over the kept rows' final hidden states ([P, d] -> [P, vocab])."""
+        return self._linear(hidden, self.head)
 
     # --- inputs ------------------------------------------------------------------------------------------------
     def inputs(self, pool: Any, rows: list[Row], spare: int, shape: tuple[int, int, int] | None) -> Inputs:
@@ -310,39 +339,65 @@ class PagedForward:
     @torch.inference_mode()
     def forward(self, pool: Any, rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor]:
         """Every row's kept logits ([P, vocab], rows in order) and final hidden states ([P, d]); the rows must be
-        planned (`KVPool.plan_writes`)."""
+        planned (`KVPool.plan_writes`). A forward in a captured bucket replays its graph; any other runs eagerly
+        (counted: `eager`)."""
         keys, values = pool.keys, pool.values
-        if self._storage != keys[0].data_ptr():  # new storage: graphs recorded the old addresses
+        if self._storage != keys[0].data_ptr():  # new storage (the pool grew): graphs recorded the old addresses
             self.drop_graphs()
             self._storage = keys[0].data_ptr()
+            if self._planned is not None:  # the start-up buckets again, over the new storage
+                self.capture(pool, *self._planned)
         spare = pool.spare_row
         P = sum(r.keep for r in rows)
         shape = self.shape_of(rows)
-        self.captured_last = False
-        if shape is None:
-            self.eager += 1
-            inp = self.inputs(pool, rows, spare, None)
-            logits, hidden = self.run(_to(inp, self.device), keys, values)
-            return logits[:P], hidden[:P]
-        host = self.inputs(pool, rows, spare, shape)
-        if not self.graphs:  # the bucket's padded inputs, eagerly
-            self.eager += 1
-            logits, hidden = self.run(_to(host, self.device), keys, values)
-            return logits[:P], hidden[:P]
-        graph = self._graphs.get(shape)
-        self.captured_last = graph is None
+        graph = self._graphs.get(shape) if shape is not None else None
+        if graph is None and self.graphs and shape is not None and self.lazy:
+            graph = self._capture(shape, self.inputs(pool, rows, spare, shape), keys, values)
         if graph is None:
-            graph = self._capture(shape, host, keys, values)
-        else:
-            self._graphs.move_to_end(shape)
-        g, static, logits, hidden = graph
-        static.copy_(host)
+            self.eager += 1
+            inp = self.inputs(pool, rows, spare, None if self.graphs else shape)
+            hidden = self.run(_to(inp, self.device), keys, values)[:P]
+            return self.logits(hidden), hidden
+        g, static, out = graph
+        static.copy_(self.inputs(pool, rows, spare, shape))
         g.replay()
         self.replayed += 1
-        return logits[:P].clone(), hidden[:P].clone()
+        hidden = out[:P].clone()  # [P, d]
+        return self.logits(hidden), hidden
+
+    def capture(self, pool: Any, shapes: Sequence[tuple[int, int, int]], max_bytes: int) -> None:
+        """Capture a graph for each bucket (R, N, W) in `shapes` that fits the pool, largest first, in one memory
+        pool, while the graphs' bytes stay within `max_bytes` (the rest run eagerly); on the model thread, at
+        start-up. `graph_bytes` is what they hold."""
+        if not self.graphs:
+            return
+        keys, values = pool.keys, pool.values
+        self._storage = keys[0].data_ptr()
+        self.lazy, self._planned = False, (list(shapes), max_bytes)
+        todo = sorted({s for s in shapes if s[2] <= self.max_positions}, key=lambda s: (s[0] * s[1] * s[2], s),
+                      reverse=True)
+        last = 0
+        for shape in todo:
+            if self.graph_bytes + last > max_bytes:
+                log.warning("CUDA graphs: %d of %d buckets captured, %.0f MB (--graph-memory-bytes %d): the rest "
+                            "run eagerly", len(self._graphs), len(todo), self.graph_bytes / 1e6, max_bytes)
+                break
+            before = torch.cuda.memory_reserved(self.device)
+            self._capture(shape, _blank(shape, pool.spare_row, self.tile), keys, values)
+            last = torch.cuda.memory_reserved(self.device) - before
+            self.graph_bytes += last
+            if self.graph_bytes > max_bytes:  # this one alone was too large: let it go, try the smaller ones
+                self._graphs.pop(shape)
+                self.graph_bytes -= last
+                if not self._graphs:
+                    self.drop_graphs()
+                    torch.cuda.empty_cache()
+                last = 0
+        log.info("CUDA graphs captured at start-up: %d buckets in %.1f s, %.0f MB", len(self._graphs), self.capture_s,
+                 self.graph_bytes / 1e6)
 
     def _capture(self, shape: tuple[int, int, int], host: Inputs, keys: list[torch.Tensor],
-                 values: list[torch.Tensor]) -> tuple[Any, Inputs, torch.Tensor, torch.Tensor]:
+                 values: list[torch.Tensor]) -> tuple[Any, Inputs, torch.Tensor]:
         t0 = time.perf_counter()
         while len(self._graphs) >= self.max_graphs:
             self._graphs.popitem(last=False)
@@ -357,25 +412,78 @@ class PagedForward:
         if self._mempool is None:
             self._mempool = torch.cuda.graph_pool_handle()
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self._mempool):
-            logits, hidden = self.run(static, keys, values)
-        entry = (g, static, logits, hidden)
+        # thread-local capture: another thread's CUDA work (the event loop's) is not captured into it, nor refused
+        with torch.cuda.graph(g, pool=self._mempool, capture_error_mode="thread_local"):
+            out = self.run(static, keys, values)
+        entry = (g, static, out)
         self._graphs[shape] = entry
         self.captured += 1
         self.capture_s += time.perf_counter() - t0
-        log.info("CUDA graph captured for %d rows x %d queries x %d keys in %.0f ms (%d held)", *shape,
-                 (time.perf_counter() - t0) * 1000, len(self._graphs))
+        log.debug("CUDA graph captured for %d rows x %d queries x %d keys in %.0f ms (%d held)", *shape,
+                  (time.perf_counter() - t0) * 1000, len(self._graphs))
         return entry
 
     def drop_graphs(self) -> None:
         """Forget every graph, and their memory pool with them (a pool whose graphs are all gone is released:
-        capturing into its handle again fails inside PyTorch's allocator, as the first H200 run showed)."""
+        capturing into its handle again fails inside PyTorch's allocator)."""
         self._graphs.clear()
         self._mempool = None
+        self.graph_bytes = 0
 
     def facts(self) -> dict[str, Any]:
         return {"graphs": self.graphs, "tile": self.tile, "held": len(self._graphs), "captured": self.captured,
-                "capture_s": round(self.capture_s, 3), "replayed": self.replayed, "eager": self.eager}
+                "capture_s": round(self.capture_s, 3), "replayed": self.replayed, "eager": self.eager,
+                "graph_bytes": self.graph_bytes}
+
+
+def graph_shapes(rows: Sequence[int], queries: Sequence[int], keys: Sequence[int]) -> list[tuple[int, int, int]]:
+    """The buckets (R, N, W) a deployment's lists make, each a bucket of the executor's, R x N at most
+    MAX_GRAPH_TOKENS."""
+    out = []
+    for R in rows:
+        for N in queries:
+            for W in keys:
+                b = (_bucket(R, ROW_BUCKETS), _bucket(N, QUERY_BUCKETS), _bucket(W, KEY_BUCKETS))
+                if None not in b and b[0] * b[1] <= MAX_GRAPH_TOKENS:  # type: ignore[operator]
+                    out.append(b)
+    return sorted(set(out))  # type: ignore[arg-type]
+
+
+def _blank(shape: tuple[int, int, int], spare: int, tile: int) -> Inputs:
+    """A bucket's inputs with every slot padding (the spare row and token): what a start-up capture records."""
+    R, N, W = shape
+    T = R * N
+    if tile:
+        T = -(-T // tile) * tile
+    mask = torch.zeros(R, 1, N, W, dtype=torch.bool)
+    mask[:, 0, :, 0] = True
+    return Inputs(torch.zeros(T, dtype=torch.long), torch.zeros(T, dtype=torch.long),
+                  torch.full((T,), spare, dtype=torch.long), torch.zeros(T, dtype=torch.long),
+                  [Group(torch.full((R * N,), T, dtype=torch.long), torch.full((R * W,), spare, dtype=torch.long),
+                         mask, shape)])
+
+
+def _fuse(mods: Sequence[torch.nn.Module]) -> Any:
+    """One linear over the rows of x for several plain Linears of the same input (their outputs side by side), or
+    None where one is not a plain Linear (packed or replaced forwards keep theirs). The modules' weights and biases
+    become views of the fused tensors."""
+    lins: list[torch.nn.Linear] = []
+    for m in mods:
+        f = getattr(m, "_untiled_forward", None) or m.forward
+        if not isinstance(m, torch.nn.Linear) or getattr(f, "__func__", None) is not torch.nn.Linear.forward:
+            return None
+        lins.append(m)
+    sizes = [int(m.weight.shape[0]) for m in lins]
+    weight = torch.cat([m.weight.detach() for m in lins])  # [sum of outs, in]
+    bias = None
+    if any(m.bias is not None for m in lins):
+        bias = torch.cat([m.bias.detach() if m.bias is not None else weight.new_zeros(n)
+                          for m, n in zip(lins, sizes, strict=True)])  # [sum of outs]
+    for i, (m, w) in enumerate(zip(lins, weight.split(sizes), strict=True)):
+        m.weight = torch.nn.Parameter(w, requires_grad=False)
+        if m.bias is not None and bias is not None:
+            m.bias = torch.nn.Parameter(bias[sum(sizes[:i]): sum(sizes[: i + 1])], requires_grad=False)
+    return lambda x: F.linear(x, weight, bias)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

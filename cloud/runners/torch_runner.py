@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from cloud.runners.graphs import GPU_ROW_TILE, PagedForward, support
+from cloud.runners.graphs import GPU_ROW_TILE, PagedForward, graph_shapes, support
 from cloud.runners.invariance import paged_invariance
 from cloud.runners.tensor_parallel import local_part
 from shared.dtypes import resolve_dtype
@@ -241,6 +241,12 @@ class TargetModel:
         self.forward_path = "cuda-graphs" if graphs else "paged-eager"
         tile = (GPU_ROW_TILE if self.device.type == "cuda" else ROW_TILE) if invariant else 0
         return PagedForward(self.model, graphs=graphs, tile=tile)
+
+    def capture_graphs(self, rows: list[int], queries: list[int], keys: list[int], max_bytes: int) -> None:
+        """The graph executor's CUDA graphs for these buckets (cloud/runners/graphs.py `capture`), within
+        `max_bytes`; on the model thread, at start-up. Nothing without graphs."""
+        if self.paged is not None and self.paged.graphs:
+            self.paged.capture(self.pool, graph_shapes(rows, queries, keys), max_bytes)
 
     def _calibrate_paged(self, max_rows: int, threads: int) -> bool:
         """`calibrate` for the graph executor: measured on the model's device (cloud/runners/invariance.py)."""

@@ -116,8 +116,7 @@ def test_invariance_probe_names_a_difference(arch_dir: Path, monkeypatch: pytest
     real = target.paged.run
 
     def biased(inp, keys, values):  # type: ignore[no-untyped-def]
-        logits, hidden = real(inp, keys, values)
-        return logits + 1e-3 * inp.ids.shape[0], hidden
+        return real(inp, keys, values) + 1e-3 * inp.ids.shape[0]  # final hidden states [P, d]
 
     monkeypatch.setattr(target.paged, "run", biased)
     failure = paged_invariance(target, 64)
@@ -166,3 +165,89 @@ def test_graphs_survive_the_pool_growing_under_them(tmp_path: Path) -> None:
         torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=1e-4)
         slots.append(s)
     assert target.paged.captured >= 2 and target.paged.replayed > 0
+
+
+def test_fused_projections_are_views_of_one_weight(arch_dir: Path) -> None:
+    """q/k/v and gate/up run as one GEMM each over one weight; the modules' own weights are views of it, so the
+    model's bytes are what they were and transformers' forward (the tests' reference) reads the same numbers. (In
+    float32 on a CPU the weights are packed for oneDNN instead, shared/cpu_weights.py, and keep their GEMMs.)"""
+    target = TargetModel(arch_dir, "cpu", "bfloat16", invariant=False, executor="eager")
+    assert target.paged is not None
+    layer = target.paged.layers[0]
+    a, m = layer.self_attn, layer.mlp
+    assert id(a) in target.paged.fused and id(m) in target.paged.fused
+    q, k, v = a.q_proj.weight, a.k_proj.weight, a.v_proj.weight
+    assert q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
+    assert k.data_ptr() == q.data_ptr() + q.numel() * q.element_size()
+    assert m.gate_proj.weight.untyped_storage().data_ptr() == m.up_proj.weight.untyped_storage().data_ptr()
+    h = torch.randn(3, q.shape[1], dtype=torch.bfloat16)
+    fused = target.paged.fused[id(a)](h)
+    plain = torch.cat([a.q_proj(h), a.k_proj(h), a.v_proj(h)], -1)
+    torch.testing.assert_close(fused, plain, atol=2e-2, rtol=2e-2)
+    packed = TargetModel(arch_dir, "cpu", "float32", invariant=False, executor="eager")
+    assert packed.paged is not None and not packed.paged.fused
+
+
+def test_start_up_buckets_and_their_blank_inputs(arch_dir: Path) -> None:
+    """The deployment's lists make buckets of the executor's (R x N capped); a bucket's blank inputs (what a start-up
+    capture records) have exactly the shapes of real inputs in that bucket, which a replay copies in."""
+    from cloud.runners.graphs import MAX_GRAPH_TOKENS, _blank, graph_shapes
+
+    shapes = graph_shapes([1, 3, 64, 256], [1, 9], [500, 4096])
+    assert (4, 12, 512) in shapes and (1, 1, 4096) in shapes
+    assert all(R * N <= MAX_GRAPH_TOKENS for R, N, _ in shapes)
+    assert not any(R == 256 for R, _, _ in shapes)  # past ROW_BUCKETS: eager
+    target = TargetModel(arch_dir, "cpu", "float32", invariant=True, executor="eager")
+    assert target.paged is not None
+    target.paged.buckets = True
+    pool = target.pool
+    a, b = pool.allocate(), pool.allocate()
+    rows = [Row(a, 0, [5] * 9, 9), Row(b, 0, [6], 1), Row(pool.allocate(), 0, [7, 8], 2)]
+    for r in rows:
+        pool.manager.prepare_write(r.slot, r.past, len(r.ids))
+    shape = target.paged.shape_of(rows)
+    assert shape is not None
+    real = target.paged.inputs(pool, rows, pool.spare_row, shape)
+    blank = _blank(shape, pool.spare_row, target.paged.tile)
+    for x, y in ((real.ids, blank.ids), (real.positions, blank.positions), (real.write, blank.write),
+                 (real.keep, blank.keep)):
+        assert x.shape == y.shape and x.dtype == y.dtype
+    for g, h in zip(real.groups, blank.groups, strict=True):
+        assert (g.queries.shape, g.keys.shape, g.mask.shape, g.shape) == (h.queries.shape, h.keys.shape,
+                                                                           h.mask.shape, h.shape)
+
+
+def test_graph_lists_are_validated(tmp_path: Path) -> None:
+    from pydantic import ValidationError
+
+    from cloud.settings import CloudSettings
+
+    (tmp_path / "config.json").write_text("{}")
+    s = CloudSettings(model=tmp_path, graph_rows=" 1, 8,64", graph_memory_bytes=0)
+    assert s.graph_lists()[0] == [1, 8, 64]
+    with pytest.raises(ValidationError, match="comma-separated list of positive counts"):
+        CloudSettings(model=tmp_path, graph_keys="512,x")
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA device (bench gpu measures them on a GPU host)")
+def test_start_up_capture_replays_within_its_bytes_and_counts_the_rest(arch_dir: Path) -> None:
+    """bfloat16, tiled (the shipped default): graphs captured at start-up for the deployment's buckets replay with
+    the eager forward's bits; nothing is captured while serving; a forward outside every bucket runs eagerly and is
+    counted; a bound of 0 bytes captures nothing."""
+    from cloud.runners.graphs import graph_shapes
+
+    eager = TargetModel(arch_dir, "cuda", "bfloat16", invariant=True, executor="eager")
+    target = TargetModel(arch_dir, "cuda", "bfloat16", invariant=True, executor="graphs")
+    assert target.paged is not None
+    eager.paged.buckets = True  # type: ignore[union-attr]
+    target.capture_graphs([1, 2, 4], [1, 2, 4, 8], [128, 256], 1 << 30)
+    held = target.paged.captured
+    assert held == len(graph_shapes([1, 2, 4], [1, 2, 4, 8], [128, 256])) and target.paged.graph_bytes <= 1 << 30
+    ref, got = _rounds(eager), _rounds(target)
+    assert target.paged.captured == held and target.paged.replayed > 0 and target.paged.eager > 0
+    for fw_ref, fw in zip(ref, got, strict=True):
+        for r, x in zip(fw_ref, fw, strict=True):
+            assert torch.equal(x, r)
+    none = TargetModel(arch_dir, "cuda", "bfloat16", invariant=True, executor="graphs")
+    none.capture_graphs([1], [1], [128], 0)
+    assert none.paged is not None and none.paged.captured - none.paged.graph_bytes >= 0 and not none.paged._graphs
