@@ -14,6 +14,7 @@ write BENCHMARKS.md plus its PNG figures.
     specsplit-bench --only capacity-curve  # the coder target at 1..64 sessions, one line per round policy
     specsplit-bench --only forward-cost  # one cloud forward by dtype and batch shape, both targets (~10 minutes)
     specsplit-bench --only gpu           # the cloud on a CUDA host: forward by shape, graphs, server (~5 minutes)
+    specsplit-bench --only gpu-capacity  # tokens per GPU-second, replayed coder-pair drafts against alone (<6 min)
 """
 
 from __future__ import annotations
@@ -60,8 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-server", default="coder-1.5b",
                    help="gpu: the shape served for the server part ('none' skips it)")
     p.add_argument("--only", choices=["gpu", "capacity", "network", "real-pair", "tp", "coder-pair", "forward-cost",
-                                        "draft-runtime", "cloud-runner", "capacity-curve"], default=None,
+                                        "draft-runtime", "cloud-runner", "capacity-curve", "gpu-capacity"],
+                   default=None,
                    help="run only this section and splice it into OUT and the results JSON")
+    p.add_argument("--capacity-sessions", default="1,8,32,64,128,256",
+                   help="gpu-capacity: session counts, comma-separated")
+    p.add_argument("--capacity-tokens", type=int, default=64, help="gpu-capacity: tokens each session gets")
+    p.add_argument("--capacity-k", type=int, default=8, help="gpu-capacity: draft tokens a speculation round")
     p.add_argument("--real-pair-drafts", default="",
                    help="real-pair: the drafts of the fixed-shape table, comma-separated (default: every one present: "
                         "attention head, feature-fed head, distilled draft, draft from the target, n-gram)")
@@ -262,6 +268,13 @@ def main(argv: list[str] | None = None) -> int:
         sessions = tuple(int(x) for x in args.coder_sessions.split(",") if x.strip())
         return run_cloud_runner(args.out, command, prompts=args.coder_prompts, n_new=args.coder_new_tokens,
                                 sessions=sessions or (1,))
+    if args.only == "gpu-capacity":  # tokens per GPU-second with replayed drafts against alone (bench/gpu_capacity.py)
+        from bench.gpu_capacity import run as run_gpu_capacity
+
+        shape = args.gpu_shapes.split(",")[0].strip()
+        levels = tuple(int(x) for x in args.capacity_sessions.split(",") if x.strip())
+        run_gpu_capacity(args.out, command, shape, levels, args.capacity_tokens, args.capacity_k)
+        return 0
     if args.only == "capacity-curve":  # the coder target under 1..64 sessions by round policy (bench/capacity_curve.py)
         from bench.capacity_curve import run as run_curve
 
