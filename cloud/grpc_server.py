@@ -133,6 +133,8 @@ def info_to_pb(i: SessionInfo) -> pb.SessionInfo:
     if i.node_acceptance is not None:
         out.node_acceptance.kept.extend(i.node_acceptance.kept)
         out.node_acceptance.tried.extend(i.node_acceptance.tried)
+    if i.forward_cost is not None:
+        out.forward_cost.CopyFrom(pb.ForwardCost(**asdict(i.forward_cost)))
     return out
 
 
@@ -329,7 +331,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     async def GetModel(self, request: pb.GetModelRequest, context: grpc.aio.ServicerContext,
                        owner: str) -> pb.ModelInfo:
         cost: dict[str, Any] = self.service.forward_cost()
-        return pb.ModelInfo(**asdict(self.service.info), forward_cost=pb.ForwardCost(**cost))
+        return pb.ModelInfo(**{**asdict(self.service.info), "forward_cost": pb.ForwardCost(**cost)})
 
     @_streamed(pb.StreamSessionRequest)
     async def StreamSession(self, request: pb.StreamSessionRequest, context: grpc.aio.ServicerContext,

@@ -19,7 +19,7 @@ from cloud.session import Context, Session
 from shared.errors import Internal, InvalidArgument
 from shared.features import ENCODINGS, encode_feature, encode_states
 from shared.kvpool import Row
-from shared.protocol import OpenSessionRequest, SessionInfo
+from shared.protocol import ForwardCostInfo, OpenSessionRequest, SessionInfo
 
 # the service's log lines keep the logger name they have always had
 log = logging.getLogger("cloud.service")
@@ -107,6 +107,8 @@ async def open_new(core: ServiceCore, req: OpenSessionRequest, owner: str) -> Se
     info = core.session_info(s)
     info.node_budget = core.open_budget(s)
     info.node_acceptance = core.open_acceptance(s)
+    # the fit as of this open, fresher than GET /v1/model's: the edge's first speculate-or-stream decision reads it
+    info.forward_cost = ForwardCostInfo.from_mapping(core.forward_cost())
     if first:  # the prompt's last states: the whole window's, or the last one as the feature
         h = torch.cat(first)[-max(window, 1):]  # [n, d]
         if window:

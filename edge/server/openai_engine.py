@@ -96,7 +96,7 @@ class Finished:
                 "tokens_by_origin": {k: v for k, v in m.by_origin.items() if v},
                 "local_commits": m.local_commits, "timeout_fallbacks": m.timeout_fallbacks,
                 "tokens_by_way": {"speculated": m.emitted - m.streamed, "streamed": m.streamed},
-                "switches": m.switches}
+                "switches": m.switches, "start_way": m.start_way, "start_reason": m.start_reason}
 
 
 Event = TextDelta | Finished | SpecSplitError

@@ -16,6 +16,7 @@ from shared.features import ENCODINGS
 from shared.pb import verify_pb2 as pb
 from shared.pb import verify_pb2_grpc as pb_grpc
 from shared.protocol import (
+    ForwardCostInfo,
     NodeAcceptance,
     OpenSessionRequest,
     RoundMetrics,
@@ -85,7 +86,14 @@ def session_from_pb(m: pb.SessionInfo) -> SessionInfo:
                        feature=feature_from_pb(m.feature) if m.HasField("feature") else None,
                        states=states_from_pb(m.states) if m.HasField("states") else None,
                        node_acceptance=NodeAcceptance(list(m.node_acceptance.kept), list(m.node_acceptance.tried))
-                       if m.HasField("node_acceptance") else None)
+                       if m.HasField("node_acceptance") else None,
+                       forward_cost=forward_cost_from_pb(m.forward_cost) if m.HasField("forward_cost") else None)
+
+
+def forward_cost_from_pb(m: pb.ForwardCost) -> ForwardCostInfo:
+    return ForwardCostInfo(base_ms=m.base_ms, row_ms=m.row_ms, prefill_token_ms=m.prefill_token_ms,
+                           forwards=m.forwards, tokens_per_second=m.tokens_per_second, node_value=m.node_value,
+                           linear_row_ms=m.linear_row_ms, per_bucket=m.per_bucket)
 
 
 def streamed_from_pb(m: pb.StreamSessionEvent) -> StreamedToken | StreamDone:
@@ -212,7 +220,8 @@ class GrpcTransport:
                          max_tree_nodes=m.max_tree_nodes, max_feature_window=m.max_feature_window,
                          session_stream=m.session_stream, dtype_reason=m.dtype_reason,
                          batch_invariant=m.batch_invariant, runner=m.runner, numerics=m.numerics,
-                         forward_path=m.forward_path)
+                         forward_path=m.forward_path,
+                         forward_cost=forward_cost_from_pb(m.forward_cost) if m.HasField("forward_cost") else None)
         return with_max_generate_tokens(info, int(getattr(m, "max_generate_tokens", 0)))
 
     def generate(self, prompt_ids: list[int], cfg: SamplingConfig, seed: int, max_new_tokens: int,

@@ -15,6 +15,7 @@ from shared.config import SamplingConfig
 from shared.errors import InvalidArgument
 from shared.features import feature_from_json, states_from_json
 from shared.protocol import (
+    ForwardCostInfo,
     NodeAcceptance,
     OpenSessionRequest,
     RoundMetrics,
@@ -72,13 +73,25 @@ def session_from_json(d: dict[str, Any]) -> SessionInfo:
                        numerics=str(d.get("numerics") or ""), node_budget=int(d.get("node_budget") or 0),
                        tokenizer_fingerprint=str(d.get("tokenizer_fingerprint") or ""),
                        feature=feature_from_json(d.get("feature")), states=states_from_json(d.get("states")),
-                       node_acceptance=acceptance_from_json(d.get("node_acceptance")))
+                       node_acceptance=acceptance_from_json(d.get("node_acceptance")),
+                       forward_cost=forward_cost_from_json(d.get("forward_cost")))
 
 
 def acceptance_from_json(d: Any) -> NodeAcceptance | None:
     if not isinstance(d, dict):
         return None
     return NodeAcceptance([float(x) for x in d.get("kept") or []], [float(x) for x in d.get("tried") or []])
+
+
+def forward_cost_from_json(d: Any) -> ForwardCostInfo | None:
+    """The cloud's fitted forward cost (GET /v1/model, the open answer); None when absent or malformed: the cost only
+    informs the edge's choices, so a cloud that says it badly is read as one that does not say it."""
+    if not isinstance(d, dict):
+        return None
+    try:
+        return ForwardCostInfo.from_mapping(d)
+    except (TypeError, ValueError):
+        return None
 
 
 def streamed_from_json(event: str, d: dict[str, Any]) -> StreamedToken | StreamDone:
@@ -176,7 +189,8 @@ class RestTransport:
                          tensor_parallel=int(d.get("tensor_parallel") or 0),
                          session_stream=d.get("session_stream") is True,
                          dtype_reason=str(d.get("dtype_reason", "")), batch_invariant=d.get("batch_invariant") is True, runner=str(d.get("runner", "")),
-                         numerics=str(d.get("numerics") or ""), forward_path=str(d.get("forward_path") or ""))
+                         numerics=str(d.get("numerics") or ""), forward_path=str(d.get("forward_path") or ""),
+                         forward_cost=forward_cost_from_json(d.get("forward_cost")))
         return with_max_generate_tokens(info, int(d.get("max_generate_tokens") or 0))
 
     def generate(self, prompt_ids: list[int], cfg: SamplingConfig, seed: int, max_new_tokens: int,

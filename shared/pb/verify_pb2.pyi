@@ -71,7 +71,7 @@ class OpenSessionRequest(_message.Message):
     def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., sampling_cfg: _Optional[_Union[SamplingConfig, _Mapping]] = ..., seed: _Optional[int] = ..., correction: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., feature_encoding: _Optional[str] = ..., feature_window: _Optional[int] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
-    __slots__ = ("ctx_id", "ctx_len", "ctx_hash", "vocab_size", "counters_json", "feature", "states", "numerics", "node_budget", "tokenizer_fingerprint", "node_acceptance")
+    __slots__ = ("ctx_id", "ctx_len", "ctx_hash", "vocab_size", "counters_json", "feature", "states", "numerics", "node_budget", "tokenizer_fingerprint", "node_acceptance", "forward_cost")
     CTX_ID_FIELD_NUMBER: _ClassVar[int]
     CTX_LEN_FIELD_NUMBER: _ClassVar[int]
     CTX_HASH_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +83,7 @@ class SessionInfo(_message.Message):
     NODE_BUDGET_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     NODE_ACCEPTANCE_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_COST_FIELD_NUMBER: _ClassVar[int]
     ctx_id: str
     ctx_len: int
     ctx_hash: str
@@ -94,7 +95,8 @@ class SessionInfo(_message.Message):
     node_budget: int
     tokenizer_fingerprint: str
     node_acceptance: NodeAcceptance
-    def __init__(self, ctx_id: _Optional[str] = ..., ctx_len: _Optional[int] = ..., ctx_hash: _Optional[str] = ..., vocab_size: _Optional[int] = ..., counters_json: _Optional[str] = ..., feature: _Optional[_Union[TargetFeature, _Mapping]] = ..., states: _Optional[_Union[TargetStates, _Mapping]] = ..., numerics: _Optional[str] = ..., node_budget: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., node_acceptance: _Optional[_Union[NodeAcceptance, _Mapping]] = ...) -> None: ...
+    forward_cost: ForwardCost
+    def __init__(self, ctx_id: _Optional[str] = ..., ctx_len: _Optional[int] = ..., ctx_hash: _Optional[str] = ..., vocab_size: _Optional[int] = ..., counters_json: _Optional[str] = ..., feature: _Optional[_Union[TargetFeature, _Mapping]] = ..., states: _Optional[_Union[TargetStates, _Mapping]] = ..., numerics: _Optional[str] = ..., node_budget: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., node_acceptance: _Optional[_Union[NodeAcceptance, _Mapping]] = ..., forward_cost: _Optional[_Union[ForwardCost, _Mapping]] = ...) -> None: ...
 
 class NodeAcceptance(_message.Message):
     __slots__ = ("kept", "tried")

@@ -23,6 +23,7 @@ from shared.errors import ContextMismatch, InvalidArgument, NotFound, SpecSplitE
 from shared.hashing import ctx_hash
 from shared.protocol import (
     DraftProposal,
+    ForwardCostInfo,
     NodeAcceptance,
     OpenSessionRequest,
     RoundMetrics,
@@ -81,7 +82,7 @@ class FakeCloud:
     # the pooled node acceptance the open answers carry (None: none said)
     open_acceptance: NodeAcceptance | None = None
     # the fitted forward cost the open answers / the model info carry, as GET /v1/model's `forward_cost` (base_ms,
-    # row_ms, forwards); None: none said, as an older cloud (set whether or not the dataclasses have the field yet)
+    # row_ms, forwards); None: none said, as an older cloud
     open_forward_cost: dict[str, Any] | None = None
     model_forward_cost: dict[str, Any] | None = None
 
@@ -144,7 +145,7 @@ class FakeCloud:
                            node_budget=self.open_budget, tokenizer_fingerprint=self.tokenizer_fingerprint,
                            node_acceptance=self.open_acceptance)
         if self.open_forward_cost is not None:
-            object.__setattr__(info, "forward_cost", dict(self.open_forward_cost))
+            info.forward_cost = ForwardCostInfo.from_mapping(self.open_forward_cost)
         return info
 
     def verify(self, req: VerifyRequest, timeout: float, sampling: SamplingConfig | None = None) -> VerifyResponse:
@@ -234,7 +235,7 @@ class FakeCloud:
         if self.max_generate_tokens:  # set whether or not ModelInfo has the field yet
             object.__setattr__(info, "max_generate_tokens", self.max_generate_tokens)
         if self.model_forward_cost is not None:
-            object.__setattr__(info, "forward_cost", dict(self.model_forward_cost))
+            info.forward_cost = ForwardCostInfo.from_mapping(self.model_forward_cost)
         return info
 
     def generate(self, prompt_ids: list[int], cfg: SamplingConfig, seed: int, max_new_tokens: int,

@@ -57,3 +57,53 @@ def test_sampling_settings_travel_with_every_verify() -> None:
     m = verify_request_to_pb(request(), cfg)
     assert m.HasField("sampling_cfg") and m.sampling_cfg.top_k == 7 and m.sampling_cfg.top_p == 0.9
     assert not verify_request_to_pb(request()).HasField("sampling_cfg")
+
+
+COST = {"base_ms": 4.5, "row_ms": 0.25, "prefill_token_ms": 0.125, "forwards": 40, "tokens_per_second": 90.0,
+        "node_value": 0.0225, "linear_row_ms": 0.5, "per_bucket": False}
+
+
+def test_the_forward_cost_of_an_open_answer_is_kept_over_rest_and_grpc() -> None:
+    from dataclasses import asdict
+
+    from edge.transport.grpc_transport import session_from_pb
+    from edge.transport.rest import session_from_json
+    from shared.protocol import ForwardCostInfo
+
+    opened = {"ctx_id": "c", "ctx_len": 3, "ctx_hash": "aa", "vocab_size": 10}
+    rest = session_from_json({**opened, "forward_cost": {**COST, "a_newer_field": 1}})
+    grpc_ = session_from_pb(pb.SessionInfo.FromString(pb.SessionInfo(**opened, forward_cost=pb.ForwardCost(**COST))
+                                                      .SerializeToString()))
+    assert rest.forward_cost == grpc_.forward_cost == ForwardCostInfo(**COST)
+    assert asdict(rest.forward_cost) == COST
+    # an older cloud's open answer (or GET /v1/sessions/{ctx_id}) says none; a malformed one reads as none
+    assert session_from_json(opened).forward_cost is None
+    assert session_from_pb(pb.SessionInfo(**opened)).forward_cost is None
+    assert session_from_json({**opened, "forward_cost": {"base_ms": "fast"}}).forward_cost is None
+    assert session_from_json({**opened, "forward_cost": [1, 2]}).forward_cost is None
+
+
+def test_the_forward_cost_of_the_model_info_is_kept_over_rest_and_grpc() -> None:
+    import httpx
+
+    from edge.transport import GrpcTransport, RestTransport
+
+    model = {"model_id": "m", "vocab_size": 10}
+    rest = RestTransport("http://cloud.test")
+    rest._http = httpx.Client(base_url="http://cloud.test", transport=httpx.MockTransport(
+        lambda _: httpx.Response(200, json={**model, "forward_cost": COST})))
+    grpc_ = GrpcTransport("127.0.0.1:1")
+
+    class Stub:
+        def GetModel(self, request: pb.GetModelRequest, timeout: float, metadata: object) -> pb.ModelInfo:
+            return pb.ModelInfo(**model, forward_cost=pb.ForwardCost(**COST))
+
+    grpc_._stub = Stub()
+    kept = rest.get_model(5).forward_cost, grpc_.get_model(5).forward_cost
+    assert kept[0] is not None and kept[0] == kept[1] and (kept[0].base_ms, kept[0].row_ms, kept[0].forwards) == (
+        4.5, 0.25, 40)
+    rest._http = httpx.Client(base_url="http://cloud.test", transport=httpx.MockTransport(
+        lambda _: httpx.Response(200, json=model)))  # an older cloud
+    assert rest.get_model(5).forward_cost is None
+    rest.close()
+    grpc_.close()
