@@ -118,6 +118,10 @@ class ModelInfo:
     # every forward is batch-invariant: a token's logits do not depend on what shares its forward, so greedy
     # text is one text in every mode (False: the plain kernels, or an older cloud)
     batch_invariant: bool = False
+    # what the batch_invariant claim was measured on, where the graph executor's start-up probe made it: the cases
+    # in which the probed token got its decode-alone bits ("" : the transformers path's calibration, or an older
+    # cloud)
+    batch_invariant_probe: str = ""
     # torch device string
     device: str = ""
     # shared/tokenizer_id.py: the edge's draft must speak the tokenizer with this fingerprint

@@ -197,8 +197,10 @@ class PagedForward:
         self.lazy = True
         # bytes the captured graphs hold (their memory pool's growth)
         self.graph_bytes = 0
-        # the start-up capture's buckets and bound (captured again when the pool's storage moves)
+        # the start-up capture's buckets and bound (captured again when the pool's storage moves), and the row,
+        # query and key counts it captured
         self._planned: tuple[list[tuple[int, int, int]], int] | None = None
+        self._dims: tuple[tuple[int, ...], ...] = ((), (), ())
         self._mempool: Any = None
         self._storage: int | None = None
         # forwards replayed from a graph, run eagerly, graphs captured (and seconds spent capturing)
@@ -325,15 +327,23 @@ class PagedForward:
                       torch.from_numpy(keep_all), groups)
 
     def shape_of(self, rows: list[Row]) -> tuple[int, int, int] | None:
-        """The graph bucket (R, N, W) these rows fit, or None (eager)."""
+        """The graph bucket (R, N, W) these rows fit, or None (eager). After a start-up capture: the smallest
+        captured value of each dimension that fits (a short context pads its keys to the smallest captured key
+        count), None where that bucket was not captured."""
         if not self.buckets:
             return None
-        R = _bucket(len(rows), ROW_BUCKETS)
-        N = _bucket(max(len(r.ids) for r in rows), QUERY_BUCKETS)
-        W = _bucket(max(r.past + len(r.ids) for r in rows), KEY_BUCKETS)
+        R0, N0, W0 = len(rows), max(len(r.ids) for r in rows), max(r.past + len(r.ids) for r in rows)
+        if self._planned is not None:
+            R, N, W = (_bucket(x, d) for x, d in zip((R0, N0, W0), self._dims, strict=True))
+            return (R, N, W) if (R, N, W) in self._graphs else None  # type: ignore[return-value]
+        R, N, W = _bucket(R0, ROW_BUCKETS), _bucket(N0, QUERY_BUCKETS), _bucket(W0, KEY_BUCKETS)
         if R is None or N is None or W is None or W > self.max_graph_keys or R * N > MAX_GRAPH_TOKENS:
             return None
         return R, N, W
+
+    def captured_dims(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        """The sorted row, query and key counts of the captured graphs."""
+        return tuple(tuple(sorted({s[i] for s in self._graphs})) for i in range(3))  # type: ignore[return-value]
 
     # --- a forward ---------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -393,6 +403,7 @@ class PagedForward:
                     self.drop_graphs()
                     torch.cuda.empty_cache()
                 last = 0
+        self._dims = self.captured_dims()
         log.info("CUDA graphs captured at start-up: %d buckets in %.1f s, %.0f MB", len(self._graphs), self.capture_s,
                  self.graph_bytes / 1e6)
 

@@ -72,12 +72,24 @@ def paged_invariance(target: TargetModel, max_rows: int, seed: int = 0) -> str:
             f"beside a prefill chunk of {chunk} tokens":
                 [Row(a, PROMPT, x[:1], 1), Row(new(0), 0, rand(chunk), 1)],
         }
+        paged = target.paged
+        if paged is not None and paged.graphs and not paged.lazy:  # every larger key bucket captured at start-up
+            for w in paged.captured_dims()[2]:
+                n = w // 2 + 1  # a context in that key bucket, not the one below
+                if w <= 512 or n >= room:
+                    continue
+                m = new(n)
+                for at in range(0, n, chunk):
+                    target.forward([Row(m, at, rand(min(chunk, n - at)), 0)])
+                cases[f"beside a decode step of a {n}-token context (key bucket {w})"] = \
+                    [Row(a, PROMPT, x[:1], 1), Row(m, n, rand(1), 1)]
         for what, rows in cases.items():
             lengths.update(dict(seqs))
             got = first_logits(rows)
             if not torch.equal(got, ref):
                 diff = float((got - ref).abs().max())
                 return f"the probed token's logits {what} differ from a decode step alone (max |diff| {diff:.3g})"
+        target.invariance_probed = "; ".join(cases)
         return ""
     except OutOfBlocks:
         return "not measured: the KV budget holds too few blocks for the probe's sequences"

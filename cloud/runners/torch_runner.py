@@ -109,8 +109,10 @@ class TargetModel:
             if invariant and group is not None:
                 log.warning("batch_invariant reported false: a tensor-parallel group's forwards are tiled and sum "
                             "their ranks' parts in rank order, but this start-up does not measure them")
-            # the graph executor's invariance probe's answer ("" when it found no difference or did not run)
+            # the graph executor's invariance probe's answer ("" when it found no difference or did not run), and
+            # the cases it compared (what a batch_invariant claim on this executor covers)
             self.invariance_failure = ""
+            self.invariance_probed = ""
             self.paged = self._executor(executor, invariant)
             cfg = self.model.config.get_text_config()
             n_ctx = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or 2048
@@ -255,11 +257,13 @@ class TargetModel:
         self._measured = (max_rows, threads)  # the probe's own forwards do not measure again
         failure = paged_invariance(self, max_rows)
         self.info.batch_invariant, self.invariance_failure = not failure, failure
+        self.info.batch_invariant_probe = self.invariance_probed if not failure else ""
         self.row_tile = self.paged.tile
         self._captured.clear()
         if not failure:
-            log.info("batch-invariant forwards measured on %s: every probed row gets the same bits in every bucket "
-                     "(linear rows in tiles of %d; %.1f s)", self.device, self.paged.tile, time.perf_counter() - t0)
+            log.info("batch-invariant forwards measured on %s: the probed token gets the same bits %s (linear rows in "
+                     "tiles of %d; %.1f s)", self.device, self.invariance_probed, self.paged.tile,
+                     time.perf_counter() - t0)
         else:
             log.warning("batch-invariant forwards not proven on %s: %s. batch_invariant is false: greedy texts are "
                         "no longer promised to be the same across batch shapes", self.device, failure)

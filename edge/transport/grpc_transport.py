@@ -220,7 +220,7 @@ class GrpcTransport:
                          max_tree_nodes=m.max_tree_nodes, max_feature_window=m.max_feature_window,
                          session_stream=m.session_stream, dtype_reason=m.dtype_reason,
                          batch_invariant=m.batch_invariant, runner=m.runner, numerics=m.numerics,
-                         forward_path=m.forward_path,
+                         forward_path=m.forward_path, batch_invariant_probe=m.batch_invariant_probe,
                          forward_cost=forward_cost_from_pb(m.forward_cost) if m.HasField("forward_cost") else None)
         return with_max_generate_tokens(info, int(getattr(m, "max_generate_tokens", 0)))
 

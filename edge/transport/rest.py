@@ -190,6 +190,7 @@ class RestTransport:
                          session_stream=d.get("session_stream") is True,
                          dtype_reason=str(d.get("dtype_reason", "")), batch_invariant=d.get("batch_invariant") is True, runner=str(d.get("runner", "")),
                          numerics=str(d.get("numerics") or ""), forward_path=str(d.get("forward_path") or ""),
+                         batch_invariant_probe=str(d.get("batch_invariant_probe") or ""),
                          forward_cost=forward_cost_from_json(d.get("forward_cost")))
         return with_max_generate_tokens(info, int(d.get("max_generate_tokens") or 0))
 

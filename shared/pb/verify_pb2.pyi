@@ -215,7 +215,7 @@ class GetModelRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_id", "vocab_size", "eos_ids", "max_context", "dtype", "device", "tokenizer_fingerprint", "max_k", "tokenizer_size", "feature_size", "feature_encodings", "tensor_parallel", "max_tree_nodes", "max_feature_window", "session_stream", "max_generate_tokens", "dtype_reason", "batch_invariant", "runner", "forward_cost", "numerics", "forward_path")
+    __slots__ = ("model_id", "vocab_size", "eos_ids", "max_context", "dtype", "device", "tokenizer_fingerprint", "max_k", "tokenizer_size", "feature_size", "feature_encodings", "tensor_parallel", "max_tree_nodes", "max_feature_window", "session_stream", "max_generate_tokens", "dtype_reason", "batch_invariant", "runner", "forward_cost", "numerics", "forward_path", "batch_invariant_probe")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     EOS_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -238,6 +238,7 @@ class ModelInfo(_message.Message):
     FORWARD_COST_FIELD_NUMBER: _ClassVar[int]
     NUMERICS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_PATH_FIELD_NUMBER: _ClassVar[int]
+    BATCH_INVARIANT_PROBE_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     vocab_size: int
     eos_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -260,7 +261,8 @@ class ModelInfo(_message.Message):
     forward_cost: ForwardCost
     numerics: str
     forward_path: str
-    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_ids: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_k: _Optional[int] = ..., tokenizer_size: _Optional[int] = ..., feature_size: _Optional[int] = ..., feature_encodings: _Optional[_Iterable[str]] = ..., tensor_parallel: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., max_feature_window: _Optional[int] = ..., session_stream: _Optional[bool] = ..., max_generate_tokens: _Optional[int] = ..., dtype_reason: _Optional[str] = ..., batch_invariant: _Optional[bool] = ..., runner: _Optional[str] = ..., forward_cost: _Optional[_Union[ForwardCost, _Mapping]] = ..., numerics: _Optional[str] = ..., forward_path: _Optional[str] = ...) -> None: ...
+    batch_invariant_probe: str
+    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_ids: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_k: _Optional[int] = ..., tokenizer_size: _Optional[int] = ..., feature_size: _Optional[int] = ..., feature_encodings: _Optional[_Iterable[str]] = ..., tensor_parallel: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., max_feature_window: _Optional[int] = ..., session_stream: _Optional[bool] = ..., max_generate_tokens: _Optional[int] = ..., dtype_reason: _Optional[str] = ..., batch_invariant: _Optional[bool] = ..., runner: _Optional[str] = ..., forward_cost: _Optional[_Union[ForwardCost, _Mapping]] = ..., numerics: _Optional[str] = ..., forward_path: _Optional[str] = ..., batch_invariant_probe: _Optional[str] = ...) -> None: ...
 
 class ForwardCost(_message.Message):
     __slots__ = ("base_ms", "row_ms", "prefill_token_ms", "forwards", "tokens_per_second", "node_value", "linear_row_ms", "per_bucket")

@@ -113,6 +113,10 @@ def test_invariance_probe_names_a_difference(arch_dir: Path, monkeypatch: pytest
     target.paged.buckets = True
     measured = target.calibrate(64)
     assert target.info.batch_invariant is measured
+    # the claim names what it was measured on (GET /v1/model batch_invariant_probe), and only when it holds
+    probe = target.info.batch_invariant_probe
+    assert ("beside 7 decode steps" in probe and "token tree" in probe and "prefill chunk" in probe) if measured \
+        else probe == ""
     real = target.paged.run
 
     def biased(inp, keys, values):  # type: ignore[no-untyped-def]
@@ -245,6 +249,8 @@ def test_start_up_capture_replays_within_its_bytes_and_counts_the_rest(arch_dir:
     assert held == len(graph_shapes([1, 2, 4], [1, 2, 4, 8], [128, 256])) and target.paged.graph_bytes <= 1 << 30
     ref, got = _rounds(eager), _rounds(target)
     assert target.paged.captured == held and target.paged.replayed > 0 and target.paged.eager > 0
+    target.calibrate(64)  # the probe covers every captured key bucket past 512 (none here), in graphs
+    assert target.info.batch_invariant and "beside 7 decode steps" in target.info.batch_invariant_probe
     for fw_ref, fw in zip(ref, got, strict=True):
         for r, x in zip(fw_ref, fw, strict=True):
             assert torch.equal(x, r)
