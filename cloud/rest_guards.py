@@ -7,6 +7,9 @@ parse, which refuses with 422 `invalid_argument` what is not strict UTF-8 JSON (
 lone surrogates, nesting deeper than the parser's limit, syntax errors) and a body with more
 objects than a verify round can carry (counted as `{` bytes before parsing, so a body of a million
 tiny objects costs a byte scan, not a parse). Pydantic then checks types and list lengths.
+
+`error_responses` says the same in the OpenAPI schema: which statuses a route answers, each with the
+error body of its code and the Retry-After header where one is sent.
 """
 
 from __future__ import annotations
@@ -22,18 +25,65 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cloud.guards import bearer_key
-from shared.errors import InvalidArgument, PayloadTooLarge, SpecSplitError
+from shared.errors import ERRORS_BY_STATUS, InvalidArgument, PayloadTooLarge, SpecSplitError
 from shared.http_body import read_limited, replaying
-from shared.request_id import CURRENT, REQUEST_ID_HEADER, check_request_id
+from shared.request_id import CURRENT, REQUEST_ID_HEADER, REQUEST_ID_PATTERN, check_request_id
 
 # JSON objects a body may hold beyond max_k (the root, sampling_cfg, and slack for braces in strings)
 OBJECT_SLACK = 64
+# what each error status means, as the OpenAPI schema says it (PROTOCOL.md, "Errors")
+ERROR_MEANINGS = {
+    401: "no key, a wrong key, or a key without the `Bearer` scheme (checked before the body is read)",
+    403: "the session belongs to another API key",
+    404: "unknown, closed, expired or evicted session: reopen it with the whole committed context",
+    409: "`ctx_len` / `ctx_hash` disagree with the cloud's (`expected_ctx_len`, `expected_ctx_hash` in the body)",
+    413: "the body is larger than `--max-body-bytes`",
+    422: "malformed or invalid request: not UTF-8 JSON, wrong types, a value out of its range (`problems` lists "
+         "pydantic's complaints; `reason`, `limit` name a context or limit refusal), or a malformed X-Request-Id",
+    429: "over a limit (`limit` names the setting): the queue, the sessions, the sessions of one key, the KV budget",
+    500: "a fault of the server (`error_id` names its log line with the traceback); not worth retrying as is",
+    503: "not ready, draining, or a lost tensor-parallel rank; also plain text from the HTTP server past "
+         "`--max-connections`",
+}
+# the statuses whose answers carry Retry-After (seconds; also `retry_after_s` in the body)
+RETRY_AFTER_STATUSES = (429, 503)
+# X-Request-Id, accepted on every route (PROTOCOL.md, "Request ids")
+REQUEST_ID_PARAMETER: dict[str, Any] = {
+    "name": "X-Request-Id", "in": "header", "required": False,
+    "description": "the caller's id for this call: checked (422 when malformed), echoed on the answer, logged; on "
+                   "an open, a retry with the same id and body joins the first attempt",
+    "schema": {"type": "string", "pattern": f"^{REQUEST_ID_PATTERN.pattern}$"},
+}
 
 
 def error_response(err: SpecSplitError) -> JSONResponse:
     """The one SpecSplitError -> REST answer: its status, its body, Retry-After when it has one."""
     headers = {"Retry-After": str(err.retry_after_s)} if err.retry_after_s is not None else None
     return JSONResponse(err.to_body(), status_code=err.http_status, headers=headers)
+
+
+def error_body_schema(code: str) -> dict[str, Any]:
+    """The JSON schema of an error answer whose code is `code`: `{"error": {"code", "message", ...details}}`."""
+    detail = {"type": "object", "required": ["code", "message"], "additionalProperties": True,
+              "properties": {"code": {"type": "string", "const": code}, "message": {"type": "string"},
+                             "retry_after_s": {"type": "integer", "minimum": 0}}}
+    return {"type": "object", "required": ["error"], "properties": {"error": detail}}
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses` for the error statuses a route answers: each one's body with its code, and the
+    Retry-After header of 429 (always) and 503 (in the JSON answers; the HTTP server's plain 503 has none)."""
+    out: dict[int | str, dict[str, Any]] = {}
+    for status in statuses:
+        content: dict[str, Any] = {"application/json": {"schema": error_body_schema(ERRORS_BY_STATUS[status].code)}}
+        if status == 503:
+            content["text/plain"] = {"schema": {"type": "string"}}
+        out[status] = {"description": ERROR_MEANINGS[status], "content": content}
+        if status in RETRY_AFTER_STATUSES:
+            out[status]["headers"] = {"Retry-After": {
+                "description": "seconds to wait before sending again", "required": status == 429,
+                "schema": {"type": "string", "pattern": "^[0-9]+$"}}}
+    return out
 
 
 class BodyRejected(HTTPException):

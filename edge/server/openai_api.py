@@ -20,19 +20,19 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from shared.errors import SpecSplitError
-from shared.request_id import CURRENT, REQUEST_ID_HEADER, check_request_id
+from shared.request_id import CURRENT, REQUEST_ID_HEADER, REQUEST_ID_PATTERN, check_request_id
 
 from .body_limit import BodyLimit
 from .chat import ChatTemplate, require
@@ -223,6 +223,90 @@ class RequestIds:
             CURRENT.reset(token)
 
 
+# --- what the routes answer, for the OpenAPI schema (the routes build their JSON themselves) ---------------------
+# each error status: OpenAI's error type there, and what it means (openai_errors.py)
+ERRORS: dict[int, tuple[str, str]] = {
+    400: ("invalid_request_error", "a malformed or unsupported request (`param` names the field), or a malformed "
+                                   "X-Request-Id"),
+    401: ("invalid_request_error", "no key or a wrong key (--server-api-key); code invalid_api_key"),
+    404: ("not_found_error", "not the model this server serves; code model_not_found"),
+    413: ("invalid_request_error", "the body is larger than --max-body-bytes"),
+    429: ("rate_limit_error", "this server runs --max-generations already (code server_busy, Retry-After), or the "
+                              "cloud is over capacity"),
+    500: ("server_error", "a fault of this server or of its generation"),
+    502: ("server_error", "the cloud refused this server's key (--api-key); code cloud_refused_key"),
+    503: ("service_unavailable", "the cloud cannot be reached or answers too late"),
+}
+# the statuses of a route that may ask the cloud (the model's name without --served-model-name, a generation)
+CLOUD_ERRORS = (500, 502, 503)
+TEXT_ROUTE_ERRORS = (404, 413, 429, *CLOUD_ERRORS)
+_OBJECT: dict[str, Any] = {"type": "object"}
+COMPLETION_SCHEMA: dict[str, Any] = {
+    "type": "object", "required": ["id", "object", "created", "model", "choices"],
+    "properties": {"id": {"type": "string"}, "object": {"type": "string", "enum": ["text_completion", "chat.completion"]},
+                   "created": {"type": "integer"}, "model": {"type": "string"},
+                   "choices": {"type": "array", "items": _OBJECT}, "usage": _OBJECT, "specsplit": _OBJECT}}
+# one server-sent event: a chunk as JSON text, or "[DONE]" (an annotation: JSON Schema does not parse the text)
+EVENTS_SCHEMA: dict[str, Any] = {"type": "object", "required": ["data"], "properties": {
+    "data": {"type": "string", "description": 'a chunk object as JSON text, then "[DONE]"'}}}
+MODEL_CARD: dict[str, Any] = {"type": "object", "required": ["id", "object", "created", "owned_by"], "properties": {
+    "id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
+    "owned_by": {"type": "string"}}}
+READY: dict[str, Any] = {"type": "object", "required": ["ready"], "properties": {"ready": {"type": "boolean"},
+                                                                              "reason": {"type": "string"}}}
+REQUEST_ID_PARAMETER: dict[str, Any] = {
+    "name": "X-Request-Id", "in": "header", "required": False,
+    "description": "the caller's id: 400 when malformed; echoed (a fresh one when absent), sent on the cloud calls",
+    "schema": {"type": "string", "pattern": f"^{REQUEST_ID_PATTERN.pattern}$"}}
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses` for these error statuses, each with OpenAI's error body of its type."""
+    out: dict[int | str, dict[str, Any]] = {}
+    for status in statuses:
+        kind, meaning = ERRORS[status]
+        body = {"type": "object", "required": ["error"], "properties": {"error": {
+            "type": "object", "required": ["message", "type", "param", "code"],
+            "properties": {"message": {"type": "string"}, "type": {"const": kind},
+                           "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+        out[status] = {"description": meaning, "content": {"application/json": {"schema": body}}}
+        if status == 429:
+            out[status]["headers"] = {"Retry-After": {"required": False, "schema": {"type": "string"}}}
+    return out
+
+
+def doc(operation_id: str, ok: dict[str, Any], *errors: int, keyed: bool = False) -> dict[str, Any]:
+    """A route's OpenAPI side: its id, its 200 answer's content, the errors it answers (400 for a malformed
+    X-Request-Id and 500 everywhere, 401 where keys guard it), X-Request-Id, the bearer scheme when keyed."""
+    statuses = sorted({*errors, 400, 500, *((401,) if keyed else ())})
+    extra: dict[str, Any] = {"parameters": [REQUEST_ID_PARAMETER]}
+    if keyed:
+        extra["security"] = [{"bearer": []}]
+    return {"operation_id": operation_id, "response_model": None, "openapi_extra": extra,
+            "responses": {200: {"description": "OK", "content": ok}, **error_responses(*statuses)}}
+
+
+def _finish_schema(app: FastAPI, keyed: bool) -> None:
+    """The schema as these routes answer: no 422 (a malformed body is OpenAI's 400), the bearer scheme when keyed."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = build()
+            for item in schema["paths"].values():
+                for op in item.values():
+                    op["responses"].pop("422", None)
+            components = schema.setdefault("components", {})
+            for name in ("HTTPValidationError", "ValidationError"):
+                components.get("schemas", {}).pop(name, None)
+            if keyed:
+                components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer",
+                                                            "description": "one of --server-api-key"}}
+        return build()
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
 def create_app(engine: OpenAIEngine, options: ServeOptions) -> FastAPI:
     app = FastAPI(title="specsplit edge (OpenAI-compatible)", version="1",
                   description="OpenAI completions and chat completions, drafted here and verified by the cloud.")
@@ -236,10 +320,12 @@ def create_app(engine: OpenAIEngine, options: ServeOptions) -> FastAPI:
     app.add_middleware(RequestIds, on_response=lambda status: prom.responses.labels(str(status)).inc(),
                        on_error=lambda err: prom.errors.labels(err.type).inc())
 
-    def answer(err: OpenAIError) -> JSONResponse:
+    def answer(err: OpenAIError, headers: Mapping[str, str] | None = None) -> JSONResponse:
         prom.errors.labels(err.type).inc()
-        headers = {"Retry-After": str(err.retry_after)} if err.retry_after is not None else None
-        return JSONResponse(err.to_body(), status_code=err.status, headers=headers)
+        headers = dict(headers or {})
+        if err.retry_after is not None:
+            headers["Retry-After"] = str(err.retry_after)
+        return JSONResponse(err.to_body(), status_code=err.status, headers=headers or None)
 
     @app.exception_handler(OpenAIError)
     async def on_openai(_: Request, err: OpenAIError) -> JSONResponse:
@@ -256,7 +342,7 @@ def create_app(engine: OpenAIEngine, options: ServeOptions) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return answer(OpenAIError(exc.status_code, str(exc.detail), kind))
+        return answer(OpenAIError(exc.status_code, str(exc.detail), kind), exc.headers)  # a 405's Allow
 
     @app.exception_handler(Exception)
     async def on_crash(r: Request, exc: Exception) -> JSONResponse:
@@ -278,11 +364,21 @@ def create_app(engine: OpenAIEngine, options: ServeOptions) -> FastAPI:
     def model_card(name: str) -> dict[str, Any]:
         return {"id": name, "object": "model", "created": 0, "owned_by": "specsplit"}
 
-    @app.get("/healthz", tags=["ops"])
+    keyed = bool(engine.settings.server_key_values())
+    _finish_schema(app, keyed)
+    text_answer = {"application/json": {"schema": COMPLETION_SCHEMA}, "text/event-stream": {"schema": EVENTS_SCHEMA}}
+
+    @app.get("/healthz", tags=["ops"], **doc("healthz", {"application/json": {"schema": {
+        "type": "object", "properties": {"status": {"const": "ok"}}}}}))
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/readyz", tags=["ops"])
+    ready_doc = doc("readyz", {"application/json": {"schema": READY}})
+    ready_doc["responses"][503] = {"description": "the cloud cannot be reached, refuses the key, or does not pair",
+                                   "content": {"application/json": {"schema": READY}},
+                                   "headers": {"Retry-After": {"required": True, "schema": {"type": "string"}}}}
+
+    @app.get("/readyz", tags=["ops"], **ready_doc)
     async def readyz() -> JSONResponse:
         """200 once the cloud answered with this server's key and the pairing checks passed; else 503 with
         the reason (an unreachable cloud, a refused key, a draft or tokenizer the target does not speak)."""
@@ -293,19 +389,23 @@ def create_app(engine: OpenAIEngine, options: ServeOptions) -> FastAPI:
                                 headers={"Retry-After": "1"})
         return JSONResponse({"ready": True})
 
-    @app.get("/metrics", tags=["ops"])
+    @app.get("/metrics", tags=["ops"], response_class=PlainTextResponse,
+             **doc("metrics", {"text/plain": {"schema": {"type": "string", "description": "Prometheus text format"}}}))
     async def metrics() -> Response:
         return Response(prom.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models", tags=["v1"])
+    @app.get("/v1/models", tags=["v1"], **doc("list_models", {"application/json": {"schema": {
+        "type": "object", "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": MODEL_CARD}}}}},
+        *CLOUD_ERRORS, keyed=keyed))
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [model_card(await model_name())]}
 
-    @app.get("/v1/models/{model_id:path}", tags=["v1"])
+    @app.get("/v1/models/{model_id:path}", tags=["v1"],
+             **doc("get_model", {"application/json": {"schema": MODEL_CARD}}, 404, *CLOUD_ERRORS, keyed=keyed))
     async def model(model_id: str) -> dict[str, Any]:
         return model_card(await check_model(model_id))
 
-    @app.post("/v1/completions", tags=["v1"], response_model=None)
+    @app.post("/v1/completions", tags=["v1"], **doc("completions", text_answer, *TEXT_ROUTE_ERRORS, keyed=keyed))
     async def completions(body: CompletionBody, request: Request) -> Response:
         arrived = time.monotonic()
         body.check()
@@ -319,7 +419,8 @@ def create_app(engine: OpenAIEngine, options: ServeOptions) -> FastAPI:
         shape = Shape("completions", f"cmpl-{rid}", name, int(time.time()))
         return await respond(engine, req, shape, body.stream, body.include_usage(), request)
 
-    @app.post("/v1/chat/completions", tags=["v1"], response_model=None)
+    @app.post("/v1/chat/completions", tags=["v1"],
+              **doc("chat_completions", text_answer, *TEXT_ROUTE_ERRORS, keyed=keyed))
     async def chat_completions(body: ChatCompletionBody, request: Request) -> Response:
         arrived = time.monotonic()
         body.check()

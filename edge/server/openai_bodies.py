@@ -24,6 +24,12 @@ MAX_STOP_SEQUENCES = 4
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
+def _only(*values: Any) -> Any:
+    """A field accepted at these values alone (`check_supported` refuses the others with a 400 naming it): said
+    in the schema too."""
+    return Field(default=None, json_schema_extra={"enum": [*values, None]})
+
+
 def _neutral(value: Any) -> bool:
     """None, False, 0, 1-for-counts, empty containers: values that ask for nothing."""
     return value is None or value is False or value == 0 or value == {} or value == []
@@ -93,17 +99,19 @@ class GenerationBody(BaseModel):
     top_p: float | None = Field(default=None, gt=0, le=1)
     # a fixed seed makes the text reproducible; without one a fresh seed is drawn per request
     seed: StrictInt | None = Field(default=None, ge=0, lt=2**63)
-    stop: str | list[str] | None = None
+    # at most 4 sequences, none empty (`stop_sequences`: a 400 naming the field)
+    stop: str | list[str] | None = Field(default=None, json_schema_extra={
+        "maxItems": MAX_STOP_SEQUENCES, "minLength": 1, "items": {"type": "string", "minLength": 1}})
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     # extra sampling fields (vLLM's): 0 or -1 disables top-k; 1.0 disables the penalty
     top_k: StrictInt | None = Field(default=None, ge=-1)
     repetition_penalty: float | None = Field(default=None, gt=0)
     # accepted only at their neutral values (see the module docstring)
-    n: StrictInt | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    n: StrictInt | None = _only(1)
+    presence_penalty: float | None = _only(0)
+    frequency_penalty: float | None = _only(0)
+    logit_bias: dict[str, float] | None = Field(default=None, json_schema_extra={"maxProperties": 0})
     # accepted and ignored
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -145,10 +153,10 @@ class CompletionBody(GenerationBody):
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     max_tokens: StrictInt | None = Field(default=None, ge=1)
     # accepted only at their neutral values
-    best_of: StrictInt | None = None
-    echo: StrictBool | None = None
-    logprobs: StrictInt | None = None
-    suffix: str | None = None
+    best_of: StrictInt | None = _only(1)
+    echo: StrictBool | None = _only(False)
+    logprobs: StrictInt | None = _only()
+    suffix: str | None = _only("")
 
     def check(self) -> None:
         self.check_text()
@@ -200,8 +208,8 @@ class ChatCompletionBody(GenerationBody):
     # the newer name of max_tokens; wins when both are given
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     # accepted only at their neutral values
-    logprobs: StrictBool | None = None
-    top_logprobs: StrictInt | None = None
+    logprobs: StrictBool | None = _only(False)
+    top_logprobs: StrictInt | None = _only(0)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
