@@ -62,6 +62,11 @@ class CloudSettings(BaseSettings):
                      "(the same forward without graphs), \"transformers\" (the model's own modules over the paged "
                      "pool: every architecture); auto: graphs on a CUDA device where the model allows, transformers "
                      "elsewhere (docs/GPU.md)"))
+    attention: Literal["sdpa", "triton"] = Field(default="sdpa",
+        description=("the graph executor's attention: \"sdpa\" (scaled dot-product attention over each row's keys "
+                     "gathered from the pool, masks built on the host) or \"triton\" (cloud/runners/paged_kernel.py: "
+                     "one kernel reading keys through the block tables, causal and tree masks from three numbers a "
+                     "token; CUDA only)"))
     graph_rows: str = Field(default="1,2,4,8,16,32,64",
         description=("CUDA graphs: the row counts (sessions a forward) captured at start-up, comma-separated; a forward "
                      "outside every captured bucket runs eagerly (counted in specsplit_cloud_executor_forwards_total{path=\"eager\"})"))

@@ -8,6 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
+# Triton kernels (cloud/runners/paged_kernel.py) run under Triton's interpreter where no CUDA device is: set before
+# anything imports triton, which reads it once
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 REPO = Path(__file__).resolve().parent.parent
 DEMO_TARGET = REPO / "models" / "demo-target"
 DEMO_DRAFT = REPO / "models" / "demo-draft"

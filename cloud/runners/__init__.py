@@ -86,4 +86,4 @@ def _load(settings: CloudSettings, runner: str) -> Runner:
     from cloud.runners.torch_runner import TargetModel
 
     return TargetModel(settings.model, settings.device, settings.dtype, invariant=settings.batch_invariant,
-                       executor=settings.executor)
+                       executor=settings.executor, attention=settings.attention)

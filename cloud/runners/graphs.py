@@ -100,10 +100,13 @@ class Inputs:
     write: torch.Tensor  # [T] pool rows of the new K/V (padding: the spare pool row)
     keep: torch.Tensor  # [P] flat tokens whose logits are wanted (padding: token 0)
     groups: list[Group]
+    # the Triton kernel's inputs instead of groups (cloud/runners/paged_kernel.py): tables [R, blocks] block ids
+    # (padding: the spare block), and each token's row, lim, tree_n and ancestor bits ([T] each)
+    paged: tuple[torch.Tensor, ...] = ()
 
     def copy_(self, other: Inputs) -> None:
         for a, b in ((self.ids, other.ids), (self.positions, other.positions), (self.write, other.write),
-                     (self.keep, other.keep)):
+                     (self.keep, other.keep), *zip(self.paged, other.paged, strict=True)):
             a.copy_(b, non_blocking=True)
         for g, h in zip(self.groups, other.groups, strict=True):
             g.queries.copy_(h.queries, non_blocking=True)
@@ -161,7 +164,7 @@ class PagedForward:
     """The forward of a FAMILIES model over a KV pool's tensors (see the module docstring)."""
 
     def __init__(self, model: torch.nn.Module, *, graphs: bool, tile: int = 0, buckets: bool | None = None,
-                 max_graphs: int = 48, max_graph_keys: int = 4096) -> None:
+                 max_graphs: int = 48, max_graph_keys: int = 4096, kernel: bool = False) -> None:
         inner: Any = model.model  # type: ignore[union-attr]
         cfg = model.config.get_text_config()  # type: ignore[operator, union-attr]
         self.model, self.inner, self.layers = model, inner, list(inner.layers)
@@ -175,6 +178,12 @@ class PagedForward:
         # forwards padded to the graphs' buckets (default: where graphs run; on a CPU, the same inputs eagerly)
         self.buckets = self.graphs if buckets is None else buckets or self.graphs
         self.tile, self.max_graphs, self.max_graph_keys = tile, max_graphs, max_graph_keys
+        # attention by the Triton kernel over block tables (paged_kernel.py) instead of SDPA over gathered keys
+        self.kernel = kernel
+        if kernel:
+            from cloud.runners import paged_kernel
+
+            self._attend = paged_kernel.attend
         # RoPE's cos and sin for every position, computed once by the model's own rotary module ([max_pos, D])
         n_pos = int(getattr(cfg, "max_position_embeddings", 0) or 4096)
         pos = torch.arange(n_pos, device=self.device)[None]
@@ -246,6 +255,10 @@ class PagedForward:
         k = k * cos + _rotate_half(k) * sin
         keys.index_copy_(1, inp.write, k.transpose(0, 1).to(keys.dtype))  # pool [Hk, rows, D]
         values.index_copy_(1, inp.write, v.transpose(0, 1).to(values.dtype))
+        if inp.paged:  # each token over its row's blocks, in the pool (no gathered keys)
+            tables, tok_row, lim, tree_n, anc = inp.paged
+            o = self._attend(q, keys, values, tables, tok_row, lim, tree_n, anc, self.scaling, self.block)  # [T, Hq, D]
+            return self._linear(o.reshape(T, self.hq * self.dh), a.o_proj)
         g = self.hq // self.hk
         out = h.new_zeros(T + 1, self.hq * self.dh)  # [T + 1, Hq x D]: the last row takes padded queries
         q = torch.cat([q, q.new_zeros(1, self.hq, self.dh)])  # [T + 1, Hq, D]
@@ -319,10 +332,13 @@ class PagedForward:
             sets = [([i], None) for i, r in enumerate(rows) if len(r.ids) > LONG_ROW]
             if short:
                 sets.insert(0, (short, None))
-        groups = [_group([rows[i] for i in idx], [starts[i] for i in idx], [tables[i] for i in idx], spare, T, sh)
-                  for idx, sh in sets]
         keep_all = np.zeros(P, np.int64)
         keep_all[: len(kept)] = kept
+        if self.kernel:
+            return Inputs(torch.from_numpy(ids), torch.from_numpy(pos), torch.from_numpy(write),
+                          torch.from_numpy(keep_all), [], _kernel_inputs(rows, m, spare // m.size, T, shape))
+        groups = [_group([rows[i] for i in idx], [starts[i] for i in idx], [tables[i] for i in idx], spare, T, sh)
+                  for idx, sh in sets]
         return Inputs(torch.from_numpy(ids), torch.from_numpy(pos), torch.from_numpy(write),
                       torch.from_numpy(keep_all), groups)
 
@@ -358,6 +374,7 @@ class PagedForward:
             if self._planned is not None:  # the start-up buckets again, over the new storage
                 self.capture(pool, *self._planned)
         spare = pool.spare_row
+        self.block = pool.manager.size
         P = sum(r.keep for r in rows)
         shape = self.shape_of(rows)
         graph = self._graphs.get(shape) if shape is not None else None
@@ -383,6 +400,7 @@ class PagedForward:
             return
         keys, values = pool.keys, pool.values
         self._storage = keys[0].data_ptr()
+        self.block = pool.manager.size
         self.lazy, self._planned = False, (list(shapes), max_bytes)
         todo = sorted({s for s in shapes if s[2] <= self.max_positions}, key=lambda s: (s[0] * s[1] * s[2], s),
                       reverse=True)
@@ -393,7 +411,8 @@ class PagedForward:
                             "run eagerly", len(self._graphs), len(todo), self.graph_bytes / 1e6, max_bytes)
                 break
             before = torch.cuda.memory_reserved(self.device)
-            self._capture(shape, _blank(shape, pool.spare_row, self.tile), keys, values)
+            self._capture(shape, _blank(shape, pool.spare_row, self.tile, self.block if self.kernel else 0), keys,
+                          values)
             last = torch.cuda.memory_reserved(self.device) - before
             self.graph_bytes += last
             if self.graph_bytes > max_bytes:  # this one alone was too large: let it go, try the smaller ones
@@ -460,18 +479,52 @@ def graph_shapes(rows: Sequence[int], queries: Sequence[int], keys: Sequence[int
     return sorted(set(out))  # type: ignore[arg-type]
 
 
-def _blank(shape: tuple[int, int, int], spare: int, tile: int) -> Inputs:
-    """A bucket's inputs with every slot padding (the spare row and token): what a start-up capture records."""
+def _blank(shape: tuple[int, int, int], spare: int, tile: int, block: int = 0) -> Inputs:
+    """A bucket's inputs with every slot padding (the spare row and token): what a start-up capture records.
+    `block` > 0: the Triton kernel's inputs (blocks of that size) instead of SDPA groups."""
     R, N, W = shape
     T = R * N
     if tile:
         T = -(-T // tile) * tile
+    ids, pos, keep = (torch.zeros(T, dtype=torch.long) for _ in range(3))
+    write = torch.full((T,), spare, dtype=torch.long)
+    if block:
+        return Inputs(ids, pos, write, keep, [], _kernel_inputs([], None, spare // block, T, shape, block))
     mask = torch.zeros(R, 1, N, W, dtype=torch.bool)
     mask[:, 0, :, 0] = True
-    return Inputs(torch.zeros(T, dtype=torch.long), torch.zeros(T, dtype=torch.long),
-                  torch.full((T,), spare, dtype=torch.long), torch.zeros(T, dtype=torch.long),
+    return Inputs(ids, pos, write, keep,
                   [Group(torch.full((R * N,), T, dtype=torch.long), torch.full((R * W,), spare, dtype=torch.long),
                          mask, shape)])
+
+
+def _kernel_inputs(rows: list[Row], m: Any, spare_block: int, T: int, shape: tuple[int, int, int] | None,
+                   block: int = 0) -> tuple[torch.Tensor, ...]:
+    """The kernel's per-row block tables and per-token mask numbers (paged_kernel.py's rule) of `rows`, whose
+    tokens are the first of the T flat ones; padding tokens belong to a last row of spare blocks and see one key.
+    `shape` fixes the tables' size (a graph's bucket); None: exact."""
+    size = m.size if m is not None else block
+    R = (shape[0] if shape is not None else len(rows)) + 1  # the last: padding's row
+    width = -(-(shape[2] if shape is not None else max((r.past + len(r.ids) for r in rows), default=1)) // size)
+    tables = np.full((R, width), spare_block, np.int32)
+    tok_row = np.full(T, R - 1, np.int32)
+    lim = np.ones(T, np.int32)
+    tree_n = np.zeros(T, np.int32)
+    anc = np.zeros(T, np.int64)
+    s = 0
+    for i, r in enumerate(rows):
+        n, end = len(r.ids), r.past + len(r.ids)
+        blocks = m.seqs[r.slot].table[: -(-end // size)]
+        tables[i, : len(blocks)] = blocks
+        tok_row[s: s + n] = i
+        lim[s: s + n] = np.arange(r.past + 1, end + 1)  # causal by storage offset
+        if r.tree is not None:
+            bits = [sum(1 << a for a in path) for path in paths(r.tree)]
+            for t in range(n):
+                j = r.past + t - r.tree_base
+                if j >= 0:  # a node: the prefix, then its path's nodes
+                    lim[s + t], tree_n[s + t], anc[s + t] = r.tree_base, len(r.tree), bits[j]
+        s += n
+    return tuple(torch.from_numpy(x) for x in (tables, tok_row, lim, tree_n, anc))
 
 
 def _fuse(mods: Sequence[torch.nn.Module]) -> Any:
@@ -511,4 +564,5 @@ def _to(inp: Inputs, dev: torch.device) -> Inputs:
         return (t.pin_memory() if pin else t).to(dev, non_blocking=True)
 
     return Inputs(mv(inp.ids), mv(inp.positions), mv(inp.write), mv(inp.keep),
-                  [Group(mv(g.queries), mv(g.keys), mv(g.mask), g.shape) for g in inp.groups])
+                  [Group(mv(g.queries), mv(g.keys), mv(g.mask), g.shape) for g in inp.groups],
+                  tuple(mv(x) for x in inp.paged))

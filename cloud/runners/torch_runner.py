@@ -31,6 +31,7 @@ their ranks' partial products in rank order (`order_sums`). That construction is
 from __future__ import annotations
 
 import logging
+import os
 import time
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
@@ -67,7 +68,8 @@ class TargetModel:
 
     def __init__(self, model_dir: Path, device: str = "cpu", dtype: str = "float32", *,
                  kv_budget_bytes: int | None = None, block_size: int = BLOCK_SIZE, prefix_cache: bool = True,
-                 group: TensorGroup | None = None, invariant: bool = True, executor: str = "auto") -> None:
+                 group: TensorGroup | None = None, invariant: bool = True, executor: str = "auto",
+                 attention: str = "sdpa") -> None:
         # the tensor-parallel group this rank belongs to (None: the whole model in this process)
         self.group = group
         if group is not None:
@@ -113,7 +115,7 @@ class TargetModel:
             # the cases it compared (what a batch_invariant claim on this executor covers)
             self.invariance_failure = ""
             self.invariance_probed = ""
-            self.paged = self._executor(executor, invariant)
+            self.paged = self._executor(executor, invariant, attention)
             cfg = self.model.config.get_text_config()
             n_ctx = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or 2048
             vocab = int(self.model.get_output_embeddings().weight.shape[0])
@@ -225,7 +227,7 @@ class TargetModel:
                         c.failure, max_rows, threads, c.seconds)
         return c.invariant
 
-    def _executor(self, executor: str, invariant: bool) -> PagedForward | None:
+    def _executor(self, executor: str, invariant: bool, attention: str = "sdpa") -> PagedForward | None:
         """The forward of our own (cloud/runners/graphs.py) where `executor` asks for it and the model allows:
         "auto" takes it with CUDA graphs on a CUDA device, "graphs" / "eager" anywhere (graphs on CUDA only),
         "transformers" never. Sets `forward_path`."""
@@ -242,7 +244,11 @@ class TargetModel:
         graphs = executor in ("auto", "graphs") and self.device.type == "cuda"
         self.forward_path = "cuda-graphs" if graphs else "paged-eager"
         tile = (GPU_ROW_TILE if self.device.type == "cuda" else ROW_TILE) if invariant else 0
-        return PagedForward(self.model, graphs=graphs, tile=tile)
+        kernel = attention == "triton"
+        if kernel and self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise UnsupportedModel(f"--attention triton runs on a CUDA device, not {self.device} (on a CPU only under "
+                                   "TRITON_INTERPRET=1, for tests): use --attention sdpa")
+        return PagedForward(self.model, graphs=graphs, tile=tile, kernel=kernel)
 
     def capture_graphs(self, rows: list[int], queries: list[int], keys: list[int], max_bytes: int) -> None:
         """The graph executor's CUDA graphs for these buckets (cloud/runners/graphs.py `capture`), within

@@ -129,7 +129,7 @@ class GrpcClient:
                 "max_tree_nodes": m.max_tree_nodes, "max_feature_window": m.max_feature_window,
                 "session_stream": m.session_stream, "max_generate_tokens": m.max_generate_tokens,
                 "dtype_reason": m.dtype_reason, "batch_invariant": m.batch_invariant, "runner": m.runner,
-                "numerics": m.numerics, "forward_path": m.forward_path,
+                "numerics": m.numerics, "forward_path": m.forward_path, "batch_invariant_probe": m.batch_invariant_probe,
                 "forward_cost": {f.name: getattr(m.forward_cost, f.name) for f in m.forward_cost.DESCRIPTOR.fields}}
 
     def shutdown(self) -> None:

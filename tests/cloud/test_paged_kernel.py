@@ -1,0 +1,82 @@
+"""The Triton paged-attention kernel (cloud/runners/paged_kernel.py) against its plain-PyTorch definition and, inside
+the graph executor, against transformers' own modules; on a CPU under Triton's interpreter (the kernel's program as
+written, run by numpy), on a GPU compiled.
+
+- chains, decode steps, a token tree with branches and padding tokens, float32 and bfloat16, keys in shuffled blocks:
+  every output within 1e-5 (float32) / 2e-2 (bfloat16) of `attend_reference`;
+- a token's output has the same bits alone and beside other rows (each program walks only its own row's blocks);
+- the executor with --attention triton gives the transformers path's logits (1e-4, the same argmax) for the script
+  of tests/cloud/test_graph_executor.py: prefix sharing, decode beside verify, a token tree.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+
+from cloud.runners.paged_kernel import (  # the interpreter without CUDA: tests/conftest.py
+    attend,
+    attend_reference,
+)
+from cloud.runners.torch_runner import TargetModel
+from tests.cloud.test_graph_executor import _qwen2, _rounds
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+BS = 16
+
+
+def _case(dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """A pool of 20 shuffled blocks and 13 tokens: a chain of 3 after 20, a decode step after 50, a 5-node tree
+    after 30 (two branches), a chain of 2 after 7 in a one-block row, two padding tokens."""
+    g = torch.Generator().manual_seed(seed)
+    Hk, Hq, D = 2, 6, 32
+    keys = torch.randn(Hk, 20 * BS, D, generator=g).to(dtype)
+    values = torch.randn(Hk, 20 * BS, D, generator=g).to(dtype)
+    perm = list(range(19))
+    random.Random(seed).shuffle(perm)
+    tables = torch.tensor([perm[0:4], perm[4:8], perm[8:12], perm[12:13] + [19] * 3, [19] * 4], dtype=torch.int32)
+    toks = [(0, 21, 0, 0), (0, 22, 0, 0), (0, 23, 0, 0), (1, 51, 0, 0)]
+    parents = [-1, -1, 0, 1, 2]
+    for j in range(5):
+        bits, x = 0, j
+        while x != -1:
+            bits, x = bits | 1 << x, parents[x]
+        toks.append((2, 30, 5, bits))
+    toks += [(3, 8, 0, 0), (3, 9, 0, 0), (4, 1, 0, 0), (4, 1, 0, 0)]
+    q = torch.randn(len(toks), Hq, D, generator=g).to(dtype)
+    cols = [torch.tensor([t[i] for t in toks], dtype=torch.int64 if i == 3 else torch.int32) for i in range(4)]
+    return q, keys, values, tables, *cols
+
+
+def test_kernel_matches_its_definition() -> None:
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        q, keys, values, tables, row, lim, tree_n, anc = _case(dtype)
+        args = [x.to(DEV) for x in (q, keys, values, tables, row, lim, tree_n, anc)]
+        got = attend(*args, 32 ** -0.5, BS).cpu().float()
+        want = attend_reference(q, keys, values, tables, row, lim, tree_n, anc, 32 ** -0.5, BS).float()
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+def test_a_token_gets_the_same_bits_whatever_shares_its_forward() -> None:
+    q, keys, values, tables, row, lim, tree_n, anc = (x.to(DEV) for x in _case(torch.bfloat16, seed=1))
+    every = attend(q, keys, values, tables, row, lim, tree_n, anc, 0.2, BS)
+    for t in (3, 6, 9):
+        alone = attend(q[t: t + 1], keys, values, tables, row[t: t + 1], lim[t: t + 1], tree_n[t: t + 1],
+                       anc[t: t + 1], 0.2, BS)
+        assert torch.equal(alone[0], every[t])
+
+
+def test_executor_with_the_kernel_matches_the_transformers_path(tmp_path: Path) -> None:
+    """The coder pair's architecture (Qwen2: q/k/v biases, grouped-query attention)."""
+    arch_dir = _qwen2(tmp_path / "m")
+    ref = _rounds(TargetModel(arch_dir, DEV, "float32", invariant=False, executor="transformers"))
+    target = TargetModel(arch_dir, DEV, "float32", invariant=False, executor="eager", attention="triton")
+    assert target.paged is not None and target.paged.kernel
+    for bucketed in (False, True):
+        target.paged.buckets = bucketed
+        for fw_ref, fw in zip(ref, _rounds(target), strict=True):
+            for r, x in zip(fw_ref, fw, strict=True):
+                torch.testing.assert_close(x.cpu(), r.cpu(), atol=1e-4, rtol=1e-4)
+                assert torch.equal(x.argmax(-1).cpu(), r.argmax(-1).cpu())
