@@ -52,7 +52,14 @@ DRAFT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_att
 TOKENIZERS = ("qwen2.5-coder-1.5b-instruct", "smollm2-135m-instruct", "smollm2-135m-draft")
 TOKEN_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 CONTEXT, WARMUP, REPEATS = 512, 3, 15
-PATHS = (("transformers", False), ("graphs", False), ("graphs", True))
+# (executor, batch-invariant, attention), named by `path_name`
+PATHS = (("transformers", False, "sdpa"), ("graphs", False, "sdpa"), ("graphs", True, "sdpa"),
+         ("graphs", True, "triton"))
+
+
+def path_name(p: tuple[str, bool, str]) -> str:
+    """transformers, graphs, graphs-invariant, graphs-triton-invariant, ..."""
+    return p[0] + ("-triton" if p[2] == "triton" else "") + ("-invariant" if p[1] else "")
 START, END = "<!-- gpu:start -->", "<!-- gpu:end -->"
 
 
@@ -227,7 +234,7 @@ def _static_graph_step(hf: Any, x: torch.Tensor, dev: str) -> float:
 
 
 def micro(shape: str, dev: str, records: list[dict[str, Any]], work: Path,
-          paths: tuple[tuple[str, bool], ...] = PATHS) -> None:
+          paths: tuple[tuple[str, bool, str], ...] = PATHS) -> None:
     from cloud.runners.torch_runner import TargetModel
 
     d = model_dir(shape, work / shape)
@@ -238,12 +245,14 @@ def micro(shape: str, dev: str, records: list[dict[str, Any]], work: Path,
     def ids(n: int) -> list[int]:
         return torch.randint(0, vocab, (n,), generator=g).tolist()
 
-    for executor, invariant in paths:
-        if invariant and len(paths) == len(PATHS):  # transformers' own forwards before the invariant path tiles the model's linear layers
+    baselines = any(p[0] == "transformers" for p in paths)
+    for executor, invariant, attention in paths:
+        if invariant and baselines:  # transformers' own forwards before an invariant path tiles the linear layers
             _emit(records, {"part": "hf", "shape": shape, **hf_baselines(hf, dev, ids)})
+            baselines = False
         t0 = time.perf_counter()
         with random_weights(hf):
-            target = TargetModel(d, dev, "bfloat16", invariant=invariant, executor=executor)
+            target = TargetModel(d, dev, "bfloat16", invariant=invariant, executor=executor, attention=attention)
         try:
             ms = forward_table(target, dev, ids)
             p = target.paged
@@ -251,12 +260,14 @@ def micro(shape: str, dev: str, records: list[dict[str, Any]], work: Path,
                 from cloud.runners.invariance import paged_invariance
 
                 target.invariance_failure = paged_invariance(target, 1024) or "none found (probe passed)"
-            _emit(records, {"part": "forward", "shape": shape, "path": target.info.forward_path,
+            _emit(records, {"part": "forward", "shape": shape, "path": target.info.forward_path +
+                            ("+triton" if attention == "triton" else ""),
                             "invariant_asked": invariant, "batch_invariant": target.info.batch_invariant,
                             "invariance": getattr(target, "invariance_failure", ""), "setup_s":
                             round(time.perf_counter() - t0, 1), "ms": ms, **({"graphs": p.facts()} if p else {})})
         except Exception as e:  # noqa: BLE001 - the next path still runs
-            _emit(records, {"part": "forward", "shape": shape, "path": executor, "invariant_asked": invariant,
+            _emit(records, {"part": "forward", "shape": shape, "path": path_name((executor, invariant, attention)),
+                            "invariant_asked": invariant,
                             "error": repr(e)[:400]})
         del target
         if dev.startswith("cuda"):
@@ -390,8 +401,8 @@ def report(records: list[dict[str, Any]], command: str, machine: str) -> str:
 
 
 def run(out: Path, command: str, shapes: tuple[str, ...], server_shape: str | None = "coder-1.5b",
-        paths: tuple[str, ...] = ("transformers", "graphs", "graphs-invariant")) -> int:
-    chosen = tuple(p for p in PATHS if f"{p[0]}{'-invariant' if p[1] else ''}" in paths)
+        paths: tuple[str, ...] = ("transformers", "graphs", "graphs-invariant", "graphs-triton-invariant")) -> int:
+    chosen = tuple(p for p in PATHS if path_name(p) in paths)
     import tempfile
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
