@@ -22,13 +22,13 @@ def test_dry_run_replays_the_trace_and_keeps_the_cloud_text(tmp_path: Path, monk
     trace.write_text(json.dumps({"rows": [{"hits": [1, 1, 1, 0, 1, 1, 0, 1, 1, 1]}, {"hits": [1, 0, 1, 1]}]}))
     monkeypatch.setattr(gpu_capacity, "RESULTS", tmp_path / "results")
     monkeypatch.setattr(gpu_capacity, "REPO", tmp_path)
-    res = gpu_capacity.run(None, "test", "tiny", (1, 3), n_tokens=10, k=4, trace_path=trace)
+    res = gpu_capacity.run(None, "test", "tiny", (1, 2), n_tokens=8, k=4, trace_path=trace)
     rows = res["measured"]
     assert [r["policy"] for r in rows] == ["cloud_only", "chain-4"] * 2
     for alone, spec in zip(rows[::2], rows[1::2], strict=True):
         assert spec["texts_equal"] is True
-        assert spec["tokens"] == alone["tokens"] == 10 * alone["sessions"]
+        assert spec["tokens"] == alone["tokens"] == 8 * alone["sessions"]
         assert spec["rounds"] < alone["rounds"]  # a replayed hit saves a forward
     assert (tmp_path / "results" / "forward_costs_cpu.json").exists()
     assert (tmp_path / res["plot"]).exists()
-    assert [m["sessions"] for m in res["modeled"]] == [1, 3]
+    assert [m["sessions"] for m in res["modeled"]] == [1, 2]
