@@ -1,13 +1,13 @@
 """`specsplit-bench --only gpu-capacity`: what a GPU serves with edge drafts against the same GPU serving alone.
 
-    specsplit-bench --only gpu-capacity [--gpu-shapes coder-1.5b] [--capacity-sessions 1,8,32,64,128,256]
-        [--capacity-tokens 64] [--capacity-k 8] [--out BENCHMARKS.md]
+    specsplit-bench --only gpu-capacity [--gpu-shapes coder-1.5b] [--gpu-capacity-sessions 1,8,32,64,128,256]
+        [--gpu-capacity-tokens 64] [--gpu-capacity-k 8] [--out BENCHMARKS.md]
 
 One target of a named shape (bench/gpu.py SHAPES) with random weights, in bfloat16 on CUDA (float32 on a CPU: a dry
 run), served in this process by the cloud's own service (the scheduler, the runner, the verify rule; no HTTP). At each
 load of S sessions, each with its own 128-token prompt:
 
-- **cloud_only**: every session streams `--capacity-tokens` of the target's own greedy tokens (a session stream,
+- **cloud_only**: every session streams `--gpu-capacity-tokens` of the target's own greedy tokens (a session stream,
   one token a forward per session, all sessions batched);
 - **speculation**: every session sends chains of k drafts whose acceptance is the real coder pair's, replayed:
   session i follows row i of bench/traces/coder_acceptance.json (`python -m bench.acceptance_trace`: at each

@@ -64,10 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
                                         "draft-runtime", "cloud-runner", "capacity-curve", "gpu-capacity"],
                    default=None,
                    help="run only this section and splice it into OUT and the results JSON")
-    p.add_argument("--capacity-sessions", default="1,8,32,64,128,256",
+    p.add_argument("--gpu-capacity-sessions", default="1,8,32,64,128,256",
                    help="gpu-capacity: session counts, comma-separated")
-    p.add_argument("--capacity-tokens", type=int, default=64, help="gpu-capacity: tokens each session gets")
-    p.add_argument("--capacity-k", type=int, default=8, help="gpu-capacity: draft tokens a speculation round")
+    p.add_argument("--gpu-capacity-tokens", type=int, default=64, help="gpu-capacity: tokens each session gets")
+    p.add_argument("--gpu-capacity-k", type=int, default=8, help="gpu-capacity: draft tokens a speculation round")
     p.add_argument("--real-pair-drafts", default="",
                    help="real-pair: the drafts of the fixed-shape table, comma-separated (default: every one present: "
                         "attention head, feature-fed head, distilled draft, draft from the target, n-gram)")
@@ -272,8 +272,8 @@ def main(argv: list[str] | None = None) -> int:
         from bench.gpu_capacity import run as run_gpu_capacity
 
         shape = args.gpu_shapes.split(",")[0].strip()
-        levels = tuple(int(x) for x in args.capacity_sessions.split(",") if x.strip())
-        run_gpu_capacity(args.out, command, shape, levels, args.capacity_tokens, args.capacity_k)
+        levels = tuple(int(x) for x in args.gpu_capacity_sessions.split(",") if x.strip())
+        run_gpu_capacity(args.out, command, shape, levels, args.gpu_capacity_tokens, args.gpu_capacity_k)
         return 0
     if args.only == "capacity-curve":  # the coder target under 1..64 sessions by round policy (bench/capacity_curve.py)
         from bench.capacity_curve import run as run_curve

@@ -115,8 +115,9 @@ def test_tree_sessions_give_the_target_only_text_of_the_seed(tiny_cloud_server: 
     c, d = tiny_cloud_server, tiny_pair[1]
     want = run(c, tokenizer, d, seed, mode="cloud_only")
     # the edge's own valuation (no budget, no pooled acceptance from the suite's earlier sessions), so which runs
-    # send copy nodes does not depend on what ran before on this cloud
-    own = {"node_budget": False}
+    # send copy nodes does not depend on what ran before on this cloud; speculating throughout (the first decision
+    # may stream a session from its first token on this cloud's figures, and a streamed session sends no tree)
+    own = {"node_budget": False, "stream_switch": False}
     runs = [run(c, tokenizer, d, seed, tree="auto", result=True, **own),
             run(c, tokenizer, d, seed, tree="4", result=True, **own),
             run(c, tokenizer, d, seed, tree="24", tree_depth=8, result=True, **own),
