@@ -23,6 +23,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+import torch
+
 from cloud.admission import Admission
 from cloud.engine import RoundLimits, check_ids
 from cloud.jobs import BatchStats, Job
@@ -36,9 +38,11 @@ from cloud.scheduler import Scheduler
 from cloud.session import Session
 from cloud.settings import CloudSettings
 from cloud.store import CLOSED, SessionStore
+from shared.blocks import OutOfBlocks
 from shared.errors import InvalidArgument, NotFound, Unauthenticated, Unavailable
 from shared.features import ENCODINGS
 from shared.protocol import ModelInfo, NodeAcceptance, SessionInfo
+from shared.rows import Row
 
 # the service's log lines keep the logger name they have always had
 log = logging.getLogger("cloud.service")
@@ -102,6 +106,9 @@ class ServiceCore:
         if capture is not None:
             self.worker.call_sync(lambda: capture(*settings.graph_lists(), settings.graph_memory_bytes))
         self.info.batch_invariant = self.worker.call_sync(lambda: model.calibrate(settings.max_batch_tokens))
+        # the forward's cost measured before anything is served, so the first open answer already carries a fit
+        # (the edge decides speculate or stream from it before its first round)
+        self.worker.call_sync(self._measure_forward_cost)
         weights = getattr(model, "weights_path", None)
         self.info.numerics = numerics(self.info, weights_fingerprint(weights) if weights is not None else "unknown",
                                       matrix_units(str(getattr(model, "device", "cpu"))),
@@ -209,6 +216,31 @@ class ServiceCore:
         """The fitted forward cost, the recent rate and the node value (/v1/model, /metrics, the log)."""
         return {**self.budget.cost.describe(), "tokens_per_second": round(self.budget.rate, 3),
                 "node_value": round(self.budget.node_value, 4)}
+
+    def _measure_forward_cost(self, context: int = 32, rows: tuple[int, ...] = (1, 2, 4, 8, 1, 2, 4, 8, 16)) -> None:
+        """Seed the cost fit (model thread, at start-up): forwards of one scratch sequence's row of n new tokens
+        after `context` cached ones, each timed on the clock the serving fit reads (CPU seconds of this process on a
+        CPU, wall seconds on a GPU). Skipped, with a line, where the pool has no room for the scratch sequence."""
+        pool, model = self.model.pool, self.model
+        clock = time.monotonic if self.budget.cost.steps else time.process_time
+        g = torch.Generator().manual_seed(0)
+        n_ids = max(1, min(model.support, 1000))
+        slot = None
+        try:
+            slot = pool.allocate()
+            model.forward([Row(slot, 0, torch.randint(0, n_ids, (context,), generator=g).tolist(), 0)])
+            pool.set_length(slot, context)
+            for n in rows:
+                t0 = clock()
+                model.forward([Row(slot, context, torch.randint(0, n_ids, (n,), generator=g).tolist(), n)])
+                self.budget.forward(n, 0, clock() - t0, 1)
+                pool.crop(slot, context)
+        except OutOfBlocks:
+            log.warning("forward cost not measured at start-up: the KV budget holds too few blocks; the first sessions "
+                        "open without a fitted cost")
+        finally:
+            if slot is not None:
+                pool.release(slot)
 
     def _prefill_slice(self, running: int) -> int:
         """Prefill tokens a forward carrying `running` round and decode tokens may add (model thread): what keeps
