@@ -71,7 +71,12 @@ def run_round(model: TargetModel, s: Session, req: Any, q: torch.Tensor | None) 
 
 
 def do_round(model: TargetModel, s: Session, body: dict[str, Any]) -> dict[str, Any]:
-    req = VerifyBody(**body).to_request()
+    # a negative append id and a ctx_len of 0 are refused by the REST schema itself: parsed as valid values, then
+    # set back, so the engine's own checks are what meets them (and must leave the session unchanged)
+    sent = list(body.get("append_ids") or [])
+    req = VerifyBody(**{**body, "append_ids": [max(0, int(x)) for x in sent],
+                        "ctx_len": max(1, int(body["ctx_len"]))}).to_request()
+    req.append_ids, req.ctx_len = sent, int(body["ctx_len"])
     lim = RoundLimits(max_k=16, max_return_top_k=8, max_context=model.info.max_context,
                       vocab_size=model.info.vocab_size)
     q = check_request(req, body["k"], lim, s.sampling_cfg, None)
