@@ -9,8 +9,11 @@ the batch:
 
 - **Linear layers** see their rows in whole tiles: the rows are padded with zeros to a multiple of the
   layer's tile (`tile_linears`; ROW_TILE, 16, until a smaller one is measured). A matrix kernel computes
-  each output row from that row and the weight; with the row count a whole number of tiles, the kernels
-  this project has met take the same path and the same reduction over the input width for every row.
+  each output row from that row and the weight; with the row count a whole number of tiles, most kernels
+  take the same path and the same reduction over the input width for every row. Where a library picks
+  its path by the row count itself (oneDNN's bfloat16 kernels on a Xeon with AMX: for SmolLM2's 576-wide
+  layers, 33-287 rows take another path than fewer or more), the layer runs one call per tile instead,
+  so every call has one shape.
 - **Attention** of a query at position p runs over the keys at positions 0, 1, ... in chunks of
   `KEY_CHUNK` positions aligned to absolute multiples of it, the chunk's keys in position order
   whatever their storage order: scores in float32 (`q k^T`, its rows among whole tiles of ROW_TILE rows),
@@ -60,10 +63,16 @@ KEY_CHUNK = 64
 
 def _tiled_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     flat = x.reshape(-1, x.shape[-1])  # [T, in]
-    pad = -flat.shape[0] % int(self._row_tile)  # type: ignore[arg-type]
+    tile = int(self._row_tile)  # type: ignore[arg-type]
+    pad = -flat.shape[0] % tile
     if pad:
         flat = torch.cat([flat, flat.new_zeros(pad, flat.shape[1])])  # [T + pad, in]
-    y = self._untiled_forward(flat)[: flat.shape[0] - pad]  # type: ignore[operator]  # [T, out]
+    f = self._untiled_forward
+    if self._tile_calls and flat.shape[0] > tile:  # one call a tile: every call has the same shape
+        y = torch.cat([f(c) for c in flat.split(tile)])  # type: ignore[operator]  # [T + pad, out]
+    else:
+        y = f(flat)  # type: ignore[operator]
+    y = y[: flat.shape[0] - pad]  # [T, out]
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -74,14 +83,15 @@ def linear_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if isinstance(m, (torch.nn.Linear, Conv1D))]
 
 
-def tile_linears(model: torch.nn.Module, tile: int = ROW_TILE) -> int:
+def tile_linears(model: torch.nn.Module, tile: int = ROW_TILE, calls: bool = False) -> int:
     """Make every Linear of `model` (and GPT-2's Conv1D, a Linear with its weight transposed) run its rows
-    in whole tiles of `tile` (idempotent; a second call sets the tile); returns how many."""
+    in whole tiles of `tile`, in one call, or with `calls` in one call per tile (idempotent; a second call
+    sets the tile and the mode); returns how many."""
     for m in linear_layers(model):
         if not hasattr(m, "_untiled_forward"):
             m._untiled_forward = m.forward  # type: ignore[assignment]  # the plain or packed forward
             m.forward = types.MethodType(_tiled_forward, m)  # type: ignore[method-assign]
-        m._row_tile = tile  # type: ignore[assignment]
+        m._row_tile, m._tile_calls = tile, calls  # type: ignore[assignment]
     return len(linear_layers(model))
 
 

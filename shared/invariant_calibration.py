@@ -10,8 +10,10 @@ the thread count that will run every forward, up to the largest forward the serv
 - **Linear layers**: one probe per distinct kernel (shape, dtype, packed or not, the output layer at its whole
   width). Random rows at each of `probe_rows(max_rows)` row counts (every count to 16, then each power of two,
   the odd count after it and one between it and the next), zero-padded to the tile as the server pads them,
-  must give the bits of the same rows in a forward of max_rows rows. The smallest tile of TILE_CANDIDATES that
-  passes every probe is kept.
+  must give the bits of the same rows in a forward of max_rows rows, taken a few rows further on (a row's
+  place in its forward moves). The first of LINEAR_MODES that passes every probe is kept: one call of whole
+  tiles, smallest tile first, then one call per tile of ROW_TILE rows (every call one shape, for libraries
+  that pick their path by the row count: oneDNN's bfloat16 kernels on AMX).
 - **Attention**: per layer kind (full, each sliding window) with the model's head counts, head sizes and KV
   dtype, a sequence of random queries, keys and values runs through shared/invariant.py's calls as the
   scheduler's rows make them (`_AttentionProbe`): a decode step beside BATCH_MATES others, verify rows of 2, 5
@@ -21,7 +23,7 @@ the thread count that will run every forward, up to the largest forward the serv
   bits of the same query in a decode step alone.
 
 A failure is named (`Calibration.failure`: which probe, at which row count). The server then reports
-`batch_invariant: false` and keeps ROW_TILE tiles, which narrow the differences but no longer rule them out.
+`batch_invariant: false` and runs one call per ROW_TILE rows, which narrows the differences but no longer rule them out.
 
 Cost at start-up (2026-11-27, the 2-core AMD EPYC without bfloat16 units, float32, 2 torch threads, max_rows
 1,024): SmolLM2-135M 5 s, Qwen2.5-Coder-1.5B 32 s (its load takes 22 s), the demo target 1 s. Most of it is the
@@ -54,8 +56,9 @@ from shared.rows import Row
 if TYPE_CHECKING:
     from shared.kvpool import KVPool
 
-# the linear layers' row tiles tried, smallest first (a single row, a matrix-vector path on most CPUs, is never one)
-TILE_CANDIDATES = (2, 4, 8, 16)
+# the linear layers' modes tried, in order: (row tile, one call per tile); one call of whole tiles first, smallest
+# tile first (a single row, a matrix-vector path on most CPUs, is never one), then calls of one shape
+LINEAR_MODES = ((2, False), (4, False), (8, False), (16, False), (ROW_TILE, True))
 # decode rows beside the probed one in the attention probe's batch (the cloud's default --max-batch-size is 32)
 BATCH_MATES = 31
 # prefill chunk lengths the attention probe runs besides max_rows (an odd one: its queries pad to a tile)
@@ -67,8 +70,9 @@ VERIFY_K = (1, 4, 16)
 @dataclass
 class Calibration:
     """What `calibrate` measured."""
-    # the linear layers' row tile kept (ROW_TILE when no candidate passed)
+    # the linear layers' row tile kept (ROW_TILE when no mode passed), and whether they run one call per tile
     tile: int
+    calls: bool
     # every probe gave the same bits: a row's logits do not depend on what shares its forward
     invariant: bool
     # the probes that failed ("" when none): what, and at which row count
@@ -93,16 +97,16 @@ def probe_rows(max_rows: int) -> list[int]:
 
 @torch.inference_mode()
 def calibrate(model: torch.nn.Module, max_rows: int, pool: KVPool | None = None, seed: int = 0) -> Calibration:
-    """Measure (see the module docstring) and set the smallest passing row tile on `model`'s tiled layers
-    (ROW_TILE when none passes). `pool`: the model's prepared KV pool, whose layer kinds and shapes the
+    """Measure (see the module docstring) and set the first passing mode on `model`'s tiled layers (ROW_TILE in
+    one call per tile when none passes). `pool`: the model's prepared KV pool, whose layer kinds and shapes the
     attention probes take (None: no attention probe)."""
     t0 = time.perf_counter()
     g = torch.Generator().manual_seed(seed)
-    tile, failures = _linear_tile(model, max_rows, g)
+    (tile, calls), failures = _linear_mode(model, max_rows, g)
     if pool is not None:
         failures += _attention_failures(model, pool, max_rows, seed)
-    tile_linears(model, tile)
-    return Calibration(tile, not failures, "; ".join(failures), max_rows, torch.get_num_threads(),
+    tile_linears(model, tile, calls)
+    return Calibration(tile, calls, not failures, "; ".join(failures), max_rows, torch.get_num_threads(),
                        time.perf_counter() - t0)
 
 
@@ -124,38 +128,46 @@ def _kernels(model: torch.nn.Module) -> dict[tuple[Any, ...], tuple[str, torch.n
     return out
 
 
-def _linear_tile(model: torch.nn.Module, max_rows: int, g: torch.Generator) -> tuple[int, list[str]]:
-    """The smallest tile of TILE_CANDIDATES under which every kernel passes (ROW_TILE and the failures when
-    none does). Verdicts are kept per (kernel, rows, padded rows): a padded shape two tiles share runs once."""
+def _linear_mode(model: torch.nn.Module, max_rows: int, g: torch.Generator) -> tuple[tuple[int, bool], list[str]]:
+    """The first of LINEAR_MODES under which every kernel passes ((ROW_TILE, True) and the failures when none
+    does). Verdicts are kept per (kernel, rows, padded rows, calls): a shape two modes share runs once."""
     rows = probe_rows(max_rows)
     ref_rows = -(-max_rows // ROW_TILE) * ROW_TILE
     kernels = list(_kernels(model).items())
-    cases: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}  # kernel -> (x, its reference output)
+    inputs: dict[tuple[Any, ...], torch.Tensor] = {}  # kernel -> x [R, in]
+    refs: dict[tuple[Any, ...], torch.Tensor] = {}  # (kernel, mode) -> its forward of x [R, out]
     verdicts: dict[tuple[Any, ...], bool] = {}
     failed: list[str] = []
-    for tile in TILE_CANDIDATES:
+    for tile, calls in LINEAR_MODES:
         failure = ""
         for key, (name, m) in kernels:
             f: Callable[[torch.Tensor], torch.Tensor] = m._untiled_forward  # type: ignore[assignment]
-            if key not in cases:
-                # made on the CPU (one seeded stream everywhere), run on the layer's device
-                x = torch.randn(ref_rows, key[1], generator=g).to(next(m.parameters()).device, key[3])  # [R, in]
-                cases[key] = (x, f(x))  # [R, out]
-            x, ref = cases[key]
+            run = (lambda x, f=f, t=tile: torch.cat([f(c) for c in x.split(t)])) if calls else f
+            mode = tile if calls else 0  # the reference forward differs by mode only with calls per tile
+            if key not in inputs:  # made on the CPU (one seeded stream everywhere), run on the layer's device
+                inputs[key] = torch.randn(ref_rows, key[1], generator=g).to(next(m.parameters()).device, key[3])
+            x = inputs[key]
+            if (key, mode) not in refs:
+                refs[key, mode] = run(x)
+            ref = refs[key, mode]
             for n in rows:
                 padded = -(-n // tile) * tile
-                if (key, n, padded) not in verdicts:
-                    xn = torch.cat([x[:n], x.new_zeros(padded - n, x.shape[1])]) if padded > n else x[:n]
-                    verdicts[key, n, padded] = torch.equal(f(xn)[:n], ref[:n])
-                if not verdicts[key, n, padded]:
-                    failure = f"tile {tile}: {name} ({key[1]} -> {key[2]}, {key[3]}) at {n} rows"
+                s = min(1 + n % 3, ref_rows - n)  # the rows' place in the reference forward
+                if (key, n, padded, mode) not in verdicts:
+                    xn = x[s: s + n]
+                    if padded > n:
+                        xn = torch.cat([xn, x.new_zeros(padded - n, x.shape[1])])
+                    verdicts[key, n, padded, mode] = torch.equal(run(xn)[:n], ref[s: s + n])
+                if not verdicts[key, n, padded, mode]:
+                    how = f"calls of {tile} rows" if calls else f"tile {tile}"
+                    failure = f"{how}: {name} ({key[1]} -> {key[2]}, {key[3]}) at {n} rows"
                     break
             if failure:
                 break
         if not failure:
-            return tile, []
+            return (tile, calls), []
         failed.append(failure)
-    return ROW_TILE, [f"linear layers, no row tile passes ({'; '.join(failed)})"]
+    return (ROW_TILE, True), [f"linear layers, no mode passes ({'; '.join(failed)})"]
 
 
 # --- attention --------------------------------------------------------------------------------------------

@@ -218,8 +218,8 @@ class TargetModel:
         self._captured.clear()
         if c.invariant:
             log.info("batch-invariant forwards measured: every row gets the same bits whatever shares its forward, "
-                     "up to %d tokens on %d torch threads (linear rows in tiles of %d; calibration took %.1f s)",
-                     max_rows, threads, c.tile, c.seconds)
+                     "up to %d tokens on %d torch threads (linear rows in tiles of %d%s; calibration took %.1f s)",
+                     max_rows, threads, c.tile, ", one call a tile" if c.calls else "", c.seconds)
         else:
             log.warning("batch-invariant forwards not proven: %s (measured up to %d tokens on %d torch threads in "
                         "%.1f s). batch_invariant is false: greedy texts are no longer promised to be the same "

@@ -243,8 +243,8 @@ class ModelDrafter(CausalDrafter):
             self.calibration = calibrate(self.model, FEED_ROWS, self._pool)
             c = self.calibration
             if c.invariant:
-                log.info("the %s draft's forwards are batch-invariant (row tile %d, %d threads, measured in %.1f s)",
-                         dtype, c.tile, c.threads, c.seconds)
+                log.info("the %s draft's forwards are batch-invariant (row tile %d%s, %d threads, measured in %.1f s)",
+                         dtype, c.tile, ", one call a tile" if c.calls else "", c.threads, c.seconds)
             else:
                 log.warning("the %s draft's forwards are not batch-invariant on this machine (%s): its q, and a "
                             "seeded sampled text, may change with how tokens are fed", dtype, c.failure)

@@ -1,9 +1,11 @@
 """shared/invariant_calibration.py: batch invariance is measured where the server runs, and a kernel that breaks
 it is named and reported (`batch_invariant: false` in GET /v1/model, one WARNING), never papered over.
 
-The failing cases plant a kernel whose result moves with its row count by one tiny step (a linear layer, the
-output layer in its last column only, the attention of a call with more than one pseudo-row); a calibration
-that missed them would report batch invariance it does not have. The passing case runs at two torch threads
+The failing cases plant a kernel whose result moves by one tiny step with a row's place in its call (a linear
+layer, the output layer in its last column only) or with its call's size (the attention of a call with more than
+one pseudo-row); a calibration that missed them would report batch invariance it does not have. A linear kernel
+whose result moves with its call's row count (as oneDNN's bfloat16 kernels on AMX do) is run one call per tile,
+and whole forwards then agree. The passing case runs at two torch threads
 and is checked against whole forwards (tests/shared/test_invariant.py's schedules) at the same thread count.
 """
 
@@ -47,11 +49,14 @@ def tiled(model: Any, dtype: torch.dtype = torch.float32) -> tuple[Any, KVPool]:
     return model, pool
 
 
-def drifting(f: Callable[[torch.Tensor], torch.Tensor], column: slice = slice(None)) -> Callable[..., torch.Tensor]:
-    """f, plus a term of 1e-6 per input row in `column` of its output: the bits move with the row count."""
+def drifting(f: Callable[[torch.Tensor], torch.Tensor], column: slice = slice(None),
+             by: str = "place") -> Callable[..., torch.Tensor]:
+    """f, plus in `column` of its output a term of 1e-6 per row before this one in its call (`by` "place"), or
+    per row of its call ("rows"): a row's bits move with its place, or with the call's row count."""
     def g(x: torch.Tensor) -> torch.Tensor:
         y = f(x).clone()  # [rows, out]
-        y[:, column] += 1e-6 * x.shape[0]
+        step = torch.arange(x.shape[0], dtype=y.dtype)[:, None] if by == "place" else x.shape[0]
+        y[:, column] += 1e-6 * step
         return y
     return g
 
@@ -80,14 +85,29 @@ def test_probe_rows_reach_the_largest_forward() -> None:
     assert probe_rows(40)[-1] == 40
 
 
-def test_a_linear_kernel_that_varies_with_the_row_count_fails_calibration(llama: Path) -> None:
+def test_a_linear_kernel_that_varies_with_a_rows_place_fails_calibration(llama: Path) -> None:
     model, pool = tiled(load_causal_lm(llama, "cpu", torch.float32))
     for layer in model.model.layers:  # one kernel per shape: every layer of this one drifts
         layer.mlp.down_proj._untiled_forward = drifting(layer.mlp.down_proj._untiled_forward)
     c = calibrate(model, MAX_ROWS, pool)
-    assert not c.invariant and c.tile == ROW_TILE
+    assert not c.invariant and (c.tile, c.calls) == (ROW_TILE, True)
     assert "mlp.down_proj (128 -> 64" in c.failure and "rows" in c.failure
-    assert all(f"tile {t}:" in c.failure for t in ic.TILE_CANDIDATES)
+    assert all(f"tile {t}:" in c.failure for t, calls in ic.LINEAR_MODES if not calls)
+    assert f"calls of {ROW_TILE} rows:" in c.failure
+
+
+def test_a_linear_kernel_that_varies_with_its_row_count_runs_one_call_a_tile(llama: Path) -> None:
+    """The drift moves with the call's row count alone: no tile of one call hides it, one call per tile does, and
+    then whole forwards (tests/shared/test_invariant.py's schedules) give every position one-token decoding's bits."""
+    model, pool = tiled(load_causal_lm(llama, "cpu", torch.float32))
+    for layer in model.model.layers:
+        layer.mlp.down_proj._untiled_forward = drifting(layer.mlp.down_proj._untiled_forward, by="rows")
+    c = calibrate(model, MAX_ROWS, pool)
+    assert c.invariant and (c.tile, c.calls) == (ROW_TILE, True), c.failure
+    bad, total = differing_in(model, pool)
+    assert bad == 0, f"calibrated invariant, yet {bad} of {total} positions differ from one-token decoding"
+    tile_linears(model, ROW_TILE)  # one call of whole tiles: the same schedules now differ
+    assert differing_in(model, pool)[0] > 0
 
 
 def test_the_output_layer_is_probed_at_its_whole_width() -> None:
@@ -158,4 +178,4 @@ def test_at_two_threads_calibration_is_measured_there_and_whole_forwards_agree(
         bad, total = differing_in(model, pool)
         assert bad == 0, f"calibrated invariant, yet {bad} of {total} positions differ from one-token decoding"
     else:  # what it does not claim is named
-        assert c.failure and c.tile == ROW_TILE
+        assert c.failure and (c.tile, c.calls) == (ROW_TILE, True)
