@@ -25,8 +25,8 @@ class CloudSettings(BaseSettings):
 
     model: Path = Field(
         description=("the target model: a Hugging Face causal-LM directory (config, weights, tokenizer; a prepared one "
-                     "also holds model.gguf), or a .gguf file with the tokenizer files beside it; the standard target is "
-                     "models/smollm2-135m-instruct (SmolLM2-135M-Instruct, made by scripts/setup.sh)"))
+                     "also holds model.gguf), or a .gguf file with the tokenizer files beside it; the default pair's target "
+                     "is models/qwen2.5-coder-1.5b-instruct (specsplit-models prepare qwen-coder)"))
     runner: Literal["auto", "torch", "llamacpp"] = Field(default="auto",
         description=("what runs the target's forward: \"llamacpp\" (the model's GGUF file through llama.cpp, CPU: the "
                      'quantized weights as shipped), "torch" (the Hugging Face weights in PyTorch: GPUs, tensor '

@@ -1,30 +1,33 @@
-"""The target's forward without host overhead: one forward of our own over the KV pool, CUDA graphs per bucket.
+"""The target's forward of our own over the KV pool: one fixed sequence of tensor operations, CUDA graphs per bucket.
 
-Why: through transformers, a forward of the coder-1.5B shape cost 42 ms of host work on an H200 where its kernels
-took 3.8 ms (../notes/GPU.md). Here every forward is a fixed sequence of tensor operations on buffers whose shapes
-come from a few buckets, so on CUDA it is captured once per bucket as a CUDA graph and replayed (nano-vllm's and
-vLLM's way; facts in docs/GPU.md). On a CPU the same function runs eagerly over the same buffers, padding and
-block tables (the tests compare it with the plain path there).
+Every forward is the same sequence of tensor operations on buffers whose shapes come from a few buckets, so on CUDA
+it is captured once per bucket as a CUDA graph and replayed (nano-vllm's and vLLM's way; docs/GPU.md). On a CPU the
+same function runs eagerly over the same buffers, padding and block tables (the tests compare it with the plain
+path there). The output layer runs outside the graph, on the kept rows only.
 
 Which models: decoder-only attention families whose layer is "RMSNorm, attention with RoPE, RMSNorm, gated MLP"
 (`FAMILIES`: Llama, Qwen2, Qwen3 with its q/k norms, Mistral without a sliding window), every layer full attention.
-Anything else keeps the plain path (shared/kvpool.py through transformers); `support` names the reason.
+Anything else keeps the plain path (shared/kvpool.py through transformers); `support` names the reason. q/k/v and
+gate/up run as one GEMM each over a fused weight whose slices are the modules' own weights.
 
 A forward's layout. Rows (sessions' rounds, decode steps, prefill chunks) are flattened to T tokens for every
-linear layer. Attention runs per group of rows as [R rows, N queries, W keys]: a row's queries are gathered from
-the flat tokens, its keys from the pool through its block table (pool rows), and a mask [R, N, W] says which key
-each query sees (causal by position; a token tree's node sees the cached prefix and its ancestors only, as
+linear layer. Attention either reads each token's keys in the pool through its row's block table
+(cloud/runners/paged_kernel.py, `--attention triton`), or runs per group of rows as [R rows, N queries, W keys]:
+a row's queries gathered from the flat tokens, its keys from the pool, and a mask [R, N, W] saying which key each
+query sees (causal by position; a token tree's node sees the cached prefix and its ancestors only, as
 shared/paged_plan.py's masks). Padding (tokens, queries, keys) points at the pool's spare row, which no sequence
 owns: padded tokens write their K/V there, padded keys are masked, padded queries' outputs land on a spare token.
 
-Buckets (graphs on): T = R x N with R in ROW_BUCKETS, N in QUERY_BUCKETS, W in KEY_BUCKETS; one group. A forward
-outside them (a prefill chunk, a long context) runs eagerly with exact shapes, short rows in one group and each
-long row in its own. Graphs share one memory pool and are captured lazily (at most `max_graphs`, the least
-recently used dropped first); a pool that grows (new storage) drops them all.
+Buckets (graphs on): T = R x N with R in ROW_BUCKETS, N in QUERY_BUCKETS, W in KEY_BUCKETS; one group. `capture`
+records the deployment's buckets at start-up on the model thread, largest first, in one memory pool and within a
+byte bound; a forward takes the smallest captured bucket of each dimension, and one outside every bucket (a
+prefill chunk, a long context) runs eagerly with exact shapes and is counted. A pool that grows (new storage)
+captures them again. Without a start-up capture (tests, benches) a bucket's first forward captures its graph, at
+most `max_graphs` held.
 
-Batch invariance. With `tile` > 0 every linear layer runs its rows in tiles of `tile` (one kernel shape whatever
-the forward's size), and attention's padded keys only add exact zeros; whether a row then gets the same bits in
-every bucket is measured on the device (`calibrate`), never assumed.
+Batch invariance. With `tile` > 0 every linear layer runs its rows in calls of `tile` rows (one kernel shape
+whatever the forward's size), and attention's padded keys only add exact zeros; whether a row then gets the same
+bits in every bucket is measured on the device (cloud/runners/invariance.py), never assumed.
 """
 
 from __future__ import annotations

@@ -10,26 +10,36 @@ one sequence's next token through the forwards the scheduler makes and compares 
 - beside a prefill chunk (an eager forward of exact shapes).
 
 Its scratch sequences live in the target's pool and are released after; a pool too small for them answers
-"not measured". The answer is the first difference, named ("" when every probe gave the same bits).
+"not measured". The answer is the first difference, named ("" when every probe gave the same bits), and the cases
+probed.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
 from shared.blocks import OutOfBlocks
+from shared.kvpool import KVPool
 from shared.rows import Row
 
-if TYPE_CHECKING:
-    from cloud.runners.torch_runner import TargetModel
+
+class Probed(Protocol):
+    """What the probe reads of the target (cloud/runners/torch_runner.py's TargetModel)."""
+    pool: KVPool
+    support: int  # ids the model scores
+    info: Any  # its ModelInfo: max_context
+    paged: Any  # its graph executor (cloud/runners/graphs.py PagedForward), or None
+
+    def forward(self, rows: list[Row]) -> Any: ...
 
 # the probed sequence's prompt, and the long mate's (its context lands in a larger key bucket)
 PROMPT, LONG = 37, 300
 
 
-def paged_invariance(target: TargetModel, max_rows: int, seed: int = 0) -> str:
+def paged_invariance(target: Probed, max_rows: int, seed: int = 0) -> tuple[str, str]:
+    """(the first difference or \"\", the cases probed)."""
     pool = target.pool
     g = torch.Generator().manual_seed(seed)
 
@@ -88,11 +98,11 @@ def paged_invariance(target: TargetModel, max_rows: int, seed: int = 0) -> str:
             got = first_logits(rows)
             if not torch.equal(got, ref):
                 diff = float((got - ref).abs().max())
-                return f"the probed token's logits {what} differ from a decode step alone (max |diff| {diff:.3g})"
-        target.invariance_probed = "; ".join(cases)
-        return ""
+                return (f"the probed token's logits {what} differ from a decode step alone (max |diff| {diff:.3g})",
+                        "")
+        return "", "; ".join(cases)
     except OutOfBlocks:
-        return "not measured: the KV budget holds too few blocks for the probe's sequences"
+        return "not measured: the KV budget holds too few blocks for the probe's sequences", ""
     finally:
         for s, _ in seqs:
             pool.release(s)

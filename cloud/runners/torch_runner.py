@@ -261,7 +261,7 @@ class TargetModel:
         assert self.paged is not None
         t0 = time.perf_counter()
         self._measured = (max_rows, threads)  # the probe's own forwards do not measure again
-        failure = paged_invariance(self, max_rows)
+        failure, self.invariance_probed = paged_invariance(self, max_rows)
         self.info.batch_invariant, self.invariance_failure = not failure, failure
         self.info.batch_invariant_probe = self.invariance_probed if not failure else ""
         self.row_tile = self.paged.tile

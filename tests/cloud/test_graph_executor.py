@@ -123,8 +123,8 @@ def test_invariance_probe_names_a_difference(arch_dir: Path, monkeypatch: pytest
         return real(inp, keys, values) + 1e-3 * inp.ids.shape[0]  # final hidden states [P, d]
 
     monkeypatch.setattr(target.paged, "run", biased)
-    failure = paged_invariance(target, 64)
-    assert "differ from a decode step alone" in failure
+    failure, probed = paged_invariance(target, 64)
+    assert "differ from a decode step alone" in failure and probed == ""
     assert target.pool.manager.used == 0  # the probe's sequences are released
 
 
