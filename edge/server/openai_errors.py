@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from fastapi.exceptions import RequestValidationError
+
 from shared.errors import (
     InvalidArgument,
     PayloadTooLarge,
@@ -70,3 +72,18 @@ def from_specsplit(err: SpecSplitError) -> OpenAIError:
         return OpenAIError(503, f"the cloud verifier is unavailable: {err.message}", "service_unavailable",
                            None, err.code)
     return OpenAIError(500, f"generation failed: {err.code}: {err.message}", "server_error", None, err.code)
+
+
+def validation_error(exc: RequestValidationError) -> OpenAIError:
+    """pydantic's first complaint as a 400 naming the field (OpenAI's wording for unknown fields)."""
+    errors = exc.errors()
+    if not errors:
+        return invalid("malformed request body")
+    first = errors[0]
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    param = ".".join(loc) or None
+    if first.get("type") == "extra_forbidden":
+        return invalid(f"Unrecognized request argument supplied: {param}", param, "unrecognized_argument")
+    if first.get("type") == "json_invalid":
+        return invalid(f"the body is not valid JSON: {first.get('msg', '')}", None, "invalid_json")
+    return invalid(f"{param}: {first.get('msg', 'invalid value')}" if param else str(first.get("msg")), param)
