@@ -39,7 +39,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from cloud.runners.graphs import GPU_ROW_TILE, PagedForward, graph_shapes, support
+from cloud.runners.graph_inputs import graph_shapes
+from cloud.runners.graphs import GPU_ROW_TILE, PagedForward, support
 from cloud.runners.invariance import paged_invariance
 from cloud.runners.tensor_parallel import local_part
 from shared.dtypes import resolve_dtype

@@ -14,7 +14,8 @@ import pytest
 import torch
 import transformers as tf
 
-from cloud.runners.graphs import PagedForward, _bucket, support
+from cloud.runners.graph_inputs import bucket
+from cloud.runners.graphs import PagedForward, support
 from cloud.runners.invariance import paged_invariance
 from cloud.runners.torch_runner import TargetModel
 from shared.kvpool import UnsupportedModel
@@ -91,13 +92,13 @@ def test_executor_matches_the_transformers_path(arch_dir: Path, buckets: bool, i
             assert torch.equal(x.argmax(-1), r.argmax(-1))
 
 
-def test_bucketed_forward_pads_to_the_bucket(arch_dir: Path) -> None:
+def test_bucketed_forward_pads_to_thebucket(arch_dir: Path) -> None:
     target = TargetModel(arch_dir, "cpu", "float32", invariant=False, executor="eager")
     assert target.paged is not None
     target.paged.buckets = True
     rows = [Row(0, 0, [1] * 5, 1), Row(1, 130, [1] * 9, 9), Row(2, 3, [2], 1)]
     assert target.paged.shape_of(rows) == (4, 12, 256)
-    assert _bucket(65, (1, 64)) is None
+    assert bucket(65, (1, 64)) is None
     assert target.paged.shape_of([Row(0, 0, [1] * 40, 1)]) == (1, 48, 128)  # a prefill chunk in its own bucket
     assert target.paged.shape_of([Row(0, 0, [1] * 600, 1)]) is None  # longer than any bucket: eager, exact shapes
     mixed = [Row(0, 0, [1] * 100, 1)] + [Row(i, 5, [1], 1) for i in range(1, 32)]
@@ -195,7 +196,7 @@ def test_fused_projections_are_views_of_one_weight(arch_dir: Path) -> None:
 def test_start_up_buckets_and_their_blank_inputs(arch_dir: Path) -> None:
     """The deployment's lists make buckets of the executor's (R x N capped); a bucket's blank inputs (what a start-up
     capture records) have exactly the shapes of real inputs in that bucket, which a replay copies in."""
-    from cloud.runners.graphs import MAX_GRAPH_TOKENS, _blank, graph_shapes
+    from cloud.runners.graph_inputs import MAX_GRAPH_TOKENS, blank, graph_shapes
 
     shapes = graph_shapes([1, 3, 64, 256], [1, 9], [500, 4096])
     assert (4, 12, 512) in shapes and (1, 1, 4096) in shapes
@@ -212,7 +213,7 @@ def test_start_up_buckets_and_their_blank_inputs(arch_dir: Path) -> None:
     shape = target.paged.shape_of(rows)
     assert shape is not None
     real = target.paged.inputs(pool, rows, pool.spare_row, shape)
-    blank = _blank(shape, pool.spare_row, target.paged.tile)
+    blank = blank(shape, pool.spare_row, target.paged.tile)
     for x, y in ((real.ids, blank.ids), (real.positions, blank.positions), (real.write, blank.write),
                  (real.keep, blank.keep)):
         assert x.shape == y.shape and x.dtype == y.dtype
@@ -238,7 +239,7 @@ def test_start_up_capture_replays_within_its_bytes_and_counts_the_rest(arch_dir:
     """bfloat16, tiled (the shipped default): graphs captured at start-up for the deployment's buckets replay with
     the eager forward's bits; nothing is captured while serving; a forward outside every bucket runs eagerly and is
     counted; a bound of 0 bytes captures nothing."""
-    from cloud.runners.graphs import graph_shapes
+    from cloud.runners.graph_inputs import graph_shapes
 
     eager = TargetModel(arch_dir, "cuda", "bfloat16", invariant=True, executor="eager")
     target = TargetModel(arch_dir, "cuda", "bfloat16", invariant=True, executor="graphs")
