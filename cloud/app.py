@@ -112,7 +112,7 @@ async def serve(service: VerifierService) -> None:
         await drain(service, health, st.shutdown_grace_s, hurry)
     # the model stops first: requests still waiting for it (opens, rounds) are answered 503 `unavailable`
     # while the servers still send answers, instead of being cancelled with a traceback each
-    await asyncio.to_thread(service.worker.shutdown)
+    await asyncio.to_thread(service.scheduler.shutdown)
     http.should_exit = True
     await grpc_server.stop(ROUND_FINISH_S)
     with contextlib.suppress(asyncio.CancelledError):

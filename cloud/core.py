@@ -1,13 +1,14 @@
 """The verifier's parts and the checks every call shares: transport-free, async, on the event loop.
 
 `ServiceCore` builds one model's pool, session store, admission, scheduler, KV room (cloud/kv_room.py)
-and metrics from the settings. The calls on top of it live one job a module: opening (cloud/opening.py),
+and metrics from the settings, and is the scheduler's model runner (cloud/scheduler.py `ModelRunner`: the
+forward, the KV its rows take, the cost fit). The calls on top of it live one job a module: opening (cloud/opening.py),
 verify rounds (cloud/rounds.py), session streams (cloud/streaming.py), target-only generation
 (cloud/generate.py); `VerifierService` (cloud/service.py) is what REST and gRPC call.
 
 Order of checks for every call: auth (401) -> session lookup (404) and owner (403) -> request
 checks (422) -> admission (429) -> per-session lock -> context check (409) and the round on the
-model worker. Every rejection happens before anything is written, so a rejected request never
+model thread (cloud/scheduler.py). Every rejection happens before anything is written, so a rejected request never
 changes a session.
 """
 
@@ -33,7 +34,7 @@ from cloud.metrics import CloudMetrics
 from cloud.node_budget import NodeBudget
 from cloud.numerics import matrix_units, numerics, weights_fingerprint
 from cloud.opens import OpenJoiner
-from cloud.runners import Runner
+from cloud.runners import Runner, TreeSeqPool
 from cloud.scheduler import Scheduler
 from cloud.session import Session
 from cloud.settings import CloudSettings
@@ -83,32 +84,27 @@ class ServiceCore:
                                    max_new_per_key=settings.queue_depth_per_key_limit(),
                                    max_total=settings.max_queue_depth + settings.max_sessions)
         self.room = KvRoom(settings, model, self.store, clock)
-        self.worker = Scheduler(clock, max_batch_size=settings.max_batch_size,
-                                max_batch_tokens=settings.max_batch_tokens, batch_wait_ms=settings.batch_wait_ms,
-                                max_prefill_tokens_with_rounds=settings.max_prefill_tokens_with_rounds,
-                                prefill_slice=self._prefill_slice,
-                                active_s=settings.session_active_ms / 1000.0,
-                                torch_threads=settings.torch_threads,
-                                forward=lambda rows: self.model.forward(rows),
-                                on_batch=self._batched,
-                                # a GPU's forward is not the host's CPU time: there the cost is wall time
-                                cost_clock=time.monotonic if str(getattr(model, "device", "cpu")).startswith("cuda")
-                                else time.process_time,
-                                blocks_needed=lambda row: self.model.pool.blocks_needed(row),
-                                blocks_available=lambda: self.model.pool.manager.available(),
-                                tree_seqs=lambda row: getattr(self.model.pool, "tree_seqs", lambda _: 0)(row),
-                                tree_seqs_available=lambda: getattr(self.model.pool, "tree_seqs_free", 1 << 30),
-                                make_room=self.room.make_room)
+        # only llama.cpp's pool gives a tree's leaves sequence ids of their own (cloud/runners/__init__.py)
+        self._tree_pool = model.pool if isinstance(model.pool, TreeSeqPool) else None
+        # the model thread: it builds each forward and runs it through this core (`ModelRunner`, below)
+        self.scheduler = Scheduler(clock, self, max_batch_size=settings.max_batch_size,
+                                   max_batch_tokens=settings.max_batch_tokens, batch_wait_ms=settings.batch_wait_ms,
+                                   max_prefill_tokens_with_rounds=settings.max_prefill_tokens_with_rounds,
+                                   active_s=settings.session_active_ms / 1000.0,
+                                   torch_threads=settings.torch_threads,
+                                   # a GPU's forward is not the host's CPU time: there the cost is wall time
+                                   cost_clock=time.monotonic if str(getattr(model, "device", "cpu")).startswith("cuda")
+                                   else time.process_time)
         # batch invariance measured on the model thread at its thread count, up to the largest forward, before
         # /v1/model and /metrics report it (cloud/runners/torch_runner.py `calibrate`)
         # CUDA graphs of the deployment's buckets, captured on the model thread before anything is served or probed
         capture = getattr(model, "capture_graphs", None)
         if capture is not None:
-            self.worker.call_sync(lambda: capture(*settings.graph_lists(), settings.graph_memory_bytes))
-        self.info.batch_invariant = self.worker.call_sync(lambda: model.calibrate(settings.max_batch_tokens))
+            self.scheduler.call_sync(lambda: capture(*settings.graph_lists(), settings.graph_memory_bytes))
+        self.info.batch_invariant = self.scheduler.call_sync(lambda: model.calibrate(settings.max_batch_tokens))
         # the forward's cost measured before anything is served, so the first open answer already carries a fit
         # (the edge decides speculate or stream from it before its first round)
-        self.worker.call_sync(self._measure_forward_cost)
+        self.scheduler.call_sync(self._measure_forward_cost)
         weights = getattr(model, "weights_path", None)
         self.info.numerics = numerics(self.info, weights_fingerprint(weights) if weights is not None else "unknown",
                                       matrix_units(str(getattr(model, "device", "cpu"))),
@@ -195,19 +191,19 @@ class ServiceCore:
     async def abandon(self, job: Job[Any], task: asyncio.Future[Any]) -> None:
         """Nobody waits for `job` (its caller left, or it failed): it runs no further forward; returns once the
         model thread has let go of it."""
-        self.worker.cancel(job)
+        self.scheduler.cancel(job)
         await asyncio.wait({task})
         if not task.cancelled():
             task.exception()  # retrieved: the caller has its own error
 
     def release(self, slot: int | None) -> None:
         if slot is not None:
-            self.worker.between_batches(lambda: self.model.pool.release(slot))
+            self.scheduler.between_batches(lambda: self.model.pool.release(slot))
 
     def _removed(self, s: Session, reason: str) -> None:
         slot, s.slot = s.slot, None
         self.release(slot)  # on the model thread, after any batch that still uses it
-        self.worker.forget(s.ctx_id)
+        self.scheduler.forget(s.ctx_id)
         if reason != CLOSED:
             self.metrics.evictions.labels(reason=reason).inc()
         log.info("session removed", extra={"fields": {"event": "remove", "ctx_id": s.ctx_id, "reason": reason}})
@@ -241,16 +237,6 @@ class ServiceCore:
         finally:
             if slot is not None:
                 pool.release(slot)
-
-    def _prefill_slice(self, running: int) -> int:
-        """Prefill tokens a forward carrying `running` round and decode tokens may add (model thread): what keeps
-        it within `prefill_share_with_rounds` of the rounds' own forward by the fitted cost, at least one KV
-        block so prefills go on; the token cap alone until the fit has seen prefills."""
-        cap, cost = self.settings.max_prefill_tokens_with_rounds, self.budget.cost
-        if cost.forwards < 8 or cost.prefill_token_s <= 0:
-            return cap
-        room = self.settings.prefill_share_with_rounds * cost.predict(max(running, 1)) / cost.prefill_token_s
-        return max(self.settings.kv_block_size, min(cap, int(room)))
 
     def open_budget(self, s: Session) -> int:
         """The open answer's budget for the first round: what its owner's recent rounds were given, or before
@@ -297,7 +283,37 @@ class ServiceCore:
         return (self.settings.node_budget and b.jobs_per_forward >= 2.0 and b.cost.forwards >= 8
                 and s.acceptance.alpha > b.node_value)
 
-    def _batched(self, b: BatchStats) -> None:
+    # --- the scheduler's model runner (cloud/scheduler.py `ModelRunner`): model thread only -----------
+    def forward(self, rows: list[Row]) -> list[torch.Tensor]:
+        return self.model.forward(rows)
+
+    def blocks_needed(self, row: Row) -> int:
+        return self.model.pool.blocks_needed(row)
+
+    def blocks_available(self) -> int:
+        return self.model.pool.manager.available()
+
+    def tree_seqs(self, row: Row) -> int:
+        return self._tree_pool.tree_seqs(row) if self._tree_pool is not None else 0
+
+    def tree_seqs_available(self) -> int:
+        return self._tree_pool.tree_seqs_free if self._tree_pool is not None else 1 << 30
+
+    def make_room(self, blocks: int, progressing: bool) -> None:
+        self.room.make_room(blocks, progressing)
+
+    def prefill_slice(self, running: int) -> int:
+        """Prefill tokens a forward carrying `running` round and decode tokens may add (model thread): what keeps
+        it within `prefill_share_with_rounds` of the rounds' own forward by the fitted cost, at least one KV
+        block so prefills go on; the token cap alone until the fit has seen prefills."""
+        cap, cost = self.settings.max_prefill_tokens_with_rounds, self.budget.cost
+        if cost.forwards < 8 or cost.prefill_token_s <= 0:
+            return cap
+        room = self.settings.prefill_share_with_rounds * cost.predict(max(running, 1)) / cost.prefill_token_s
+        return max(self.settings.kv_block_size, min(cap, int(room)))
+
+    def on_batch(self, b: BatchStats) -> None:
+        """A forward's figures: the metrics and the cost fit."""
         self.metrics.batch_size.observe(b.rows)
         self.metrics.batch_tokens.observe(b.tokens)
         self.metrics.padded_tokens.inc(b.padded_tokens)

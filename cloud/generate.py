@@ -70,9 +70,9 @@ async def generate(core: ServiceCore, req: GenerateRequest, owner: str = "") -> 
             if limit > 0:
                 loop = asyncio.get_running_loop()
                 tokens: asyncio.Queue[tuple[int, float]] = asyncio.Queue()
-                step = decode_job(core, st, req, owner, limit,
-                                  lambda tok, ms: loop.call_soon_threadsafe(tokens.put_nowait, (tok, ms)))
-                job = asyncio.ensure_future(core.worker.submit(step, since=t_start))
+                step = DecodeJob(core, st, req, owner, limit,
+                                 lambda tok, ms: loop.call_soon_threadsafe(tokens.put_nowait, (tok, ms)))
+                job = asyncio.ensure_future(core.scheduler.submit(step, since=t_start))
                 got: asyncio.Future[tuple[int, float]] | None = None
                 try:
                     i = 0
@@ -106,58 +106,66 @@ async def generate(core: ServiceCore, req: GenerateRequest, owner: str = "") -> 
             elif limit < req.max_new_tokens:
                 reason = "context"
     finally:
-        core.worker.between_batches(lambda: core.room.end_generate(st))
-        core.worker.forget(f"generate-{id(st)}")
+        core.scheduler.between_batches(lambda: core.room.end_generate(st))
+        core.scheduler.forget(f"generate-{id(st)}")
     core.metrics.prompt_prefill_ms.observe(prefill_ms)
     yield GenerateEvent(metrics={"tokens": len(st.ids) - len(req.prompt_ids), "prefill_ms": prefill_ms,
                                  "decode_ms": decode_ms, "queue_ms": queue_ms,
                                  "total_ms": (core.clock() - t_start) * 1000.0, "stop_reason": reason})
 
 
-def decode_job(core: ServiceCore, st: DecodeState, req: GenerateRequest, owner: str, limit: int,
-               emit: Callable[[int, float], object]) -> Job[int]:
+class DecodeJob(Job[int]):
     """The whole generation as one job: the prompt in chunks, then a token a forward, each handed to `emit`
     (token, ms of the forwards since the last token) on the model thread; it stays queued (PENDING) until
     `limit` tokens or an eos token with stop_at_eos, then answers the token count."""
-    room, model = core.room, core.model
-    rows: list[Row] = []
-    spent = [0.0]
-    made = [0]
 
-    def plan(budget: int) -> Row:
-        rows[:] = [st.plan(model.pool, budget)]
-        room.in_forward.add(id(st))
-        return rows[0]
+    def __init__(self, core: ServiceCore, st: DecodeState, req: GenerateRequest, owner: str, limit: int,
+                 emit: Callable[[int, float], object]) -> None:
+        # a prefill until its first token, running work from then on
+        super().__init__(PREFILL, key=f"generate-{id(st)}", owner=owner)
+        self.core, self.st, self.req, self.limit, self.emit = core, st, req, limit, emit
+        # the row planned for the forward being built
+        self.row: Row | None = None
+        # forward ms since the last token, and tokens made
+        self.spent = 0.0
+        self.made = 0
 
-    def finish(logits: Any, ms: float) -> int | Pending:
+    def plan(self, budget: int) -> Row:
+        self.row = self.st.plan(self.core.model.pool, budget)
+        self.core.room.in_forward.add(id(self.st))
+        return self.row
+
+    def sampling(self, row: Row) -> RowSampling:
+        st, req = self.st, self.req
+        return RowSampling(req.sampling_cfg, st.ids, seed=req.seed, positions=[len(st.ids) + 1])
+
+    def finish(self, logits: Any, ms: float) -> int | Pending:
+        room, st, req = self.core.room, self.st, self.req
+        assert self.row is not None
         room.in_forward.discard(id(st))
-        spent[0] += ms
-        tok = st.step(model.pool, rows[0], logits, req.sampling_cfg, req.seed, job.p)
+        self.spent += ms
+        tok = st.step(self.core.model.pool, self.row, logits, req.sampling_cfg, req.seed, self.p)
         if tok is None:  # its next chunk waits for a later forward
             if st not in room.gen_prefilling:
                 room.gen_prefilling.append(st)
             return PENDING
-        if made[0] == 0:
+        if self.made == 0:
             room.forget_generate(st)
-            job.kind = DECODE  # running work from now on
-        made[0] += 1
-        emit(tok, spent[0])
-        spent[0] = 0.0
-        if made[0] >= limit or (req.stop_at_eos and tok in core.info.eos_ids):
-            return made[0]
+            self.kind = DECODE  # running work from now on
+        self.made += 1
+        self.emit(tok, self.spent)
+        self.spent = 0.0
+        if self.made >= self.limit or (req.stop_at_eos and tok in self.core.info.eos_ids):
+            return self.made
         return PENDING
 
-    def abort() -> None:
-        room.in_forward.discard(id(st))
-        if rows and st.slot is not None:
-            st.kv_len = min(st.kv_len, rows[0].past)
-            model.pool.crop(st.slot, st.kv_len)
+    def abort(self) -> None:
+        st = self.st
+        self.core.room.in_forward.discard(id(st))
+        if self.row is not None and st.slot is not None:
+            st.kv_len = min(st.kv_len, self.row.past)
+            self.core.model.pool.crop(st.slot, st.kv_len)
 
-    def unplan() -> None:
-        room.in_forward.discard(id(st))
-        st.unplan(model.pool)
-
-    job: Job[int] = Job(
-        plan=plan, finish=finish, abort=abort, key=f"generate-{id(st)}", kind=PREFILL,
-        owner=owner, unplan=unplan, sampling=lambda _: RowSampling(req.sampling_cfg, st.ids, seed=req.seed, positions=[len(st.ids) + 1]))
-    return job
+    def unplan(self) -> None:
+        self.core.room.in_forward.discard(id(self.st))
+        self.st.unplan(self.core.model.pool)

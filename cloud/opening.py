@@ -70,13 +70,12 @@ async def open_new(core: ServiceCore, req: OpenSessionRequest, owner: str) -> Se
         window = req.feature_window if encoding else 0
         pre = Prefill(ids, chunk=core.settings.max_batch_tokens, salt=core.salt(owner),
                       keep_last=max(window, 1) if encoding else 0)
-        first: list[torch.Tensor] = []
         # the session's id keys its prefill: once that is answered the session counts as active on the model
         # thread at once (its first round is on its way), so the next forward already gives prefills only their
         # slice instead of a whole forward the round would wait behind
         ctx_id = core.new_id()
-        prefill = prefill_job(core, pre, owner, encoding, first, key=ctx_id)
-        job = asyncio.ensure_future(core.worker.submit(prefill, since=admitted))
+        prefill = PrefillJob(core, pre, owner, encoding, key=ctx_id)
+        job = asyncio.ensure_future(core.scheduler.submit(prefill, since=admitted))
         try:
             (ms, queue_ms) = await asyncio.shield(job)
         except BaseException:
@@ -84,13 +83,13 @@ async def open_new(core: ServiceCore, req: OpenSessionRequest, owner: str) -> Se
             # after its chunk in progress, and its slot goes back to the pool
             await core.abandon(prefill, job)
             core.release(pre.slot)
-            core.worker.forget(ctx_id)
+            core.scheduler.forget(ctx_id)
             raise
         try:
             context = await hashed
         except BaseException:
             core.release(pre.slot)
-            core.worker.forget(ctx_id)
+            core.scheduler.forget(ctx_id)
             raise
         now = core.clock()
         s = Session(ctx_id=ctx_id, owner=owner, sampling_cfg=req.sampling_cfg, seed=req.seed,
@@ -109,8 +108,8 @@ async def open_new(core: ServiceCore, req: OpenSessionRequest, owner: str) -> Se
     info.node_acceptance = core.open_acceptance(s)
     # the fit as of this open, fresher than GET /v1/model's: the edge's first speculate-or-stream decision reads it
     info.forward_cost = ForwardCostInfo.from_mapping(core.forward_cost())
-    if first:  # the prompt's last states: the whole window's, or the last one as the feature
-        h = torch.cat(first)[-max(window, 1):]  # [n, d]
+    if prefill.states:  # the prompt's last states: the whole window's, or the last one as the feature
+        h = torch.cat(prefill.states)[-max(window, 1):]  # [n, d]
         if window:
             info.states = encode_states(h, encoding, len(ids) - h.shape[0] + 1)
         else:
@@ -118,52 +117,61 @@ async def open_new(core: ServiceCore, req: OpenSessionRequest, owner: str) -> Se
     return info
 
 
-def prefill_job(core: ServiceCore, pre: Prefill, owner: str, encoding: str = "",
-                states: list[torch.Tensor] | None = None, key: str | None = None) -> Job[float]:
-    """KV of a prompt's S[:-1] (all of S with `encoding`: then the states of its last `pre.keep_last`
-    positions go into `states`, chunk by chunk), in chunks; the result is the forward time (ms) summed."""
-    room, model = core.room, core.model
-    spent = [0.0]
-    rows: list[Row] = []
+class PrefillJob(Job[float]):
+    """KV of a prompt's S[:-1] (all of S with `encoding`: then the states of its last `pre.keep_last` positions
+    go into `states`, chunk by chunk), in chunks; the result is the forward time (ms) summed."""
 
-    def plan(budget: int) -> Row | None | Wait:
+    def __init__(self, core: ServiceCore, pre: Prefill, owner: str, encoding: str = "",
+                 key: str | None = None) -> None:
+        super().__init__(PREFILL, key=key, owner=owner)
+        self.room, self.model, self.pre, self.encoding = core.room, core.model, pre, encoding
+        # the prompt's last states ([n, d] a chunk), with `encoding`
+        self.states: list[torch.Tensor] = []
+        # forward ms of its chunks so far
+        self.spent = 0.0
+        # the chunk planned for the forward being built
+        self.row: Row | None = None
+
+    def plan(self, budget: int) -> Row | None | Wait:
+        pre, room = self.pre, self.room
         if pre.slot is None:
             if room.shares_a_running_prefill(pre):
                 return WAIT
             room.prefilling.append(pre)
-        row = pre.plan(model.pool, budget)
-        rows[:] = [row] if row is not None else []
-        if row is None:
+        self.row = pre.plan(self.model.pool, budget)
+        if self.row is None:
             room.forget_prefill(pre)
         else:
             room.in_forward.add(id(pre))
-        return row
+        return self.row
 
-    def finish(_: object, ms: float) -> float | Pending:
-        room.in_forward.discard(id(pre))
-        spent[0] += ms
-        hidden = model.hidden_of(rows[0]) if encoding and rows[0].keep else None
-        if hidden is not None and states is not None:
+    def answer(self) -> float:
+        return self.spent
+
+    def finish(self, logits: torch.Tensor, ms: float) -> float | Pending:
+        row = self.row
+        assert row is not None
+        self.room.in_forward.discard(id(self.pre))
+        self.spent += ms
+        hidden = self.model.hidden_of(row) if self.encoding and row.keep else None
+        if hidden is not None:
             if not bool(torch.isfinite(hidden).all()):  # checked before the session exists
                 raise Internal.of(FloatingPointError("the target's state at the end of the prompt is not "
                                                      "finite: no feature (nor session) can be made of it"))
-            states.append(hidden.detach().clone())
-        if pre.advance(model.pool, rows[0]):
-            room.forget_prefill(pre)
-            return spent[0]
+            self.states.append(hidden.detach().clone())
+        if self.pre.advance(self.model.pool, row):
+            self.room.forget_prefill(self.pre)
+            return self.spent
         return PENDING
 
-    def abort() -> None:
-        room.in_forward.discard(id(pre))
-        room.forget_prefill(pre)
-        if pre.slot is not None:
-            model.pool.crop(pre.slot, pre.done)
+    def abort(self) -> None:
+        self.room.in_forward.discard(id(self.pre))
+        self.room.forget_prefill(self.pre)
+        if self.pre.slot is not None:
+            self.model.pool.crop(self.pre.slot, self.pre.done)
 
-    def unplan() -> None:
-        room.in_forward.discard(id(pre))
-        pre.unplan(model.pool)
-        if pre.slot is None:
-            room.forget_prefill(pre)
-
-    return Job(plan=plan, finish=finish, abort=abort, answer=lambda: spent[0], kind=PREFILL, owner=owner,
-               unplan=unplan, key=key)
+    def unplan(self) -> None:
+        self.room.in_forward.discard(id(self.pre))
+        self.pre.unplan(self.model.pool)
+        if self.pre.slot is None:
+            self.room.forget_prefill(self.pre)

@@ -26,6 +26,7 @@ from cloud.session import Session
 from shared.config import SamplingConfig
 from shared.kvpool import Row
 from shared.protocol import VerifyRequest, VerifyResponse
+from shared.sampling import RowSampling
 from shared.tree import depths
 
 round_log = logging.getLogger("specsplit.cloud.rounds")
@@ -44,7 +45,7 @@ async def verify(core: ServiceCore, req: VerifyRequest, owner: str, declared_k: 
         try:
             async with s.lock:
                 core.store.make_room(core.kv_bytes(req.ctx_len + k), s)
-                job = asyncio.ensure_future(core.worker.submit(round_job(core, s, req, q_dense), since=admitted))
+                job = asyncio.ensure_future(core.scheduler.submit(RoundJob(core, s, req, q_dense), since=admitted))
                 try:
                     res, queue_ms = await asyncio.shield(job)
                 except asyncio.CancelledError:
@@ -77,46 +78,55 @@ async def verify(core: ServiceCore, req: VerifyRequest, owner: str, declared_k: 
     return resp
 
 
-def round_job(core: ServiceCore, s: Session, req: VerifyRequest, q_dense: Any) -> Job[RoundResult]:
-    """One verify round as a scheduler job: plan on the model thread, run in a batch, finish alone."""
-    fp = fingerprint(req)
-    planned: list[RoundPlan] = []
-    rows: list[Row] = []
+class RoundJob(Job[RoundResult]):
+    """One verify round as a scheduler job: planned on the model thread, run in a batch, finished alone."""
 
-    def plan(budget: int) -> Row | None:
-        if not planned:  # the first forward: check and plan (later ones continue a chunked resync)
-            p = plan_round(s, req, fp)
+    def __init__(self, core: ServiceCore, s: Session, req: VerifyRequest, q_dense: Any) -> None:
+        super().__init__(ROUND, key=s.ctx_id, owner=s.owner)
+        self.core, self.session, self.req, self.q_dense = core, s, req, q_dense
+        self.fp = fingerprint(req)
+        # made on its first forward (later ones continue a chunked resync)
+        self.planned: RoundPlan | None = None
+        # the row planned for the forward being built
+        self.row: Row | None = None
+        # forward ms of its resync chunks
+        self.spent = 0.0
+
+    def plan(self, budget: int) -> Row | None:
+        s, req = self.session, self.req
+        if self.planned is None:  # the first forward: check and plan
+            p = plan_round(s, req, self.fp)
             if isinstance(p, VerifyResponse):
                 return None
-            planned.append(p)
+            self.planned = p
         elif s.closed or s.slot is None:
-            plan_round(s, req, fp)  # raises NotFound
-        rows[:] = [planned[0].next_row(budget)]
-        return rows[0]
+            plan_round(s, req, self.fp)  # raises NotFound
+        self.row = self.planned.next_row(budget)
+        return self.row
 
-    def answer() -> RoundResult:
-        s.counters.replayed += 1
-        cached = plan_round(s, req, fp)
+    def answer(self) -> RoundResult:
+        self.session.counters.replayed += 1
+        cached = plan_round(self.session, self.req, self.fp)
         assert isinstance(cached, VerifyResponse)
         return RoundResult(cached, None, replayed=True)
 
-    def finish(logits: Any, ms: float) -> RoundResult | Pending:
-        row = rows[0]
+    def sampling(self, row: Row) -> RowSampling:
+        assert self.planned is not None
+        return round_sampling(self.session, self.req, self.planned)
+
+    def finish(self, logits: Any, ms: float) -> RoundResult | Pending:
+        row, planned = self.row, self.planned
+        assert row is not None and planned is not None
         if row.keep == 0:  # a chunk of a long resync: its KV is written, the verify row comes next
-            planned[0].fed = row.past + len(row.ids)
-            spent[0] += ms
+            planned.fed = row.past + len(row.ids)
+            self.spent += ms
             return PENDING
-        return finish_round(core.model, s, req, q_dense, planned[0], logits, ms + spent[0],
-                            core.settings.replay_cache_size, job.p)
+        return finish_round(self.core.model, self.session, self.req, self.q_dense, planned, logits,
+                            ms + self.spent, self.core.settings.replay_cache_size, self.p)
 
-    def abort() -> None:
-        if planned:
-            s.set_kv_len(core.model.pool, min(s.kv_len, planned[0].past))
-
-    spent = [0.0]
-    job: Job[RoundResult] = Job(plan=plan, finish=finish, abort=abort, answer=answer, key=s.ctx_id, kind=ROUND,
-                                owner=s.owner, sampling=lambda _: round_sampling(s, req, planned[0]))
-    return job
+    def abort(self) -> None:
+        if self.planned is not None:
+            self.session.set_kv_len(self.core.model.pool, min(self.session.kv_len, self.planned.past))
 
 
 def log_round(req: VerifyRequest, resp: VerifyResponse, k: int, replayed: bool) -> None:

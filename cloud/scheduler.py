@@ -1,8 +1,9 @@
-"""The model thread's scheduler: it decides which queued work runs in each forward; the model
-runner (cloud/runners/torch_runner.py, shared/kvpool.py) runs it. Nothing here touches tensors.
+"""The model thread's scheduler: it decides which queued work runs in each forward; its model runner
+(`ModelRunner`: the service core over its runner, cloud/core.py, cloud/runners/) runs it. Nothing here
+touches tensors.
 
-Work arrives as `Job`s from the event loop: verify rounds, session-open prefills, /v1/generate
-decode steps. Whenever the model is free, the thread builds one forward under a token budget
+Work arrives as `Job`s from the event loop (cloud/jobs.py): verify rounds, session-open prefills,
+/v1/generate decode steps. Whenever the model is free, the thread builds one forward under a token budget
 (`max_batch_tokens`, real tokens: a forward is one flattened row with no padding) and a row cap
 (`max_batch_size`):
 1. Running work first: verify rounds and decode steps, in arrival order. A round whose resync
@@ -15,8 +16,8 @@ decode steps. Whenever the model is free, the thread builds one forward under a 
    also while any session is active (opened or answered within the
    last `active_s`, by `clock`: its next round is on its way; an edge sends it 10-30 ms after its answer,
    commits, drafts and encodes meanwhile, far longer than `batch_wait_ms`). The slice is
-   `max_prefill_tokens_with_rounds` at most, and `prefill_slice(running tokens)` when given: the service
-   reads it from the measured forward cost (what keeps the forward within a share of the rounds' own).
+   `max_prefill_tokens_with_rounds` at most, and the model runner's `prefill_slice(running tokens)`: the
+   service reads it from the measured forward cost (what keeps the forward within a share of the rounds' own).
    Only with no session active does a prefill-only forward take the whole budget.
 So a round that arrives during a burst of prefills, whenever it arrives, waits at most for the forward
 in progress, which carries at most the slice of prefill tokens, then
@@ -37,66 +38,99 @@ left alone they would form waves that never merge. So before a forward the threa
 three forwards that have not queued their next round yet. `batch_wait_ms = 0` never waits. A session
 never has two jobs queued (its lock is held while its round is queued), so its rounds stay in order.
 
+One forward is `_step`: select the queued jobs still wanted, build the forward (`_build`: each job's row
+from `_plan`, kept when `_reserve` finds its tokens, blocks and tree sequences), run it (`_run`), finish
+each job (`_finish`), report its figures (`_report`).
+
 `run(fn)` runs a plain callable on the model thread between batches (start-up, tests). What may
 enter the queue at all is decided before, per API key (cloud/admission.py).
 """
 
 from __future__ import annotations
 
-import asyncio
-import collections
-import contextlib
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol
 
 import torch
 
-from cloud.jobs import PENDING, PREFILL, Abandoned, BatchStats, Job, Wait
-from shared.errors import ResourceExhausted, Unavailable
+from cloud.jobs import PENDING, PREFILL, Abandoned, BatchStats, Call, Job, Wait
+from cloud.model_thread import ModelThread
+from shared.errors import ResourceExhausted
 from shared.kvpool import Row
 from shared.sampling import process_rows
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
+
+
+class ModelRunner(Protocol):
+    """What the scheduler drives, on the model thread: the forward, the KV blocks and tree sequence ids its rows
+    take, room-making, and the forward's cost (the prefills' slice in, each forward's figures out)."""
+
+    def forward(self, rows: list[Row]) -> list[torch.Tensor]:
+        """One forward over every row: each row's logits for its last `keep` ids."""
+
+    def blocks_needed(self, row: Row) -> int:
+        """KV blocks the row's new positions take."""
+
+    def blocks_available(self) -> int:
+        """KV blocks a forward can still get."""
+
+    def tree_seqs(self, row: Row) -> int:
+        """Sequence ids the row's token tree takes (a row whose tree does not fit waits for a later forward)."""
+
+    def tree_seqs_available(self) -> int:
+        """Sequence ids free for trees."""
+
+    def make_room(self, blocks: int, progressing: bool) -> None:
+        """Free this many KV blocks if it can; `progressing`: the forward already has rows (then only sessions
+        idle for a while are evicted: the work that lacks blocks can wait for a later forward)."""
+
+    def prefill_slice(self, running: int) -> int:
+        """Prefill tokens a forward carrying `running` round and decode tokens may add (under
+        `max_prefill_tokens_with_rounds`)."""
+
+    def on_batch(self, stats: BatchStats) -> None:
+        """Called after every forward, before its answers are handed over."""
+
+
 @dataclass
-class Scheduler:
-    clock: Callable[[], float]
+class Forward:
+    """The forward being built: its rows and what is left of its budgets."""
+    # tokens it may still take (lowered to the prefills' slice once it fills)
+    budget: int
+    # tree sequence ids still free
+    seqs_left: int
+    # (job, its row), in the order they run
+    rows: list[tuple[Job[Any], Row]] = field(default_factory=list)
+    # KV blocks promised to its rows
+    reserved: int = 0
+    # tokens of rounds and decode steps in it
+    running: int = 0
+
+
+@dataclass
+class Scheduler(ModelThread):
+    """The forwards' policy (the module docstring) on the model thread; the queue and the answers' way back to
+    the event loops are `ModelThread`'s (cloud/model_thread.py)."""
+    # runs the forwards and holds the KV their rows take
+    model_runner: ModelRunner
     max_batch_size: int = 32
     max_batch_tokens: int = 1024
     # prefill tokens at most in a forward that also carries rounds or decode steps, or that runs while a
     # session is active
     max_prefill_tokens_with_rounds: int = 1 << 30
-    # the slice by measured cost: prefill tokens a forward carrying this many round and decode tokens may add
-    # (at most max_prefill_tokens_with_rounds; None: that cap alone)
-    prefill_slice: Callable[[int], int] | None = None
     # a key answered within this long (s, by `clock`) is active: its next round is expected (0: never)
     active_s: float = 0.0
     # longest wait before a forward for recently answered sessions' next rounds, ms (0: never wait)
     batch_wait_ms: float = 5.0
     torch_threads: int = 0
-    # runs `forward(rows) -> logits per row` (the model's); set before the first job
-    forward: Callable[[list[Row]], list[torch.Tensor]] | None = None
-    # KV blocks a row needs / blocks a forward can still get / make room for n more blocks (evictions)
-    blocks_needed: Callable[[Row], int] = lambda _: 0
-    blocks_available: Callable[[], int] = lambda: 1 << 62
-    # sequence ids a row's token tree takes / ids free for trees (the llama.cpp runner gives each leaf one;
-    # a row whose tree does not fit waits for a later forward)
-    tree_seqs: Callable[[Row], int] = lambda _: 0
-    tree_seqs_available: Callable[[], int] = lambda: 1 << 30
-    # free this many KV blocks if it can; the flag says whether the forward already has rows (then only
-    # sessions idle for a while are evicted: the work that lacks blocks can wait for a later forward)
-    make_room: Callable[[int, bool], None] = lambda _, __: None
-    # called on the model thread after every forward
-    on_batch: Callable[[BatchStats], None] = lambda _: None
-    _queue: collections.deque[Job[Any]] = field(default_factory=collections.deque)
-    _between: list[Callable[[], None]] = field(default_factory=list)
-    _cv: threading.Condition = field(default_factory=threading.Condition)
-    _stop: bool = False
-    _thread: threading.Thread | None = None
+    # what a forward's work costs, read at its end (BatchStats.cpu_s): the process's CPU time where the CPU runs
+    # the model; a GPU's cloud passes wall time
+    cost_clock: Callable[[], float] = time.process_time
     # model thread only: when each key was last answered (monotonic s), and the last forward's time (s)
     _answered: dict[str, float] = field(default_factory=dict)
     _last_forward_s: float = 0.0
@@ -105,12 +139,6 @@ class Scheduler:
     _forwards: int = 0
     # model thread only: when each key was last answered, by `clock` (the active sessions)
     _active: dict[str, float] = field(default_factory=dict)
-    # futures to settle, by event loop, handed over once per forward (`_flush`; shutdown adds from its thread)
-    _settles: dict[asyncio.AbstractEventLoop, list[Callable[[], None]]] = field(default_factory=dict)
-    _settles_lock: threading.Lock = field(default_factory=threading.Lock)
-    # what a forward's work costs, read at its end (BatchStats.cpu_s): the process's CPU time where the CPU runs
-    # the model; a GPU's cloud passes wall time
-    cost_clock: Callable[[], float] = time.process_time
     # model thread only: `cost_clock` at the end of the last forward's work (or when work arrived after idling)
     _cpu_mark: float = 0.0
 
@@ -119,38 +147,6 @@ class Scheduler:
         self._thread = threading.Thread(target=self._loop, name="model", daemon=True)
         self._thread.start()
 
-    # --- the event loop's side ----------------------------------------------------------------
-    async def submit(self, job: Job[T], since: float | None = None) -> tuple[T, float]:
-        """Queue `job`; returns (its result, ms from `since` (default now) to its first forward)."""
-        job.loop = asyncio.get_running_loop()
-        job.future = job.loop.create_future()
-        job.since = self.clock() if since is None else since
-        with self._cv:
-            if self._stop:
-                raise Unavailable("this replica is shutting down: retry (elsewhere)")
-            self._queue.append(job)
-            self._cv.notify()
-        result = await job.future
-        started = job.started if job.started is not None else self.clock()
-        return result, (started - job.since) * 1000.0
-
-    async def run(self, fn: Callable[[], T], since: float | None = None) -> tuple[T, float]:
-        """Run fn() alone on the model thread, in queue order."""
-        return await self.submit(Job(plan=lambda _: None, finish=lambda _, __: PENDING, call=fn), since)
-
-    def cancel(self, job: Job[Any]) -> None:
-        """Nobody waits for `job` any more: it leaves the queue before its next forward (abort() gives its
-        blocks back) and its future fails with Abandoned; a forward already running it finishes first."""
-        with self._cv:
-            job.cancelled = True
-            self._cv.notify()
-
-    def between_batches(self, fn: Callable[[], None]) -> None:
-        """Run fn() on the model thread before the next batch (any thread may call this)."""
-        with self._cv:
-            self._between.append(fn)
-            self._cv.notify()
-
     def forget(self, key: str) -> None:
         """`key` sends no more work (its session closed, its stream ended): never wait for it."""
         def drop() -> None:
@@ -158,37 +154,6 @@ class Scheduler:
             self._active.pop(key, None)
 
         self.between_batches(drop)
-
-    def call_sync(self, fn: Callable[[], T]) -> T:
-        """Run fn() on the model thread and wait (start-up, before the loop serves)."""
-        done = threading.Event()
-        box: list[Any] = []
-
-        def wrapped() -> None:
-            try:
-                box.append((True, fn()))
-            except BaseException as e:  # noqa: BLE001 - handed to the caller
-                box.append((False, e))
-            done.set()
-
-        self.between_batches(wrapped)
-        done.wait()
-        ok, value = box[0]
-        if not ok:
-            raise value
-        return value  # type: ignore[no-any-return]
-
-    def shutdown(self) -> None:
-        with self._cv:
-            self._stop = True
-            dropped = list(self._queue)
-            self._queue.clear()
-            self._cv.notify()
-        for job in dropped:  # answered 503: the caller retries elsewhere
-            self._resolve(job, error=Unavailable("this replica is shutting down: retry (elsewhere)"))
-        self._flush()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=30)
 
     # --- the model thread ---------------------------------------------------------------------
     def _loop(self) -> None:
@@ -232,15 +197,25 @@ class Scheduler:
                     return
                 self._cv.wait(left)
 
-    def _take(self) -> list[Job[Any]]:
+    def _step(self) -> None:
+        """One forward from the queue (see the module docstring): select, build, run, finish, report."""
+        jobs = self._select()
+        if jobs and isinstance(jobs[0], Call):
+            self._drop(jobs[0])
+            self._run_call(jobs[0])
+            return
+        cut = next((i for i, j in enumerate(jobs) if isinstance(j, Call)), len(jobs))  # a call keeps its place
+        fwd = self._build(self._order(jobs[:cut]))
+        if fwd.rows:
+            self._run(fwd)
+
+    def _select(self) -> list[Job[Any]]:
+        """The queued jobs, in arrival order, whose caller still waits (the others fail with Abandoned)."""
         with self._cv:
             jobs = list(self._queue)
-        return jobs
-
-    def _drop(self, job: Job[Any]) -> None:
-        with self._cv:
-            with contextlib.suppress(ValueError):
-                self._queue.remove(job)
+        for job in [j for j in jobs if j.cancelled]:
+            self._fail(job, Abandoned("the caller went away"))
+        return [j for j in jobs if not j.cancelled]
 
     def _order(self, jobs: list[Job[Any]]) -> list[Job[Any]]:
         """Running work in arrival order, then prefills round-robin over owners: the owner served least
@@ -254,118 +229,117 @@ class Scheduler:
                 prefills.append((self._served.get(j.owner, -1), rank[j.owner], i, j))
         return running + [t[3] for t in sorted(prefills, key=lambda t: t[:3])]
 
-    def _fail(self, job: Job[Any], e: BaseException) -> None:
-        self._drop(job)
-        with contextlib.suppress(BaseException):
-            job.abort()
-        self._resolve(job, error=e)
+    @staticmethod
+    def _candidates(ordered: list[Job[Any]], chunked: list[Job[Any]]) -> Iterator[tuple[Job[Any], bool]]:
+        """(job, whether it fills the prefills' share): running work, then the resync chunks found among it
+        (`chunked` grows while the running work is planned), then prefills."""
+        yield from ((j, False) for j in ordered if j.kind != PREFILL)
+        yield from ((j, True) for j in chunked)
+        yield from ((j, True) for j in ordered if j.kind == PREFILL)
 
-    def _step(self) -> None:
-        """Build one forward from the queue (see the module docstring), run it, hand out the results."""
-        jobs = self._take()
-        for job in [j for j in jobs if j.cancelled]:
-            self._fail(job, Abandoned("the caller went away"))
-        jobs = [j for j in jobs if not j.cancelled]
-        if jobs and jobs[0].call is not None:
-            self._drop(jobs[0])
-            self._run_call(jobs[0])
-            return
-        cut = next((i for i, j in enumerate(jobs) if j.call is not None), len(jobs))  # a call keeps its place
-        batch: list[tuple[Job[Any], Row]] = []
-        budget, reserved = self.max_batch_tokens, 0
-        seqs_left = self.tree_seqs_available()
-        ordered = self._order(jobs[:cut])
+    def _build(self, ordered: list[Job[Any]]) -> Forward:
+        """The forward's rows, in `ordered`'s order, within the token budget and the row cap."""
+        fwd = Forward(budget=self.max_batch_tokens, seqs_left=self.model_runner.tree_seqs_available())
         chunked: list[Job[Any]] = []  # rounds whose next forward is a resync chunk: they fill like prefills
-
-        def candidates() -> Iterator[tuple[Job[Any], bool]]:
-            yield from ((j, False) for j in ordered if j.kind != PREFILL)
-            yield from ((j, True) for j in chunked)
-            yield from ((j, True) for j in ordered if j.kind == PREFILL)
-
-        running = 0  # tokens of rounds and decode steps in this forward
         active = self._any_active()
-        for job, filling in candidates():
-            if filling and (running or active) and budget > 0:  # the prefills' share: the slice
-                cap = self.max_prefill_tokens_with_rounds
-                if self.prefill_slice is not None:
-                    cap = min(cap, self.prefill_slice(running))
-                budget = min(budget, cap - (self.max_batch_tokens - budget - running))
-            if len(batch) >= self.max_batch_size or budget <= 0:
+        for job, filling in self._candidates(ordered, chunked):
+            if filling and (fwd.running or active) and fwd.budget > 0:  # the prefills' share: the slice
+                cap = min(self.max_prefill_tokens_with_rounds, self.model_runner.prefill_slice(fwd.running))
+                fwd.budget = min(fwd.budget, cap - (self.max_batch_tokens - fwd.budget - fwd.running))
+            if len(fwd.rows) >= self.max_batch_size or fwd.budget <= 0:
                 break
-            try:
-                row = job.plan(budget if filling or batch else self.max_batch_tokens)
-            except BaseException as e:  # noqa: BLE001 - that request's error alone
-                self._drop(job)
-                self._resolve(job, error=e)
-                continue
-            if isinstance(row, Wait):
-                continue
-            if self.blocks_available() < reserved:
-                # its plan took blocks promised to rows already in this forward (a new sequence matching
-                # cached prefix blocks): it gives them back and waits, so no forward lacks its blocks
-                job.unplan()
-                if self.blocks_available() < reserved:
-                    self.make_room(reserved - self.blocks_available(), True)
-                continue
+            row = self._plan(job, fwd, filling)
             if row is None:
-                self._drop(job)
-                try:
-                    assert job.answer is not None
-                    self._resolve(job, value=job.answer())
-                except BaseException as e:  # noqa: BLE001
-                    self._resolve(job, error=e)
                 continue
             if not filling and row.keep == 0:
                 chunked.append(job)  # a long resync: after the running work, in the prefills' share
-                continue
-            if batch and len(row.ids) > budget:
+            elif self._reserve(job, row, fwd):
+                fwd.rows.append((job, row))
+                fwd.budget -= len(row.ids)
+                fwd.running += 0 if filling else len(row.ids)
+        return fwd
+
+    def _plan(self, job: Job[Any], fwd: Forward, filling: bool) -> Row | None:
+        """The job's row for this forward, or None: it sits this one out, or it was answered or failed."""
+        try:
+            row = job.plan(fwd.budget if filling or fwd.rows else self.max_batch_tokens)
+        except BaseException as e:  # noqa: BLE001 - that request's error alone
+            self._drop(job)
+            self._resolve(job, error=e)
+            return None
+        if isinstance(row, Wait):
+            return None
+        runner = self.model_runner
+        if runner.blocks_available() < fwd.reserved:
+            # its plan took blocks promised to rows already in this forward (a new sequence matching
+            # cached prefix blocks): it gives them back and waits, so no forward lacks its blocks
+            job.unplan()
+            if runner.blocks_available() < fwd.reserved:
+                runner.make_room(fwd.reserved - runner.blocks_available(), True)
+            return None
+        if row is None:  # it needs no forward (a replayed round)
+            self._drop(job)
+            try:
+                self._resolve(job, value=job.answer())
+            except BaseException as e:  # noqa: BLE001
+                self._resolve(job, error=e)
+        return row
+
+    def _reserve(self, job: Job[Any], row: Row, fwd: Forward) -> bool:
+        """Whether `row` joins the forward: its tokens, KV blocks (room made when they are not free) and tree
+        sequence ids are reserved. Otherwise it gives back what its plan took and waits for a later forward, or
+        is refused (429) when its blocks cannot be had even for the forward's first row."""
+        runner = self.model_runner
+        if fwd.rows and len(row.ids) > fwd.budget:
+            job.unplan()
+            return False
+        # a plan may have taken cached prefix blocks: count what is left now
+        need, left = runner.blocks_needed(row), runner.blocks_available() - fwd.reserved
+        if need > left:  # never a session mid-generation, even for the forward's first row
+            runner.make_room(need - left, True)
+            left = runner.blocks_available() - fwd.reserved
+        if need > left:
+            if not fwd.rows:
+                self._fail(job, ResourceExhausted(
+                    f"the KV cache is full ({need} more blocks needed; no idle session or cached "
+                    "block is left to evict); retry later", limit="kv_budget_bytes"))
+            else:
                 job.unplan()
-                continue  # waits for a later forward
-            # a plan may have taken cached prefix blocks: count what is left now
-            need, left = self.blocks_needed(row), self.blocks_available() - reserved
-            if need > left:  # never a session mid-generation, even for the forward's first row
-                self.make_room(need - left, True)
-                left = self.blocks_available() - reserved
-            if need > left:
-                if not batch:
-                    self._fail(job, ResourceExhausted(
-                        f"the KV cache is full ({need} more blocks needed; no idle session or cached "
-                        "block is left to evict); retry later", limit="kv_budget_bytes"))
-                else:
-                    job.unplan()
-                continue  # waits for a later forward
-            seqs = self.tree_seqs(row)
-            if seqs > seqs_left and batch:
-                job.unplan()
-                continue  # waits for a later forward
-            seqs_left -= seqs
-            reserved += need
-            budget -= len(row.ids)
-            running += 0 if filling else len(row.ids)
-            batch.append((job, row))
-        if not batch:
-            return
+            return False
+        seqs = runner.tree_seqs(row)
+        if seqs > fwd.seqs_left and fwd.rows:
+            job.unplan()
+            return False
+        fwd.seqs_left -= seqs
+        fwd.reserved += need
+        return True
+
+    def _run(self, fwd: Forward) -> None:
+        """Run the forward's rows in one forward, then finish its jobs and report it."""
         self._forwards += 1
-        for job, _ in batch:
-            if job.kind == PREFILL:
-                self._served[job.owner] = self._forwards
         now, wall = self.clock(), time.monotonic()
         waits = []
-        for job, _ in batch:
+        for job, _ in fwd.rows:
+            if job.kind == PREFILL:
+                self._served[job.owner] = self._forwards
             if job.started is None:
                 job.started = now
                 waits.append((job.kind, max(now - job.since, 0.0)))
-        assert self.forward is not None
         try:
-            logits = self.forward([row for _, row in batch])
+            logits = self.model_runner.forward([row for _, row in fwd.rows])
         except BaseException as e:  # noqa: BLE001 - every job of the batch fails, sessions unchanged
-            log.exception("batched forward failed (%d rows)", len(batch))
-            for job, _ in batch:
+            log.exception("batched forward failed (%d rows)", len(fwd.rows))
+            for job, _ in fwd.rows:
                 self._fail(job, e)
             return
         ms = (self.clock() - now) * 1000.0
         self._last_forward_s = time.monotonic() - wall
-        self._process(batch, logits)
+        self._process(fwd.rows, logits)
+        self._finish(fwd.rows, logits, ms)
+        self._report(fwd, ms, waits)
+
+    def _finish(self, batch: list[tuple[Job[Any], Row]], logits: list[torch.Tensor], ms: float) -> None:
+        """Each job applies its own logits; a finished one leaves the queue and its answer is handed over."""
         for (job, _), out in zip(batch, logits, strict=True):
             try:
                 result = job.finish(out, ms)
@@ -379,14 +353,16 @@ class Scheduler:
                 self._answered[job.key] = time.monotonic()
                 self._active[job.key] = self.clock()
             self._resolve(job, value=result)
-        # observed before the answers are handed over (`_flush`): a caller reading /metrics after its answer
-        # sees this forward
+
+    def _report(self, fwd: Forward, ms: float, waits: list[tuple[str, float]]) -> None:
+        """The forward's figures to the model runner: observed before the answers are handed over (`_flush`),
+        so a caller reading /metrics after its answer sees this forward."""
         cpu = self.cost_clock()
         cycle, self._cpu_mark = cpu - self._cpu_mark, cpu
-        real = sum(len(r.ids) for _, r in batch)
-        padded = len(batch) * max(len(r.ids) for _, r in batch)
-        self.on_batch(BatchStats(rows=len(batch), tokens=real, ms=ms, padded_tokens=padded, waits=waits,
-                                 running_tokens=running, cpu_s=cycle))
+        real = sum(len(r.ids) for _, r in fwd.rows)
+        padded = len(fwd.rows) * max(len(r.ids) for _, r in fwd.rows)
+        self.model_runner.on_batch(BatchStats(rows=len(fwd.rows), tokens=real, ms=ms, padded_tokens=padded,
+                                              waits=waits, running_tokens=fwd.running, cpu_s=cycle))
 
     def _any_active(self) -> bool:
         """Whether a key was answered within the last `active_s` (older entries are dropped)."""
@@ -405,7 +381,7 @@ class Scheduler:
         for j, _ in batch:
             j.p = None
         try:
-            specs = [j.sampling(r) if j.sampling is not None and r.keep else None for j, r in batch]
+            specs = [j.sampling(r) if r.keep else None for j, r in batch]
             if not any(specs):
                 return
             probs = process_rows(logits, specs)
@@ -413,43 +389,3 @@ class Scheduler:
             return
         for (j, _), p in zip(batch, probs, strict=True):
             j.p = p
-
-    def _run_call(self, job: Job[Any]) -> None:
-        job.started = self.clock()
-        try:
-            assert job.call is not None
-            value = job.call()
-        except BaseException as e:  # noqa: BLE001
-            self._resolve(job, error=e)
-            return
-        self._resolve(job, value=value)
-
-    def _resolve(self, job: Job[Any], value: Any = None, error: BaseException | None = None) -> None:
-        """Settle the job's future on its event loop: queued, and handed over by `_flush` once per forward
-        (one wake-up of each loop for every answer of the forward, not one per answer)."""
-        fut, loop = job.future, job.loop
-        if fut is None or loop is None:
-            return
-
-        def settle() -> None:
-            if fut.done():
-                return
-            if error is not None:
-                fut.set_exception(error)
-            else:
-                fut.set_result(value)
-
-        with self._settles_lock:
-            self._settles.setdefault(loop, []).append(settle)
-
-    def _flush(self) -> None:
-        with self._settles_lock:
-            settles, self._settles = self._settles, {}
-        for loop, fns in settles.items():
-
-            def run(fns: list[Callable[[], None]] = fns) -> None:
-                for fn in fns:
-                    fn()
-
-            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
-                loop.call_soon_threadsafe(run)

@@ -109,4 +109,4 @@ class VerifierService(ServiceCore):
     def close(self) -> None:
         self.ready = False
         self.store.clear()
-        self.worker.shutdown()
+        self.scheduler.shutdown()

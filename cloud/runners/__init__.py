@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
@@ -57,6 +57,21 @@ class Runner(Protocol):
     def hidden_of(self, row: Row) -> torch.Tensor | None: ...
 
     def healthy(self) -> bool: ...
+
+
+@runtime_checkable
+class TreeSeqPool(Protocol):
+    """A pool whose token-tree rows take sequence ids of their own from a fixed supply (llamacpp.py's `LlamaPool`:
+    a sequence per leaf); the PyTorch pool runs a tree in the session's own KV rows and takes none. The scheduler
+    reads both through the core (cloud/core.py `tree_seqs`)."""
+    @property
+    def tree_seqs_free(self) -> int:
+        """Sequence ids free for trees."""
+        ...
+
+    def tree_seqs(self, row: Row) -> int:
+        """Sequence ids the row's tree takes (0 for a chain)."""
+        ...
 
 
 def load_target(settings: CloudSettings) -> Runner:

@@ -78,13 +78,13 @@ def test_grpc_open_whose_caller_gave_up_is_not_kept(make_service: Callable[..., 
 def prefill_tokens(svc: VerifierService) -> list[int]:
     """Tokens of every forward the service runs from now on (filled as they run)."""
     seen: list[int] = []
-    inner = svc.worker.on_batch
+    inner = svc.on_batch
 
     def hook(b: Any) -> None:
         seen.append(b.tokens)
         inner(b)
 
-    svc.worker.on_batch = hook
+    svc.on_batch = hook
     return seen
 
 
@@ -97,7 +97,7 @@ def test_an_open_cancelled_while_queued_leaves_the_queue_unprefilled(
 
     async def main() -> None:
         gate = threading.Event()
-        blocker = asyncio.ensure_future(svc.worker.run(gate.wait))
+        blocker = asyncio.ensure_future(svc.scheduler.run(gate.wait))
         task = asyncio.ensure_future(svc.open_session(OpenSessionRequest(prompt), ""))
         await asyncio.sleep(0.02)
         task.cancel()
@@ -106,7 +106,7 @@ def test_an_open_cancelled_while_queued_leaves_the_queue_unprefilled(
         await blocker
         with pytest.raises(asyncio.CancelledError):
             await task
-        await svc.worker.run(lambda: None)  # the slot release ran (between batches)
+        await svc.scheduler.run(lambda: None)  # the slot release ran (between batches)
         assert svc.model.pool.manager.seqs == {}
 
     asyncio.run(main())
@@ -122,14 +122,14 @@ def test_an_open_cancelled_mid_prefill_stops_at_its_next_chunk(
     long_prompt = (prompt * 4)[:200]
     forwards = prefill_tokens(svc)
     gate = threading.Event()
-    counted = svc.worker.on_batch
+    counted = svc.on_batch
 
     def held(b: Any) -> None:
         counted(b)
         if len(forwards) == 2:
             gate.wait(10)
 
-    svc.worker.on_batch = held
+    svc.on_batch = held
 
     async def main() -> None:
         task = asyncio.ensure_future(svc.open_session(OpenSessionRequest(long_prompt), ""))
@@ -140,7 +140,7 @@ def test_an_open_cancelled_mid_prefill_stops_at_its_next_chunk(
         gate.set()
         with pytest.raises(asyncio.CancelledError):
             await task
-        await svc.worker.run(lambda: None)
+        await svc.scheduler.run(lambda: None)
         assert svc.model.pool.manager.seqs == {}
 
     asyncio.run(main())
@@ -158,7 +158,7 @@ def test_a_generation_cancelled_while_queued_runs_no_forward(
 
     async def main() -> None:
         gate = threading.Event()
-        blocker = asyncio.ensure_future(svc.worker.run(gate.wait))
+        blocker = asyncio.ensure_future(svc.scheduler.run(gate.wait))
         task = asyncio.ensure_future(consume())
         await asyncio.sleep(0.02)
         task.cancel()
@@ -202,7 +202,7 @@ def rest_open_then_leave(svc: VerifierService, prompt: list[int], request_id: st
 
     async def main() -> None:
         gate = threading.Event()
-        blocker = asyncio.ensure_future(svc.worker.run(gate.wait))  # the model is busy: the open queues
+        blocker = asyncio.ensure_future(svc.scheduler.run(gate.wait))  # the model is busy: the open queues
         call = asyncio.ensure_future(create_app(svc)(scope, receive, send))
         await asyncio.sleep(0.05)
         gate.set()
@@ -222,7 +222,7 @@ def test_an_open_retried_with_its_request_id_joins_the_first_attempt(
 
     async def main() -> None:
         gate = threading.Event()
-        blocker = asyncio.ensure_future(svc.worker.run(gate.wait))
+        blocker = asyncio.ensure_future(svc.scheduler.run(gate.wait))
         first = asyncio.ensure_future(svc.open_session(OpenSessionRequest(prompt), "a", "req-1"))
         await asyncio.sleep(0.02)
         first.cancel()  # the edge timed out
@@ -252,7 +252,7 @@ def test_an_open_with_a_request_id_nobody_comes_back_for_is_cancelled_after_the_
 
     async def main() -> None:
         gate = threading.Event()
-        blocker = asyncio.ensure_future(svc.worker.run(gate.wait))  # the model is busy: the open queues
+        blocker = asyncio.ensure_future(svc.scheduler.run(gate.wait))  # the model is busy: the open queues
         first = asyncio.ensure_future(svc.open_session(OpenSessionRequest(prompt), "a", "req-9"))
         await asyncio.sleep(0.02)
         first.cancel()  # the caller is gone for good
@@ -273,10 +273,10 @@ def test_stopping_with_opens_in_flight_answers_them_503_without_error_logs(
 
     async def main() -> None:
         gate = threading.Event()
-        blocker = asyncio.ensure_future(svc.worker.run(gate.wait))
+        blocker = asyncio.ensure_future(svc.scheduler.run(gate.wait))
         opens = [asyncio.ensure_future(svc.open_session(OpenSessionRequest(prompt, seed=i), "")) for i in range(3)]
         await asyncio.sleep(0.02)
-        stopping = asyncio.ensure_future(asyncio.to_thread(svc.worker.shutdown))
+        stopping = asyncio.ensure_future(asyncio.to_thread(svc.scheduler.shutdown))
         await asyncio.sleep(0.02)
         gate.set()
         await blocker

@@ -43,7 +43,7 @@ def test_one_keys_burst_of_opens_never_refuses_another_keys_rounds(
     async def main() -> None:
         b = (await svc.open_session(OpenSessionRequest(prompt, GREEDY), "b")).ctx_id
         gate = threading.Event()
-        blocker = asyncio.ensure_future(svc.worker.run(gate.wait))
+        blocker = asyncio.ensure_future(svc.scheduler.run(gate.wait))
         burst = [asyncio.ensure_future(svc.open_session(OpenSessionRequest(prompt, GREEDY, seed=i), "a"))
                  for i in range(8)]
         await settle(burst)
@@ -70,14 +70,14 @@ def test_opens_in_flight_count_as_their_keys_sessions_before_any_prefill(
     two are refused before the model runs anything (429 max_sessions_per_key); likewise max_sessions."""
     svc = make_service(max_sessions=3, max_sessions_per_key=2)
     forwards: list[Any] = []
-    inner = svc.worker.on_batch
-    svc.worker.on_batch = lambda b: (forwards.append(b), inner(b))  # type: ignore[func-returns-value]
+    inner = svc.on_batch
+    svc.on_batch = lambda b: (forwards.append(b), inner(b))  # type: ignore[func-returns-value]
 
     async def main() -> None:
         await svc.open_session(OpenSessionRequest(prompt, GREEDY), "a")
         forwards.clear()
         gate = threading.Event()
-        blocker = asyncio.ensure_future(svc.worker.run(gate.wait))
+        blocker = asyncio.ensure_future(svc.scheduler.run(gate.wait))
         opens = [asyncio.ensure_future(svc.open_session(OpenSessionRequest(prompt, GREEDY, seed=i), "a"))
                  for i in range(3)]
         other = [asyncio.ensure_future(svc.open_session(OpenSessionRequest(prompt, GREEDY, seed=i), "c"))

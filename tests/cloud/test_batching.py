@@ -49,12 +49,12 @@ def histogram_count(svc: VerifierService, name: str) -> tuple[float, float]:
 async def gated(svc: VerifierService, calls: list[Any]) -> list[Any]:
     """Hold the model thread until every call is queued, then let them run (as one batch)."""
     gate = threading.Event()
-    blocker = asyncio.ensure_future(svc.worker.run(gate.wait))
+    blocker = asyncio.ensure_future(svc.scheduler.run(gate.wait))
     await asyncio.sleep(0.01)
     tasks = [asyncio.ensure_future(c) for c in calls]
     for _ in range(200):  # every call admitted and queued behind the gate
         await asyncio.sleep(0.005)
-        if len(svc.worker._queue) >= len(calls) + 1:
+        if len(svc.scheduler._queue) >= len(calls) + 1:
             break
     gate.set()
     await blocker

@@ -36,7 +36,7 @@ def close_during_forward(svc: VerifierService, prompt: list[int], tree: bool,
                          close: Callable[[VerifierService, str], None]) -> BaseException | None:
     """Run one round whose forward waits until `close` has run on the event loop; what the round raised."""
     in_forward, closed = threading.Event(), threading.Event()
-    real = svc.worker.forward
+    real = svc.forward
     assert real is not None
 
     def held(rows: list[Row]) -> list[torch.Tensor]:
@@ -49,7 +49,7 @@ def close_during_forward(svc: VerifierService, prompt: list[int], tree: bool,
     async def main() -> BaseException | None:
         try:
             info = await svc.open_session(OpenSessionRequest(prompt, SamplingConfig(0.0)), "")
-            svc.worker.forward = held
+            svc.forward = held
             call = asyncio.ensure_future(svc.verify(round_request(info.ctx_id, prompt, tree), "", 3 if tree else 2))
             assert await asyncio.to_thread(in_forward.wait, 10)
             close(svc, info.ctx_id)
@@ -60,7 +60,7 @@ def close_during_forward(svc: VerifierService, prompt: list[int], tree: bool,
                 return e
             return None
         finally:
-            svc.worker.forward = real
+            svc.forward = real
             closed.set()
 
     return asyncio.run(main())

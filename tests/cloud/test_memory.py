@@ -14,7 +14,7 @@ import torch
 from transformers import AutoTokenizer
 
 from cloud.engine import DecodeState, Prefill
-from cloud.generate import decode_job
+from cloud.generate import DecodeJob
 from cloud.jobs import PENDING
 from cloud.service import GenerateRequest, VerifierService
 from shared.config import SamplingConfig
@@ -67,13 +67,13 @@ def test_a_waiting_half_finished_prefill_gives_its_blocks_back_and_resumes_from_
         pre.advance(pool, row)
         svc.room.prefilling.append(pre)  # as an open whose next chunk waits for a later forward
 
-    svc.worker.call_sync(first_chunk)
+    svc.scheduler.call_sync(first_chunk)
     before = pool.manager.available()
-    svc.worker.call_sync(lambda: svc.room.make_room(1, True))
+    svc.scheduler.call_sync(lambda: svc.room.make_room(1, True))
     assert pre.slot is None and pool.manager.available() == before + 2  # its two blocks, now cached
-    resumed = svc.worker.call_sync(lambda: pre.plan(pool, 32))
+    resumed = svc.scheduler.call_sync(lambda: pre.plan(pool, 32))
     assert resumed is not None and resumed.past == 32  # taken from the prefix cache, not computed again
-    svc.worker.call_sync(lambda: pool.release(resumed.slot))
+    svc.scheduler.call_sync(lambda: pool.release(resumed.slot))
 
 
 def test_a_generate_prompt_half_prefilled_gives_its_blocks_back_and_its_token_is_unchanged(
@@ -86,7 +86,7 @@ def test_a_generate_prompt_half_prefilled_gives_its_blocks_back_and_its_token_is
 
     def run(st: DecodeState, disturb: bool) -> int:
         emitted: list[int] = []
-        job = decode_job(svc, st, req, "", 1, lambda tok, ms: emitted.append(tok))
+        job = DecodeJob(svc, st, req, "", 1, lambda tok, ms: emitted.append(tok))
         out: Any = PENDING
         chunks = 0
         while out is PENDING:
@@ -106,10 +106,10 @@ def test_a_generate_prompt_half_prefilled_gives_its_blocks_back_and_its_token_is
         assert out == 1 and len(emitted) == 1
         return emitted[0]
 
-    disturbed = svc.worker.call_sync(lambda: run(DecodeState(list(text[:100]), salt=b"g"), True))
-    clean = svc.worker.call_sync(lambda: run(DecodeState(list(text[:100]), salt=b"h"), False))
+    disturbed = svc.scheduler.call_sync(lambda: run(DecodeState(list(text[:100]), salt=b"g"), True))
+    clean = svc.scheduler.call_sync(lambda: run(DecodeState(list(text[:100]), salt=b"h"), False))
     assert disturbed == clean
-    assert svc.worker.call_sync(lambda: pool.manager.seqs) == {}
+    assert svc.scheduler.call_sync(lambda: pool.manager.seqs) == {}
 
 
 def test_a_non_finite_state_at_an_open_fails_it_before_a_session_is_stored(
@@ -126,5 +126,5 @@ def test_a_non_finite_state_at_an_open_fails_it_before_a_session_is_stored(
     with pytest.raises(SpecSplitError) as e:
         asyncio.run(svc.open_session(OpenSessionRequest(text[:20], GREEDY, feature_encoding="int8"), ""))
     assert e.value.http_status == 500 and len(svc.store) == 0
-    svc.worker.call_sync(lambda: None)
+    svc.scheduler.call_sync(lambda: None)
     assert svc.model.pool.manager.seqs == {}

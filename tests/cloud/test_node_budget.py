@@ -125,9 +125,9 @@ def test_a_forwards_cost_counts_the_work_on_its_rows_outside_the_forward() -> No
     import asyncio
     import time
 
-    from cloud.jobs import Job
     from cloud.scheduler import Scheduler
     from shared.kvpool import Row
+    from tests.cloud.fake_runner import FakeRunner, FnJob
 
     stats: list[Any] = []
 
@@ -137,14 +137,14 @@ def test_a_forwards_cost_counts_the_work_on_its_rows_outside_the_forward() -> No
             pass
         return 0.0
 
-    sched = Scheduler(time.monotonic, forward=lambda rows: [torch.zeros(len(r.ids), 4) for r in rows],
-                      on_batch=stats.append, batch_wait_ms=0)
+    runner = FakeRunner(forward=lambda rows: [torch.zeros(len(r.ids), 4) for r in rows], on_batch=stats.append)
+    sched = Scheduler(time.monotonic, runner, batch_wait_ms=0)
 
     async def main() -> None:
-        await sched.submit(Job(plan=lambda _: Row(0, 0, [1, 2], 1), finish=burn))
+        await sched.submit(FnJob(lambda _: Row(0, 0, [1, 2], 1), burn))
         await asyncio.sleep(0.05)  # the model thread is waiting for work now
         burn(None, 0.0)  # the process works while the cloud idles: no forward's cost
-        await sched.submit(Job(plan=lambda _: Row(0, 2, [3], 1), finish=lambda _, __: 0.0))
+        await sched.submit(FnJob(lambda _: Row(0, 2, [3], 1), lambda _, __: 0.0))
 
     try:
         asyncio.run(main())

@@ -1,5 +1,5 @@
 """The serving core on the paged cache: scheduling under a token budget, prefix sharing, running out
-of blocks. Forwards are counted (the scheduler's `on_batch`), never timed."""
+of blocks. Forwards are counted (the model runner's `on_batch`: the service's), never timed."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from cloud.jobs import DECODE, PENDING, PREFILL, ROUND, BatchStats, Job, Pending
+from cloud.jobs import DECODE, PREFILL, ROUND, BatchStats, Job
 from cloud.scheduler import Scheduler
 from cloud.service import VerifierService
 from shared.config import SamplingConfig
@@ -21,6 +21,7 @@ from shared.errors import NotFound, ResourceExhausted
 from shared.kvpool import Row
 from shared.protocol import OpenSessionRequest, VerifyResponse
 from tests.cloud.conftest import FakeClock
+from tests.cloud.fake_runner import ChunkedPrefill, FakeRunner, FnJob
 from tests.cloud.reference import CausalLM
 from tests.cloud.test_batching import gated, greedy_continuation
 from tests.cloud.test_service import draft_request
@@ -42,13 +43,13 @@ def text_ids(tiny_pair: tuple[Path, Path]) -> Callable[[int, int], list[int]]:
 
 def record_forwards(svc: VerifierService) -> list[BatchStats]:
     seen: list[BatchStats] = []
-    inner = svc.worker.on_batch
+    inner = svc.on_batch
 
     def hook(b: BatchStats) -> None:
         seen.append(b)
         inner(b)
 
-    svc.worker.on_batch = hook
+    svc.on_batch = hook
     return seen
 
 
@@ -175,12 +176,13 @@ def test_a_job_that_cannot_get_its_blocks_even_alone_is_refused_with_429() -> No
         calls.append(rows)
         return [torch.zeros(r.keep, 4) for r in rows]
 
-    sched = Scheduler(lambda: 0.0, forward=forward, blocks_needed=lambda r: len(r.ids) // 4,
-                      blocks_available=lambda: 3, make_room=lambda n, _: asked.append(n), batch_wait_ms=0)
+    runner = FakeRunner(forward, blocks_needed=lambda r: len(r.ids) // 4, blocks_available=lambda: 3,
+                        make_room=lambda n, _: asked.append(n))
+    sched = Scheduler(lambda: 0.0, runner, batch_wait_ms=0)
 
     async def main() -> None:
-        big = Job(plan=lambda _: Row(0, 0, [1] * 16, 0), finish=lambda _, __: 0.0, kind=PREFILL)
-        small = Job(plan=lambda _: Row(1, 0, [1] * 4, 1), finish=lambda _, __: 1.0)
+        big = FnJob(lambda _: Row(0, 0, [1] * 16, 0), lambda _, __: 0.0, kind=PREFILL)
+        small = FnJob(lambda _: Row(1, 0, [1] * 4, 1), lambda _, __: 1.0)
         got = await asyncio.gather(sched.submit(big), sched.submit(small), return_exceptions=True)
         assert isinstance(got[0], ResourceExhausted) and got[0].http_status == 429
         assert got[0].retry_after_s is not None
@@ -202,7 +204,7 @@ def run_queued_together(jobs: list[Job[Any]], calls: list[list[Row]], **schedule
         calls.append(rows)
         return [torch.zeros(r.keep, 4) for r in rows]
 
-    sched = Scheduler(lambda: 0.0, forward=forward, batch_wait_ms=0, **scheduler)
+    sched = Scheduler(lambda: 0.0, FakeRunner(forward), batch_wait_ms=0, **scheduler)
 
     async def main() -> None:
         blocker = asyncio.ensure_future(sched.run(gate.wait))
@@ -227,22 +229,9 @@ def test_decode_steps_and_rounds_go_first_and_prefills_fill_the_rest() -> None:
     before a decode step and a 5-token round; the first forward runs the decode step and the round,
     then prefill chunks up to the budget."""
     calls: list[list[Row]] = []
-
-    def prefill(slot: int) -> Job[float]:
-        done = [0]
-
-        def plan(budget: int) -> Row:
-            return Row(slot, done[0], [1] * min(budget, 100 - done[0]), 0)
-
-        def finish(_: object, __: float) -> float | Pending:
-            done[0] += len(calls[-1][[r.slot for r in calls[-1]].index(slot)].ids)
-            return 1.0 if done[0] >= 100 else PENDING
-
-        return Job(plan=plan, finish=finish, kind=PREFILL, owner=f"k{slot}")
-
-    jobs = [*(prefill(i) for i in range(3)),
-            Job(plan=lambda _: Row(10, 7, [2], 1), finish=lambda _, __: 2.0, kind=DECODE),
-            Job(plan=lambda _: Row(11, 9, [3] * 5, 5), finish=lambda _, __: 3.0, kind=ROUND)]
+    jobs = [*(ChunkedPrefill(i, 100, owner=f"k{i}") for i in range(3)),
+            FnJob(lambda _: Row(10, 7, [2], 1), lambda _, __: 2.0, kind=DECODE),
+            FnJob(lambda _: Row(11, 9, [3] * 5, 5), lambda _, __: 3.0, kind=ROUND)]
     got = run_queued_together(jobs, calls, max_batch_tokens=32)
     first = got[0]
     assert [r.slot for r in first[:2]] == [10, 11]  # the decode step and the round, before any prefill
@@ -287,7 +276,7 @@ def test_an_open_that_matches_cached_blocks_cannot_take_the_blocks_a_round_was_p
     svc = make_service(kv_budget_bytes=budget, kv_block_size=4)
     cached_prompt, a_prompt = text_ids(9, 1), text_ids(24, 2)
     failed: list[int] = []
-    real_forward = svc.worker.forward
+    real_forward = svc.forward
 
     def counting(rows: list[Row]) -> list[torch.Tensor]:
         try:
@@ -297,7 +286,7 @@ def test_an_open_that_matches_cached_blocks_cannot_take_the_blocks_a_round_was_p
             failed.append(len(rows))
             raise
 
-    svc.worker.forward = counting
+    svc.forward = counting
 
     async def main() -> None:
         p = await svc.open_session(OpenSessionRequest(cached_prompt, GREEDY), "")
@@ -353,17 +342,7 @@ def test_a_forward_with_rounds_gives_prefills_only_their_share() -> None:
     a 600-token prefill queued together run as the round plus 32 prefill tokens; the forwards after the
     round give the prefill the whole budget (its throughput with no round running is unchanged)."""
     calls: list[list[Row]] = []
-    done = [0]
-
-    def plan(budget: int) -> Row:
-        return Row(1, done[0], [1] * min(budget, 600 - done[0]), 0)
-
-    def finish(_: object, __: float) -> float | Pending:
-        done[0] += len(next(r for r in calls[-1] if r.slot == 1).ids)
-        return 1.0 if done[0] >= 600 else PENDING
-
-    jobs = [Job(plan=plan, finish=finish, kind=PREFILL),
-            Job(plan=lambda _: Row(2, 9, [3] * 5, 5), finish=lambda _, __: 3.0, kind=ROUND)]
+    jobs = [ChunkedPrefill(1, 600), FnJob(lambda _: Row(2, 9, [3] * 5, 5), lambda _, __: 3.0, kind=ROUND)]
     run_queued_together(jobs, calls, max_batch_tokens=256, max_prefill_tokens_with_rounds=32)
     assert [(r.slot, len(r.ids)) for r in calls[0]] == [(2, 5), (1, 32)]
     assert [len(c[0].ids) for c in calls[1:]] == [256, 256, 56]

@@ -155,7 +155,7 @@ def test_a_failure_mid_stream_ends_with_an_error_event(make_service: Callable[..
     the stream ends with `event: error` and an internal error body naming its error_id, not a dropped
     connection."""
     svc = make_service()
-    real = svc.worker.forward
+    real = svc.forward
     calls = [0]
 
     def flaky(rows: Any) -> Any:
@@ -165,7 +165,7 @@ def test_a_failure_mid_stream_ends_with_an_error_event(make_service: Callable[..
         assert real is not None
         return real(rows)
 
-    svc.worker.forward = flaky
+    svc.forward = flaky
     with TestClient(create_app(svc)) as c:
         with c.stream("POST", "/v1/generate", json={"prompt_ids": [5, 6, 7], "max_new_tokens": 8,
                                                      "stream": True}) as r:

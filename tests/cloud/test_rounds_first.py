@@ -16,7 +16,7 @@ import torch
 from transformers import AutoTokenizer
 
 from cloud.engine import check_ids
-from cloud.jobs import PENDING, PREFILL, ROUND, Job, Pending
+from cloud.jobs import ROUND
 from cloud.scheduler import Scheduler
 from cloud.service import VerifierService
 from shared.config import SamplingConfig
@@ -24,26 +24,14 @@ from shared.errors import InvalidArgument
 from shared.kvpool import Row
 from shared.protocol import OpenSessionRequest
 from tests.cloud.conftest import FakeClock
+from tests.cloud.fake_runner import ChunkedPrefill, FakeRunner, FnJob
 from tests.cloud.test_paged_serving import record_forwards
 from tests.cloud.test_service import k0_request
 
 GREEDY = SamplingConfig(0.0)
 
 
-def prefill_job(slot: int, n: int, calls: list[list[Row]]) -> Job[float]:
-    done = [0]
-
-    def plan(budget: int) -> Row:
-        return Row(slot, done[0], [1] * min(budget, n - done[0]), 0)
-
-    def finish(_: object, __: float) -> float | Pending:
-        done[0] += len(calls[-1][[r.slot for r in calls[-1]].index(slot)].ids)
-        return 1.0 if done[0] >= n else PENDING
-
-    return Job(plan=plan, finish=finish, kind=PREFILL, owner="o")
-
-
-def _forward_sizes(**scheduler: Any) -> list[int]:
+def _forward_sizes(prefill_slice: Callable[[int], int] | None = None, **scheduler: Any) -> list[int]:
     """A session's round is answered, then a 100-token prefill runs (budget 256, active for 1 s); the clock
     passes the session's window after the fourth forward. The tokens of each forward."""
     clock = FakeClock(0.0)
@@ -56,12 +44,15 @@ def _forward_sizes(**scheduler: Any) -> list[int]:
             clock.advance(2.0)
         return [torch.zeros(r.keep, 4) for r in rows]
 
-    sched = Scheduler(clock, forward=forward, max_batch_tokens=256, active_s=1.0, batch_wait_ms=0, **scheduler)
+    runner = FakeRunner(forward)
+    if prefill_slice is not None:
+        runner.prefill_slice = prefill_slice
+    sched = Scheduler(clock, runner, max_batch_tokens=256, active_s=1.0, batch_wait_ms=0, **scheduler)
 
     async def main() -> None:
-        await sched.submit(Job(plan=lambda _: Row(9, 4, [3], 1), finish=lambda _, __: 0.0, key="s", kind=ROUND))
+        await sched.submit(FnJob(lambda _: Row(9, 4, [3], 1), lambda _, __: 0.0, key="s", kind=ROUND))
         blocker = asyncio.ensure_future(sched.run(gate.wait))
-        job = asyncio.ensure_future(sched.submit(prefill_job(1, 100, calls)))
+        job = asyncio.ensure_future(sched.submit(ChunkedPrefill(1, 100, owner="o")))
         await asyncio.sleep(0.02)
         gate.set()
         await blocker
@@ -88,13 +79,13 @@ def test_a_forgotten_session_no_longer_holds_prefills_to_the_slice() -> None:
         calls.append(rows)
         return [torch.zeros(r.keep, 4) for r in rows]
 
-    sched = Scheduler(FakeClock(0.0), forward=forward, max_batch_tokens=256, max_prefill_tokens_with_rounds=16,
+    sched = Scheduler(FakeClock(0.0), FakeRunner(forward), max_batch_tokens=256, max_prefill_tokens_with_rounds=16,
                       active_s=1.0, batch_wait_ms=0)
 
     async def main() -> None:
-        await sched.submit(Job(plan=lambda _: Row(9, 4, [3], 1), finish=lambda _, __: 0.0, key="s", kind=ROUND))
+        await sched.submit(FnJob(lambda _: Row(9, 4, [3], 1), lambda _, __: 0.0, key="s", kind=ROUND))
         sched.forget("s")
-        await sched.submit(prefill_job(1, 100, calls))
+        await sched.submit(ChunkedPrefill(1, 100, owner="o"))
 
     try:
         asyncio.run(main())
@@ -153,9 +144,9 @@ def test_token_ids_are_checked_whole_and_the_first_bad_one_is_named() -> None:
 
 
 def test_the_slice_follows_the_measured_cost_of_prefill() -> None:
-    """The scheduler's slice is `prefill_slice(running tokens)` when given, under the token cap: with a slice of
-    8 against a cap of 64, the same 100-token prefill behind an answered round runs in forwards of 8 tokens
-    while the session is active, then the rest in one forward."""
+    """The scheduler's slice is its model runner's `prefill_slice(running tokens)`, under the token cap: with a
+    slice of 8 against a cap of 64, the same 100-token prefill behind an answered round runs in forwards of 8
+    tokens while the session is active, then the rest in one forward."""
     asked: list[int] = []
 
     def slice_of(running: int) -> int:
@@ -175,10 +166,10 @@ def test_the_service_reads_the_slice_from_its_fitted_forward_cost(
                        kv_block_size=16)
     core = svc  # the service is its core
     core.budget.cost = type(core.budget.cost)()
-    assert core._prefill_slice(4) == 64
+    assert core.prefill_slice(4) == 64
     for c_ms, want in ((0.2, 35), (0.05, 64), (2.0, 16)):
         core.budget.cost = type(core.budget.cost)()
         for i in range(40):  # rows and prefill tokens varied so both slopes are identified
             rows, pre = 1 + i % 7, 16 * (i % 5)
             core.budget.cost.observe(rows, pre, (10 + rows + c_ms * pre) / 1000)
-        assert abs(core._prefill_slice(4) - want) <= 1, c_ms  # the fit is least squares with a small ridge
+        assert abs(core.prefill_slice(4) - want) <= 1, c_ms  # the fit is least squares with a small ridge

@@ -72,7 +72,7 @@ def test_full_queue_refuses_new_work_and_still_serves_rounds(make_service: Calla
     async def main() -> None:
         ids = [await open_(svc, prompt, seed) for seed in range(3)]
         gate = threading.Event()
-        blocker = asyncio.ensure_future(svc.worker.run(gate.wait))  # the model thread is busy
+        blocker = asyncio.ensure_future(svc.scheduler.run(gate.wait))  # the model thread is busy
         opens = [asyncio.create_task(open_(svc, prompt, seed)) for seed in (7, 8)]
         busy = [asyncio.create_task(svc.verify(k0_request(i, prompt), "", 0)) for i in ids]
         await asyncio.sleep(0.05)
@@ -101,7 +101,7 @@ def test_rounds_of_one_session_are_applied_in_arrival_order(make_service: Callab
         s1 = prompt + [r1.correction]
         ctx_id = await open_(svc, prompt, seed=7)
         gate = threading.Event()
-        blocker = asyncio.ensure_future(svc.worker.run(gate.wait))
+        blocker = asyncio.ensure_future(svc.scheduler.run(gate.wait))
         first = asyncio.create_task(svc.verify(k0_request(ctx_id, prompt), "", 0))
         second = asyncio.create_task(svc.verify(k0_request(ctx_id, s1), "", 0))
         await asyncio.sleep(0.05)
@@ -127,7 +127,7 @@ def test_queue_and_prefill_times_come_from_the_injected_clock(make_service: Call
     async def main() -> None:
         ctx_id = await open_(svc, prompt)
         monkeypatch.setattr(TargetModel, "forward", slow_forward)
-        blocker = asyncio.ensure_future(svc.worker.run(lambda: clock.advance(0.1)))  # 100 ms ahead in the queue
+        blocker = asyncio.ensure_future(svc.scheduler.run(lambda: clock.advance(0.1)))  # 100 ms ahead in the queue
         await asyncio.sleep(0)  # let it take its place in the queue first
         resp = await svc.verify(draft_request(ctx_id, prompt, [5, 6]), "", 2)
         await blocker
@@ -327,13 +327,13 @@ def test_a_generation_is_one_job_whose_tokens_need_no_event_loop_between_forward
     svc = make_service()
     req = GenerateRequest(prompt, CFG, seed=3, max_new_tokens=6, stop_at_eos=False)
     submits = []
-    submit = svc.worker.submit
+    submit = svc.scheduler.submit
 
     def counted(job: Any, since: float | None = None) -> Any:
         submits.append(job)
         return submit(job, since)
 
-    svc.worker.submit = counted  # type: ignore[method-assign]
+    svc.scheduler.submit = counted  # type: ignore[method-assign]
 
     async def blocked() -> list[int]:
         out = []
@@ -348,13 +348,13 @@ def test_a_generation_is_one_job_whose_tokens_need_no_event_loop_between_forward
         return [e.token_id async for e in svc.start_generate(req, "") if e.token_id is not None]
 
     forwards: list[float] = []
-    on_batch = svc.worker.on_batch
+    on_batch = svc.on_batch
 
     def timed(b: Any) -> None:
         forwards.append(time.monotonic())
         on_batch(b)
 
-    svc.worker.on_batch = timed
+    svc.on_batch = timed
     t0 = time.monotonic()
     first = run(blocked())
     assert len(submits) == 1 and len(first) == 6
@@ -365,11 +365,11 @@ def test_a_generation_is_one_job_whose_tokens_need_no_event_loop_between_forward
         async for e in svc.start_generate(GenerateRequest(prompt, CFG, max_new_tokens=50, stop_at_eos=False), ""):
             if e.token_id is not None:
                 break
-        await svc.worker.run(lambda: None)
-        await svc.worker.run(lambda: None)
+        await svc.scheduler.run(lambda: None)
+        await svc.scheduler.run(lambda: None)
 
     run(leave())
-    assert svc.worker.call_sync(lambda: svc.model.pool.manager.seqs) == {}
+    assert svc.scheduler.call_sync(lambda: svc.model.pool.manager.seqs) == {}
 
 
 def test_generate_checks_its_request_before_streaming(make_service: Callable[..., VerifierService]) -> None:

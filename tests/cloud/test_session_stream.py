@@ -161,14 +161,14 @@ def held_at(svc: VerifierService, n: int, gate: threading.Event) -> list[int]:
     """Forwards from now on (their token counts); the model thread waits on `gate` after the n-th, before the
     rounds in it are applied."""
     forwards = prefill_tokens(svc)
-    counted = svc.worker.on_batch
+    counted = svc.on_batch
 
     def held(b: Any) -> None:
         counted(b)
         if len(forwards) == n:
             gate.wait(10)
 
-    svc.worker.on_batch = held
+    svc.on_batch = held
     return forwards
 
 
