@@ -49,114 +49,146 @@ def default_draft() -> str:
     return "ngram"
 
 
+# serve takes sampling per request, at OpenAI's value where a request leaves a field out (server/openai_bodies.py)
+_OPENAI_SAMPLING = ("serve's requests take OpenAI's 1.0 when they leave it out, as an app written against "
+                    "OpenAI's API expects")
+
+
 class EdgeSettings(BaseSettings):
+    """A field with a description is a flag of specsplit-edge (edge/cli.py): the description is its help, and
+    json_schema_extra's "flag" its name where that is not the field's. The others are set by environment alone."""
+
     model_config = SettingsConfigDict(env_prefix="SPECSPLIT_EDGE_", extra="forbid")
 
-    # REST base URL of the cloud (used unless grpc_target is set)
-    cloud_url: str = "http://127.0.0.1:8000"
-    # gRPC HOST:PORT; when set, verification goes over gRPC
-    grpc_target: str | None = None
-    # Bearer key sent to the cloud (REST Authorization header, gRPC metadata)
-    api_key: SecretStr | None = None
-    # TLS to the cloud: an https:// cloud_url is verified by httpx; grpc_tls opens the gRPC channel over TLS (a TLS
-    # Ingress or nginx in front of the cloud, README "TLS in front of the cloud"); ca_cert is the PEM file of a
-    # private CA that signed the cloud's certificate (default: the system's trust store, and gRPC's own roots), taken
-    # only with a TLS connection (grpc_tls, or an https:// cloud_url without grpc_target): refused otherwise
-    grpc_tls: bool = False
-    ca_cert: str | None = None
-    # routing key sent with every call (X-Specsplit-Route); unset = a fresh random key per generation.
-    # Load balancers hash on it; a fixed key pins every generation of this client to one replica
-    route_key: str | None = Field(default=None, pattern=r"^[A-Za-z0-9._~-]{1,128}$")
-    # a Hugging Face causal-LM directory, or "ngram" for the n-gram drafter
-    draft: str = Field(default_factory=default_draft)
-    # a feature-fed draft head directory, or "none": drafts from the target's hidden state whenever the cloud
-    # offers it (GET /v1/model feature_size), with `draft` as its fallback for rounds without a feature
-    head: str = Field(default_factory=default_head)
-    # how the cloud sends the feature: "float16" (1,152 bytes a state for SmolLM2), "int8" (580: the heads draft
-    # as well from it, models/README.md) or "auto": int8 when the cloud offers it, else float16
-    feature_encoding: Literal["auto", "float16", "int8"] = "auto"
-    # prompt positions whose states an open (or a reopen) asks for when the head attends over past states, at
-    # most its window: 16 draft as well held out as its whole window of 64 for a quarter of the bytes
-    # (models/README.md, "The open's states")
-    open_states: int = Field(default=16, ge=1)
-    # tokenizer directory; default: the draft directory, else the first default draft present
-    tokenizer: str | None = None
-    # torch device of the draft model
-    device: str = "cpu"
-    # dtype of the draft model's weights and KV: float32, bfloat16, or auto (bfloat16 where the CPU has AMX or
-    # AVX512-BF16, shared/dtypes.py). Exact in any dtype: q is whatever the draft computed and the cloud's rule
-    # reads it as sent. auto by default: on an AVX512-BF16 CPU the coder pair's 0.5B draft grows a tree of 32
-    # nodes in two thirds of float32's time (BENCHMARKS.md, "The draft's cost and memory"; measured before its
-    # bfloat16 forwards were made batch-invariant, edge/drafters/model.py, so a seed keeps one text)
-    draft_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    # what runs the draft model: "llamacpp" (a GGUF file, or a directory with model.gguf, run by llama.cpp as
-    # devices do), "torch" (a Hugging Face directory in PyTorch), or "auto": llama.cpp where the draft has a GGUF
-    # and llama-cpp-python is installed (one log line says why not otherwise), else PyTorch
-    draft_runtime: Literal["auto", "llamacpp", "torch"] = "auto"
-    # threads of the draft model: PyTorch's (torch.set_num_threads) or llama.cpp's; unset: torch's own count, and
-    # half the cores (1 to 4) for llama.cpp
-    threads: int | None = Field(default=None, ge=1)
-    # speculative | edge_only | cloud_only
-    mode: Mode = "speculative"
+    cloud_url: str = Field(default="http://127.0.0.1:8000", json_schema_extra={"flag": "cloud"},
+        description="REST base URL of the cloud (used unless --grpc is given; TLS with an https:// URL)")
+    grpc_target: str | None = Field(default=None, json_schema_extra={"flag": "grpc"},
+        description="the cloud's gRPC HOST:PORT: verification over gRPC instead of REST; unset: REST")
+    api_key: SecretStr | None = Field(default=None,
+        description="Bearer key sent to the cloud (REST Authorization header, gRPC metadata); unset: none sent")
+    # TLS to the cloud: an https:// cloud_url is verified by httpx, grpc_tls opens the gRPC channel over TLS; ca_cert
+    # is taken only with a TLS connection (grpc_tls, or an https:// cloud_url without grpc_target): refused otherwise
+    grpc_tls: bool = Field(default=False,
+        description=("gRPC over TLS (a TLS Ingress or nginx in front of the cloud, README \"TLS in front of the "
+                     "cloud\"); REST takes TLS from an https:// --cloud URL"))
+    ca_cert: str | None = Field(default=None, json_schema_extra={"metavar": "PEM"},
+        description=("the CA certificate that signed the cloud's TLS certificate (a private CA); unset: the system's "
+                     "trust store, and gRPC's own roots. TLS only: with an https:// --cloud URL, or --grpc with "
+                     "--grpc-tls (refused otherwise)"))
+    route_key: str | None = Field(default=None, pattern=r"^[A-Za-z0-9._~-]{1,128}$",
+        description=("routing key sent as X-Specsplit-Route with every call: a load balancer hashing on it keeps a "
+                     "session on one replica, and a fixed key pins every generation of this client to one; unset: "
+                     "a fresh random key per generation"))
+    draft: str = Field(default_factory=default_draft,
+        description=("tokens-only draft: a .gguf file or a directory holding model.gguf (run by llama.cpp), a Hugging "
+                     "Face causal-LM directory (PyTorch), or 'ngram' (the n-gram drafter); unset: the draft under "
+                     "models/ that speaks the tokenizer the cloud names at first contact (edge/model_choice.py)"))
+    head: str = Field(default_factory=default_head,
+        description=("draft head directory fed the target's states, or 'none': used whenever the cloud offers states "
+                     "that match it (hidden size and tokenizer; GET /v1/model feature_size), --draft for the rounds "
+                     "without; unset: models/smollm2-135m-attention-head when present, else none "
+                     "(models/smollm2-135m-head is the one-state head)"))
+    feature_encoding: Literal["auto", "float16", "int8"] = Field(default="auto",
+        description=("how the cloud sends the target's states: float16 (1,152 bytes a state for SmolLM2), int8 (580; "
+                     "the heads draft as well from it, models/README.md) or auto: int8 when the cloud offers it, "
+                     "else float16"))
+    open_states: int = Field(default=16, ge=1,
+        description=("with a head that attends over past states: the prompt's last N states an open (or a reopen) "
+                     "asks for, at most the head's window (16 draft as well as its whole window of 64 for a quarter "
+                     "of the bytes: models/README.md, \"The open's states\")"))
+    tokenizer: str | None = Field(default=None,
+        description=("tokenizer directory; unset: the draft's (with --draft ngram, the first bundled draft under "
+                     "models/, e.g. models/smollm2-135m-draft-from-target: SmolLM2-135M-Instruct's tokenizer)"))
+    device: str = Field(default="cpu", description="torch device of the draft model")
+    # exact in any dtype: q is whatever the draft computed and the cloud's rule reads it as sent. auto by default: on
+    # an AVX512-BF16 CPU the coder pair's 0.5B draft grows a tree of 32 nodes in two thirds of float32's time
+    # (BENCHMARKS.md, "The draft's cost and memory"; measured before its bfloat16 forwards were made
+    # batch-invariant, edge/drafters/model.py, so a seed keeps one text)
+    draft_dtype: Literal["auto", "float32", "bfloat16"] = Field(default="auto",
+        description=("dtype of the draft model's weights and KV: float32, bfloat16, or auto (bfloat16 where the CPU "
+                     "has AMX or AVX512-BF16, else float32; shared/dtypes.py)"))
+    draft_runtime: Literal["auto", "llamacpp", "torch"] = Field(default="auto",
+        description=("what runs the draft: llamacpp (a .gguf file or a directory with model.gguf, run by llama.cpp "
+                     "as devices do), torch (a Hugging Face directory in PyTorch), or auto: llama.cpp where the draft "
+                     "has a GGUF and llama-cpp-python is installed (one log line says why not otherwise), else "
+                     "PyTorch"))
+    threads: int | None = Field(default=None, ge=1,
+        description=("threads of the draft model, PyTorch's or llama.cpp's; unset: torch's own count in PyTorch, "
+                     "half the cores (1 to 4) in llama.cpp"))
+    mode: Mode = Field(default="speculative",
+        description=("speculative (the draft proposes, the cloud verifies), edge_only (the draft alone, every token "
+                     "unverified) or cloud_only (the cloud decodes alone)"))
 
-    # generation budget after the prompt
-    max_new_tokens: int = Field(default=128, ge=0)
+    max_new_tokens: int = Field(default=128, ge=0,
+        description="tokens generated after the prompt at most (serve: a chat request's without max_tokens)")
     # shared sampling settings (the session carries them; q and p are processed alike)
-    temperature: float = Field(default=1.0, ge=0)
-    top_p: float = Field(default=0.9, gt=0, le=1)
-    top_k: int = Field(default=0, ge=0)
-    repetition_penalty: float = Field(default=1.1, gt=0)
-    # keys every coin and sample: same seed, same settings -> same text. Sampled text also depends on
-    # where rounds end, so it repeats exactly with a k that does not depend on timing (fixed_k, or
-    # k_policy "dynamic"); the "cost" policy keeps the target's distribution but not the exact text
-    seed: int = Field(default=0, ge=0)
-    # "strict" (exact) or "shortcut" (corrections drawn from p; biased)
-    correction: Literal["strict", "shortcut"] = "strict"
-    # sampled sessions: draft one token more per round and have the cloud check it in place of a bonus
-    # (same forward, same expected tokens per round): every position is decided by the same rule, so with
-    # a draft whose q depends on the text alone (the model draft, the n-gram) the same seed gives the same
-    # text for any k schedule, drafting ahead, reopen or failover. Greedy text never depends on rounds
-    check_last: bool = True
-    # send the draft's sparse q distributions (the cloud draws the residual itself)
-    send_q_dists: bool = False
+    temperature: float = Field(default=1.0, ge=0, description="sampling temperature; 0 = greedy")
+    top_p: float = Field(default=0.9, gt=0, le=1,
+        description=f"nucleus sampling: the most likely tokens up to this much probability ({_OPENAI_SAMPLING})")
+    top_k: int = Field(default=0, ge=0, description="sample among the K most likely tokens; 0 = off")
+    repetition_penalty: float = Field(default=1.1, gt=0,
+        description=f"penalty on tokens already in the context; 1 = off ({_OPENAI_SAMPLING})")
+    # Sampled text also depends on where rounds end, so it repeats exactly with a k that does not depend on
+    # timing (fixed_k, or k_policy "dynamic"); the "cost" policy keeps the target's distribution but not the
+    # exact text
+    seed: int = Field(default=0, ge=0,
+        description="keys every coin and sample: same seed, same settings -> same text")
+    correction: Literal["strict", "shortcut"] = Field(default="strict",
+        description="strict (exact) or shortcut (corrections drawn from p; biased)")
+    # same forward, same expected tokens per round: every position is decided by the same rule, so with a draft
+    # whose q depends on the text alone (the model draft, the n-gram) the same seed gives the same text for any k
+    # schedule, drafting ahead, reopen or failover. Greedy text never depends on rounds
+    check_last: bool = Field(default=True,
+        description=("sampled sessions: one more draft token a round, checked by the cloud in place of a bonus, so a "
+                     "seed gives one text whatever the rounds"))
+    send_q_dists: bool = Field(default=False,
+        description="send the draft's sparse q distributions (the cloud draws the residual itself)")
     # stop after an end-of-sequence token
     stop_at_eos: bool = True
 
-    # round control: fixed_k set -> k never changes; else k_policy moves it within [k_min, k_max]:
-    # "cost" (expected tokens per second from measured costs, kcontrol.py) or "dynamic" (la/k steps)
-    fixed_k: int | None = Field(default=None, ge=0)
-    k_policy: Literal["cost", "dynamic"] = "cost"
-    k_start: int = Field(default=6, ge=0)
-    # unset: 0 for the cost policy (k = 0 is plain target decoding), 3 for the dynamic one
-    k_min: int | None = Field(default=None, ge=0)
-    k_max: int = Field(default=12, ge=1)
+    # round control: fixed_k set -> k never changes; else k_policy moves it within [k_min, k_max]
+    fixed_k: int | None = Field(default=None, ge=0, json_schema_extra={"flag": "k"},
+        description=("a chain of K drafts every round; unset: k chosen per round by --k-policy, and trees whenever "
+                     "the cloud takes them"))
+    k_policy: Literal["cost", "dynamic"] = Field(default="cost",
+        description=("cost: the k with the most tokens per second from measured costs (edge/kcontrol.py); dynamic: "
+                     "+1 / -1 on the last round's la/k"))
+    k_start: int = Field(default=6, ge=0, description="k of the first round")
+    k_min: int | None = Field(default=None, ge=0,
+        description="smallest k; unset: 0 for the cost policy (k = 0 is plain target decoding), 3 for the dynamic one")
+    k_max: int = Field(default=12, ge=1, description="largest k")
     # la/k at or above k_up_at grows k by one; at or below k_down_at shrinks it by one
     k_up_at: float = 0.8
     k_down_at: float = 0.4
-    # the model drafter drafts the next block while the cloud verifies (guessing all accepted)
-    draft_ahead: bool = True
-    # token trees (edge/treecontrol.py): "auto" sends trees whenever the cloud takes them (GET /v1/model
-    # max_tree_nodes > 0) and k is not fixed, with the node count chosen per round from the draft's confidence
-    # and the measured costs; "off" sends chains; a number sends trees of that many nodes
-    tree: str = Field(default="auto", pattern=r"^(auto|off|[1-9][0-9]{0,2})$")
-    # children per expanded node and nodes expanded per level; levels of the first tree; most nodes
-    tree_width: int = Field(default=4, ge=1, le=16)
-    tree_depth: int = Field(default=6, ge=1, le=32)
-    tree_max_nodes: int = Field(default=32, ge=1, le=256)
-    # copy branches (edge/drafters/lookup.py): what followed the context's last tokens earlier in it, grafted
-    # into every tree (exact like any tree; only tokens per call move)
-    tree_copy: bool = True
-    # speculate or stream per session (edge/waycontrol.py): greedy and "strict" tree sessions let the cloud stream
-    # target-only tokens on the session while that is cheaper by `objective` ("latency": the edge's wall
-    # time per token; "cloud": the cloud's forward time per token); off: always speculate
-    stream_switch: bool = True
-    objective: Literal["latency", "cloud"] = "latency"
-    # send at most the node budget of the cloud's last answer (the most draft nodes the cloud, sizing rounds for
-    # its load, wants next; PROTOCOL.md "Node budget"); off: the edge sizes rounds for its own latency alone
-    node_budget: bool = True
+    draft_ahead: bool = Field(default=True,
+        description="draft the next block while the cloud verifies, guessing all accepted (model drafter)")
+    tree: str = Field(default="auto", pattern=r"^(auto|off|[1-9][0-9]{0,2})$",
+        description=("token trees (edge/treecontrol.py): auto (whenever the cloud takes them, GET /v1/model "
+                     "max_tree_nodes > 0, and --k is not given; nodes chosen per round from the draft's confidence "
+                     "and the measured costs), off (chains), or a fixed node count"))
+    tree_width: int = Field(default=4, ge=1, le=16,
+        description="children per expanded node and nodes expanded per level")
+    tree_depth: int = Field(default=6, ge=1, le=32, description="levels of the first tree (then adapted)")
+    tree_max_nodes: int = Field(default=32, ge=1, le=256, description="most nodes a tree sends")
+    tree_copy: bool = Field(default=True,
+        description=("graft into every tree what followed the context's last tokens earlier in it (copy branches, "
+                     "edge/drafters/lookup.py; exact like any tree, only tokens per call move)"))
+    stream_switch: bool = Field(default=True,
+        description=("let the cloud stream target-only tokens on the session whenever that is cheaper than "
+                     "speculating by --objective, and speculate again when that pays (greedy and strict tree "
+                     "sessions; edge/waycontrol.py)"))
+    objective: Literal["latency", "cloud"] = Field(default="latency",
+        description=("what the switch minimises: latency (the edge's wall time per token) or cloud (the cloud's "
+                     "forward time per token)"))
+    node_budget: bool = Field(default=True,
+        description=("send at most the node budget of the cloud's last answer, the draft nodes the cloud wants per "
+                     "round for its load (PROTOCOL.md \"Node budget\"), and value a new session's nodes by the key's "
+                     "pooled acceptance the open answer gives; off: rounds sized for the edge's latency and its own "
+                     "evidence alone"))
 
-    # uncertainty gating (off by default): signals of the draft model's raw distribution
-    gating: bool = False
+    # uncertainty gating: signals of the draft model's raw distribution (edge/gating.py)
+    gating: bool = Field(default=False,
+        description="uncertainty gating: a block the draft model is sure of is committed locally, unverified (lossy)")
     # NLL of the drafted token (nats) above this -> hard
     t_nll: float = 2.3
     # entropy (bits) above this -> hard
@@ -166,45 +198,49 @@ class EdgeSettings(BaseSettings):
     # MC-dropout passes (0 = off; only used when the draft model has dropout) and variance threshold
     mc_dropout_samples: int = Field(default=0, ge=0)
     t_mc_var: float = 0.01
-    # a block with hard_ratio above this goes to the cloud, else it is committed locally
-    r_hard: float = 0.3
+    r_hard: float = Field(default=0.3,
+        description="gating: a block with a larger share of hard tokens goes to the cloud, else it is committed locally")
     # digits, dates and amounts in the detokenized draft always go to the cloud
     rule_triggers: bool = True
 
-    # a fixed verify deadline (ms) for every first attempt; unset = adaptive (edge/deadline.py)
-    timeout_ms: float | None = Field(default=None, gt=0)
-    # the adaptive deadline: the first round's, its bounds, and the multiple of the observed high percentile
-    deadline_first_ms: float = Field(default=10_000.0, gt=0)
-    deadline_floor_ms: float = Field(default=500.0, gt=0)
-    deadline_ceiling_ms: float = Field(default=30_000.0, gt=0)
+    timeout_ms: float | None = Field(default=None, gt=0,
+        description="a fixed verify deadline (ms) for every first attempt; unset: adaptive (edge/deadline.py)")
+    deadline_first_ms: float = Field(default=10_000.0, gt=0, description="the adaptive deadline (ms) before any round")
+    deadline_floor_ms: float = Field(default=500.0, gt=0, description="lowest adaptive deadline (ms)")
+    deadline_ceiling_ms: float = Field(default=30_000.0, gt=0, description="highest adaptive deadline (ms)")
+    # the adaptive deadline's multiple of the observed high percentile
     deadline_multiplier: float = Field(default=4.0, ge=1)
-    # on a missed deadline: commit the first draft token unverified (lossy, counted) instead of resending
-    timeout_fallback: bool = False
+    timeout_fallback: bool = Field(default=False,
+        description="lossy: on a missed deadline commit the first draft token unverified (counted), not resend")
     # timeout of session open / close / model info / cloud_only generation
     open_timeout_s: float = Field(default=30.0, gt=0)
-    # attempts after 429 / 413 / 5xx / connection errors, exponential backoff between them
-    max_retries: int = Field(default=6, ge=0)
-    # past max_retries, keep waiting out the cloud's capacity answers (429, and sessions evicted again at
-    # once) for this many seconds of backoff per call, at its Retry-After: a generation waits its turn
-    capacity_wait_s: float = Field(default=300.0, ge=0)
+    max_retries: int = Field(default=6, ge=0,
+        description=("resends of a call after 429 / 413 / 5xx / a missed deadline / a connection error, with "
+                     "exponential backoff"))
+    capacity_wait_s: float = Field(default=300.0, ge=0,
+        description=("past its retries, keep waiting out the cloud's capacity answers (429, and sessions evicted "
+                     "again at once) for this many seconds of backoff per call, at its Retry-After"))
     backoff_ms: float = Field(default=50.0, ge=0)
     backoff_max_ms: float = Field(default=2000.0, ge=0)
 
-    # serve: Bearer keys the OpenAI server accepts on every /v1 route (its own, not the cloud's api_key); empty =
-    # no auth, allowed only on a loopback --host (edge/server/server_auth.py)
-    server_api_keys: list[SecretStr] = Field(default_factory=list)
-    # serve: the largest request body (bytes) the OpenAI server reads; larger answer 413
-    max_body_bytes: int = Field(default=4 * 1024**2, ge=1024)
-    # serve: generations the OpenAI server runs at once; one more answers 429 (each holds its own draft state: with
-    # llama.cpp a context of 8,192 KV cells and 128 logit rows, ~180 MB for the coder's 0.5B draft)
-    max_generations: int = Field(default=8, ge=1)
+    # serve: the OpenAI server's own keys, request bodies and generations at once (edge/server)
+    server_api_keys: list[SecretStr] = Field(default_factory=list,
+        json_schema_extra={"flag": "server-api-key", "metavar": "KEY"},
+        description=("serve: a Bearer key this server accepts on every /v1 route (its own, not the cloud's "
+                     "--api-key); unset: no auth, allowed only on a loopback --host (edge/server/server_auth.py)"))
+    max_body_bytes: int = Field(default=4 * 1024**2, ge=1024,
+        description="serve: the largest request body (bytes); larger answer 413")
+    max_generations: int = Field(default=8, ge=1,
+        description=("serve: generations run at once; one more answers 429 rate_limit_error, code server_busy, with "
+                     "Retry-After (each holds its own draft state: with llama.cpp a context of 8,192 KV cells and "
+                     "128 logit rows, ~180 MB for the coder's 0.5B draft)"))
 
-    # n-gram drafter: longest context (tokens) and target top-k ids added per checked position
-    ngram_order: int = Field(default=4, ge=1)
-    filler_top_k: int = Field(default=0, ge=0)
-    # with a draft model: take the n-gram's continuation while it comes from a context of at least
-    # hybrid_min_level tokens, the model's for the rest of the block
-    hybrid: bool = False
+    ngram_order: int = Field(default=4, ge=1, description="n-gram drafter: longest context (tokens) matched")
+    filler_top_k: int = Field(default=0, ge=0,
+        description="n-gram drafter: the target's top-k ids added per checked position")
+    hybrid: bool = Field(default=False,
+        description=("with a draft model: the n-gram's continuation while it comes from a context of at least "
+                     "hybrid_min_level tokens, the model's for the rest of the block"))
     hybrid_min_level: int = Field(default=2, ge=1)
 
     @field_validator("cloud_url")

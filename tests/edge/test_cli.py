@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 from pathlib import Path
@@ -9,16 +10,10 @@ from typing import Any
 
 import pytest
 
-from edge.cli import (
-    COLOURS,
-    LOG_FIELDS,
-    LiveText,
-    build_parser,
-    settings_from_args,
-    summary_table,
-    with_cloud_draft,
-    write_log,
-)
+from edge.cli import FLAG_FIELDS, PER_REQUEST, SERVE_ONLY, build_parser, flag_of, settings_from_args
+from edge.draft_choice import with_cloud_draft
+from edge.report import COLOURS, LOG_FIELDS, LiveText, summary_table, write_log
+from edge.settings import EdgeSettings
 
 
 def test_flags_override_settings_and_unset_flags_leave_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -115,11 +110,11 @@ def test_without_draft_the_edge_drafts_with_the_model_that_speaks_the_clouds_tok
         args = build_parser().parse_args(argv)
         return with_cloud_draft(settings_from_args(args), args).draft
 
-    with caplog.at_level("WARNING", logger="edge.cli"):
+    with caplog.at_level("WARNING", logger="edge.draft_choice"):
         default = drafted(["generate", "hi"])  # the cloud does not answer: one line says so
     assert "the cloud did not answer" in caplog.text and "--draft" in caplog.text
     caplog.clear()
-    with caplog.at_level("WARNING", logger="edge.cli"):  # no warning (another test may have left INFO on)
+    with caplog.at_level("WARNING", logger="edge.draft_choice"):  # no warning (another test may have left INFO on)
         for d in (other, coder):
             answer[:] = [fp[d]]
             assert settings_from_args(build_parser().parse_args(["generate", "hi"])).draft == default  # no I/O
@@ -127,7 +122,7 @@ def test_without_draft_the_edge_drafts_with_the_model_that_speaks_the_clouds_tok
             assert drafted(["generate", "hi", "--draft", "ngram"]) == "ngram"
     assert not caplog.text
     answer[:] = ["0" * 16]
-    with caplog.at_level("WARNING", logger="edge.cli"):
+    with caplog.at_level("WARNING", logger="edge.draft_choice"):
         assert drafted(["generate", "hi"]) == default
     assert "no draft under models/ speaks the cloud's tokenizer" in caplog.text
 
@@ -145,7 +140,7 @@ def test_a_server_started_before_its_cloud_chooses_its_draft_at_the_first_answer
     from transformers import AutoTokenizer
 
     import edge.settings
-    from edge.cli import cloud_draft_or_later
+    from edge.draft_choice import cloud_draft_or_later
     from edge.exchange import TokenizerChanged
     from edge.server.serve import build_engine
     from edge.transport.errors import CloudUnavailable
@@ -196,27 +191,64 @@ def test_a_server_started_before_its_cloud_chooses_its_draft_at_the_first_answer
     engine.check_ready()
 
 
+def _subparser(command: str) -> argparse.ArgumentParser:
+    return build_parser()._subparsers._group_actions[0].choices[command]  # type: ignore[union-attr,index,no-any-return]
+
+
 def _options(command: str) -> set[str]:
-    sub = build_parser()._subparsers._group_actions[0].choices[command]  # type: ignore[union-attr]
-    return {o for a in sub._actions for o in a.option_strings}
+    return {o for a in _subparser(command)._actions for o in a.option_strings}
 
 
 def test_every_setting_a_doc_names_as_a_flag_is_a_flag_of_generate_and_serve() -> None:
     import re
 
-    from edge.cli import _FLAGS, _PER_REQUEST
-    from edge.settings import EdgeSettings
-
     root = Path(__file__).resolve().parents[2]
-    flag_of = {name: "--" + flag.replace("_", "-") for flag, name in _FLAGS.items()}
-    flags = {flag_of.get(n, "--" + n.replace("_", "-")) for n in EdgeSettings.model_fields}
+    flags = {flag_of(n) for n in EdgeSettings.model_fields}
     named = {m for doc in [*root.glob("docs/*.md"), root / "README.md"]
              for m in re.findall(r"--[a-z][a-z0-9-]+", doc.read_text(encoding="utf-8"))} & flags
     assert "--max-retries" in named
-    per_request = {"--" + d.replace("_", "-") for d in _PER_REQUEST}  # a server's OpenAI request fields
+    per_request = {flag_of(n) for n in PER_REQUEST}  # a server's OpenAI request fields
     assert named - per_request <= _options("serve"), named - per_request - _options("serve")
-    serve_only = {"--max-body-bytes", "--max-generations"}  # a server's request bodies and generations at once
+    serve_only = {flag_of(n) for n in SERVE_ONLY}  # a server's keys, request bodies and generations at once
     assert named - serve_only <= _options("generate"), named - serve_only - _options("generate")
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_every_described_setting_is_a_flag_whose_help_gives_the_settings_default_once(
+        command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A described EdgeSettings field is a flag (serve's without the sampling a request carries, generate's without
+    the server's own); the rest are not. Its help is the description, then the default read from EdgeSettings and
+    its variable: the description names no default, and `--help` shows each default once. A field unset by default
+    (None, or computed) says in its description what unset does."""
+    by_dest = {a.dest: a for a in _subparser(command)._actions}
+    leave_out = SERVE_ONLY if command == "generate" else PER_REQUEST
+    assert {n for n in EdgeSettings.model_fields if n in by_dest} == set(FLAG_FIELDS) - leave_out
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for name in set(FLAG_FIELDS) - leave_out:
+        field, action = EdgeSettings.model_fields[name], by_dest[name]
+        assert flag_of(name) in action.option_strings and "default" not in (field.description or ""), name
+        env = f"env SPECSPLIT_EDGE_{name.upper()}"
+        d = None if field.default_factory is not None else field.default
+        if d is None:
+            assert "unset:" in (field.description or "") and env in text, name
+            continue
+        shown = ("on" if d else "off") if isinstance(d, bool) else str(d)
+        assert text.count(f"(default {shown}; {env})") == 1, name
+        assert " ".join(str(action.help).split()).count("default") == 1, name
+
+
+def test_renamed_and_boolean_flags_keep_their_forms() -> None:
+    """The flags whose name is not their field's, and --x / --no-x of the booleans, as docs and scripts call them."""
+    args = build_parser().parse_args(["serve", "--cloud", "https://c:1", "--grpc", "c:2", "--k", "3", "--no-gating",
+                                      "--grpc-tls", "--server-api-key", "a", "--server-api-key", "b"])
+    s = settings_from_args(args)
+    assert (s.cloud_url, s.grpc_target, s.fixed_k, s.gating, s.grpc_tls) == ("https://c:1", "c:2", 3, False, True)
+    assert s.server_key_values() == ["a", "b"]
+    assert build_parser().parse_args(["generate", "hi", "--no-tree-copy"]).tree_copy is False
+    with pytest.raises(SystemExit):  # an environment-only setting is no flag
+        build_parser().parse_args(["generate", "hi", "--t-nll", "1"])
 
 
 @pytest.mark.parametrize("command", [["generate", "hi"], ["serve"]])

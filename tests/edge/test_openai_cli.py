@@ -54,4 +54,6 @@ def test_generate_help_says_where_its_sampling_defaults_differ_from_serves(
     for flag, field, theirs in (("--top-p", "top_p", served.top_p),
                                 ("--repetition-penalty", "repetition_penalty", served.repetition_penalty)):
         assert mine[field].default != theirs
-        assert f"default {mine[field].default} (serve's requests default to OpenAI's {theirs}" in text, flag
+        help_text = text.split(f" {flag} ", 1)[1].split(" --", 1)[0]
+        assert f"serve's requests take OpenAI's {theirs} when they leave it out" in help_text, flag
+        assert f"(default {mine[field].default}; env SPECSPLIT_EDGE_{field.upper()})" in help_text, flag
