@@ -136,7 +136,7 @@ def settings(url: str, n_new: int, **kw: Any) -> Any:
     """The edge's defaults with the 0.5B draft and no head; `kw` sets the rest."""
     from edge.settings import EdgeSettings
 
-    return EdgeSettings(cloud_url=url, draft=str(DRAFT), head="none", max_new_tokens=n_new, seed=SEED,
+    return EdgeSettings(cloud_url=url, draft=str(DRAFT), max_new_tokens=n_new, seed=SEED,
                         **{**PATIENCE, **kw})
 
 
@@ -268,7 +268,7 @@ def record_traces(cloud: CloudServer, tokenizer: Any, drafter: Any, ids: list[li
         transport.rounds = []
         r = client.generate(prompt)
         traces.append(Trace(f"humaneval-{i}", "the 0.5B draft, trees", SEED, prompt, list(r.token_ids),
-                            transport.rounds, feature_encoding=client.encoding_for(client.model_info())))
+                            transport.rounds))
     client.close()
     return traces
 

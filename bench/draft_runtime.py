@@ -122,7 +122,7 @@ def edge_memory(url: str, prompt: str, n_new: int) -> dict[str, Any]:
     /proc/PID/status (VmHWM) while it runs: a forked child's ru_maxrss would count this benchmark's pages, which
     it holds until its exec."""
     cmd = [str(REPO / ".venv" / "bin" / "specsplit-edge"), "generate", prompt, "--cloud", url, "--draft", str(DRAFT),
-           "--head", "none", "--max-new-tokens", str(n_new), "--temperature", "0", "--chat", "--threads", "1",
+           "--max-new-tokens", str(n_new), "--temperature", "0", "--chat", "--threads", "1",
            "--json"]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

@@ -259,7 +259,7 @@ def micro(shape: str, dev: str, records: list[dict[str, Any]], work: Path,
             if p is not None and not invariant:  # measured all the same: is the plain executor invariant here?
                 from cloud.runners.invariance import paged_invariance
 
-                target.invariance_failure = paged_invariance(target, 1024) or "none found (probe passed)"
+                target.invariance_failure = paged_invariance(target, 1024)[0] or "none found (probe passed)"
             _emit(records, {"part": "forward", "shape": shape, "path": target.info.forward_path +
                             ("+triton" if attention == "triton" else ""),
                             "invariant_asked": invariant, "batch_invariant": target.info.batch_invariant,

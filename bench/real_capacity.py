@@ -32,7 +32,7 @@ GREEDY: dict[str, float | int] = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, 
 
 def record(cloud_url: str, tree: str, n_new: int) -> list[Trace]:
     """One greedy generation per chat prompt with the edge's defaults but `tree` ("auto" | "off")."""
-    from bench.real_pair import PROMPTS, chat_ids
+    from bench.real_pair import PROMPTS, chat_ids, default_head, head_choice
     from edge.client import EdgeClient
     from edge.settings import EdgeSettings
     from edge.transport import RestTransport
@@ -42,14 +42,15 @@ def record(cloud_url: str, tree: str, n_new: int) -> list[Trace]:
                             stop_at_eos=False, timeout_ms=120_000.0, tree=tree, draft_ahead=False,
                             stream_switch=False)  # every token through rounds: the replay sends rounds
     transport = RecordingTransport(RestTransport(cloud_url))
-    client = EdgeClient(settings, transport=transport)  # type: ignore[arg-type]
+    hook = head_choice(default_head())  # the attention head (research/heads/) when present
+    client = EdgeClient(settings, transport=transport, states_drafting=hook)  # type: ignore[arg-type]
     traces = []
     for i, text in enumerate(PROMPTS):
         ids = chat_ids(client.tokenizer, text)
         transport.rounds = []
         res = client.generate(ids, sampling=SamplingConfig.from_dict(GREEDY), seed=i)
         traces.append(Trace(f"chat-{i}", f"head, tree {tree}", i, ids, list(res.token_ids), transport.rounds,
-                            feature_encoding=client.encoding_for(client.model_info())))
+                            feature_encoding=hook.encoding_for(client.model_info()) if hook is not None else ""))
     client.close()
     return traces
 

@@ -3,8 +3,8 @@
     specsplit-bench --only real-pair [--out BENCHMARKS.md]
 
 The target is SmolLM2-135M-Instruct (models/smollm2-135m-instruct, made by scripts/setup.sh); the drafts
-are the attention head (models/smollm2-135m-attention-head, fed the target's states at every committed
-position) when present, the feature-fed head (models/smollm2-135m-head, fed one state a round), the distilled
+are the attention head (research/models/smollm2-135m-attention-head, fed the target's states at every committed
+position) when present, the feature-fed head (research/models/smollm2-135m-head, fed one state a round), the distilled
 tokens-only draft (models/smollm2-135m-draft), the tokens-only draft cut from the target when present
 (models/smollm2-135m-draft-from-target) and the n-gram drafter. All measured in this run, cloud and
 edge one torch thread each, on chat prompts no draft saw in training:
@@ -37,11 +37,12 @@ from bench.delay_proxy import DelayProxy
 
 TARGET = REPO / "models" / "smollm2-135m-instruct"
 DRAFT = REPO / "models" / "smollm2-135m-draft"
-# the tokens-only draft cut from the target (scripts/train_heads.py draft-export), measured when present
+# the tokens-only draft cut from the target (research/scripts/train_heads.py draft-export), measured when present
 CUT = REPO / "models" / "smollm2-135m-draft-from-target"
-HEAD = REPO / "models" / "smollm2-135m-head"
-# the head that attends over the target's past states (scripts/train_attention_head.py), measured when present
-ATTN = REPO / "models" / "smollm2-135m-attention-head"
+# the heads fed the target's states (research/heads/, research/README.md), measured when present: the one-state
+# feature-fed head, and the head that attends over the target's past states
+HEAD = REPO / "research" / "models" / "smollm2-135m-head"
+ATTN = REPO / "research" / "models" / "smollm2-135m-attention-head"
 KS = (2, 4, 6, 8)
 START, END = "<!-- real-pair:start -->", "<!-- real-pair:end -->"
 # Chat prompts outside the distillation's templates and topics (scripts/distill_draft.py).
@@ -104,7 +105,7 @@ def draft_ms_per_token(drafter: Any, ctx: list[int], k: int = 8, repeats: int = 
 
 def costs(target: Any, ctx: list[int]) -> dict[str, Any]:
     from edge.drafters import ModelDrafter
-    from edge.drafters.feature_head import FeatureDrafter, FeatureHead
+    from research.heads.feature_head import FeatureDrafter, FeatureHead
     from shared.cpu_weights import pack_weights
 
     plain = {n: forward_ms(target, ctx, n) for n in NEW_TOKENS}  # plain weights: torch's Linear calls MKL
@@ -121,8 +122,8 @@ def costs(target: Any, ctx: list[int]) -> dict[str, Any]:
         head.set_feature(ctx, hidden[-1])
         drafts["feature-fed head"] = draft_ms_per_token(head, ctx)
     if ATTN.is_dir():
-        from edge.drafters.attention_drafter import AttentionDrafter
-        from edge.drafters.attention_head import AttentionHead
+        from research.heads.attention_drafter import AttentionDrafter
+        from research.heads.attention_head import AttentionHead
 
         attn = AttentionDrafter(AttentionHead.load(ATTN), None)
         w = min(attn.states_window, len(ctx))
@@ -131,23 +132,39 @@ def costs(target: Any, ctx: list[int]) -> dict[str, Any]:
     return {"target_ms": rows, "target_ms_plain": plain, "draft_ms": drafts}
 
 
-def run_session(settings: Any, tokenizer: Any, text: str) -> Any:
+def default_head() -> str:
+    """The attention head when the repository holds it, else "" (no head)."""
+    return str(ATTN) if ATTN.is_dir() else ""
+
+
+def head_choice(head: str) -> Any:
+    """The edge's states hook for the head directory `head` (research.heads.HeadChoice), None for "" or "none"."""
+    if head in ("", "none"):
+        return None
+    from research.heads import HeadChoice
+
+    return HeadChoice(head)
+
+
+def run_session(settings: Any, tokenizer: Any, text: str, states_drafting: Any = None) -> Any:
     from edge.client import EdgeClient
 
-    return EdgeClient(settings, tokenizer=tokenizer).generate(chat_ids(tokenizer, text))
+    client = EdgeClient(settings, tokenizer=tokenizer, states_drafting=states_drafting)
+    return client.generate(chat_ids(tokenizer, text))
 
 
-def drafts(only: tuple[str, ...] = ()) -> dict[str, dict[str, Any]]:
-    """The settings of each draft measured (those present, and of `only` when given); a head falls back on the
-    edge's default tokens-only draft."""
+def drafts(only: tuple[str, ...] = ()) -> dict[str, tuple[dict[str, Any], str]]:
+    """The settings and head directory ("": none) of each draft measured (those present, and of `only` when
+    given); a head falls back on the edge's default tokens-only draft."""
     from edge.settings import default_draft
 
-    every = {"attention head": ({"draft": default_draft(), "head": str(ATTN)}, ATTN.is_dir()),
-             "feature-fed head": ({"draft": default_draft(), "head": str(HEAD)}, HEAD.is_dir()),
-             "distilled draft": ({"draft": str(DRAFT), "head": "none"}, True),
-             "draft from the target": ({"draft": str(CUT), "head": "none"}, CUT.is_dir()),
-             "n-gram": ({"draft": "ngram", "tokenizer": str(DRAFT), "head": "none"}, True)}
-    return {name: where for name, (where, present) in every.items() if present and (not only or name in only)}
+    every = {"attention head": ({"draft": default_draft()}, str(ATTN), ATTN.is_dir()),
+             "feature-fed head": ({"draft": default_draft()}, str(HEAD), HEAD.is_dir()),
+             "distilled draft": ({"draft": str(DRAFT)}, "", True),
+             "draft from the target": ({"draft": str(CUT)}, "", CUT.is_dir()),
+             "n-gram": ({"draft": "ngram", "tokenizer": str(DRAFT)}, "", True)}
+    return {name: (where, head) for name, (where, head, present) in every.items()
+            if present and (not only or name in only)}
 
 
 def fixed_k(cloud_url: str, tokenizer: Any, n_new: int, prompts: list[str],
@@ -161,7 +178,8 @@ def fixed_k(cloud_url: str, tokenizer: Any, n_new: int, prompts: list[str],
     cases = ([(0.0, penalty, "chain", k) for k in KS] + [(0.0, penalty, "tree", n) for n in TREES]
              + [(0.0, 1.0, "chain", 6), (0.7, penalty, "chain", 6), (0.7, penalty, "tree", TREE_T07)])
     rows = []
-    for name, where in drafts(only).items():
+    for name, (where, head) in drafts(only).items():
+        hook = head_choice(head)
         for temp, rep, shape, k in cases:
             if shape == "tree" and name == "n-gram":  # the n-gram drafter grows no trees
                 continue
@@ -171,20 +189,20 @@ def fixed_k(cloud_url: str, tokenizer: Any, n_new: int, prompts: list[str],
                              draft_ahead=False, timeout_ms=120_000, stop_at_eos=False, check_last=False,
                              repetition_penalty=rep, stream_switch=False, **fixed, **where)
             rows.append(measure(s, tokenizer, prompts, {"draft": name, "temperature": temp, "penalty": rep,
-                                                        "shape": shape, "k": k}))
+                                                        "shape": shape, "k": k}, hook))
             r = rows[-1]
             print(f"real-pair: {name}, T={temp}, penalty {rep}, {shape} {k}: {r['tokens_per_call']:.2f} tokens/call, "
                   f"acceptance {r['acceptance']:.3f}", flush=True)
     return rows
 
 
-def measure(s: Any, tokenizer: Any, prompts: list[str], row: dict[str, Any]) -> dict[str, Any]:
+def measure(s: Any, tokenizer: Any, prompts: list[str], row: dict[str, Any], states_drafting: Any = None) -> dict[str, Any]:
     """Totals of one setting over the prompts: tokens per verify call, acceptance, by position (depth), bytes."""
     tot: dict[str, Any] = {"emitted": 0, "verify": 0, "drafted": 0, "accepted": 0, "down": 0, "up": 0,
                            "pos_d": [], "pos_a": [], "feature": 0, "nodes": 0, "copy": 0, "copy_acc": 0,
                            "open_down": 0, "opens": 0}
     for text in prompts:
-        m = run_session(s, tokenizer, text).metrics
+        m = run_session(s, tokenizer, text, states_drafting).metrics
         for key, v in (("emitted", m.emitted), ("verify", m.verify_calls), ("drafted", m.drafted),
                        ("accepted", m.accepted), ("down", m.bytes_down), ("up", m.bytes_up),
                        ("feature", m.feature_bytes), ("nodes", m.tree_nodes), ("copy", m.copy_nodes),
@@ -212,8 +230,9 @@ def specbench(cloud_url: str, tokenizer: Any, n_new: int, head: str = "") -> lis
     (greedy, the edge's default penalty, no drafting ahead)."""
     import json
 
-    from edge.settings import EdgeSettings, default_draft, default_head
+    from edge.settings import EdgeSettings, default_draft
 
+    hook = head_choice(head or default_head())
     questions = [json.loads(line) for line in SPECBENCH.read_text().splitlines() if line.strip()]
     by_cat: dict[str, list[str]] = {}
     for q in questions:
@@ -225,9 +244,9 @@ def specbench(cloud_url: str, tokenizer: Any, n_new: int, head: str = "") -> lis
     for shape, fixed in shapes:
         s = EdgeSettings(cloud_url=cloud_url, temperature=0, max_new_tokens=n_new, seed=1, draft_ahead=False,
                          timeout_ms=120_000, stop_at_eos=False, check_last=False, draft=default_draft(), stream_switch=False,
-                         head=head or default_head(), **fixed)
+                         **fixed)
         for cat, texts in by_cat.items():
-            rows.append(measure(s, tokenizer, texts, {"category": cat, "shape": shape, "prompts": len(texts)}))
+            rows.append(measure(s, tokenizer, texts, {"category": cat, "shape": shape, "prompts": len(texts)}, hook))
             print(f"real-pair: spec-bench {cat}, {shape}: {rows[-1]['tokens_per_call']:.2f} tokens/call", flush=True)
     return rows
 
@@ -242,12 +261,11 @@ def one_client(url: str, tokenizer: Any, mode: Any, texts: list[str], n_new: int
 
     s = EdgeSettings(cloud_url=url, temperature=0, max_new_tokens=n_new, seed=1, mode=mode, timeout_ms=120_000,
                      stop_at_eos=False)
-    if head:
-        s = s.model_copy(update={"head": head})
-    client = EdgeClient(s, tokenizer=tokenizer)
+    hook = head_choice(head or default_head())
+    client = EdgeClient(s, tokenizer=tokenizer, states_drafting=hook)
     client.model_info()
     if mode != "cloud_only":
-        _ = client.drafter, client.head()
+        _ = client.drafter, hook.head() if hook is not None else None
     t: dict[str, Any] = {"decode_tokens": 0, "decode_ms": 0.0, "emitted": 0, "calls": 0, "verify": 0, "streamed": 0,
                          "switches": 0, "texts": []}
     for text in texts:
@@ -313,8 +331,6 @@ def render(c: dict[str, Any], fk: list[dict[str, Any]], e2e: list[dict[str, Any]
                      f"{r['down_bytes_per_round']:.0f} ({r['feature_bytes_per_round']:.0f}) | "
                      f"{r.get('open_down_bytes', 0):.0f} |")
     if sb:
-        from edge.settings import default_head
-
         cats = list(dict.fromkeys(r["category"] for r in sb))
         sb_cell = {(r["category"], r["shape"]): r for r in sb}
         lines += ["", f"### Spec-Bench subset by category (the head `{Path(head or default_head()).name}`, greedy, "

@@ -44,7 +44,7 @@ def one_way(url: str, cloud_pid: int, tokenizer: Any, prompts: list[str], n_new:
     client = EdgeClient(s, tokenizer=tokenizer)
     client.model_info()
     if s.mode != "cloud_only":
-        _ = client.drafter, client.head()
+        _ = client.drafter
     toks = ms = calls = emitted = streamed = switches = 0.0
     texts = []
     cpu0 = cpu_seconds(cloud_pid)

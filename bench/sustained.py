@@ -43,7 +43,7 @@ def edge_generation(url: str, tokens: int, key: str | None = None) -> dict[str, 
     from edge.client import EdgeClient
     from edge.settings import EdgeSettings
 
-    s = EdgeSettings(cloud_url=url, draft=str(DRAFT), tokenizer=str(TARGET), head="none", temperature=0.0,
+    s = EdgeSettings(cloud_url=url, draft=str(DRAFT), tokenizer=str(TARGET), temperature=0.0,
                      max_new_tokens=tokens, fixed_k=4, tree="off", draft_ahead=False, stop_at_eos=False,
                      timeout_ms=120_000, api_key=None if key is None else SecretStr(key),
                      stream_switch=False)  # every token a round: the rounds are what is timed

@@ -11,7 +11,7 @@ gate), kcontrol.py (the cost-model k), round_control.py (fixed and dynamic k), p
 (drafting while the cloud verifies), transport/ (REST and gRPC behind one interface, error
 mapping), exchange.py (a session's wire state, verify and recovery), speculative.py (its rounds:
 chains, trees, streams, commits), treecontrol.py and waycontrol.py (tree size, speculate or stream),
-client.py (modes, streaming) with generation.py, head_choice.py, run_controls.py and solo_modes.py,
+client.py (modes, streaming) with generation.py, run_controls.py, solo_modes.py and states_hook.py,
 pairing.py (tokenizer and draft against the target's fingerprint), metrics.py, settings.py
 (EdgeSettings, env prefix SPECSPLIT_EDGE_), cli.py (specsplit-edge); the OpenAI-compatible server
 of `specsplit-edge serve`: the server/ package, with prom.py.

@@ -5,8 +5,8 @@
 - cloud_only: target-only generation by the cloud (REST /v1/generate, solo_modes.py; over gRPC, k = 0 verify
   rounds).
 
-Its parts: the generation's handle and result (generation.py), the feature-fed head (head_choice.py), the
-recovery policy and the run's controllers (run_controls.py).
+Its parts: the generation's handle and result (generation.py), the recovery policy and the run's controllers
+(run_controls.py), and the hook a drafter fed the target's states plugs in by (states_hook.py).
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ from .drafters.base import Drafter
 from .exchange import RecoveryPolicy, SessionParams, TokenizerChanged
 from .gating import GateThresholds
 from .generation import Generation, GenerationJob, GenerationResult, new_request_id
-from .head_choice import HeadChoice
 from .metrics import CommittedToken, Origin
 from .pairing import check_pairing, fit_drafter
 from .run_controls import Backoff, k_controller, recovery_policy, tree_control, way_control
 from .settings import EdgeSettings, Mode, load_draft_model
 from .solo_modes import NoDrafter, edge_only, target_only
 from .speculative import SpeculativeRun
+from .states_hook import StatesDrafting
 from .transport.base import ModelInfo, Transport, check_route_key, new_route_key
 from .treecontrol import TreeControl
 from .waycontrol import WayControl
@@ -79,21 +79,21 @@ def _draft_fingerprint(drafter: Any) -> str | None:
     return fp if isinstance(fp, str) else None
 
 
-class EdgeClient(HeadChoice):
+class EdgeClient:
     """Owns a transport, a drafter and a tokenizer; each is built from the settings unless given."""
 
     def __init__(self, settings: EdgeSettings | None = None, *, transport: Transport | None = None,
                  drafter: Drafter | None = None, tokenizer: Any = None, model_info: ModelInfo | None = None,
                  clock: Callable[[], float] = time.perf_counter, sleep: Callable[[float], None] = time.sleep,
-                 head: Any = None):
+                 states_drafting: StatesDrafting | None = None):
         self.settings = settings or EdgeSettings()
         self._transport = transport
         self._drafter = drafter
         self._tokenizer = tokenizer
         # the cloud's model (GET /v1/model), asked for once unless given
         self._model_info = model_info
-        self._head = head  # the feature-fed head, loaded once unless given (head_choice.py)
-        self._head_warned = False
+        # wraps the drafter to draft from the cloud's states when it offers them (states_hook.py); None: never asked
+        self.states_drafting = states_drafting
         # the last session's speculate-or-stream controller: the next one starts from its costs
         self._last_way: WayControl | None = None
         self._last_tree: TreeControl | None = None
@@ -168,14 +168,12 @@ class EdgeClient(HeadChoice):
     def stream(self, prompt: str | Sequence[int], *, max_new_tokens: int | None = None, seed: int | None = None,
                sampling: SamplingConfig | None = None, mode: Mode | None = None,
                route_key: str | None = None, k_policy: str | None = None,
-               request_id: str | None = None, feature_fed: bool = True) -> Generation:
+               request_id: str | None = None) -> Generation:
         """Start a generation. `route_key` (default: the settings', else a fresh random key) goes with
         every cloud call of it, so a load balancer hashing on it keeps the session on one replica.
         `k_policy` overrides the settings' for this generation ("cost" | "dynamic"). `request_id` (default: a
         fresh one) goes with every call as X-Request-Id: the cloud logs and echoes it, and joins a resent open
-        to its first attempt. `feature_fed` False
-        drafts without the feature-fed head (whose q depends on where rounds ended, so a sampled text
-        of a seed would too)."""
+        to its first attempt."""
         s = self.settings
         prompt_ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if not prompt_ids:
@@ -190,7 +188,7 @@ class EdgeClient(HeadChoice):
         job = GenerationJob(prompt_ids, mode or s.mode, n_new, params,
                             check_route_key(route_key or s.route_key or new_route_key()),
                             request_id=new_request_id() if request_id is None else check_request_id(request_id),
-                            k_policy=k_policy or s.k_policy, feature_fed=feature_fed)
+                            k_policy=k_policy or s.k_policy)
         if job.mode != "cloud_only":  # load the draft model before the clock starts
             _ = self.drafter
         return Generation(self._run(job), lambda toks: self._finish(job, toks))
@@ -269,12 +267,13 @@ class EdgeClient(HeadChoice):
         s = self.settings
         drafter = drafter or self.drafter
         info = self.model_info()
-        fed = self._feature_fed(info, drafter) if job.feature_fed else None
+        fed = None  # cloud_only over gRPC (NoDrafter) drafts nothing to feed
+        if self.states_drafting is not None and not isinstance(drafter, NoDrafter):
+            fed = self.states_drafting.fed(info, drafter)
         if fed is not None:
-            drafter = fed
-            # a drafter that attends over past states asks for every committed position's (when offered)
-            window = min(int(getattr(fed, "states_window", 0)), s.open_states, info.max_feature_window)
-            job.params = replace(job.params, feature_encoding=self.encoding_for(info), feature_window=window)
+            drafter = fed.drafter
+            job.params = replace(job.params, feature_encoding=fed.encoding,
+                                 feature_window=min(fed.window, info.max_feature_window))
         rows = _draft_part(drafter, "logit_rows")
         support = check_pairing(info, self.tokenizer, self.settings.tokenizer_dir(), _draft_fingerprint(drafter),
                                 int(rows) if rows is not None else None)

@@ -85,8 +85,6 @@ class GenerationJob:
     request_id: str = ""
     # "cost" | "dynamic" (edge/kcontrol.py, edge/round_control.py)
     k_policy: str = "cost"
-    # draft with the feature-fed head when the cloud offers features
-    feature_fed: bool = True
     metrics: EdgeMetrics = field(default_factory=EdgeMetrics)
     rounds: list[RoundRecord] = field(default_factory=list)
     started: float = 0.0

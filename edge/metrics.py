@@ -128,9 +128,9 @@ class EdgeMetrics:
     ahead_tokens: int = 0
     ahead_saved_ms: float = 0.0
     ahead_wait_ms: float = 0.0
-    # feature-fed drafting: rounds drafted by the head from the cloud's feature, rounds with k > 0 drafted by
-    # the tokens-only fallback, and feature bytes received with verify answers and with opens (vector and
-    # scale, before the transport's framing)
+    # feature-fed drafting (a drafter wrapped by EdgeClient's states_drafting, edge/states_hook.py): rounds drafted
+    # from the cloud's states, rounds with k > 0 drafted by the tokens-only fallback, and feature bytes received
+    # with verify answers and with opens (vector and scale, before the transport's framing)
     head_rounds: int = 0
     fallback_rounds: int = 0
     feature_bytes: int = 0

@@ -29,18 +29,6 @@ Mode = Literal["speculative", "edge_only", "cloud_only"]
 DEFAULT_DRAFTS = ("smollm2-135m-draft-from-target", "smollm2-135m-draft", "demo-draft")
 
 
-# The real pair's head, used when the cloud offers features: the attention head (edge/drafters/attention_head.py,
-# fed the target's state at every committed position); models/smollm2-135m-head, the one-state feature-fed head
-# (edge/drafters/feature_head.py), stays loadable with --head.
-DEFAULT_HEAD = "smollm2-135m-attention-head"
-
-
-def default_head() -> str:
-    """The real pair's head when the repository holds it, else "none" (the draft alone). The edge uses it
-    only with a cloud whose features match it (hidden size and tokenizer fingerprint)."""
-    return str(REPO_ROOT / "models" / DEFAULT_HEAD) if (REPO_ROOT / "models" / DEFAULT_HEAD).is_dir() else "none"
-
-
 def default_draft() -> str:
     """The first of DEFAULT_DRAFTS the repository holds, else the n-gram drafter."""
     for name in DEFAULT_DRAFTS:
@@ -83,19 +71,6 @@ class EdgeSettings(BaseSettings):
         description=("tokens-only draft: a .gguf file or a directory holding model.gguf (run by llama.cpp), a Hugging "
                      "Face causal-LM directory (PyTorch), or 'ngram' (the n-gram drafter); unset: the draft under "
                      "models/ that speaks the tokenizer the cloud names at first contact (edge/model_choice.py)"))
-    head: str = Field(default_factory=default_head,
-        description=("draft head directory fed the target's states, or 'none': used whenever the cloud offers states "
-                     "that match it (hidden size and tokenizer; GET /v1/model feature_size), --draft for the rounds "
-                     "without; unset: models/smollm2-135m-attention-head when present, else none "
-                     "(models/smollm2-135m-head is the one-state head)"))
-    feature_encoding: Literal["auto", "float16", "int8"] = Field(default="auto",
-        description=("how the cloud sends the target's states: float16 (1,152 bytes a state for SmolLM2), int8 (580; "
-                     "the heads draft as well from it, models/README.md) or auto: int8 when the cloud offers it, "
-                     "else float16"))
-    open_states: int = Field(default=16, ge=1,
-        description=("with a head that attends over past states: the prompt's last N states an open (or a reopen) "
-                     "asks for, at most the head's window (16 draft as well as its whole window of 64 for a quarter "
-                     "of the bytes: models/README.md, \"The open's states\")"))
     tokenizer: str | None = Field(default=None,
         description=("tokenizer directory; unset: the draft's (with --draft ngram, the first bundled draft under "
                      "models/, e.g. models/smollm2-135m-draft-from-target: SmolLM2-135M-Instruct's tokenizer)"))

@@ -13,8 +13,8 @@
 # After the two decode rates it prints what speculation buys on this machine (edge/verdict.py): the cloud's
 # CPU-seconds a token of each run and what a verify costs against one step here. --runner torch serves the
 # target in PyTorch, where a verify row costs a fraction of a step: the cloud-capacity case on a CPU.
-# --pair smollm2: SmolLM2-135M-Instruct with its attention head (models/smollm2-135m-attention-head, fed the
-# target's states by the cloud; the draft cut from the target as its fallback); --pair tiny (or
+# --pair smollm2: SmolLM2-135M-Instruct with the tokens-only draft cut from the target (the heads fed the target's
+# states are research: research/README.md); --pair tiny (or
 # SPECSPLIT_DEMO_PAIR=tiny): the old bundled toy pair (models/demo-target, models/demo-draft).
 # On a CPU both run on llama.cpp where llama-cpp-python is installed (setup builds it): the cloud serves the
 # target's GGUF (--runner auto) and the edge drafts with the draft's GGUF (--draft-runtime auto); without it both
@@ -41,16 +41,14 @@ shift || true
 http_port=${SPECSPLIT_DEMO_HTTP_PORT:-8000}
 grpc_port=${SPECSPLIT_DEMO_GRPC_PORT:-50051}
 log=$(mktemp -t specsplit-cloud.XXXXXX.log)
-draft_note=""
 case "$pair" in
   tiny) target=models/demo-target; draft=models/demo-draft; edge_flags=() ;;
   smollm2) target=models/smollm2-135m-instruct; draft=models/smollm2-135m-draft-from-target
-           edge_flags=(--chat --temperature 0)
-           draft_note="the attention head models/smollm2-135m-attention-head, falling back to " ;;
+           edge_flags=(--chat --temperature 0) ;;
   coder) target=models/qwen2.5-coder-1.5b-instruct; draft=models/qwen2.5-coder-0.5b-instruct
          edge_flags=(--chat --temperature 0) ;;
 esac
-echo "demo pair: target $target, draft ${draft_note:-}$draft${edge_flags:+ (prompt sent as a chat user message, greedy)}" >&2
+echo "demo pair: target $target, draft $draft${edge_flags:+ (prompt sent as a chat user message, greedy)}" >&2
 port_free() {
   .venv/bin/python -c "import socket,sys; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(('127.0.0.1', int(sys.argv[1])))" "$1" 2>/dev/null
 }

@@ -37,11 +37,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from drafting import distill  # noqa: E402
-from drafting.corpus import stdlib_docstrings, stdlib_files, text_chunks  # noqa: E402
-from drafting.distill_prompts import build_prompts  # noqa: E402
-from drafting.target import load_target  # noqa: E402
-from drafting.teacher import Answering, text_rows, write_answer_shards, write_teacher_shards  # noqa: E402
+from research.drafting import distill  # noqa: E402
+from research.drafting.corpus import stdlib_docstrings, stdlib_files, text_chunks  # noqa: E402
+from research.drafting.distill_prompts import build_prompts  # noqa: E402
+from research.drafting.target import load_target  # noqa: E402
+from research.drafting.teacher import Answering, text_rows, write_answer_shards, write_teacher_shards  # noqa: E402
 
 TARGET = "models/smollm2-135m-instruct"
 

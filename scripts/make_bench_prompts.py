@@ -13,7 +13,7 @@ import sysconfig
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from drafting.corpus import stdlib_files  # noqa: E402
+from research.drafting.corpus import stdlib_files  # noqa: E402
 
 FILES = ["copy.py", "glob.py", "hmac.py", "sched.py", "shutil.py", "site.py", "symtable.py", "uu.py",
          "modulefinder.py", "http/server.py", "asyncio/subprocess.py", "email/contentmanager.py"]

@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from transformers import GPT2LMHeadModel, PreTrainedTokenizerFast  # noqa: E402
 
-from drafting.corpus import stdlib_files  # noqa: E402
-from drafting.demo_pair import (  # noqa: E402
+from research.drafting.corpus import stdlib_files  # noqa: E402
+from research.drafting.demo_pair import (  # noqa: E402
     DRAFT,
     TARGET,
     ce_loss,
@@ -42,7 +42,7 @@ from drafting.demo_pair import (  # noqa: E402
     train_model,
     train_tokenizer,
 )
-from drafting.loop import Budget  # noqa: E402
+from research.drafting.loop import Budget  # noqa: E402
 
 log = logging.getLogger("train_demo")
 

@@ -68,10 +68,10 @@ def build(arch: str, out_dir: Path, seed: int = 0) -> Path:
 
 
 def build_feature_head(target_dir: Path, out_dir: Path, n_out: int | None = None, seed: int = 0) -> Path:
-    """An untrained feature-fed head for the model in target_dir (edge/drafters/feature_head.py): its
+    """An untrained feature-fed head for the model in target_dir (research/heads/feature_head.py): its
     output rows are the target's own for the first `n_out` ids (all by default), its blocks random, so
     the first draft after a feature is the target's own distribution over those ids."""
-    from edge.drafters.feature_head import FeatureHead, FeatureHeadConfig
+    from research.heads.feature_head import FeatureHead, FeatureHeadConfig
     from shared.tokenizer_id import load_tokenizer, tokenizer_fingerprint
 
     target = tf.AutoModelForCausalLM.from_pretrained(target_dir)

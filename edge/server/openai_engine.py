@@ -147,8 +147,6 @@ class OpenAIEngine:
         self.tokenizer = tokenizer
         self.prometheus = prometheus or EdgePrometheus.create()
         self._info: ModelInfo | None = None
-        # the feature-fed head, loaded once (new_client) and shared by every generation
-        self._head: Any = None
         # the tree controller of the last generation to start: the next starts from what it learned
         # (TreeControl.carry), as one client's sessions do
         self._last_tree: Any = None
@@ -161,12 +159,8 @@ class OpenAIEngine:
     def new_client(self) -> EdgeClient:
         s = self.settings
         client = EdgeClient(s, transport=transport_for(s),
-                            drafter=self.draft.for_generation(), tokenizer=self.tokenizer, model_info=self._info,
-                            head=self._head)
+                            drafter=self.draft.for_generation(), tokenizer=self.tokenizer, model_info=self._info)
         client._last_tree = self._last_tree
-        if self._head is None and s.head != "none":  # loaded by the first client, shared by every later one
-            self._head = client.head()
-            client._head = self._head
         return client
 
     def model_info(self) -> ModelInfo:
@@ -311,15 +305,14 @@ class OpenAIEngine:
         text = StopText(req.stop, self.decode)
         # a request's own seed promises the same text again. With the checked last draft (check_last, on
         # by default) every position is decided alike whatever the k schedule, as long as the draft's q
-        # depends on the text alone: seeded sampled requests draft without the feature-fed head, whose q
-        # depends on where the last round ended; without check_last they take a k that ignores timing
+        # depends on the text alone; without check_last they take a k that ignores timing
         seeded = req.seed is not None and not req.sampling.greedy
         policy = "dynamic" if seeded and not self.settings.check_last else None
         cloud_id = cloud_request_id(req.request_id) if req.request_id else None
         if cloud_id:
             summary["cloud_request_id"] = cloud_id
         gen = client.stream(req.prompt_ids, max_new_tokens=req.max_tokens, seed=seed, sampling=req.sampling,
-                            k_policy=policy, request_id=cloud_id, feature_fed=not seeded)
+                            k_policy=policy, request_id=cloud_id)
         clock = self.prometheus.token_clock(req.arrived)
         n, last = 0, None
         try:

@@ -75,12 +75,3 @@ def gguf_drafter(tiny_pair: tuple[Path, Path], tmp_path_factory: pytest.TempPath
         if f.name.startswith("tokenizer"):
             (out / f.name).write_bytes(f.read_bytes())
     return LlamaCppDrafter(write_gguf(tiny_pair[1], out / "model.gguf"), threads=1)
-
-
-@pytest.fixture(scope="module")
-def attention_head_dir(tiny_pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A random attention head (window 8) for the tiny target, saved as the edge loads one (--head DIR)."""
-    from tests.edge.test_attention_drafter import build_head
-    out = tmp_path_factory.mktemp("attention") / "head"
-    build_head(tiny_pair[0]).save(out)
-    return out

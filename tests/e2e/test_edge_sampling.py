@@ -14,10 +14,7 @@ Token trees (shared/tree.py, draw and match): the same test over N generations t
 nodes (width 3, depth 3) every round through the real cloud, and the tree rule's lossy shortcut variant
 (children tried with min(1, p/q), then a draw from p) must fail it with N_BIASED_TREE = 200.
 
-The attention head (edge/drafters/attention_drafter.py, a random head of window 8 fed the tiny target's
-states at every committed position): the same test over N generations drafting chains of k = 2 and over
-N drafting the 6-node trees, and its tree shortcut must fail it with N_BIASED_TREE. Its first draft after an
-open comes from the target's own state; the second from the head's prediction, which the rule must correct.
+The attention head's variants of the same test: tests/research/e2e/test_head_sampling.py.
 
 The draft on llama.cpp (edge/drafters/llamacpp.py, the tiny draft written as a GGUF file): the same test over N
 generations drafting the 6-node trees, and its shortcut must fail it with N_BIASED_TREE: q comes from llama.cpp's
@@ -49,6 +46,7 @@ from scipy.stats import chi2, ncx2
 from edge.client import EdgeClient
 from edge.drafters import ModelDrafter
 from edge.settings import EdgeSettings
+from edge.states_hook import StatesDrafting
 from shared.config import SamplingConfig
 from shared.sampling import processed_probs
 from tests.server import CloudProcess
@@ -135,9 +133,10 @@ def power_at(biased: Counter[tuple[int, int]], probs: dict[tuple[int, int], floa
 Sample = tuple[Counter[tuple[int, int]], Counter[str]]
 
 
-def first_pairs(cloud: CloudProcess, tokenizer: Any, drafter: ModelDrafter, n: int, **kw: Any) -> Sample:
+def first_pairs(cloud: CloudProcess, tokenizer: Any, drafter: ModelDrafter, n: int,
+                states_drafting: StatesDrafting | None = None, **kw: Any) -> Sample:
     """(t1, t2) counts and first-two-token origins of n seeded generations (seeds 0..n-1); the origins also
-    count, under "head rounds", the rounds a head drafted."""
+    count, under "head rounds", the rounds drafted from the cloud's states (`states_drafting`, edge/states_hook.py)."""
     values: dict[str, Any] = {
         "grpc_target": cloud.grpc_target, "temperature": CFG.temperature, "top_p": CFG.top_p, "top_k": CFG.top_k,
         "repetition_penalty": CFG.repetition_penalty, "max_new_tokens": 3, "fixed_k": 2, "stop_at_eos": False,
@@ -145,7 +144,7 @@ def first_pairs(cloud: CloudProcess, tokenizer: Any, drafter: ModelDrafter, n: i
         "stream_switch": False,  # every position decided by a verify: the rule itself is sampled
         "node_budget": False, **kw}  # every round the shape named here (the budget's rounds: test_node_budget)
     s = EdgeSettings(**values)
-    client = EdgeClient(s, drafter=drafter, tokenizer=tokenizer)
+    client = EdgeClient(s, drafter=drafter, tokenizer=tokenizer, states_drafting=states_drafting)
     ids = tokenizer.encode(PROMPT)
     pairs: Counter[tuple[int, int]] = Counter()
     origins: Counter[str] = Counter()
@@ -166,17 +165,13 @@ def first_pairs(cloud: CloudProcess, tokenizer: Any, drafter: ModelDrafter, n: i
 
 
 @pytest.fixture(scope="module")
-def samples(cloud: CloudProcess, tokenizer: Any, drafter: ModelDrafter, gguf_drafter: Any,
-            attention_head_dir: Path) -> dict[str, Sample]:
-    """Every variant, generated concurrently (one drafter fork each) against one cloud; the head's variants
-    wrap the fork in the attention head (the draft model is their fallback); the gguf variants draft on llama.cpp."""
-    head = {"head": str(attention_head_dir)}
+def samples(cloud: CloudProcess, tokenizer: Any, drafter: ModelDrafter, gguf_drafter: Any) -> dict[str, Sample]:
+    """Every variant, generated concurrently (one drafter fork each) against one cloud; the gguf variants draft on
+    llama.cpp."""
     variants: dict[str, tuple[int, dict[str, Any]]] = {
         "split_residual": (N, {}), "q_dists": (N, {"send_q_dists": True}),
         "shortcut": (N_BIASED, {"correction": "shortcut"}), "tree": (N, TREE),
         "tree_shortcut": (N_BIASED_TREE, {**TREE, "correction": "shortcut"}),
-        "head": (N, head), "head_tree": (N, {**TREE, **head}),
-        "head_tree_shortcut": (N_BIASED_TREE, {**TREE, **head, "correction": "shortcut"}),
         "gguf_tree": (N, TREE), "gguf_shortcut": (N_BIASED_TREE, {**TREE, "correction": "shortcut"})}
     with ThreadPoolExecutor(len(variants)) as pool:
         futures = {name: pool.submit(first_pairs, cloud, tokenizer,
@@ -241,29 +236,6 @@ def test_the_tree_shortcut_fails_the_same_test(samples: dict[str, Sample],
     p, dof = chi_square_pvalue(pairs, expected)
     print(f"tree shortcut (biased): chi-square p = {p:.2e} with {dof} dof over {N_BIASED_TREE} generations")
     assert p < P_THRESHOLD, f"the biased tree variant passed (p = {p:.2e}, {dof} dof): the test has no power"
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("variant", ["head", "head_tree"])
-def test_the_attention_head_keeps_target_sampling(samples: dict[str, Sample],
-                                                  expected: dict[tuple[int, int], float], variant: str) -> None:
-    pairs, origins = samples[variant]
-    p, dof = chi_square_pvalue(pairs, expected)
-    print(f"attention head, {variant}: chi-square p = {p:.3f} with {dof} dof over {N} generations")
-    assert origins["head rounds"] >= N  # the head drafted every first round
-    assert origins["accepted"] > 0.05 * N and origins["residual"] + origins["correction"] > 0.05 * N
-    assert p >= P_THRESHOLD, f"chi-square p = {p:.2e} ({dof} dof): not the target's distribution"
-
-
-@pytest.mark.slow
-def test_the_attention_heads_tree_shortcut_fails_the_same_test(samples: dict[str, Sample],
-                                                               expected: dict[tuple[int, int], float]) -> None:
-    pairs, origins = samples["head_tree_shortcut"]
-    p, dof = chi_square_pvalue(pairs, expected)
-    print(f"attention head, tree shortcut (biased): chi-square p = {p:.2e} with {dof} dof over {N_BIASED_TREE} "
-          "generations")
-    assert origins["head rounds"] >= N_BIASED_TREE
-    assert p < P_THRESHOLD, f"the biased variant passed (p = {p:.2e}, {dof} dof): the test has no power"
 
 
 def assert_target_sampling(label: str, sample: Sample, expected: dict[tuple[int, int], float], n: int) -> None:

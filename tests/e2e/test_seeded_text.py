@@ -33,7 +33,7 @@ from edge.drafters import ModelDrafter
 from edge.drafters.base import DraftBlock
 from edge.settings import EdgeSettings, draft_torch_dtype
 from edge.waycontrol import WayControl
-from tests.e2e.test_feature_fed import ClosesOnce
+from tests.e2e.closes_once import ClosesOnce
 from tests.server import CloudProcess
 
 N_NEW = 48
@@ -54,7 +54,7 @@ def run(cloud: CloudProcess, tokenizer: Any, draft: Path, seed: int, transport: 
     kw.setdefault("tree", "off")
     kw.setdefault("stream_switch", not reopen)  # the reopen comes at the 4th verify: no streaming before it
     kw.setdefault("temperature", 1.0)
-    s = EdgeSettings(top_p=0.9, max_new_tokens=N_NEW, seed=seed, stop_at_eos=False, head="none",
+    s = EdgeSettings(top_p=0.9, max_new_tokens=N_NEW, seed=seed, stop_at_eos=False,
                      draft=str(draft), timeout_ms=60_000, **where, **kw)
     plain = EdgeClient(s, tokenizer=tokenizer)
     client = EdgeClient(s, tokenizer=tokenizer, drafter=drafter or ModelDrafter(draft, dtype=draft_torch_dtype(s)),
@@ -143,7 +143,7 @@ def test_trees_grown_while_the_cloud_verifies_keep_the_text(tiny_cloud_server: C
     want = run(c, tokenizer, d, 0, mode="cloud_only", temperature=0.0)
 
     def generate(ahead: bool) -> Any:
-        s = EdgeSettings(max_new_tokens=N_NEW, stop_at_eos=False, head="none", draft=str(d), timeout_ms=60_000,
+        s = EdgeSettings(max_new_tokens=N_NEW, stop_at_eos=False, draft=str(d), timeout_ms=60_000,
                          cloud_url=c.http_url, tree="8", temperature=0.0, stream_switch=False, draft_ahead=ahead,
                          node_budget=False)  # the cloud's budget follows the slowed answers' timing
         slow = SlowVerify(EdgeClient(s, tokenizer=tokenizer).transport)  # the worker finishes each tree
@@ -190,7 +190,7 @@ def test_accepted_copy_branches_keep_the_target_only_text(tiny_cloud_server: Clo
     """Copy nodes accepted, and the text still the seed's target-only text: greedy (the random target's text
     repeats itself, so its own earlier continuations come true, some rounds more than 10 of them) and sampled."""
     s = EdgeSettings(cloud_url=tiny_cloud_server.http_url, temperature=temperature, top_p=0.9, max_new_tokens=96,
-                     seed=5, stop_at_eos=False, head="none", draft=str(tiny_pair[1]), timeout_ms=60_000,
+                     seed=5, stop_at_eos=False, draft=str(tiny_pair[1]), timeout_ms=60_000,
                      stream_switch=False, tree="auto")
     want = EdgeClient(s.model_copy(update={"mode": "cloud_only"}), tokenizer=tokenizer).generate(PROMPT).token_ids
     r = EdgeClient(s, tokenizer=tokenizer, drafter=OneWrongNode(tiny_pair[1])).generate(PROMPT)
