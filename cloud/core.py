@@ -196,13 +196,13 @@ class ServiceCore:
         if not task.cancelled():
             task.exception()  # retrieved: the caller has its own error
 
-    def release(self, slot: int | None) -> None:
-        if slot is not None:
-            self.scheduler.between_batches(lambda: self.model.pool.release(slot))
+    def release(self, seq_id: int | None) -> None:
+        if seq_id is not None:
+            self.scheduler.between_batches(lambda: self.model.pool.release(seq_id))
 
     def _removed(self, s: Session, reason: str) -> None:
-        slot, s.slot = s.slot, None
-        self.release(slot)  # on the model thread, after any batch that still uses it
+        seq_id, s.seq_id = s.seq_id, None
+        self.release(seq_id)  # on the model thread, after any batch that still uses it
         self.scheduler.forget(s.ctx_id)
         if reason != CLOSED:
             self.metrics.evictions.labels(reason=reason).inc()
@@ -221,22 +221,22 @@ class ServiceCore:
         clock = time.monotonic if self.budget.cost.steps else time.process_time
         g = torch.Generator().manual_seed(0)
         n_ids = max(1, min(model.support, 1000))
-        slot = None
+        seq_id = None
         try:
-            slot = pool.allocate()
-            model.forward([Row(slot, 0, torch.randint(0, n_ids, (context,), generator=g).tolist(), 0)])
-            pool.set_length(slot, context)
+            seq_id = pool.allocate()
+            model.forward([Row(seq_id, 0, torch.randint(0, n_ids, (context,), generator=g).tolist(), 0)])
+            pool.set_length(seq_id, context)
             for n in rows:
                 t0 = clock()
-                model.forward([Row(slot, context, torch.randint(0, n_ids, (n,), generator=g).tolist(), n)])
+                model.forward([Row(seq_id, context, torch.randint(0, n_ids, (n,), generator=g).tolist(), n)])
                 self.budget.forward(n, 0, clock() - t0, 1)
-                pool.crop(slot, context)
+                pool.crop(seq_id, context)
         except OutOfBlocks:
             log.warning("forward cost not measured at start-up: the KV budget holds too few blocks; the first sessions "
                         "open without a fitted cost")
         finally:
-            if slot is not None:
-                pool.release(slot)
+            if seq_id is not None:
+                pool.release(seq_id)
 
     def open_budget(self, s: Session) -> int:
         """The open answer's budget for the first round: what its owner's recent rounds were given, or before

@@ -173,7 +173,7 @@ class RoundPlan:
     # S' = S[:m] + append_ids, |S'| = ctx_len = L
     new: Context
     # positions of S' whose KV is kept: c = min(kv_len, m, L - 1) (>= 1 token of S' is fed to get p_1)
-    past: int
+    num_cached: int
     # the forward this round needs: S'[c:] + y_1..y_k, logits of the last k + 1
     row: Row
     # what a duplicate must share with this request (replay cache)
@@ -189,29 +189,29 @@ class RoundPlan:
         """The next forward of this round: a chunk of S' (keep = 0) while the rest does not fit in
         `budget` tokens, then the verify row S'[fed:] + y_1..y_k."""
         r = self.row
-        fed = max(self.fed, self.past)
-        drafts = r.ids[len(self.new) - self.past:]
+        fed = max(self.fed, self.num_cached)
+        drafts = r.ids[len(self.new) - self.num_cached:]
         rest = list(self.new.ids[fed:])
         if len(rest) + len(drafts) > budget and len(rest) > 1:
-            return Row(r.slot, fed, rest[: max(1, min(budget, len(rest) - 1))], keep=0)
-        self.row_run = Row(r.slot, fed, rest + drafts, keep=r.keep, tree=r.tree, tree_base=r.tree_base)
+            return Row(r.seq_id, fed, rest[: max(1, min(budget, len(rest) - 1))], keep=0)
+        self.row_run = Row(r.seq_id, fed, rest + drafts, keep=r.keep, tree=r.tree, tree_base=r.tree_base)
         return self.row_run
 
 
 def check_held(session: Session) -> int:
-    """The session's slot; NotFound (404) once it was closed or evicted: before its round is planned, and
-    again when the round's forward is done (a DELETE or shutdown may have come meanwhile; the slot goes
+    """The session's sequence id; NotFound (404) once it was closed or evicted: before its round is planned, and
+    again when the round's forward is done (a DELETE or shutdown may have come meanwhile; the seq_id goes
     back to the pool only after that forward's batch)."""
-    slot = session.slot
-    if session.closed or slot is None:
+    seq_id = session.seq_id
+    if session.closed or seq_id is None:
         raise NotFound(f"session {session.ctx_id!r} was closed or evicted; reopen it with the full context",
                        ctx_id=session.ctx_id)
-    return slot
+    return seq_id
 
 
 def plan_round(session: Session, req: VerifyRequest, fp: str) -> RoundPlan | VerifyResponse:
     """What the round needs from the model, or the cached answer of a duplicate. Reads, never writes."""
-    slot = check_held(session)
+    seq_id = check_held(session)
     ctx = session.context
     m = check_context(ctx, req)
     cached = _replay(session, req, fp)
@@ -227,7 +227,7 @@ def plan_round(session: Session, req: VerifyRequest, fp: str) -> RoundPlan | Ver
     # (1-3 % of a forward of 4-16 nodes on a CPU, `python -m bench.tree_cost`) for the same logits (the
     # batch-invariant kernels give a tree node the sums of its path run as a chain, shared/invariant.py); the
     # round is still verified and answered as the tree the edge sent
-    row = Row(slot, c, list(new.ids[c:]) + fed, keep=len(fed) + 1,
+    row = Row(seq_id, c, list(new.ids[c:]) + fed, keep=len(fed) + 1,
               tree=None if tree is None or is_chain(tree) else tuple(tree), tree_base=L)
     return RoundPlan(new, c, row, fp, tree=tree)
 
@@ -252,8 +252,8 @@ def finish_round(model: Runner, session: Session, req: VerifyRequest, q_dense: t
                  p: TargetProbs | torch.Tensor | None = None) -> RoundResult:
     """The verify rule on this round's logits ([fed + 1, vocab]), then the commit. `p` is their processed
     probabilities when the forward's rows were processed together (`round_sampling`). A raised error
-    leaves context and counters as they were; the caller's abort() crops the KV back to `plan.past`."""
-    slot = check_held(session)  # closed while in the forward: 404, a chain or a tree alike
+    leaves context and counters as they were; the caller's abort() crops the KV back to `plan.num_cached`."""
+    seq_id = check_held(session)  # closed while in the forward: 404, a chain or a tree alike
     d, L = req.draft, req.ctx_len
     fed = len(d.draft_tokens) - 1 if req.check_last else len(d.draft_tokens)  # drafts run through the target
     cfg = session.sampling_cfg
@@ -272,7 +272,7 @@ def finish_round(model: Runner, session: Session, req: VerifyRequest, q_dense: t
                               depth=max(depths(plan.tree), default=0), accepted_nodes=list(out.path))
         # The nodes' KV sits at storage offsets L + j, computed at positions L + depth(j) - 1: the path's nodes
         # move to offsets L .. L + la - 1 (their own positions), the rest is cropped. The next token has no KV yet.
-        model.keep_path(slot, L, out.path, path_tokens)  # the slot is held until this batch ends
+        model.keep_path(seq_id, L, out.path, path_tokens)  # the sequence is held until this batch ends
     else:
         out = verify_round(p, d.draft_tokens, d.q_token_probs, seed=session.seed, ctx_len=L, greedy=cfg.greedy,
                            correction=session.correction,  # type: ignore[arg-type]
@@ -349,7 +349,7 @@ class Prefill:
     chunk: int = 1024
     # prefix-cache salt: sequences share blocks only under equal salts
     salt: bytes = b""
-    slot: int | None = None
+    seq_id: int | None = None
     # positions done
     done: int = 0
     # positions taken from the prefix cache
@@ -361,28 +361,28 @@ class Prefill:
     def plan(self, pool: KVPool, budget: int | None = None) -> Row | None:
         """The next chunk (at most `budget` tokens, default `chunk`), or None when the whole prefill is cached."""
         budget = self.chunk if budget is None else budget
-        if self.slot is None:
-            self.slot = pool.allocate(self.salt)
+        if self.seq_id is None:
+            self.seq_id = pool.allocate(self.salt)
             limit = len(self.ids) - min(self.keep_last, len(self.ids))
-            self.done = self.reused = pool.match_prefix(self.slot, self.ids, limit)
+            self.done = self.reused = pool.match_prefix(self.seq_id, self.ids, limit)
         if self.done >= len(self.ids):
             return None
         chunk = self.ids[self.done: self.done + max(budget, 1)]
         keep = max(0, min(len(chunk), self.done + len(chunk) - (len(self.ids) - self.keep_last)))
-        return Row(self.slot, self.done, chunk, keep=keep if self.keep_last else 0)
+        return Row(self.seq_id, self.done, chunk, keep=keep if self.keep_last else 0)
 
     def unplan(self, pool: KVPool) -> None:
         """Give the prefix-cache blocks back while nothing of this prefill has run (it plans again later)."""
-        if self.slot is not None and self.done == self.reused:
-            pool.release(self.slot)
-            self.slot, self.done, self.reused = None, 0, 0
+        if self.seq_id is not None and self.done == self.reused:
+            pool.release(self.seq_id)
+            self.seq_id, self.done, self.reused = None, 0, 0
 
     def advance(self, pool: KVPool, row: Row | None = None) -> bool:
         """After a forward of `row` (default: a chunk of `chunk` tokens): the chunk is cached; True when
         the whole prefill is."""
-        assert self.slot is not None
-        self.done = min(len(self.ids), self.done + self.chunk) if row is None else row.past + len(row.ids)
-        pool.set_length(self.slot, self.done)
+        assert self.seq_id is not None
+        self.done = min(len(self.ids), self.done + self.chunk) if row is None else row.num_cached + len(row.ids)
+        pool.set_length(self.seq_id, self.done)
         return self.done >= len(self.ids)
 
 
@@ -398,50 +398,50 @@ def next_token(p: torch.Tensor | TargetProbs, cfg: SamplingConfig, seed: int, po
 class DecodeState:
     # prompt + generated so far
     ids: list[int]
-    # pool slot of this generation's KV (None until the first step)
-    slot: int | None = None
+    # the pool sequence of this generation's KV (None until the first step)
+    seq_id: int | None = None
     # KV of ids[:kv_len]
     kv_len: int = 0
     # prefix-cache salt
     salt: bytes = b""
-    # the slot holds only what the prefix cache gave it (nothing computed yet)
+    # the sequence holds only what the prefix cache gave it (nothing computed yet)
     fresh: bool = False
     # positions the prefix cache gave at the allocation
     matched: int = 0
 
     def plan(self, pool: KVPool, chunk: int) -> Row:
         """Feed ids[kv_len:] (the last token at least); a long prompt in chunks, logits only at the end."""
-        if self.slot is None:
-            self.slot = pool.allocate(self.salt)
-            self.kv_len = self.matched = pool.match_prefix(self.slot, self.ids, len(self.ids) - 1)
+        if self.seq_id is None:
+            self.seq_id = pool.allocate(self.salt)
+            self.kv_len = self.matched = pool.match_prefix(self.seq_id, self.ids, len(self.ids) - 1)
             self.fresh = True
         c = min(self.kv_len, len(self.ids) - 1)
         todo = self.ids[c:]
         if len(todo) > chunk:
-            return Row(self.slot, c, todo[:max(chunk, 1)], keep=0)
-        return Row(self.slot, c, todo, keep=1)
+            return Row(self.seq_id, c, todo[:max(chunk, 1)], keep=0)
+        return Row(self.seq_id, c, todo, keep=1)
 
     def unplan(self, pool: KVPool) -> None:
         """Give the prefix-cache blocks back while nothing of this generation has run (it plans again later)."""
-        if self.slot is not None and self.fresh:
-            pool.release(self.slot)
-            self.slot, self.kv_len, self.fresh = None, 0, False
+        if self.seq_id is not None and self.fresh:
+            pool.release(self.seq_id)
+            self.seq_id, self.kv_len, self.fresh = None, 0, False
 
     def give_back(self, pool: KVPool) -> None:
         """A prompt half prefilled gives its blocks back (its full blocks stay in the prefix cache, so the
         next plan resumes from there)."""
-        if self.slot is not None:
-            pool.release(self.slot)
-            self.slot, self.kv_len, self.matched, self.fresh = None, 0, 0, False
+        if self.seq_id is not None:
+            pool.release(self.seq_id)
+            self.seq_id, self.kv_len, self.matched, self.fresh = None, 0, 0, False
 
     def step(self, pool: KVPool, row: Row, logits: torch.Tensor, cfg: SamplingConfig, seed: int,
              p: TargetProbs | torch.Tensor | None = None) -> int | None:
         """After a forward: the token at position len(ids) + 1 (appended), or None after a prompt chunk.
         `p`: the logits' processed probabilities when the forward's rows were processed together."""
-        assert self.slot is not None
+        assert self.seq_id is not None
         self.fresh = False
-        self.kv_len = row.past + len(row.ids)
-        pool.set_length(self.slot, self.kv_len)
+        self.kv_len = row.num_cached + len(row.ids)
+        pool.set_length(self.seq_id, self.kv_len)
         if row.keep == 0:
             return None
         if p is None:

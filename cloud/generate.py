@@ -99,7 +99,7 @@ async def generate(core: ServiceCore, req: GenerateRequest, owner: str = "") -> 
                     if got is not None and not got.done():
                         got.cancel()
                     if not job.done():
-                        await core.abandon(step, job)  # the slot is released once the model let go of it
+                        await core.abandon(step, job)  # the sequence is released once the model let go of it
                     raise
                 if reason != "eos" and limit < req.max_new_tokens:
                     reason = "context"
@@ -162,9 +162,9 @@ class DecodeJob(Job[int]):
     def abort(self) -> None:
         st = self.st
         self.core.room.in_forward.discard(id(st))
-        if self.row is not None and st.slot is not None:
-            st.kv_len = min(st.kv_len, self.row.past)
-            self.core.model.pool.crop(st.slot, st.kv_len)
+        if self.row is not None and st.seq_id is not None:
+            st.kv_len = min(st.kv_len, self.row.num_cached)
+            self.core.model.pool.crop(st.seq_id, st.kv_len)
 
     def unplan(self) -> None:
         self.core.room.in_forward.discard(id(self.st))

@@ -43,7 +43,7 @@ class KvRoom:
             return False
         size = self.model.pool.block_size
         for other in self.prefilling:
-            if other is pre or other.salt != pre.salt or other.slot is None:
+            if other is pre or other.salt != pre.salt or other.seq_id is None:
                 continue
             if pre.ids[:size] != other.ids[:size]:  # no full block in common: the usual case, at a block's cost
                 continue
@@ -66,7 +66,7 @@ class KvRoom:
         st.give_back(self.model.pool)
 
     def forget_prefill(self, pre: Prefill) -> None:
-        """`pre` is done, failed or gave its slot back: no open waits for it any more (model thread)."""
+        """`pre` is done, failed or gave its sequence back: no open waits for it any more (model thread)."""
         self.prefilling = [p for p in self.prefilling if p is not pre]
 
     def make_room(self, blocks: int, progressing: bool = False) -> None:
@@ -78,14 +78,14 @@ class KvRoom:
         for pre in list(self.prefilling):
             if pool.manager.available() >= goal:
                 return
-            if id(pre) not in self.in_forward and pre.slot is not None and pre.done > pre.reused:
+            if id(pre) not in self.in_forward and pre.seq_id is not None and pre.done > pre.reused:
                 self.forget_prefill(pre)
-                pool.release(pre.slot)
-                pre.slot, pre.done, pre.reused = None, 0, 0  # plans again: allocate, match the prefix cache
+                pool.release(pre.seq_id)
+                pre.seq_id, pre.done, pre.reused = None, 0, 0  # plans again: allocate, match the prefix cache
         for st in list(self.gen_prefilling):  # /v1/generate prompts alike
             if pool.manager.available() >= goal:
                 return
-            if id(st) not in self.in_forward and st.slot is not None and st.kv_len > st.matched:
+            if id(st) not in self.in_forward and st.seq_id is not None and st.kv_len > st.matched:
                 self.forget_generate(st)
                 st.give_back(pool)
         now = self.clock()
@@ -94,15 +94,15 @@ class KvRoom:
         for s in self.store.lru():
             if pool.manager.available() >= goal:
                 return
-            if s.inflight > 0 or s.closed or s.slot is None:
+            if s.inflight > 0 or s.closed or s.seq_id is None:
                 continue
             if s.counters.rounds == 0 and s.created > fresh_since:
                 continue  # just opened or reopened: evicting it now would only make its edge reopen again
             if s.last_used > active_since:
                 continue  # mid-generation, and this forward runs other work: the newcomer waits
-            slot, s.slot = s.slot, None
+            seq_id, s.seq_id = s.seq_id, None
             s.closed = True
-            pool.release(slot)
+            pool.release(seq_id)
             if self.loop is not None:
                 self.loop.call_soon_threadsafe(self.store.drop, s, KV_BUDGET)
             else:

@@ -80,21 +80,21 @@ async def open_new(core: ServiceCore, req: OpenSessionRequest, owner: str) -> Se
             (ms, queue_ms) = await asyncio.shield(job)
         except BaseException:
             # gone before the session exists (disconnect, failure): the prefill leaves the queue or stops
-            # after its chunk in progress, and its slot goes back to the pool
+            # after its chunk in progress, and its sequence goes back to the pool
             await core.abandon(prefill, job)
-            core.release(pre.slot)
+            core.release(pre.seq_id)
             core.scheduler.forget(ctx_id)
             raise
         try:
             context = await hashed
         except BaseException:
-            core.release(pre.slot)
+            core.release(pre.seq_id)
             core.scheduler.forget(ctx_id)
             raise
         now = core.clock()
         s = Session(ctx_id=ctx_id, owner=owner, sampling_cfg=req.sampling_cfg, seed=req.seed,
                     correction=req.correction, max_new_tokens=req.max_new_tokens,
-                    prompt_len=len(req.prompt_ids), context=context, slot=pre.slot,
+                    prompt_len=len(req.prompt_ids), context=context, seq_id=pre.seq_id,
                     kv_bytes_per_token=core.model.kv_bytes_per_token, last_used=now, created=now,
                     kv_len=len(pre.ids), replay_bytes_limit=core.settings.replay_cache_bytes,
                     feature_encoding=encoding, feature_window=window)
@@ -134,7 +134,7 @@ class PrefillJob(Job[float]):
 
     def plan(self, budget: int) -> Row | None | Wait:
         pre, room = self.pre, self.room
-        if pre.slot is None:
+        if pre.seq_id is None:
             if room.shares_a_running_prefill(pre):
                 return WAIT
             room.prefilling.append(pre)
@@ -167,11 +167,11 @@ class PrefillJob(Job[float]):
     def abort(self) -> None:
         self.room.in_forward.discard(id(self.pre))
         self.room.forget_prefill(self.pre)
-        if self.pre.slot is not None:
-            self.model.pool.crop(self.pre.slot, self.pre.done)
+        if self.pre.seq_id is not None:
+            self.model.pool.crop(self.pre.seq_id, self.pre.done)
 
     def unplan(self) -> None:
         self.room.in_forward.discard(id(self.pre))
         self.pre.unplan(self.model.pool)
-        if self.pre.slot is None:
+        if self.pre.seq_id is None:
             self.room.forget_prefill(self.pre)

@@ -1,9 +1,9 @@
 """One verify session: committed context S, its prefix hashes, the KV cache, counters.
 
-State is by position. The session's sequence in the target's paged KV pool (`slot`: its id) holds
+State is by position. The session's sequence in the target's paged KV pool (`seq_id`: its id) holds
 the KV of S[:kv_len] with kv_len <= |S|; a round crops it (rollback = crop: whole blocks past
 kv_len go back to the pool), never rebuilds it. The model thread is
-the only writer of `context`, `kv_len` and the slot; other threads read `context`, which is
+the only writer of `context`, `kv_len` and the seq_id; other threads read `context`, which is
 replaced as a whole (never mutated), so a reader always sees ids and hashes that belong together.
 """
 
@@ -134,8 +134,8 @@ class Session:
     prompt_len: int
     # committed context S and its prefix hashes
     context: Context
-    # the slot of the target's KV pool holding S[:kv_len]; None once closed (released by the model thread)
-    slot: int | None
+    # the sequence of the target's KV pool holding S[:kv_len]; None once closed (released by the model thread)
+    seq_id: int | None
     # bytes one cached position takes
     kv_bytes_per_token: int
     # monotonic time of the last use (LRU order and TTL)
@@ -153,7 +153,7 @@ class Session:
     closed: bool = False
     # serialises this session's rounds and keeps at most one of them in the model queue
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    # positions of S whose KV the slot holds
+    # positions of S whose KV the sequence holds
     kv_len: int = 0
     # bytes of residual distributions the replay cache keeps beyond the newest answer's (--replay-cache-bytes)
     replay_bytes_limit: int = 1 << 20
@@ -164,12 +164,12 @@ class Session:
 
     @property
     def kv_bytes(self) -> int:
-        return 0 if self.slot is None else self.kv_len * self.kv_bytes_per_token
+        return 0 if self.seq_id is None else self.kv_len * self.kv_bytes_per_token
 
     def set_kv_len(self, pool: KVPool, n: int) -> None:
-        """The slot holds the KV of S[:n] (model thread only)."""
-        if self.slot is not None:
-            pool.set_length(self.slot, n)
+        """The sequence holds the KV of S[:n] (model thread only)."""
+        if self.seq_id is not None:
+            pool.set_length(self.seq_id, n)
         self.kv_len = n
 
     def remember(self, request_id: str, fingerprint: str, response: VerifyResponse, keep: int) -> None:

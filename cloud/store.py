@@ -126,7 +126,7 @@ class SessionStore:
 
     def _remove(self, s: Session, reason: str) -> None:
         self._sessions.pop(s.ctx_id, None)
-        s.closed = True  # its slot is released by on_remove, on the model thread
+        s.closed = True  # its sequence is released by on_remove, on the model thread
         s.replies.clear()
         if self.on_remove is not None:
             self.on_remove(s, reason)

@@ -33,7 +33,7 @@ class OutOfBlocks(RuntimeError):
 
 
 @dataclass
-class Sequence:
+class SeqBlocks:
     # block ids in position order
     table: list[int] = field(default_factory=list)
     # positions whose KV is valid
@@ -69,7 +69,7 @@ class BlockManager:
         self.by_key: dict[bytes, int] = {}
         self.free: deque[int] = deque()
         self.cached: OrderedDict[int, None] = OrderedDict()  # unreferenced keyed blocks, oldest first
-        self.seqs: dict[int, Sequence] = {}
+        self.seqs: dict[int, SeqBlocks] = {}
         self._next_seq = 0
         # counters: positions served from the prefix cache; cached blocks taken back for reuse
         self.hit_tokens = 0
@@ -150,7 +150,7 @@ class BlockManager:
     def new_seq(self, salt: bytes = b"") -> int:
         sid = self._next_seq
         self._next_seq += 1
-        self.seqs[sid] = Sequence(salt=hashlib.blake2b(salt, digest_size=16).digest())
+        self.seqs[sid] = SeqBlocks(salt=hashlib.blake2b(salt, digest_size=16).digest())
         return sid
 
     def free_seq(self, sid: int) -> None:
@@ -256,7 +256,7 @@ class BlockManager:
             raise ValueError(f"sequence {sid} holds {s.length} positions, not {n}")
         self._register(s)
 
-    def _register(self, s: Sequence) -> None:
+    def _register(self, s: SeqBlocks) -> None:
         if not self.prefix_cache:
             return
         for i in range(len(s.chain), s.length // self.size):
@@ -292,7 +292,7 @@ class BlockManager:
         self.hit_tokens += s.length
         return s.length
 
-    def slots(self, sid: int, start: int, end: int) -> list[int]:
+    def slot_mapping(self, sid: int, start: int, end: int) -> list[int]:
         """Pool rows (block * size + offset) of positions start .. end - 1."""
         t, z = self.seqs[sid].table, self.size
         return [t[p // z] * z + p % z for p in range(start, end)]

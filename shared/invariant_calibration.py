@@ -228,7 +228,7 @@ class _AttentionProbe:
         self.k = torch.randn(hk, rows, dk, generator=g).to(device, dtype)  # [Hk, rows, Dk]
         self.v = torch.randn(hk, rows, dv, generator=g).to(device, dtype)  # [Hk, rows, Dv]
         self.q = torch.randn(hq, n, dk, generator=g).to(device, dtype)  # [Hq, n, Dk]: seq's queries by position
-        mine = m.slots(self.seq, 0, n)
+        mine = m.slot_mapping(self.seq, 0, n)
         self._same_keys(self.copy, list(range(n)), mine)
         for t, base, _, _, path in self.trees:
             node_pos = {j: base + d for d, j in enumerate(path)}  # the path node at depth d + 1 sits at base + d
@@ -250,7 +250,7 @@ class _AttentionProbe:
 
     def _same_keys(self, s: int, offsets: list[int], rows: list[int]) -> None:
         """Copy `seq`'s keys and values (pool rows `rows`) to `s`'s storage `offsets` (shared blocks hold them)."""
-        dst = torch.tensor([self.m.slots(s, o, o + 1)[0] for o in offsets], device=self.device)
+        dst = torch.tensor([self.m.slot_mapping(s, o, o + 1)[0] for o in offsets], device=self.device)
         src = torch.tensor(rows, device=self.device)
         self.k[:, dst], self.v[:, dst] = self.k[:, src], self.v[:, src]
 
@@ -303,7 +303,7 @@ class _AttentionProbe:
         """Run `mine` (a chain row of `seq`'s queries) and the mates' `rows` (queries `qs`) as one forward, in a
         shuffled order; the first of mine's queries (at the positions `compared`, default all) whose result
         differs from a decode step's, or ""."""
-        pos = list(range(mine.past, mine.past + len(mine.ids)))
+        pos = list(range(mine.num_cached, mine.num_cached + len(mine.ids)))
         batch = [(mine, self.q[:, pos]), *zip(rows, qs, strict=True)]
         self.rand.shuffle(batch)
         out = self._attend([r for r, _ in batch], [q for _, q in batch])

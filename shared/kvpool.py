@@ -190,34 +190,34 @@ class KVPool:
         """A new empty sequence; `salt` separates prefix-cache tenants."""
         return self.manager.new_seq(salt)
 
-    def release(self, slot: int) -> None:
-        self.manager.free_seq(slot)
+    def release(self, seq_id: int) -> None:
+        self.manager.free_seq(seq_id)
 
-    def length(self, slot: int) -> int:
-        return self.manager.seqs[slot].length
+    def length(self, seq_id: int) -> int:
+        return self.manager.seqs[seq_id].length
 
-    def crop(self, slot: int, n: int) -> None:
-        """Keep the KV of the first n positions of `slot` (no-op when it holds fewer)."""
-        self.manager.crop(slot, n)
+    def crop(self, seq_id: int, n: int) -> None:
+        """Keep the KV of the first n positions of `seq_id` (no-op when it holds fewer)."""
+        self.manager.crop(seq_id, n)
 
-    def set_length(self, slot: int, n: int) -> None:
+    def set_length(self, seq_id: int, n: int) -> None:
         """The caller keeps the first n positions written (full blocks among them enter the prefix cache)."""
-        if slot in self.manager.seqs:
-            self.manager.set_length(slot, n)
+        if seq_id in self.manager.seqs:
+            self.manager.set_length(seq_id, n)
 
-    def match_prefix(self, slot: int, ids: list[int], limit: int) -> int:
+    def match_prefix(self, seq_id: int, ids: list[int], limit: int) -> int:
         """Reuse cached blocks for the start of `ids` (at most `limit` positions); returns how many."""
-        return self.manager.match_prefix(slot, ids, limit)
+        return self.manager.match_prefix(seq_id, ids, limit)
 
-    def keep_path(self, slot: int, start: int, src: list[int], tokens: list[int]) -> list[tuple[int, int]]:
+    def keep_path(self, seq_id: int, start: int, src: list[int], tokens: list[int]) -> list[tuple[int, int]]:
         """A tree's accepted path: the KV stored at offsets `src` (after `start`) moves to offsets 0, 1, ...
         (the positions the path holds, at which its keys were computed), and the sequence's tokens there
         become `tokens`. Returns the pool-row moves (a tensor-parallel rank applies them with `move_rows`);
         the caller then sets the length."""
         m = self.manager
-        rows = [(m.slots(slot, start + a, start + a + 1)[0], m.slots(slot, start + i, start + i + 1)[0])
+        rows = [(m.slot_mapping(seq_id, start + a, start + a + 1)[0], m.slot_mapping(seq_id, start + i, start + i + 1)[0])
                 for i, a in enumerate(src) if a != i]
-        m.rewrite(slot, start, tokens)
+        m.rewrite(seq_id, start, tokens)
         self.move_rows(rows)
         return rows
 
@@ -232,9 +232,9 @@ class KVPool:
 
     def blocks_needed(self, row: Row) -> int:
         m = self.manager
-        if row.slot not in m.seqs:
+        if row.seq_id not in m.seqs:
             return 0
-        return m.blocks_needed(row.slot, row.past, len(row.ids))
+        return m.blocks_needed(row.seq_id, row.num_cached, len(row.ids))
 
     @property
     def spare_row(self) -> int:
@@ -274,7 +274,7 @@ class KVPool:
         m = self.manager
         self.check_rows(rows)
         try:
-            copies = [c for r in rows if (c := m.prepare_write(r.slot, r.past, len(r.ids))) is not None]
+            copies = [c for r in rows if (c := m.prepare_write(r.seq_id, r.num_cached, len(r.ids))) is not None]
             self._fit(m.capacity)
             self._copy_blocks(copies)
             out = run(self, rows)
@@ -294,7 +294,7 @@ class KVPool:
     def check_rows(self, rows: list[Row]) -> None:
         """One forward's rows: each sequence once, and the KV blocks they need left (OutOfBlocks if not)."""
         m = self.manager
-        if len({r.slot for r in rows}) != len(rows):
+        if len({r.seq_id for r in rows}) != len(rows):
             raise ValueError("a sequence appears twice in one forward")
         need = sum(self.blocks_needed(r) for r in rows)
         if need > m.available():
@@ -308,7 +308,7 @@ class KVPool:
         copies = []
         try:
             for r in rows:
-                copy = m.prepare_write(r.slot, r.past, len(r.ids))
+                copy = m.prepare_write(r.seq_id, r.num_cached, len(r.ids))
                 if copy is not None:
                     copies.append(copy)
             batch = Batch.build(m, self.layout, self.invariant, self.max_positions, rows)
@@ -345,4 +345,4 @@ class KVPool:
     def commit(self, rows: list[Row]) -> None:
         """After `run`: each row's sequence holds its ids (length past + len(ids))."""
         for r in rows:
-            self.manager.extend(r.slot, list(r.ids))
+            self.manager.extend(r.seq_id, list(r.ids))

@@ -1,6 +1,6 @@
 """The attention of one paged forward: transformers' attention interface, pointed at the pool.
 
-The model's attention layers write their new K/V through the plan's slot mapping into the pool
+The model's attention layers write their new K/V through the plan's seq_id mapping into the pool
 (`PagedView.update`), then call `paged_attention` (registered with transformers' AttentionInterface and
 selected only for the duration of the forward): per call of the plan it gathers the rows' own keys from
 their blocks and runs scaled dot-product attention of their queries over them under the plan's masks.

@@ -46,7 +46,7 @@ def paged_invariance(target: Probed, max_rows: int, seed: int = 0) -> tuple[str,
     def rand(n: int) -> list[int]:
         return torch.randint(0, target.support, (n,), generator=g).tolist()
 
-    seqs: list[tuple[int, int]] = []  # (slot, committed length)
+    seqs: list[tuple[int, int]] = []  # (seq_id, committed length)
 
     def new(n: int) -> int:
         s = pool.allocate()
@@ -66,7 +66,7 @@ def paged_invariance(target: Probed, max_rows: int, seed: int = 0) -> tuple[str,
         def first_logits(rows: list[Row]) -> torch.Tensor:
             out = target.forward(rows)[0][0]  # [support]: row 0 is the probed sequence's, its first kept token
             for r in rows:
-                pool.crop(r.slot, lengths[r.slot])
+                pool.crop(r.seq_id, lengths[r.seq_id])
             return out
 
         ref = first_logits([Row(a, PROMPT, x[:1], 1)])

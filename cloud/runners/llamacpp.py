@@ -5,7 +5,7 @@ runner through what `TargetModel` offers: `forward(rows)` with each row's logits
 accepted path, and a pool whose block accounting (shared/blocks.py) admission and eviction read. Here the pool
 (`LlamaPool`) keeps that accounting as it is and holds the KV itself in one llama.cpp context:
 
-- a session's slot is a llama.cpp sequence id; crop is `seq_rm` past a length, release drops the sequence;
+- a session's seq_id is a llama.cpp sequence id; crop is `seq_rm` past a length, release drops the sequence;
 - a forward is one llama.cpp batch of every row's tokens, each at its position and in its row's sequence;
 - a tree row: each leaf of the tree gets a sequence of its own that shares the session's cells (`seq_cp` adds an
   id to cells, it copies nothing); a node joins the sequences of every leaf below it and attends through its
@@ -94,10 +94,10 @@ class LlamaPool(KVPool):
         self.n_ctx = blocks * block_size + max_batch_tokens
         self.ctx = GGUFContext(model, self.n_ctx, MAX_SEQS, threads, n_batch=min(max_batch_tokens, 512),
                                n_ubatch=n_ubatch)
-        self._seq: dict[int, int] = {}  # slot -> llama.cpp sequence
+        self._seq: dict[int, int] = {}  # seq_id -> llama.cpp sequence
         self._free = list(range(SESSION_SEQS - 1, -1, -1))
         self._leaf_free = list(range(MAX_SEQS - 1, SESSION_SEQS - 1, -1))
-        self._trees: dict[int, dict[int, int]] = {}  # slot -> the leaf sequence each node of its tree reads
+        self._trees: dict[int, dict[int, int]] = {}  # seq_id -> the leaf sequence each node of its tree reads
 
     def prepare(self, model: object) -> None:
         return None
@@ -118,32 +118,32 @@ class LlamaPool(KVPool):
         self._seq[sid] = self._free.pop()
         return sid
 
-    def release(self, slot: int) -> None:
-        self.manager.free_seq(slot)
-        self._drop_tree(slot)
-        seq = self._seq.pop(slot, None)
+    def release(self, seq_id: int) -> None:
+        self.manager.free_seq(seq_id)
+        self._drop_tree(seq_id)
+        seq = self._seq.pop(seq_id, None)
         if seq is not None:
             self.ctx.seq_rm(seq)
             self._free.append(seq)
 
-    def crop(self, slot: int, n: int) -> None:
-        self.manager.crop(slot, n)
-        self._cut(slot, n)
+    def crop(self, seq_id: int, n: int) -> None:
+        self.manager.crop(seq_id, n)
+        self._cut(seq_id, n)
 
-    def set_length(self, slot: int, n: int) -> None:
-        if slot in self.manager.seqs:
-            self.manager.set_length(slot, n)
-            self._cut(slot, n)
+    def set_length(self, seq_id: int, n: int) -> None:
+        if seq_id in self.manager.seqs:
+            self.manager.set_length(seq_id, n)
+            self._cut(seq_id, n)
 
-    def _cut(self, slot: int, n: int) -> None:
-        self._drop_tree(slot)
-        if slot in self._seq:
-            self.ctx.seq_rm(self._seq[slot], n, -1)
+    def _cut(self, seq_id: int, n: int) -> None:
+        self._drop_tree(seq_id)
+        if seq_id in self._seq:
+            self.ctx.seq_rm(self._seq[seq_id], n, -1)
 
-    def match_prefix(self, slot: int, ids: list[int], limit: int) -> int:
+    def match_prefix(self, seq_id: int, ids: list[int], limit: int) -> int:
         return 0  # no prefix sharing across sessions on this runner
 
-    def keep_path(self, slot: int, start: int, src: list[int], tokens: list[int]) -> list[tuple[int, int]]:
+    def keep_path(self, seq_id: int, start: int, src: list[int], tokens: list[int]) -> list[tuple[int, int]]:
         """The accepted path joins the session's sequence at positions start .. start + len(src) - 1; every leaf
         of the tree goes.
 
@@ -153,15 +153,15 @@ class LlamaPool(KVPool):
         the first node that is not, dropped nodes' cells lie between the path's own and the next tokens would take
         them below the path's last nodes, so the rest of the path is decoded again as a chain into the cells the
         tree freed (the same kernel path, so the same K and V bits; about one verify row a token)."""
-        self.manager.rewrite(slot, start, tokens)
-        if slot not in self._trees:  # a tree of one branch, forwarded as the chain it is (cloud/engine.py): its
+        self.manager.rewrite(seq_id, start, tokens)
+        if seq_id not in self._trees:  # a tree of one branch, forwarded as the chain it is (cloud/engine.py): its
             return []  # nodes are the session's own cells already, in position order; the commit crops the rest
-        leaf_of = self._trees[slot]
-        seq = self._seq[slot]
+        leaf_of = self._trees[seq_id]
+        seq = self._seq[seq_id]
         kept = next((i for i, j in enumerate(src) if i != j), len(src))
         if kept:
             self.ctx.seq_cp(leaf_of[src[kept - 1]], seq, start, start + kept)
-        self._drop_tree(slot)
+        self._drop_tree(seq_id)
         if kept < len(src):
             self.ctx.decode([Token(t, start + i, (seq,), False) for i, t in enumerate(tokens) if i >= kept])
         return []
@@ -169,8 +169,8 @@ class LlamaPool(KVPool):
     def move_rows(self, moves: list[tuple[int, int]]) -> None:
         return None
 
-    def _drop_tree(self, slot: int) -> None:
-        for leaf in set(self._trees.pop(slot, {}).values()):
+    def _drop_tree(self, seq_id: int) -> None:
+        for leaf in set(self._trees.pop(seq_id, {}).values()):
             self.ctx.seq_rm(leaf)
             self._leaf_free.append(leaf)
 
@@ -195,18 +195,18 @@ class LlamaPool(KVPool):
         keeps = []
         try:
             for r in rows:
-                m.prepare_write(r.slot, r.past, len(r.ids))
-                self._cut(r.slot, r.past)
+                m.prepare_write(r.seq_id, r.num_cached, len(r.ids))
+                self._cut(r.seq_id, r.num_cached)
                 tokens += self._tokens(r)
                 keeps.append(r.keep)
             logits = self.ctx.decode(tokens)  # [sum of keeps, vocab]
         except BaseException:
             m.undo_writes()
             for r in rows:
-                self._cut(r.slot, r.past)
+                self._cut(r.seq_id, r.num_cached)
             raise
         for r in rows:
-            m.extend(r.slot, list(r.ids))
+            m.extend(r.seq_id, list(r.ids))
         out, i = [], 0
         for keep in keeps:
             out.append(logits[i: i + keep])  # [keep, vocab]
@@ -214,7 +214,7 @@ class LlamaPool(KVPool):
         return out
 
     def _tokens(self, r: Row) -> list[Token]:
-        seq = self._seq[r.slot]
+        seq = self._seq[r.seq_id]
         pos = r.positions()
         n = len(r.ids)
         if not r.tree:
@@ -230,8 +230,8 @@ class LlamaPool(KVPool):
             while at >= 0:
                 under[at].append(s)
                 at = parents[at]
-        self._trees[r.slot] = {j: under[j][0] for j in range(len(parents))}
-        first_node = r.tree_base - r.past  # this row's ids: the rest of S', then every node
+        self._trees[r.seq_id] = {j: under[j][0] for j in range(len(parents))}
+        first_node = r.tree_base - r.num_cached  # this row's ids: the rest of S', then every node
         out = []
         for i, t in enumerate(r.ids):
             seqs = (seq, *leaf_seq.values()) if i < first_node else tuple(under[i - first_node])
@@ -302,9 +302,9 @@ class LlamaTarget:
             out = [x[:, : self.support] for x in out]  # [keep, support]
         return out
 
-    def keep_path(self, slot: int, start: int, src: list[int], tokens: list[int]) -> None:
+    def keep_path(self, seq_id: int, start: int, src: list[int], tokens: list[int]) -> None:
         assert self.pool is not None
-        self.pool.keep_path(slot, start, src, tokens)
+        self.pool.keep_path(seq_id, start, src, tokens)
 
     def hidden_of(self, row: Row) -> torch.Tensor | None:
         return None

@@ -276,16 +276,16 @@ class TargetModel:
                         "no longer promised to be the same across batch shapes", self.device, failure)
         return not failure
 
-    def keep_path(self, slot: int, start: int, src: list[int], tokens: list[int]) -> None:
+    def keep_path(self, seq_id: int, start: int, src: list[int], tokens: list[int]) -> None:
         """A token tree's accepted path moves to the positions it holds (`KVPool.keep_path`); every rank of a
         tensor-parallel group moves the same rows of its share of the KV heads."""
         if self.group is None:
-            self.pool.keep_path(slot, start, src, tokens)
+            self.pool.keep_path(seq_id, start, src, tokens)
             return
         from cloud.runners.tensor_parallel import Op
 
         with self.group.lock, self.group.watch:
-            moves = self.pool.keep_path(slot, start, src, tokens)
+            moves = self.pool.keep_path(seq_id, start, src, tokens)
             if moves:
                 self.group.send(Op("move", moves=moves))
 

@@ -1,6 +1,6 @@
 """Model drafter: a small causal LM proposes k sampled tokens with their processed q.
 
-State by position: `_ids` are the tokens whose KV is in the drafter's one-slot `KVPool` (the
+State by position: `_ids` are the tokens whose KV is in the drafter's one-seq_id `KVPool` (the
 cloud's KV layout, shared/kvpool.py: sliding-window models roll back like any other, recurrent
 ones are refused at load). Each `propose(S, k)` crops the KV to the longest common prefix of
 `_ids` and S and feeds the rest of S: normally one token (the round's correction), two when all
@@ -202,7 +202,7 @@ class CausalDrafter:
 
 
 class ModelDrafter(CausalDrafter):
-    """A Hugging Face causal LM in PyTorch, its KV in a one-slot KVPool (shared/kvpool.py)."""
+    """A Hugging Face causal LM in PyTorch, its KV in a one-sequence KVPool (shared/kvpool.py)."""
 
     def __init__(self, model_dir: str | Path, device: str = "cpu", mc_dropout_samples: int = 0,
                  dtype: torch.dtype = torch.float32, invariant: bool | None = None) -> None:
@@ -261,7 +261,7 @@ class ModelDrafter(CausalDrafter):
 
     def reset(self) -> None:
         self._pool = self._new_pool()
-        self._slot = self._pool.allocate()
+        self._seq_id = self._pool.allocate()
         self._ids = []
 
     def fork(self) -> ModelDrafter:
@@ -277,7 +277,7 @@ class ModelDrafter(CausalDrafter):
         ids = [int(t) for t in tokens]
         step = FEED_ROWS if self.invariant else max(len(ids), 1)
         for lo in range(0, len(ids), step):
-            row = Row(self._slot, len(self._ids), ids[lo: lo + step], keep=1)
+            row = Row(self._seq_id, len(self._ids), ids[lo: lo + step], keep=1)
             (logits,) = self._pool.forward(self.model, [row])  # [1, rows]
             self._ids.extend(row.ids)
         return self._spread(logits[-1])  # [vocab]
@@ -291,16 +291,16 @@ class ModelDrafter(CausalDrafter):
         return logits[..., : self.vocab_size]
 
     def _crop(self, n: int) -> None:
-        self._pool.crop(self._slot, n)
+        self._pool.crop(self._seq_id, n)
 
     def _tree_level(self, base: int, tree: list[int], tokens: list[int]) -> torch.Tensor:
-        row = Row(self._slot, base + len(tree) - len(tokens), tokens, keep=len(tokens), tree=tuple(tree),
+        row = Row(self._seq_id, base + len(tree) - len(tokens), tokens, keep=len(tokens), tree=tuple(tree),
                   tree_base=base)
         (logits,) = self._pool.forward(self.model, [row])  # [w, rows]
         return self._spread(logits)  # [w, vocab]
 
     def _drop_tree(self, base: int) -> None:
-        self._pool.crop(self._slot, base)
+        self._pool.crop(self._seq_id, base)
 
     @torch.no_grad()
     def _mc_dropout_variance(self, context: Sequence[int], tokens: Sequence[int]) -> list[float]:

@@ -48,15 +48,15 @@ class FnJob(Job[T]):
 
 
 class ChunkedPrefill(Job[float]):
-    """A prompt of `n` tokens on `slot`, in chunks of the budget it is given; answers 1.0."""
+    """A prompt of `n` tokens on `seq_id`, in chunks of the budget it is given; answers 1.0."""
 
-    def __init__(self, slot: int, n: int, owner: str = "") -> None:
+    def __init__(self, seq_id: int, n: int, owner: str = "") -> None:
         super().__init__(PREFILL, owner=owner)
-        self.slot, self.n, self.done = slot, n, 0
+        self.seq_id, self.n, self.done = seq_id, n, 0
         self.row: Row | None = None
 
     def plan(self, budget: int) -> Row:
-        self.row = Row(self.slot, self.done, [1] * min(budget, self.n - self.done), 0)
+        self.row = Row(self.seq_id, self.done, [1] * min(budget, self.n - self.done), 0)
         return self.row
 
     def finish(self, logits: Any, ms: float) -> float | Pending:

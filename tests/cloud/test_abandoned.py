@@ -106,7 +106,7 @@ def test_an_open_cancelled_while_queued_leaves_the_queue_unprefilled(
         await blocker
         with pytest.raises(asyncio.CancelledError):
             await task
-        await svc.scheduler.run(lambda: None)  # the slot release ran (between batches)
+        await svc.scheduler.run(lambda: None)  # the sequence release ran (between batches)
         assert svc.model.pool.manager.seqs == {}
 
     asyncio.run(main())

@@ -44,14 +44,14 @@ def prompt(tiny_pair: tuple[Path, Path]) -> list[int]:
 
 def open_session(model: TargetModel, prompt: list[int], cfg: SamplingConfig, seed: int,
                  correction: str = "strict") -> Session:
-    """A session whose slot holds the KV of prompt[:-1], prefilled in chunks of 4 tokens."""
+    """A session whose sequence holds the KV of prompt[:-1], prefilled in chunks of 4 tokens."""
     pre = Prefill(prompt[:-1], chunk=4)
     while (row := pre.plan(model.pool)) is not None:
         model.forward([row])
         if pre.advance(model.pool):
             break
     return Session(ctx_id=f"s{seed}-{correction}", owner="", sampling_cfg=cfg, seed=seed, correction=correction,
-                   max_new_tokens=0, prompt_len=len(prompt), context=Context.of(prompt), slot=pre.slot,
+                   max_new_tokens=0, prompt_len=len(prompt), context=Context.of(prompt), seq_id=pre.seq_id,
                    kv_bytes_per_token=model.kv_bytes_per_token, last_used=0.0, created=0.0, kv_len=pre.done)
 
 
@@ -66,7 +66,7 @@ def run_round(model: TargetModel, s: Session, req: Any, q: torch.Tensor | None) 
         (logits,) = model.forward([plan.row])  # type: ignore[union-attr]
         return finish_round(model, s, req, q, plan, logits, (time.monotonic() - t0) * 1000, replay_keep=8)  # type: ignore[arg-type]
     except BaseException:
-        s.set_kv_len(model.pool, min(s.kv_len, plan.past))  # type: ignore[union-attr]
+        s.set_kv_len(model.pool, min(s.kv_len, plan.num_cached))  # type: ignore[union-attr]
         raise
 
 

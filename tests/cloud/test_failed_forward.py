@@ -78,9 +78,9 @@ def resend_tail(ctx_id: str, ids: list[int], drafts: list[int]) -> VerifyRequest
     return req
 
 
-def session_kv(svc: VerifierService, slot: int, n: int) -> list[torch.Tensor]:
+def session_kv(svc: VerifierService, seq_id: int, n: int) -> list[torch.Tensor]:
     pool = svc.model.pool
-    rows = torch.tensor(pool.manager.slots(slot, 0, n))
+    rows = torch.tensor(pool.manager.slot_mapping(seq_id, 0, n))
     return [t[:, rows].clone() for t in (*pool.keys, *pool.values)]
 
 
@@ -95,14 +95,14 @@ def test_a_forward_failing_at_any_stage_leaves_the_session_and_its_next_rounds_e
         ctx_id = (await svc.open_session(OpenSessionRequest(prompt, GREEDY), "")).ctx_id
         s = svc.store.get(ctx_id, "")
         m = svc.model.pool.manager
-        assert s.slot is not None and s.kv_len == 32 and m.key_of[m.seqs[s.slot].table[1]] is not None
-        before = session_kv(svc, s.slot, 28)
+        assert s.seq_id is not None and s.kv_len == 32 and m.key_of[m.seqs[s.seq_id].table[1]] is not None
+        before = session_kv(svc, s.seq_id, 28)
         with monkeypatch.context() as mp:
             STAGES[stage](mp)
             with pytest.raises(Injected):
                 await svc.verify(resend_tail(ctx_id, prompt, truth[:2]), "", 2)
         assert s.context.ids == tuple(prompt)
-        assert all(torch.equal(a, b) for a, b in zip(session_kv(svc, s.slot, 28), before, strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(session_kv(svc, s.seq_id, 28), before, strict=True))
         m.check()
         ctx = list(prompt)
         for _ in range(3):  # the next rounds give the target's greedy text

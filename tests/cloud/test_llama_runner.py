@@ -50,24 +50,24 @@ def reference(target_dir: Path):  # type: ignore[no-untyped-def]
 
 def test_a_chain_row_gives_the_targets_logits(runner: LlamaTarget, reference) -> None:  # type: ignore[no-untyped-def]
     assert runner.pool is not None
-    slot = runner.pool.allocate()
-    (out,) = runner.forward([Row(slot, 0, CTX, keep=3)])  # [3, vocab]
+    seq_id = runner.pool.allocate()
+    (out,) = runner.forward([Row(seq_id, 0, CTX, keep=3)])  # [3, vocab]
     for i in range(3):
         assert (out[i] - reference(CTX[: len(CTX) - 2 + i])).abs().max() < TOL
-    assert runner.pool.length(slot) == len(CTX)
+    assert runner.pool.length(seq_id) == len(CTX)
 
 
 def test_tree_nodes_see_their_path_and_the_kept_path_serves_the_next_round(
         runner: LlamaTarget, reference) -> None:  # type: ignore[no-untyped-def]
     pool = runner.pool
     assert pool is not None
-    slot = pool.allocate()
-    runner.forward([Row(slot, 0, CTX[:-1], keep=0)])
+    seq_id = pool.allocate()
+    runner.forward([Row(seq_id, 0, CTX[:-1], keep=0)])
     L = len(CTX)
     parents = (-1, 0, 0, 1, 1, 2, 3)
     nodes = [11, 12, 13, 14, 15, 16, 17]
     assert leaves_of(parents) == [4, 5, 6]
-    (out,) = runner.forward([Row(slot, L - 1, [CTX[-1]] + nodes, keep=len(nodes) + 1, tree=parents, tree_base=L)])
+    (out,) = runner.forward([Row(seq_id, L - 1, [CTX[-1]] + nodes, keep=len(nodes) + 1, tree=parents, tree_base=L)])
     assert (out[0] - reference(CTX)).abs().max() < TOL
     for j in range(len(nodes)):
         path: list[int] = []
@@ -77,10 +77,10 @@ def test_tree_nodes_see_their_path_and_the_kept_path_serves_the_next_round(
             at = parents[at]
         assert (out[1 + j] - reference(CTX + path)).abs().max() < TOL
     free = pool.tree_seqs_free
-    runner.keep_path(slot, L, [0, 1, 3], [11, 12, 14])  # the path 11 -> 12 -> 14
-    pool.set_length(slot, L + 3)
+    runner.keep_path(seq_id, L, [0, 1, 3], [11, 12, 14])  # the path 11 -> 12 -> 14
+    pool.set_length(seq_id, L + 3)
     assert pool.tree_seqs_free == free + 3  # the leaves went back
-    (nxt,) = runner.forward([Row(slot, L + 3, [99], keep=1)])
+    (nxt,) = runner.forward([Row(seq_id, L + 3, [99], keep=1)])
     assert (nxt[0] - reference(CTX + [11, 12, 14, 99])).abs().max() < TOL
 
 
@@ -95,11 +95,11 @@ def test_sessions_in_one_batch_do_not_see_each_other(runner: LlamaTarget, refere
 
 def test_crop_then_refeed_equals_a_fresh_encode(runner: LlamaTarget, reference) -> None:  # type: ignore[no-untyped-def]
     assert runner.pool is not None
-    slot = runner.pool.allocate()
-    runner.forward([Row(slot, 0, CTX, keep=1)])
-    runner.pool.crop(slot, 4)
-    assert runner.pool.length(slot) == 4
-    (out,) = runner.forward([Row(slot, 4, [500, 501], keep=1)])
+    seq_id = runner.pool.allocate()
+    runner.forward([Row(seq_id, 0, CTX, keep=1)])
+    runner.pool.crop(seq_id, 4)
+    assert runner.pool.length(seq_id) == 4
+    (out,) = runner.forward([Row(seq_id, 4, [500, 501], keep=1)])
     assert (out[0] - reference(CTX[:4] + [500, 501])).abs().max() < TOL
 
 
@@ -130,12 +130,12 @@ def test_a_kept_path_past_dropped_nodes_serves_the_next_round_with_a_chains_bits
     runner.forward([Row(chain, 0, CTX[:-1], keep=0)])
     runner.forward([Row(chain, L - 1, [CTX[-1], 11, 13, 16], keep=0)])
     (want,) = runner.forward([Row(chain, L + 3, [99, 98], keep=2)])  # [2, vocab]
-    slot = pool.allocate()
-    runner.forward([Row(slot, 0, CTX[:-1], keep=0)])
-    runner.forward([Row(slot, L - 1, [CTX[-1]] + nodes, keep=len(nodes) + 1, tree=parents, tree_base=L)])
-    runner.keep_path(slot, L, [0, 2, 5], [11, 13, 16])
-    pool.set_length(slot, L + 3)
-    (got,) = runner.forward([Row(slot, L + 3, [99, 98], keep=2)])  # [2, vocab]
+    seq_id = pool.allocate()
+    runner.forward([Row(seq_id, 0, CTX[:-1], keep=0)])
+    runner.forward([Row(seq_id, L - 1, [CTX[-1]] + nodes, keep=len(nodes) + 1, tree=parents, tree_base=L)])
+    runner.keep_path(seq_id, L, [0, 2, 5], [11, 13, 16])
+    pool.set_length(seq_id, L + 3)
+    (got,) = runner.forward([Row(seq_id, L + 3, [99, 98], keep=2)])  # [2, vocab]
     assert torch.equal(got, want)
 
 
@@ -149,12 +149,12 @@ def test_a_one_branch_tree_run_as_a_chain_keeps_its_path_in_place(runner: LlamaT
     runner.forward([Row(chain, 0, CTX[:-1], keep=0)])
     runner.forward([Row(chain, L - 1, [CTX[-1], 11, 12], keep=0)])
     (want,) = runner.forward([Row(chain, L + 2, [99, 98], keep=2)])  # [2, vocab]
-    slot = pool.allocate()
-    runner.forward([Row(slot, 0, CTX[:-1], keep=0)])
-    runner.forward([Row(slot, L - 1, [CTX[-1], 11, 12, 13], keep=4)])  # nodes 0 -> 1 -> 2, node 2 rejected
-    runner.keep_path(slot, L, [0, 1], [11, 12])
-    pool.set_length(slot, L + 2)
-    (got,) = runner.forward([Row(slot, L + 2, [99, 98], keep=2)])
+    seq_id = pool.allocate()
+    runner.forward([Row(seq_id, 0, CTX[:-1], keep=0)])
+    runner.forward([Row(seq_id, L - 1, [CTX[-1], 11, 12, 13], keep=4)])  # nodes 0 -> 1 -> 2, node 2 rejected
+    runner.keep_path(seq_id, L, [0, 1], [11, 12])
+    pool.set_length(seq_id, L + 2)
+    (got,) = runner.forward([Row(seq_id, L + 2, [99, 98], keep=2)])
     assert torch.equal(got, want)
 
 
@@ -169,13 +169,13 @@ def test_sixteen_sessions_of_trees_share_the_context_and_give_their_sequences_ba
     assert pool is not None
     rng = random.Random(0)
     texts = {pool.allocate(): [rng.randrange(1, 400) for _ in range(rng.randrange(20, 60))] for _ in range(16)}
-    runner.forward([Row(slot, 0, ids, keep=1) for slot, ids in texts.items()])  # > one batch of n_batch
+    runner.forward([Row(seq_id, 0, ids, keep=1) for seq_id, ids in texts.items()])  # > one batch of n_batch
     free = pool.tree_seqs_free
     for _ in range(3):
         rows, left = [], pool.tree_seqs_free
-        for slot, ids in texts.items():
+        for seq_id, ids in texts.items():
             parents = (-1, *(rng.randrange(j) for j in range(1, 24)))
-            row = Row(slot, len(ids) - 1, [ids[-1]] + [rng.randrange(1, 400) for _ in parents],
+            row = Row(seq_id, len(ids) - 1, [ids[-1]] + [rng.randrange(1, 400) for _ in parents],
                       keep=len(parents) + 1, tree=parents, tree_base=len(ids))
             if pool.tree_seqs(row) <= left:
                 rows.append(row)
@@ -190,12 +190,12 @@ def test_sixteen_sessions_of_trees_share_the_context_and_give_their_sequences_ba
                 path.insert(0, at)
                 at = r.tree[at]
             tokens = [r.ids[1 + j] for j in path]
-            runner.keep_path(r.slot, r.tree_base, path, tokens)
-            pool.set_length(r.slot, r.tree_base + len(path))
-            texts[r.slot] += tokens
+            runner.keep_path(r.seq_id, r.tree_base, path, tokens)
+            pool.set_length(r.seq_id, r.tree_base + len(path))
+            texts[r.seq_id] += tokens
         assert pool.tree_seqs_free == free
-    slot, ids = next(iter(texts.items()))
-    (out,) = runner.forward([Row(slot, len(ids), [99], keep=1)])
+    seq_id, ids = next(iter(texts.items()))
+    (out,) = runner.forward([Row(seq_id, len(ids), [99], keep=1)])
     assert (out[0] - reference(ids + [99])).abs().max() < TOL
 
 

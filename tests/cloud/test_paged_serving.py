@@ -234,7 +234,7 @@ def test_decode_steps_and_rounds_go_first_and_prefills_fill_the_rest() -> None:
             FnJob(lambda _: Row(11, 9, [3] * 5, 5), lambda _, __: 3.0, kind=ROUND)]
     got = run_queued_together(jobs, calls, max_batch_tokens=32)
     first = got[0]
-    assert [r.slot for r in first[:2]] == [10, 11]  # the decode step and the round, before any prefill
+    assert [r.seq_id for r in first[:2]] == [10, 11]  # the decode step and the round, before any prefill
     assert sum(len(r.ids) for r in first) == 32 and all(r.keep == 0 for r in first[2:])
     assert all(sum(len(r.ids) for r in c) <= 32 for c in got)
 
@@ -292,7 +292,7 @@ def test_an_open_that_matches_cached_blocks_cannot_take_the_blocks_a_round_was_p
         p = await svc.open_session(OpenSessionRequest(cached_prompt, GREEDY), "")
         svc.close_session(p.ctx_id, "")
         a = await svc.open_session(OpenSessionRequest(a_prompt, GREEDY), "")
-        await asyncio.sleep(0.05)  # the closed session's slot is released on the model thread
+        await asyncio.sleep(0.05)  # the closed session's sequence is released on the model thread
         m = svc.model.pool.manager
         assert len(m.cached) == 2 and m.available() == 2
         truth = greedy_continuation(tiny_reference, a_prompt, 4)
@@ -344,7 +344,7 @@ def test_a_forward_with_rounds_gives_prefills_only_their_share() -> None:
     calls: list[list[Row]] = []
     jobs = [ChunkedPrefill(1, 600), FnJob(lambda _: Row(2, 9, [3] * 5, 5), lambda _, __: 3.0, kind=ROUND)]
     run_queued_together(jobs, calls, max_batch_tokens=256, max_prefill_tokens_with_rounds=32)
-    assert [(r.slot, len(r.ids)) for r in calls[0]] == [(2, 5), (1, 32)]
+    assert [(r.seq_id, len(r.ids)) for r in calls[0]] == [(2, 5), (1, 32)]
     assert [len(c[0].ids) for c in calls[1:]] == [256, 256, 56]
 
 

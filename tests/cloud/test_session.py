@@ -29,7 +29,7 @@ def test_cut_and_extend_is_a_new_context_and_leaves_the_old_one() -> None:
 
 def _session() -> Session:
     return Session(ctx_id="x", owner="", sampling_cfg=SamplingConfig(), seed=0, correction="strict",
-                   max_new_tokens=0, prompt_len=1, context=Context.of([1]), slot=None, kv_bytes_per_token=1,
+                   max_new_tokens=0, prompt_len=1, context=Context.of([1]), seq_id=None, kv_bytes_per_token=1,
                    last_used=0.0, created=0.0)
 
 

@@ -14,7 +14,7 @@ from tests.cloud.conftest import FakeClock
 def session(ctx_id: str, kv_len: int, clock: FakeClock, owner: str = "") -> Session:
     return Session(ctx_id=ctx_id, owner=owner, sampling_cfg=SamplingConfig(), seed=0, correction="strict",
                    max_new_tokens=0, prompt_len=kv_len + 1, context=Context.of([1] * (kv_len + 1)),
-                   slot=0, kv_len=kv_len, kv_bytes_per_token=10, last_used=clock(), created=clock())
+                   seq_id=0, kv_len=kv_len, kv_bytes_per_token=10, last_used=clock(), created=clock())
 
 
 def store(clock: FakeClock, **kw: int | float) -> tuple[SessionStore, list[tuple[str, str]]]:

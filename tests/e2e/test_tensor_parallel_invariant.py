@@ -48,8 +48,8 @@ class GroupPool:
     def forward(self, _model: Any, rows: list[Any]) -> list[torch.Tensor]:
         return self.target.forward(rows)  # type: ignore[no-any-return]
 
-    def keep_path(self, slot: int, start: int, src: list[int], tokens: list[int]) -> None:
-        self.target.keep_path(slot, start, src, tokens)
+    def keep_path(self, seq_id: int, start: int, src: list[int], tokens: list[int]) -> None:
+        self.target.keep_path(seq_id, start, src, tokens)
 
     def __getattr__(self, name: str) -> Any:  # allocate, release, set_length: rank 0's block manager
         return getattr(self.target.pool, name)

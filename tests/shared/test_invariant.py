@@ -72,7 +72,7 @@ def chained(model: Any, pool: KVPool, seq: list[int], g: random.Random, vocab: i
                 lengths[j] += size
         g.shuffle(rows)
         result = pool.forward(model, rows)
-        out.extend(result[[r.slot for r in rows].index(a)])
+        out.extend(result[[r.seq_id for r in rows].index(a)])
     for s in (a, *mates):
         pool.release(s)
     return out
@@ -104,7 +104,7 @@ def treed(model: Any, pool: KVPool, seq: list[int], g: random.Random, vocab: int
             rows.append(Row(mate, mate_len, [g.randrange(vocab) for _ in range(5)], 2))
             mate_len += 5
         g.shuffle(rows)
-        logits = pool.forward(model, rows)[[r.slot for r in rows].index(a)]
+        logits = pool.forward(model, rows)[[r.seq_id for r in rows].index(a)]
         out.extend(logits[: base - past])
         out.extend(logits[base - past + j] for j in path)
         pool.keep_path(a, base, path, seq[base: base + depth])
