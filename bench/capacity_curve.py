@@ -12,7 +12,7 @@ own greedy text of the prompt; 32 nodes, 4 wide, 8 deep, no copy branches), kept
 results so a rerun skips it. Greedy verification is deterministic, so a replayed edge cuts the tree at its position
 to its policy's size (a chain: the draft's greedy path; a tree: its n most valuable nodes) and knows what the cloud
 must answer: the reference's next tokens. The "edge" and "adaptive" edges rank and choose n as the edge does
-(edge/treecontrol.py: nodes by the session's acceptance by q, n from the answers' times), adaptive capped by
+(edge/policy/tree.py: nodes by the session's acceptance by q, n from the answers' times), adaptive capped by
 each answer's node_budget; every level runs every prompt at least once (one session runs them one after another).
 A worker is one device: its sessions run one after another, and each starts from the tree controller its last one
 left (TreeControl.carry, as one edge client's sessions do), so at 16 sessions and more each starts fresh. Each row
@@ -120,7 +120,7 @@ async def speculative(stub: Any, table: Table, policy: str, n_new: int, last: An
     """One replayed edge: open, rounds cut from the position's tree by `policy`, close; `last`: the same
     worker's previous session's tree controller."""
     from edge.drafters.base import DraftBlock
-    from edge.treecontrol import TreeControl
+    from edge.policy.tree import TreeControl
     from shared.hashing import ctx_hash
     from shared.pb import verify_pb2 as pb
 

@@ -1,5 +1,5 @@
 """The capacity curve's recorded trees replayed offline: tokens and target rows a verify round for fixed shapes and
-for the edge's own count (edge/treecontrol.py), with no cloud. Greedy verification is deterministic, so a round's
+for the edge's own count (edge/policy/tree.py), with no cloud. Greedy verification is deterministic, so a round's
 accepted nodes are the longest path matching the reference text; its cost is priced as `base + row x rows` (the
 cloud's fit). Reads bench/results/capacity_curve_trees.json, which `specsplit-bench --only capacity-curve` leaves.
 
@@ -20,7 +20,7 @@ from typing import Any
 from bench.capacity_curve import cut
 from bench.cloud_proc import REPO
 from edge.drafters.base import DraftBlock
-from edge.treecontrol import TreeControl
+from edge.policy.tree import TreeControl
 from shared.node_value import NodeCalibration
 from shared.tree import depths
 

@@ -6,7 +6,7 @@ The real pair (SmolLM2-135M-Instruct, the edge's default drafts), greedy, the fi
 bench/real_pair.py, through our delay proxy (bench/delay_proxy.py: half the round trip each way). Per round
 trip, one client per way, its drafts loaded and the cloud's model info read before the first prompt:
 - cloud_only: the cloud's own streamed `/v1/generate` (one request for the whole text);
-- defaults: speculation with the switch to streaming on the session (edge/waycontrol.py, objective latency);
+- defaults: speculation with the switch to streaming on the session (edge/policy/stream.py, objective latency);
 - `--objective cloud`: the switch minimising the cloud's forward time per token;
 - `--no-stream-switch`: speculation alone (what the defaults were before the switch).
 Decode tokens/s: the tokens after the first over the time after the first, summed over the prompts (the first

@@ -28,12 +28,12 @@ import torch
 
 from cloud.admission import Admission
 from cloud.engine import RoundLimits, check_ids
+from cloud.idempotent_opens import OpenJoiner
 from cloud.jobs import BatchStats, Job
 from cloud.kv_room import KvRoom
 from cloud.metrics import CloudMetrics
 from cloud.node_budget import NodeBudget
 from cloud.numerics import matrix_units, numerics, weights_fingerprint
-from cloud.opens import OpenJoiner
 from cloud.runners import Runner, TreeSeqPool
 from cloud.scheduler import Scheduler
 from cloud.session import Session
@@ -47,7 +47,7 @@ from shared.rows import Row
 
 # the service's log lines keep the logger name they have always had
 log = logging.getLogger("cloud.service")
-# seconds an answered open stays joinable by a retry with the same request id (cloud/opens.py)
+# seconds an answered open stays joinable by a retry with the same request id (cloud/idempotent_opens.py)
 OPEN_JOIN_S = 60.0
 
 

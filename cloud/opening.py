@@ -1,6 +1,6 @@
 """Opening a session: the checks, then the prompt's prefill in chunks on the model thread.
 
-With a `request_id` (the call's X-Request-Id) a retry joins the first attempt (cloud/opens.py); without,
+With a `request_id` (the call's X-Request-Id) a retry joins the first attempt (cloud/idempotent_opens.py); without,
 an open whose caller goes away leaves the queue (or stops after its chunk in progress) and leaves nothing
 behind. The limits count the opens already admitted, before any compute (cloud/admission.py).
 """
@@ -27,7 +27,7 @@ CORRECTIONS = ("strict", "shortcut")
 
 
 async def open_session(core: ServiceCore, req: OpenSessionRequest, owner: str, request_id: str = "") -> SessionInfo:
-    """A new session; a retry with the same `request_id` joins the first attempt (cloud/opens.py)."""
+    """A new session; a retry with the same `request_id` joins the first attempt (cloud/idempotent_opens.py)."""
     check_open(core, req)
     if request_id:
         return await core.opens.join(owner, request_id, req, lambda: open_new(core, req, owner),

@@ -184,7 +184,7 @@ def create_app(service: VerifierService) -> FastAPI:
                            ) -> dict[str, Any] | Response:
         req = OpenSessionRequest(body.prompt_ids, body.sampling_cfg.to_cfg(), body.seed, body.correction,
                                  body.max_new_tokens, body.feature_encoding, body.feature_window)
-        rid = CURRENT.get()  # with one, a retry joins this open (cloud/opens.py)
+        rid = CURRENT.get()  # with one, a retry joins this open (cloud/idempotent_opens.py)
         task = asyncio.ensure_future(service.open_session(req, who, rid))
         if await _done_before_disconnect(request, task) and not await request.is_disconnected():
             info = task.result()

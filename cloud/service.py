@@ -39,7 +39,7 @@ class VerifierService(ServiceCore):
     # --- sessions -----------------------------------------------------------------------------
     async def open_session(self, req: OpenSessionRequest, owner: str, request_id: str = "") -> SessionInfo:
         """A new session. With a `request_id` (the call's X-Request-Id) a retry joins the first attempt
-        (cloud/opens.py); without, an open whose caller goes away leaves the queue (or stops after its
+        (cloud/idempotent_opens.py); without, an open whose caller goes away leaves the queue (or stops after its
         chunk in progress) and leaves nothing behind."""
         return await opening.open_session(self, req, owner, request_id)
 

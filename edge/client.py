@@ -23,18 +23,18 @@ from shared.request_id import check_request_id
 
 from .drafters.base import Drafter
 from .exchange import RecoveryPolicy, SessionParams, TokenizerChanged
-from .gating import GateThresholds
 from .generation import Generation, GenerationJob, GenerationResult, new_request_id
 from .metrics import CommittedToken, Origin
 from .pairing import check_pairing, fit_drafter
-from .run_controls import Backoff, k_controller, recovery_policy, tree_control, way_control
+from .policy.from_settings import Backoff, k_controller, recovery_policy, tree_control, way_control
+from .policy.gating import GateThresholds
+from .policy.stream import WayControl
+from .policy.tree import TreeControl
 from .settings import EdgeSettings, Mode, load_draft_model
 from .solo_modes import NoDrafter, edge_only, target_only
 from .speculative import SpeculativeRun
 from .states_hook import StatesDrafting
 from .transport.base import ModelInfo, Transport, check_route_key, new_route_key
-from .treecontrol import TreeControl
-from .waycontrol import WayControl
 
 T = TypeVar("T")
 
@@ -228,7 +228,7 @@ class EdgeClient:
 
     def _routed(self, job: GenerationJob) -> Transport:
         """The generation's view of the transport, carrying its request id (so a resent open joins the first
-        attempt on the cloud: cloud/opens.py) unless the transport's routed() takes the routing key alone."""
+        attempt on the cloud: cloud/idempotent_opens.py) unless the transport's routed() takes the routing key alone."""
         if not _takes_request_id(self.transport):
             return self.transport.routed(job.route_key)
         return self.transport.routed(job.route_key, job.request_id)

@@ -36,10 +36,10 @@ from shared.protocol import (
     VerifyResponse,
 )
 
-from .deadline import DeadlineConfig, VerifyDeadline
 from .drafters.base import DraftBlock, Drafter
-from .gating import GateDecision
 from .metrics import EdgeMetrics
+from .policy.deadline import DeadlineConfig, VerifyDeadline
+from .policy.gating import GateDecision
 from .transport.base import Transport
 from .transport.errors import CloudTimeout, is_retryable, retry_delay
 
@@ -50,7 +50,7 @@ NO_STALE = 1 << 62
 
 @dataclass(frozen=True)
 class RecoveryPolicy:
-    # how long a verify attempt may take (edge/deadline.py): adaptive unless fixed
+    # how long a verify attempt may take (edge/policy/deadline.py): adaptive unless fixed
     deadline: DeadlineConfig = DeadlineConfig()
     # on a missed verify deadline: resend (False, exact) or commit the first draft token unverified (lossy)
     timeout_fallback: bool = False
@@ -141,7 +141,7 @@ class CloudSession:
         # many draft nodes, a chain's k or a tree's nodes (cloud/node_budget.py; it never changes the text)
         self.node_budget = 0
         self.node_acceptance: NodeAcceptance | None = None
-        # the cloud's fitted forward cost as its last open answer said it (None: not said; edge/waycontrol.py reads
+        # the cloud's fitted forward cost as its last open answer said it (None: not said; edge/policy/stream.py reads
         # it, a mapping or an object with base_ms, row_ms and forwards)
         self.forward_cost: Any = None
         self._budget = 0

@@ -83,7 +83,7 @@ class GenerationJob:
     route_key: str
     # X-Request-Id sent on every cloud call of the generation
     request_id: str = ""
-    # "cost" | "dynamic" (edge/kcontrol.py, edge/round_control.py)
+    # "cost" | "dynamic" (edge/policy/k.py, edge/policy/k.py)
     k_policy: str = "cost"
     metrics: EdgeMetrics = field(default_factory=EdgeMetrics)
     rounds: list[RoundRecord] = field(default_factory=list)

@@ -104,7 +104,7 @@ class EdgeMetrics:
     local_commits: int = 0
     # of those, tokens committed unverified after a missed verify deadline (only with --timeout-fallback)
     timeout_fallbacks: int = 0
-    # the verify deadline of the last attempt (ms; edge/deadline.py)
+    # the verify deadline of the last attempt (ms; edge/policy/deadline.py)
     deadline_ms: float = 0.0
     # rounds the uncertainty gate kept local
     gated_rounds: int = 0
@@ -143,12 +143,12 @@ class EdgeMetrics:
     # copy branches (edge/drafters/lookup.py): nodes sent that only a copy branch proposed, and those accepted
     copy_nodes: int = 0
     copy_accepted: int = 0
-    # tokens the cloud streamed on the session instead of rounds (edge/waycontrol.py), the stream calls,
+    # tokens the cloud streamed on the session instead of rounds (edge/policy/stream.py), the stream calls,
     # and the switches between speculating and streaming
     streamed: int = 0
     stream_calls: int = 0
     switches: int = 0
-    # how the session began (edge/waycontrol.py): "stream" (from its first token, no round before it) or
+    # how the session began (edge/policy/stream.py): "stream" (from its first token, no round before it) or
     # "speculate" ("" without a way controller); why, by name: "cloud_costs" (the cloud's fitted forward cost and
     # the key's pooled acceptance, or the draft's prior, priced both ways), "carried_costs" (the client's last
     # session measured both ways), "no_cost_figures" (the cloud did not say its cost: rounds first); and the

@@ -32,7 +32,7 @@ saves feeding them).
 The same worker catches the draft up where the edge would otherwise wait for it later: on the prompt while
 the cloud opens the session, and on streamed tokens while the stream goes on (`catch_up`), so the first
 round and the round after a stream chunk do not pay a long draft prefill on the critical path. A session that
-streams its first token starts none of it before that token, and one that will never probe (edge/waycontrol.py
+streams its first token starts none of it before that token, and one that will never probe (edge/policy/stream.py
 `probes`) none at all (edge/speculative.py).
 
 Only the model drafter drafts ahead (alone, or behind the OpenAI server's lock, which the worker

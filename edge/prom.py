@@ -71,7 +71,7 @@ class EdgePrometheus:
     open_bytes: Counter
     state_bytes: Counter
     # generated tokens by way (speculated in rounds, streamed by the cloud on the session), stream calls, and
-    # switches between the two (edge/waycontrol.py)
+    # switches between the two (edge/policy/stream.py)
     way_tokens: Counter
     stream_calls: Counter
     switches: Counter

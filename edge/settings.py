@@ -1,8 +1,8 @@
 """The edge's one settings class (env prefix SPECSPLIT_EDGE_), validated when built.
 
 Defaults follow the engineering guide: temperature 1.0, top-p 0.9, repetition penalty 1.1, gating
-off, an adaptive verify deadline (edge/deadline.py) and every token verified: the lossy timeout
-fallback is opt-in. k is chosen per round by the cost model (edge/kcontrol.py) within [0, 12],
+off, an adaptive verify deadline (edge/policy/deadline.py) and every token verified: the lossy timeout
+fallback is opt-in. k is chosen per round by the cost model (edge/policy/k.py) within [0, 12],
 starting at 6, and the model drafter drafts the next block while the cloud verifies
 (edge/prefetch.py); k_policy "dynamic" is the older controller (+1 when la/k >= 0.8, -1 when
 la/k <= 0.4, within [3, 12]).
@@ -126,7 +126,7 @@ class EdgeSettings(BaseSettings):
         description=("a chain of K drafts every round; unset: k chosen per round by --k-policy, and trees whenever "
                      "the cloud takes them"))
     k_policy: Literal["cost", "dynamic"] = Field(default="cost",
-        description=("cost: the k with the most tokens per second from measured costs (edge/kcontrol.py); dynamic: "
+        description=("cost: the k with the most tokens per second from measured costs (edge/policy/k.py); dynamic: "
                      "+1 / -1 on the last round's la/k"))
     k_start: int = Field(default=6, ge=0, description="k of the first round")
     k_min: int | None = Field(default=None, ge=0,
@@ -138,7 +138,7 @@ class EdgeSettings(BaseSettings):
     draft_ahead: bool = Field(default=True,
         description="draft the next block while the cloud verifies, guessing all accepted (model drafter)")
     tree: str = Field(default="auto", pattern=r"^(auto|off|[1-9][0-9]{0,2})$",
-        description=("token trees (edge/treecontrol.py): auto (whenever the cloud takes them, GET /v1/model "
+        description=("token trees (edge/policy/tree.py): auto (whenever the cloud takes them, GET /v1/model "
                      "max_tree_nodes > 0, and --k is not given; nodes chosen per round from the draft's confidence "
                      "and the measured costs), off (chains), or a fixed node count"))
     tree_width: int = Field(default=4, ge=1, le=16,
@@ -151,7 +151,7 @@ class EdgeSettings(BaseSettings):
     stream_switch: bool = Field(default=True,
         description=("let the cloud stream target-only tokens on the session whenever that is cheaper than "
                      "speculating by --objective, and speculate again when that pays (greedy and strict tree "
-                     "sessions; edge/waycontrol.py)"))
+                     "sessions; edge/policy/stream.py)"))
     objective: Literal["latency", "cloud"] = Field(default="latency",
         description=("what the switch minimises: latency (the edge's wall time per token) or cloud (the cloud's "
                      "forward time per token)"))
@@ -161,7 +161,7 @@ class EdgeSettings(BaseSettings):
                      "pooled acceptance the open answer gives; off: rounds sized for the edge's latency and its own "
                      "evidence alone"))
 
-    # uncertainty gating: signals of the draft model's raw distribution (edge/gating.py)
+    # uncertainty gating: signals of the draft model's raw distribution (edge/policy/gating.py)
     gating: bool = Field(default=False,
         description="uncertainty gating: a block the draft model is sure of is committed locally, unverified (lossy)")
     # NLL of the drafted token (nats) above this -> hard
@@ -179,7 +179,7 @@ class EdgeSettings(BaseSettings):
     rule_triggers: bool = True
 
     timeout_ms: float | None = Field(default=None, gt=0,
-        description="a fixed verify deadline (ms) for every first attempt; unset: adaptive (edge/deadline.py)")
+        description="a fixed verify deadline (ms) for every first attempt; unset: adaptive (edge/policy/deadline.py)")
     deadline_first_ms: float = Field(default=10_000.0, gt=0, description="the adaptive deadline (ms) before any round")
     deadline_floor_ms: float = Field(default=500.0, gt=0, description="lowest adaptive deadline (ms)")
     deadline_ceiling_ms: float = Field(default=30_000.0, gt=0, description="highest adaptive deadline (ms)")

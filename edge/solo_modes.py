@@ -12,7 +12,7 @@ from shared.verify import DraftKind
 from .drafters.base import DraftBlock, Drafter
 from .generation import GenerationJob
 from .metrics import CommittedToken
-from .run_controls import Backoff
+from .policy.from_settings import Backoff
 from .transport.base import Transport
 
 

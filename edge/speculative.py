@@ -2,7 +2,7 @@
 
 The session's wire state and its recovery (S, cloud_len, the verify with its resends, reopens and resyncs)
 are edge/exchange.py's CloudSession; this module drafts chains and trees, lets the way controller
-(edge/waycontrol.py) stream target-only tokens on the same session instead (`advance`; a stream cut short
+(edge/policy/stream.py) stream target-only tokens on the same session instead (`advance`; a stream cut short
 leaves the cloud ahead of S, and the next call's ctx_len crops it back), and commits what an answer says.
 Nothing is committed before an answer is used, so nothing is lost or duplicated.
 """
@@ -23,14 +23,13 @@ from .drafters.base import DraftBlock, Drafter
 from .drafters.lookup import graft, lookup_path
 from .drafters.tree import TreeShape, prune, round_depth
 from .exchange import CloudSession, RecoveryPolicy, SessionParams
-from .gating import GateDecision, GateThresholds, decide
-from .kcontrol import CostModelK, RoundCosts
 from .metrics import EdgeMetrics, Origin, RoundRecord
+from .policy.gating import GateDecision, GateThresholds, decide
+from .policy.k import CostModelK, KController, RoundCosts
+from .policy.stream import WayControl, pooled_accept
+from .policy.tree import TreeControl
 from .prefetch import AheadOutcome, DraftAhead, concat_blocks
-from .round_control import KController
 from .transport.base import Transport
-from .treecontrol import TreeControl
-from .waycontrol import WayControl, pooled_accept
 
 log = logging.getLogger(__name__)
 
@@ -57,10 +56,10 @@ class SpeculativeRun(CloudSession):
         # drafting while the cloud verifies (model drafter only; see prefetch.py)
         self.ahead = DraftAhead(drafter, params.sampling, params.seed, clock) \
             if draft_ahead and DraftAhead.supports(drafter) else None
-        # token trees (edge/treecontrol.py) when the drafter grows them; rounds without one are chains
+        # token trees (edge/policy/tree.py) when the drafter grows them; rounds without one are chains
         self.tree = tree if tree is not None and hasattr(drafter, "propose_tree") and gate is None else None
         self._copy_path: list[int] = []  # the copy branch grafted into this round's tree
-        # speculate or stream (edge/waycontrol.py): only where every committed token is the target's own draw
+        # speculate or stream (edge/policy/stream.py): only where every committed token is the target's own draw
         # whichever way decided it (greedy, or draw-and-match trees of a "strict" session: "shortcut" draws
         # its corrections otherwise), so the text does not depend on switches
         same_text = params.sampling.greedy or (self.tree is not None and params.correction == "strict")
@@ -77,7 +76,7 @@ class SpeculativeRun(CloudSession):
         self.drafter.reset()
         counts, link_ms, draft_ms = self._draft_counts(), *self._measured_costs()
         # the draft reads the prompt while the cloud does, unless the session streams its first token whatever the
-        # open answer says: then nothing is read before that token (edge/waycontrol.py)
+        # open answer says: then nothing is read before that token (edge/policy/stream.py)
         if self.ahead is not None and not (self.way is not None and self.way.streams_first(counts, link_ms, draft_ms)):
             self.ahead.catch_up(self.S)
         self._open()
@@ -106,7 +105,7 @@ class SpeculativeRun(CloudSession):
         return link, getattr(self.k_ctl, "t_draft_ms", None)
 
     def _start_way(self, counts: range, link_ms: float | None, draft_ms: float | None) -> None:
-        """The way controller's first decision, from the open answer's cost and acceptance (edge/waycontrol.py),
+        """The way controller's first decision, from the open answer's cost and acceptance (edge/policy/stream.py),
         recorded in the metrics."""
         assert self.way is not None
         self.way.know_costs(self.forward_cost)

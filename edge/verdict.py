@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from .waycontrol import ForwardFit
+from .policy.stream import ForwardFit
 
 # measured on one NVIDIA H200, coder-1.5B shape (BENCHMARKS.md, "The cloud on a GPU", 2026-11-28)
 GPU_VERIFY_8 = "1.02-1.09"
@@ -54,7 +54,7 @@ def cloud_cpu_seconds(url: str, headers: dict[str, str] | None = None, verify: A
 
 def verify_steps(forward_cost: dict[str, Any] | None, k: int) -> float | None:
     """What a forward of k + 1 rows costs against one of 1 row, by the cloud's fit (None: not fitted yet); the
-    reading the edge's first speculate-or-stream decision makes of it (edge/waycontrol.py)."""
+    reading the edge's first speculate-or-stream decision makes of it (edge/policy/stream.py)."""
     fit = ForwardFit.of(forward_cost)
     return fit.steps(k) if fit is not None else None
 

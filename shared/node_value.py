@@ -8,7 +8,7 @@ eight deep has the value of a second branch one deep). `NodeCalibration` keeps, 
 the nodes whose parent was accepted (or that hung from the root) that were accepted themselves, with a prior of
 `prior_nodes` nodes accepted at q itself (a new session reads its draft as calibrated), decayed by round. The
 cloud reads its node budget from it (cloud/node_budget.py), and the edge ranks its tree's nodes by it
-(edge/treecontrol.py): both sides then value a node alike, so a tree cut to the budget keeps the nodes the
+(edge/policy/tree.py): both sides then value a node alike, so a tree cut to the budget keeps the nodes the
 budget counted.
 
 A new session need not read its draft as calibrated: the cloud pools the acceptance of every round of one API

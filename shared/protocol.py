@@ -79,7 +79,7 @@ class ForwardCostInfo:
     row_ms: float = 0.0
     # ms a further prefill token adds
     prefill_token_ms: float = 0.0
-    # forwards the fit has seen (an edge reads a fit of at least 8: edge/waycontrol.py MIN_FORWARDS)
+    # forwards the fit has seen (an edge reads a fit of at least 8: edge/policy/stream.py MIN_FORWARDS)
     forwards: int = 0
     # committed tokens per second of forward cost, recently
     tokens_per_second: float = 0.0

@@ -11,7 +11,7 @@ following the nodes that already carry its tokens and adding the rest as new nod
 The tree rule (shared/tree.py) accepts a node iff the target's own draw matched its whole path, whatever
 proposed it, so a grafted tree is exactly as exact as any other: text and seeds are unchanged, only the
 tokens per verify call move. A grafted node's value (the controller ranks and prices nodes by it,
-edge/treecontrol.py) is `conf ** j` at depth j, where `conf` is the running share of copy nodes the target
+edge/policy/tree.py) is `conf ** j` at depth j, where `conf` is the running share of copy nodes the target
 accepted given their parent was; a node the draft also proposed keeps the larger of its two values, so
 values never rise along a path and pruning still keeps a tree.
 """

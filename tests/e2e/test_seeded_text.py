@@ -13,7 +13,7 @@ the rule being dropped. These chain runs send chains (`tree="off"`).
 Token trees (the default with a model draft) are walked by draw and match (shared/tree.py): every token is
 the target's own seeded draw at its position, so a tree session's text is the text target-only generation
 (`cloud_only`, `/v1/generate`) gives for the seed, whatever the trees' sizes, the transport or a reopen, and
-whichever positions the cloud streamed on the session instead (edge/waycontrol.py), and whether copy
+whichever positions the cloud streamed on the session instead (edge/policy/stream.py), and whether copy
 branches (edge/drafters/lookup.py) were grafted into the trees: the prompt repeats a phrase so they are, and
 a drafter whose own node is always wrong shows accepted copy nodes leave the text as it was.
 """
@@ -31,8 +31,8 @@ import torch
 from edge.client import EdgeClient
 from edge.drafters import ModelDrafter
 from edge.drafters.base import DraftBlock
+from edge.policy.stream import WayControl
 from edge.settings import EdgeSettings, draft_torch_dtype
-from edge.waycontrol import WayControl
 from tests.e2e.closes_once import ClosesOnce
 from tests.server import CloudProcess
 

@@ -18,9 +18,9 @@ import pytest
 
 from edge.client import EdgeClient
 from edge.drafters import ModelDrafter
+from edge.policy.stream import MIN_FORWARDS, ForwardFit
 from edge.settings import EdgeSettings
 from edge.transport import GrpcTransport, RestTransport
-from edge.waycontrol import MIN_FORWARDS, ForwardFit
 from shared.protocol import OpenSessionRequest, SessionInfo
 from tests.server import CloudProcess
 

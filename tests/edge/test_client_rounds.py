@@ -107,9 +107,9 @@ def test_a_new_tree_controller_values_its_nodes_from_the_open_answers_acceptance
     answer without one, or an edge with --no-node-budget, leaves a new controller calibrated."""
     from edge.exchange import RecoveryPolicy, SessionParams
     from edge.metrics import EdgeMetrics
-    from edge.round_control import KController
+    from edge.policy.k import KController
+    from edge.policy.tree import TreeControl
     from edge.speculative import SpeculativeRun
-    from edge.treecontrol import TreeControl
     from shared.config import SamplingConfig
     from shared.protocol import NodeAcceptance
 
@@ -135,7 +135,7 @@ def test_a_clients_next_generation_starts_from_the_last_ones_tree_controller(mak
     session's (TreeControl.carry), the first from nothing."""
     from dataclasses import replace
 
-    from edge.treecontrol import TreeControl
+    from edge.policy.tree import TreeControl
 
     seen: list[TreeControl | None] = []
     carry = TreeControl.carry

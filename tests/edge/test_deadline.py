@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from edge.deadline import DeadlineConfig, VerifyDeadline, percentile
+from edge.policy.deadline import DeadlineConfig, VerifyDeadline, percentile
 from edge.transport.errors import CloudTimeout
 from shared.config import SamplingConfig
 from shared.protocol import VerifyRequest, VerifyResponse

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from edge.drafters.base import DraftBlock
-from edge.gating import GateThresholds, decide, hard_mask, rule_triggered
+from edge.policy.gating import GateThresholds, decide, hard_mask, rule_triggered
 
 TH = GateThresholds(t_nll=2.0, t_entropy_bits=2.5, t_margin=0.2, t_mc_var=0.01, r_hard=0.3)
 

@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from edge.kcontrol import CostModelK, RoundCosts
+from edge.policy.k import CostModelK, RoundCosts
 
 
 def true_rate(k: int, alpha: float, t_draft: float, v0: float, v1: float, rtt: float) -> float:

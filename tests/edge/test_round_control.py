@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from edge.round_control import KController
+from edge.policy.k import KController
 
 
 def test_dynamic_k_grows_on_high_and_shrinks_on_low_acceptance() -> None:

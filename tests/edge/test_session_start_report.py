@@ -1,4 +1,4 @@
-"""How a session began (edge/waycontrol.py `start`) is reported where a person reads a generation: a row of the
+"""How a session began (edge/policy/stream.py `start`) is reported where a person reads a generation: a row of the
 CLI's summary table and the OpenAI server's `specsplit` object; and --ca-cert's help says what it needs."""
 
 from __future__ import annotations

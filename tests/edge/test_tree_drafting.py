@@ -1,4 +1,4 @@
-"""Growing token trees on the edge (edge/drafters/tree.py) and choosing their size (edge/treecontrol.py).
+"""Growing token trees on the edge (edge/drafters/tree.py) and choosing their size (edge/policy/tree.py).
 
 - The model drafter's tree: every node's q is the draft's processed q at that node given its path, computed
   by a cache-free forward of the context and the path; the drafter's cache holds the context only afterwards
@@ -20,7 +20,7 @@ from edge.drafters import ModelDrafter
 from edge.drafters.base import DraftBlock
 from edge.drafters.lookup import graft
 from edge.drafters.tree import TreeShape, grow_tree, prune
-from edge.treecontrol import TreeControl
+from edge.policy.tree import TreeControl
 from shared.config import SamplingConfig
 from shared.sampling import process_logits
 from shared.tree import paths

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from edge.drafters import ModelDrafter
-from edge.treecontrol import TreeControl
+from edge.policy.tree import TreeControl
 from shared.config import SamplingConfig
 from tests.edge.fake_cloud import FakeCloud
 from tests.edge.test_waycontrol import RandomWays

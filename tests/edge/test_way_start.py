@@ -1,4 +1,4 @@
-"""The session's first speculate-or-stream decision (edge/waycontrol.py `start`): made before the first round from
+"""The session's first speculate-or-stream decision (edge/policy/stream.py `start`): made before the first round from
 the cloud's fitted forward cost and the draft's acceptance (the key's pooled one, else the draft's prior), named in
 the metrics, and today's rounds-first start where the cloud does not say its cost."""
 
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from edge.drafters import ModelDrafter
-from edge.waycontrol import ForwardFit, WayControl, chain_tokens, pooled_accept
+from edge.policy.stream import ForwardFit, WayControl, chain_tokens, pooled_accept
 from shared.protocol import NodeAcceptance
 from tests.edge.fake_cloud import FakeCloud
 

@@ -1,4 +1,4 @@
-"""Speculate or stream (edge/waycontrol.py): the controller's choices from injected costs, and switches at
+"""Speculate or stream (edge/policy/stream.py): the controller's choices from injected costs, and switches at
 random rounds on the fake cloud giving the target's own text, counted."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from edge.waycontrol import WayControl
+from edge.policy.stream import WayControl
 from shared.errors import NotFound, Unavailable
 from tests.edge.fake_cloud import FakeCloud
 

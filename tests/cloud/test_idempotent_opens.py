@@ -1,4 +1,4 @@
-"""The table of idempotent opens (cloud/opens.py) on its own: what it keeps, and for how long."""
+"""The table of idempotent opens (cloud/idempotent_opens.py) on its own: what it keeps, and for how long."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import weakref
 
 import pytest
 
-from cloud.opens import OpenJoiner
+from cloud.idempotent_opens import OpenJoiner
 from shared.errors import ResourceExhausted
 from shared.protocol import OpenSessionRequest, SessionInfo
 

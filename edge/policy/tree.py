@@ -43,9 +43,9 @@ from dataclasses import dataclass, field
 
 from shared.node_value import NodeCalibration
 
-from .drafters.base import DraftBlock
-from .drafters.lookup import CopyConfidence, path_values
-from .drafters.tree import TreeShape
+from ..drafters.base import DraftBlock
+from ..drafters.lookup import CopyConfidence, path_values
+from ..drafters.tree import TreeShape
 
 
 @dataclass

@@ -1,6 +1,5 @@
-"""What steers a generation's calls and rounds, built from the edge's settings: the recovery policy (deadlines,
-retries, backoff), the backoff between attempts of a call that changes nothing, and the controllers of a
-speculative run (k, token trees, speculate-or-stream)."""
+"""The edge's round policy built from its settings (the layers: edge/policy/__init__.py), and the recovery
+policy of its calls: deadlines, retries, and the backoff between attempts of a call that changes nothing."""
 
 from __future__ import annotations
 
@@ -9,15 +8,14 @@ from dataclasses import dataclass
 
 from shared.errors import SpecSplitError
 
+from ..exchange import RecoveryPolicy
+from ..settings import EdgeSettings
+from ..transport.base import ModelInfo, Transport
+from ..transport.errors import CloudTimeout, is_retryable, retry_delay
 from .deadline import DeadlineConfig
-from .exchange import RecoveryPolicy
-from .kcontrol import CostModelK
-from .round_control import KController
-from .settings import EdgeSettings
-from .transport.base import ModelInfo, Transport
-from .transport.errors import CloudTimeout, is_retryable, retry_delay
-from .treecontrol import TreeControl
-from .waycontrol import WayControl
+from .k import CostModelK, KController
+from .stream import WayControl
+from .tree import TreeControl
 
 
 def recovery_policy(s: EdgeSettings) -> RecoveryPolicy:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .drafters.base import DraftBlock
+from ..drafters.base import DraftBlock
 
 _MONTHS = r"jan(uary)?|feb(ruary)?|mar(ch)?|apr(il)?|may|june?|july?|aug(ust)?|sep(t(ember)?)?|oct(ober)?|nov(ember)?|dec(ember)?"
 # digits cover numbers, numeric dates and most amounts; the rest: currency signs, month names
