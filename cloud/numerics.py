@@ -38,8 +38,7 @@ def default_cache() -> Path:
 def weights_fingerprint(path: Path, cache: Path | None = None) -> str:
     """12 hex digits over a model's configuration and the sha256 of every byte of its weight files (a GGUF file:
     the file), so two fine-tunes of one base with the same file names and sizes differ. A large file is hashed
-    once (0.75 GB/s measured on the 2-core EPYC, page cache warm: ~8 s for the 1.5B coder's 6.2 GB in float32,
-    beside its load): its digest is kept in `cache` (default `default_cache()`)
+    once (seconds for a model of several GB, BENCHMARKS.md "What start-up calibration costs"): its digest is kept in `cache` (default `default_cache()`)
     under its path, size, modification time and inode, and read back while those hold."""
     h = hashlib.sha256()
     if path.is_file():

@@ -23,11 +23,11 @@ the thread count that will run every forward, up to the largest forward the serv
   bits of the same query in a decode step alone.
 
 A failure is named (`Calibration.failure`: which probe, at which row count). The server then reports
-`batch_invariant: false` and runs one call per ROW_TILE rows, which narrows the differences but no longer rule them out.
+`batch_invariant: false` and runs one call per ROW_TILE rows, which narrows the differences but no longer
+rules them out.
 
-Cost at start-up (2026-11-27, the 2-core AMD EPYC without bfloat16 units, float32, 2 torch threads, max_rows
-1,024): SmolLM2-135M 5 s, Qwen2.5-Coder-1.5B 32 s (its load takes 22 s), the demo target 1 s. Most of it is the
-output layer's probes at the largest row counts (4,684 rows in all, over 151,936 columns for the coder).
+Its cost at start-up grows with max_rows and the output layer's width, whose probes at the largest row counts
+dominate (BENCHMARKS.md, "What start-up calibration costs").
 """
 
 from __future__ import annotations
