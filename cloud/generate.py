@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cloud.core import ServiceCore
-from cloud.engine import DecodeState
 from cloud.jobs import DECODE, PENDING, PREFILL, Job, Pending
+from cloud.prefill import DecodeState
 from shared.config import SamplingConfig
 from shared.errors import InvalidArgument
 from shared.kvpool import Row

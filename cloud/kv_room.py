@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from cloud.engine import DecodeState, Prefill
+from cloud.prefill import DecodeState, Prefill
 from cloud.runners import Runner
 from cloud.settings import CloudSettings
 from cloud.store import KV_BUDGET, SessionStore

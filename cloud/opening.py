@@ -13,8 +13,8 @@ import logging
 import torch
 
 from cloud.core import ServiceCore
-from cloud.engine import Prefill
 from cloud.jobs import PENDING, PREFILL, WAIT, Job, Pending, Wait
+from cloud.prefill import Prefill
 from cloud.session import Context, Session
 from shared.errors import Internal, InvalidArgument
 from shared.features import ENCODINGS, encode_feature, encode_states

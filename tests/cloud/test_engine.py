@@ -12,7 +12,6 @@ import torch
 from transformers import AutoTokenizer
 
 from cloud.engine import (
-    Prefill,
     RoundLimits,
     RoundResult,
     check_request,
@@ -20,6 +19,7 @@ from cloud.engine import (
     finish_round,
     plan_round,
 )
+from cloud.prefill import Prefill
 from cloud.rest import VerifyBody
 from cloud.runners.torch_runner import TargetModel
 from cloud.session import Context, Session

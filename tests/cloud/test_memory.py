@@ -13,9 +13,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from cloud.engine import DecodeState, Prefill
 from cloud.generate import DecodeJob
 from cloud.jobs import PENDING
+from cloud.prefill import DecodeState, Prefill
 from cloud.service import GenerateRequest, VerifierService
 from shared.config import SamplingConfig
 from shared.errors import ResourceExhausted, SpecSplitError
