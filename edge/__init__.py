@@ -6,15 +6,14 @@
     for tok in client.stream("Once upon a time"):                    # committed tokens as they come
         print(tok.token_id, tok.origin)
 
-Layout: drafters/ (the Drafter interface, ModelDrafter, NGramDrafter), gating.py (uncertainty
-gate), kcontrol.py (the cost-model k), round_control.py (fixed and dynamic k), prefetch.py
-(drafting while the cloud verifies), transport/ (REST and gRPC behind one interface, error
-mapping), exchange.py (a session's wire state, verify and recovery), speculative.py (its rounds:
-chains, trees, streams, commits), treecontrol.py and waycontrol.py (tree size, speculate or stream),
-client.py (modes, streaming) with generation.py, run_controls.py, solo_modes.py and states_hook.py,
-pairing.py (tokenizer and draft against the target's fingerprint), metrics.py, settings.py
-(EdgeSettings, env prefix SPECSPLIT_EDGE_), cli.py (specsplit-edge); the OpenAI-compatible server
-of `specsplit-edge serve`: the server/ package, with prom.py.
+Layout: drafters/ (the Drafter interface, ModelDrafter, NGramDrafter, llama.cpp, trees), policy/ (the round
+policy in the order a generation consults it: speculate or stream, a chain's k or a tree's size, the cloud's
+budget, the verify deadline, uncertainty gating), prefetch.py (drafting while the cloud verifies), transport/
+(REST and gRPC behind one interface, error mapping), exchange.py (a session's wire state, verify and recovery),
+speculative.py (its rounds: chains, trees, streams, commits), client.py (modes, streaming) with generation.py,
+solo_modes.py and states_hook.py, pairing.py (tokenizer and draft against the target's fingerprint), metrics.py,
+settings.py (EdgeSettings, env prefix SPECSPLIT_EDGE_), cli.py (specsplit-edge) with report.py and
+draft_choice.py; the OpenAI-compatible server of `specsplit-edge serve`: the server/ package, with prom.py.
 """
 
 from .client import EdgeClient, Generation, GenerationResult

@@ -6,7 +6,7 @@
   rounds).
 
 Its parts: the generation's handle and result (generation.py), the recovery policy and the run's controllers
-(run_controls.py), and the hook a drafter fed the target's states plugs in by (states_hook.py).
+(policy/from_settings.py), and the hook a drafter fed the target's states plugs in by (states_hook.py).
 """
 
 from __future__ import annotations

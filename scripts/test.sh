@@ -54,7 +54,7 @@ heavy=(tests/e2e/test_tensor_parallel.py tests/e2e/test_tensor_parallel_invarian
 work=$(mktemp -d)
 (
   rc=0
-  .venv/bin/python -m pytest -q --durations=15 -p no:cacheprovider --basetemp="$work/shared" tests/shared \
+  .venv/bin/python -m pytest -q --durations=60 -p no:cacheprovider --basetemp="$work/shared" tests/shared \
     "${heavy[@]}" || rc=$?
   echo "== the exactness suite against a bfloat16 cloud, with bfloat16 drafts"
   SPECSPLIT_TEST_DTYPE=bfloat16 .venv/bin/python -m pytest -q --durations=10 -p no:cacheprovider \
@@ -65,7 +65,7 @@ work=$(mktemp -d)
 background=$!
 trap 'kill "$background" 2>/dev/null; rm -rf "$work"' EXIT
 rc=0
-.venv/bin/python -m pytest -q --durations=25 --basetemp="$work/main" --ignore=tests/shared \
+.venv/bin/python -m pytest -q --durations=60 --basetemp="$work/main" --ignore=tests/shared \
   "${heavy[@]/#/--ignore=}" || rc=$?
 bg=0
 wait "$background" || bg=$?

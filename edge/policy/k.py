@@ -32,7 +32,7 @@ argmax_k rate(k) over [k_min, k_max] after every verified round, from running es
   serving stack), exponentially weighted (weight `cost_weight`).
 
 With weights of 0.2-0.4 (memories of 3-5 rounds; 0.15 for the verify fit) the estimates follow a
-change of link or acceptance within a few rounds (tests/edge/test_kcontrol.py: a round trip going
+change of link or acceptance within a few rounds (tests/edge/test_policy_k.py: a round trip going
 from 1 to 80 ms moves k up within 8 rounds).
 k = 0 (plain target decoding, one token per round) wins when acceptance is near 0 and drafting is
 not free. It is taken only when its rate beats the best k >= 1 by `zero_margin` (a near tie is

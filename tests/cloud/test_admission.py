@@ -68,7 +68,8 @@ def test_opens_in_flight_count_as_their_keys_sessions_before_any_prefill(
         make_service: Callable[..., VerifierService], prompt: list[int]) -> None:
     """max_sessions_per_key = 2, key a holds one session: of three opens sent at once one is admitted and
     two are refused before the model runs anything (429 max_sessions_per_key); likewise max_sessions."""
-    svc = make_service(max_sessions=3, max_sessions_per_key=2)
+    # no session counts as active, so a prefill is never sliced into chunks beside one (one row a prefill)
+    svc = make_service(max_sessions=3, max_sessions_per_key=2, session_active_ms=0)
     forwards: list[Any] = []
     inner = svc.on_batch
     svc.on_batch = lambda b: (forwards.append(b), inner(b))  # type: ignore[func-returns-value]

@@ -13,7 +13,7 @@ from edge.drafters import ModelDrafter
 from edge.policy.tree import TreeControl
 from shared.config import SamplingConfig
 from tests.edge.fake_cloud import FakeCloud
-from tests.edge.test_waycontrol import RandomWays
+from tests.edge.test_policy_stream import RandomWays
 
 PROMPT = [5, 6, 7, 8, 9, 10]
 
