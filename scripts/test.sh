@@ -50,7 +50,8 @@ fi
 # The background pass also takes the slowest end-to-end files (multi-rank groups, many architectures, the real
 # pair, the sampling chi-squares), which balances the two: 1,178 s against 441 s before, on a 2-core Xeon.
 heavy=(tests/e2e/test_tensor_parallel.py tests/e2e/test_tensor_parallel_invariant.py tests/e2e/test_architectures.py
-       tests/e2e/test_real_pair.py tests/e2e/test_edge_sampling.py)
+       tests/e2e/test_real_pair.py tests/e2e/test_edge_sampling.py tests/research/e2e/test_head_sampling.py
+       tests/research/e2e/test_real_pair_heads.py)
 work=$(mktemp -d)
 (
   rc=0
