@@ -60,7 +60,7 @@ def timed(model: Any, rows_of: Any, repeats: int = REPEATS) -> float:
         model.forward(rows)
         times.append((time.perf_counter() - t0) * 1000)
         for r in rows:
-            model.pool.crop(r.seq_id, r.num_cached)
+            model.pool.crop(r.seq_id, r.num_cached_tokens)
     return statistics.median(times[1:])  # the first run warms the kernels
 
 

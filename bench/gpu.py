@@ -143,7 +143,7 @@ def forward_table(target: Any, dev: str, ids: Callable[[int], list[int]]) -> dic
             if i >= WARMUP:
                 ts.append((time.perf_counter() - t) * 1000)
             for r in rows:
-                target.pool.crop(r.seq_id, r.num_cached)
+                target.pool.crop(r.seq_id, r.num_cached_tokens)
         return round(statistics.median(ts), 3)
 
     res: dict[str, float] = {}

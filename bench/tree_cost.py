@@ -56,7 +56,7 @@ def main() -> None:
             m.forward(rows)
             times.append((time.perf_counter() - t0) * 1000)
             for r in rows:
-                m.pool.crop(r.seq_id, r.num_cached)
+                m.pool.crop(r.seq_id, r.num_cached_tokens)
         return statistics.median(times[1:])  # the first warms the kernels
 
     print(f"tree-cost: {cpu_line()}; {args.threads} torch thread(s); load average {load:.2f} at the start")

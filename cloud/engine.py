@@ -172,7 +172,7 @@ class RoundPlan:
     # S' = S[:m] + append_ids, |S'| = ctx_len = L
     new: Context
     # positions of S' whose KV is kept: c = min(kv_len, m, L - 1) (>= 1 token of S' is fed to get p_1)
-    num_cached: int
+    num_cached_tokens: int
     # the forward this round needs: S'[c:] + y_1..y_k, logits of the last k + 1
     row: Row
     # what a duplicate must share with this request (replay cache)
@@ -188,8 +188,8 @@ class RoundPlan:
         """The next forward of this round: a chunk of S' (keep = 0) while the rest does not fit in
         `budget` tokens, then the verify row S'[fed:] + y_1..y_k."""
         r = self.row
-        fed = max(self.fed, self.num_cached)
-        drafts = r.ids[len(self.new) - self.num_cached:]
+        fed = max(self.fed, self.num_cached_tokens)
+        drafts = r.ids[len(self.new) - self.num_cached_tokens:]
         rest = list(self.new.ids[fed:])
         if len(rest) + len(drafts) > budget and len(rest) > 1:
             return Row(r.seq_id, fed, rest[: max(1, min(budget, len(rest) - 1))], keep=0)
@@ -251,7 +251,7 @@ def finish_round(model: Runner, session: Session, req: VerifyRequest, q_dense: t
                  p: TargetProbs | torch.Tensor | None = None) -> RoundResult:
     """The verify rule on this round's logits ([fed + 1, vocab]), then the commit. `p` is their processed
     probabilities when the forward's rows were processed together (`round_sampling`). A raised error
-    leaves context and counters as they were; the caller's abort() crops the KV back to `plan.num_cached`."""
+    leaves context and counters as they were; the caller's abort() crops the KV back to `plan.num_cached_tokens`."""
     seq_id = check_held(session)  # closed while in the forward: 404, a chain or a tree alike
     d, L = req.draft, req.ctx_len
     fed = len(d.draft_tokens) - 1 if req.check_last else len(d.draft_tokens)  # drafts run through the target

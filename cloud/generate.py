@@ -163,7 +163,7 @@ class DecodeJob(Job[int]):
         st = self.st
         self.core.room.in_forward.discard(id(st))
         if self.row is not None and st.seq_id is not None:
-            st.kv_len = min(st.kv_len, self.row.num_cached)
+            st.kv_len = min(st.kv_len, self.row.num_cached_tokens)
             self.core.model.pool.crop(st.seq_id, st.kv_len)
 
     def unplan(self) -> None:

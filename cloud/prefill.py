@@ -56,7 +56,7 @@ class Prefill:
         """After a forward of `row` (default: a chunk of `chunk` tokens): the chunk is cached; True when
         the whole prefill is."""
         assert self.seq_id is not None
-        self.done = min(len(self.ids), self.done + self.chunk) if row is None else row.num_cached + len(row.ids)
+        self.done = min(len(self.ids), self.done + self.chunk) if row is None else row.num_cached_tokens + len(row.ids)
         pool.set_length(self.seq_id, self.done)
         return self.done >= len(self.ids)
 
@@ -115,7 +115,7 @@ class DecodeState:
         `p`: the logits' processed probabilities when the forward's rows were processed together."""
         assert self.seq_id is not None
         self.fresh = False
-        self.kv_len = row.num_cached + len(row.ids)
+        self.kv_len = row.num_cached_tokens + len(row.ids)
         pool.set_length(self.seq_id, self.kv_len)
         if row.keep == 0:
             return None

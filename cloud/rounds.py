@@ -118,7 +118,7 @@ class RoundJob(Job[RoundResult]):
         row, planned = self.row, self.planned
         assert row is not None and planned is not None
         if row.keep == 0:  # a chunk of a long resync: its KV is written, the verify row comes next
-            planned.fed = row.num_cached + len(row.ids)
+            planned.fed = row.num_cached_tokens + len(row.ids)
             self.spent += ms
             return PENDING
         return finish_round(self.core.model, self.session, self.req, self.q_dense, planned, logits,
@@ -126,7 +126,7 @@ class RoundJob(Job[RoundResult]):
 
     def abort(self) -> None:
         if self.planned is not None:
-            self.session.set_kv_len(self.core.model.pool, min(self.session.kv_len, self.planned.num_cached))
+            self.session.set_kv_len(self.core.model.pool, min(self.session.kv_len, self.planned.num_cached_tokens))
 
 
 def log_round(req: VerifyRequest, resp: VerifyResponse, k: int, replayed: bool) -> None:

@@ -144,8 +144,8 @@ def pseudo_rows(m: BlockManager, r: Row, start: int, window: int | None) -> list
     whose keys are laid out by position (see the module docstring)."""
     pos, lo = r.positions(), _lower(r, window)
     if r.tree is None:
-        return [_Pseudo(list(range(start, start + len(r.ids))), pos, m.slot_mapping(r.seq_id, lo, r.num_cached + len(r.ids)), lo)]
-    chain = [t for t in range(len(r.ids)) if r.num_cached + t < r.tree_base]
+        return [_Pseudo(list(range(start, start + len(r.ids))), pos, m.slot_mapping(r.seq_id, lo, r.num_cached_tokens + len(r.ids)), lo)]
+    chain = [t for t in range(len(r.ids)) if r.num_cached_tokens + t < r.tree_base]
     if not chain:
         return []
     return [_Pseudo([start + t for t in chain], [pos[t] for t in chain], m.slot_mapping(r.seq_id, lo, r.tree_base), lo)]
@@ -174,14 +174,14 @@ class TreeCall:
 def tree_call(m: BlockManager, r: Row, start: int, window: int | None, dev: torch.device) -> TreeCall | None:
     """The TreeCall of `r`'s tree nodes (None: the row holds none)."""
     base, parents, pos, lo = r.tree_base, r.tree or (), r.positions(), _lower(r, window)
-    nodes = [t for t in range(len(r.ids)) if r.num_cached + t >= base]
+    nodes = [t for t in range(len(r.ids)) if r.num_cached_tokens + t >= base]
     if not nodes:
         return None
     cut = lo + (max(base - lo, 0) // KEY_CHUNK) * KEY_CHUNK  # the chunk holding position base starts here
     before = m.slot_mapping(r.seq_id, cut, base) if base > cut else []
     rows = m.slot_mapping(r.seq_id, base, base + len(parents))  # the pool row of every node
     node_paths = paths(parents)  # each node's ancestors, then itself
-    tails = [before + [rows[j] for j in node_paths[r.num_cached + t - base]] for t in nodes]
+    tails = [before + [rows[j] for j in node_paths[r.num_cached_tokens + t - base]] for t in nodes]
     wt = _tiles(max(len(x) for x in tails), KEY_CHUNK)
     qp = torch.tensor([pos[t] for t in nodes])[:, None]  # [n, 1]
     kp = torch.arange(lo, cut)[None, :]  # [1, Wp]

@@ -303,7 +303,7 @@ class _AttentionProbe:
         """Run `mine` (a chain row of `seq`'s queries) and the mates' `rows` (queries `qs`) as one forward, in a
         shuffled order; the first of mine's queries (at the positions `compared`, default all) whose result
         differs from a decode step's, or ""."""
-        pos = list(range(mine.num_cached, mine.num_cached + len(mine.ids)))
+        pos = list(range(mine.num_cached_tokens, mine.num_cached_tokens + len(mine.ids)))
         batch = [(mine, self.q[:, pos]), *zip(rows, qs, strict=True)]
         self.rand.shuffle(batch)
         out = self._attend([r for r, _ in batch], [q for _, q in batch])

@@ -234,7 +234,7 @@ class KVPool:
         m = self.manager
         if row.seq_id not in m.seqs:
             return 0
-        return m.blocks_needed(row.seq_id, row.num_cached, len(row.ids))
+        return m.blocks_needed(row.seq_id, row.num_cached_tokens, len(row.ids))
 
     @property
     def spare_row(self) -> int:
@@ -274,7 +274,7 @@ class KVPool:
         m = self.manager
         self.check_rows(rows)
         try:
-            copies = [c for r in rows if (c := m.prepare_write(r.seq_id, r.num_cached, len(r.ids))) is not None]
+            copies = [c for r in rows if (c := m.prepare_write(r.seq_id, r.num_cached_tokens, len(r.ids))) is not None]
             self._fit(m.capacity)
             self._copy_blocks(copies)
             out = run(self, rows)
@@ -308,7 +308,7 @@ class KVPool:
         copies = []
         try:
             for r in rows:
-                copy = m.prepare_write(r.seq_id, r.num_cached, len(r.ids))
+                copy = m.prepare_write(r.seq_id, r.num_cached_tokens, len(r.ids))
                 if copy is not None:
                     copies.append(copy)
             batch = Batch.build(m, self.layout, self.invariant, self.max_positions, rows)

@@ -66,7 +66,7 @@ def _row_mask(r: Row, lo: int, w: int, window: int | None) -> torch.Tensor:
     (causal, and within the window on sliding layers); a tree node's keys only to the node's descendants."""
     n = len(r.ids)
     if r.tree is None:
-        qp = torch.arange(r.num_cached, r.num_cached + n)[:, None]  # [n, 1]
+        qp = torch.arange(r.num_cached_tokens, r.num_cached_tokens + n)[:, None]  # [n, 1]
         kp = torch.arange(lo, lo + w)[None, :]  # [1, W]
         seen = kp <= qp
     else:
@@ -77,7 +77,7 @@ def _row_mask(r: Row, lo: int, w: int, window: int | None) -> torch.Tensor:
         anc = torch.zeros(len(r.tree), len(r.tree), dtype=torch.bool)  # [N, N]: node j' is j or an ancestor of j
         for j, path in enumerate(paths(r.tree)):
             anc[j, path] = True
-        q_node = [s - base for s in range(r.num_cached, r.num_cached + n)]
+        q_node = [s - base for s in range(r.num_cached_tokens, r.num_cached_tokens + n)]
         k_from = max(0, base - lo)  # the first key that is a tree node
         for t, j in enumerate(q_node):
             if j >= 0:
@@ -112,7 +112,7 @@ class Batch:
             starts.append(len(ids))
             ids.extend(r.ids)
             pos.extend(r.positions())
-            write.extend(m.slot_mapping(r.seq_id, r.num_cached, r.num_cached + len(r.ids)))
+            write.extend(m.slot_mapping(r.seq_id, r.num_cached_tokens, r.num_cached_tokens + len(r.ids)))
         read: dict[int | None, list[Any]] = {}
         for w in layout.kinds:
             if invariant:
@@ -121,8 +121,8 @@ class Batch:
             calls: list[GroupCall | SingleCall] = []
             short = []
             for r, start in zip(rows, starts, strict=True):
-                end, n = r.num_cached + len(r.ids), len(r.ids)
-                first = r.num_cached if r.tree is None else min(r.positions())  # the row's lowest query position
+                end, n = r.num_cached_tokens + len(r.ids), len(r.ids)
+                first = r.num_cached_tokens if r.tree is None else min(r.positions())  # the row's lowest query position
                 lo = 0 if w is None else max(0, first - w + 1)
                 if n > SHORT_ROW:
                     keys = torch.tensor(m.slot_mapping(r.seq_id, lo, end), dtype=torch.long, device=dev)

@@ -13,7 +13,7 @@ class Row:
     # the sequence (an id from KVPool.allocate)
     seq_id: int
     # positions already cached (the row's first token sits at position `past`)
-    num_cached: int
+    num_cached_tokens: int
     # token ids to run after them
     ids: list[int]
     # logits wanted for the last `keep` ids (0: none, e.g. a prefill)
@@ -27,7 +27,7 @@ class Row:
 
     def positions(self) -> list[int]:
         """Each token's position (its storage offset is past + t either way)."""
-        return self.positions_at(self.num_cached, self.num_cached + len(self.ids))
+        return self.positions_at(self.num_cached_tokens, self.num_cached_tokens + len(self.ids))
 
     def positions_at(self, lo: int, hi: int) -> list[int]:
         """The positions of the sequence's storage offsets lo .. hi - 1: an offset before `tree_base` is its own

@@ -70,9 +70,9 @@ def _pool_rows(table: list[int], size: int, end: int) -> np.ndarray:
 def _row_mask(r: Row, out: np.ndarray) -> None:
     """out[:n, :past + n] = which of the row's storage offsets each of its n queries sees (causal by position;
     a tree node: the prefix before the tree and its own ancestors)."""
-    n, end = len(r.ids), r.num_cached + len(r.ids)
+    n, end = len(r.ids), r.num_cached_tokens + len(r.ids)
     if r.tree is None:
-        out[:n, :end] = np.arange(end)[None, :] <= np.arange(r.num_cached, end)[:, None]
+        out[:n, :end] = np.arange(end)[None, :] <= np.arange(r.num_cached_tokens, end)[:, None]
         return
     base = r.tree_base
     qp = np.asarray(r.positions())[:, None]  # [n, 1]
@@ -82,7 +82,7 @@ def _row_mask(r: Row, out: np.ndarray) -> None:
     for j, path in enumerate(paths(r.tree)):
         anc[j, path] = True
     for t in range(n):
-        j = r.num_cached + t - base
+        j = r.num_cached_tokens + t - base
         if j >= 0:
             vis[t, base:end] = anc[j, : end - base]
     out[:n, :end] = vis
@@ -92,7 +92,7 @@ def _group(rows: list[Row], starts: list[int], tables: list[np.ndarray], spare: 
            shape: tuple[int, int, int] | None) -> Group:
     """The attention call of `rows` (their first flat tokens `starts`, their pool rows `tables`)."""
     n_max = max(len(r.ids) for r in rows)
-    end_max = max(r.num_cached + len(r.ids) for r in rows)
+    end_max = max(r.num_cached_tokens + len(r.ids) for r in rows)
     R, N, W = shape if shape is not None else (len(rows), n_max, -(-end_max // 16) * 16)
     queries = np.full((R, N), T, np.int64)
     keys = np.full((R, W), spare, np.int64)
@@ -126,13 +126,13 @@ def build_inputs(pool: Any, rows: list[Row], spare: int, shape: tuple[int, int, 
     starts = []
     s = 0
     for r in rows:
-        n, end = len(r.ids), r.num_cached + len(r.ids)
+        n, end = len(r.ids), r.num_cached_tokens + len(r.ids)
         starts.append(s)
         ids[s: s + n] = r.ids
-        pos[s: s + n] = r.positions() if r.tree is not None else np.arange(r.num_cached, end)
+        pos[s: s + n] = r.positions() if r.tree is not None else np.arange(r.num_cached_tokens, end)
         table = _pool_rows(m.seqs[r.seq_id].table, m.size, end)
         tables.append(table)
-        write[s: s + n] = table[r.num_cached:]
+        write[s: s + n] = table[r.num_cached_tokens:]
         keep.append(np.arange(s + n - r.keep, s + n))
         s += n
     np.minimum(pos, max_positions - 1, out=pos)  # callers check rows' lengths against the context
@@ -194,7 +194,7 @@ def _kernel_inputs(rows: list[Row], m: Any, spare_block: int, T: int, shape: tup
     `shape` fixes the tables' size (a graph's bucket); None: exact."""
     size = m.size if m is not None else block
     R = (shape[0] if shape is not None else len(rows)) + 1  # the last: padding's row
-    width = -(-(shape[2] if shape is not None else max((r.num_cached + len(r.ids) for r in rows), default=1)) // size)
+    width = -(-(shape[2] if shape is not None else max((r.num_cached_tokens + len(r.ids) for r in rows), default=1)) // size)
     tables = np.full((R, width), spare_block, np.int32)
     tok_row = np.full(T, R - 1, np.int32)
     lim = np.ones(T, np.int32)
@@ -202,15 +202,15 @@ def _kernel_inputs(rows: list[Row], m: Any, spare_block: int, T: int, shape: tup
     anc = np.zeros(T, np.int64)
     s = 0
     for i, r in enumerate(rows):
-        n, end = len(r.ids), r.num_cached + len(r.ids)
+        n, end = len(r.ids), r.num_cached_tokens + len(r.ids)
         blocks = m.seqs[r.seq_id].table[: -(-end // size)]
         tables[i, : len(blocks)] = blocks
         tok_row[s: s + n] = i
-        lim[s: s + n] = np.arange(r.num_cached + 1, end + 1)  # causal by storage offset
+        lim[s: s + n] = np.arange(r.num_cached_tokens + 1, end + 1)  # causal by storage offset
         if r.tree is not None:
             bits = [sum(1 << a for a in path) for path in paths(r.tree)]
             for t in range(n):
-                j = r.num_cached + t - r.tree_base
+                j = r.num_cached_tokens + t - r.tree_base
                 if j >= 0:  # a node: the prefix, then its path's nodes
                     lim[s + t], tree_n[s + t], anc[s + t] = r.tree_base, len(r.tree), bits[j]
         s += n

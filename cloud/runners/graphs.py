@@ -228,7 +228,7 @@ class PagedForward:
         count), None where that bucket was not captured."""
         if not self.buckets:
             return None
-        R0, N0, W0 = len(rows), max(len(r.ids) for r in rows), max(r.num_cached + len(r.ids) for r in rows)
+        R0, N0, W0 = len(rows), max(len(r.ids) for r in rows), max(r.num_cached_tokens + len(r.ids) for r in rows)
         if self._planned is not None:
             R, N, W = (bucket(x, d) for x, d in zip((R0, N0, W0), self._dims, strict=True))
             return (R, N, W) if (R, N, W) in self._graphs else None  # type: ignore[return-value]

@@ -195,15 +195,15 @@ class LlamaPool(KVPool):
         keeps = []
         try:
             for r in rows:
-                m.prepare_write(r.seq_id, r.num_cached, len(r.ids))
-                self._cut(r.seq_id, r.num_cached)
+                m.prepare_write(r.seq_id, r.num_cached_tokens, len(r.ids))
+                self._cut(r.seq_id, r.num_cached_tokens)
                 tokens += self._tokens(r)
                 keeps.append(r.keep)
             logits = self.ctx.decode(tokens)  # [sum of keeps, vocab]
         except BaseException:
             m.undo_writes()
             for r in rows:
-                self._cut(r.seq_id, r.num_cached)
+                self._cut(r.seq_id, r.num_cached_tokens)
             raise
         for r in rows:
             m.extend(r.seq_id, list(r.ids))
@@ -231,7 +231,7 @@ class LlamaPool(KVPool):
                 under[at].append(s)
                 at = parents[at]
         self._trees[r.seq_id] = {j: under[j][0] for j in range(len(parents))}
-        first_node = r.tree_base - r.num_cached  # this row's ids: the rest of S', then every node
+        first_node = r.tree_base - r.num_cached_tokens  # this row's ids: the rest of S', then every node
         out = []
         for i, t in enumerate(r.ids):
             seqs = (seq, *leaf_seq.values()) if i < first_node else tuple(under[i - first_node])

@@ -66,7 +66,7 @@ def run_round(model: TargetModel, s: Session, req: Any, q: torch.Tensor | None) 
         (logits,) = model.forward([plan.row])  # type: ignore[union-attr]
         return finish_round(model, s, req, q, plan, logits, (time.monotonic() - t0) * 1000, replay_keep=8)  # type: ignore[arg-type]
     except BaseException:
-        s.set_kv_len(model.pool, min(s.kv_len, plan.num_cached))  # type: ignore[union-attr]
+        s.set_kv_len(model.pool, min(s.kv_len, plan.num_cached_tokens))  # type: ignore[union-attr]
         raise
 
 

@@ -209,7 +209,7 @@ def test_start_up_buckets_and_their_blank_inputs(arch_dir: Path) -> None:
     a, b = pool.allocate(), pool.allocate()
     rows = [Row(a, 0, [5] * 9, 9), Row(b, 0, [6], 1), Row(pool.allocate(), 0, [7, 8], 2)]
     for r in rows:
-        pool.manager.prepare_write(r.seq_id, r.num_cached, len(r.ids))
+        pool.manager.prepare_write(r.seq_id, r.num_cached_tokens, len(r.ids))
     shape = target.paged.shape_of(rows)
     assert shape is not None
     real = target.paged.inputs(pool, rows, pool.spare_row, shape)

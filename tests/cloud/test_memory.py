@@ -72,7 +72,7 @@ def test_a_waiting_half_finished_prefill_gives_its_blocks_back_and_resumes_from_
     svc.scheduler.call_sync(lambda: svc.room.make_room(1, True))
     assert pre.seq_id is None and pool.manager.available() == before + 2  # its two blocks, now cached
     resumed = svc.scheduler.call_sync(lambda: pre.plan(pool, 32))
-    assert resumed is not None and resumed.num_cached == 32  # taken from the prefix cache, not computed again
+    assert resumed is not None and resumed.num_cached_tokens == 32  # taken from the prefix cache, not computed again
     svc.scheduler.call_sync(lambda: pool.release(resumed.seq_id))
 
 
@@ -99,7 +99,7 @@ def test_a_generate_prompt_half_prefilled_gives_its_blocks_back_and_its_token_is
                 before = pool.manager.available()
                 svc.room.make_room(1, True)
                 assert st.seq_id is None and pool.manager.available() == before + 2  # its two blocks, cached
-                assert job.plan(32).num_cached == 32  # from the prefix cache, not computed again
+                assert job.plan(32).num_cached_tokens == 32  # from the prefix cache, not computed again
                 job.unplan()
         assert st not in svc.room.gen_prefilling
         svc.room.end_generate(st)
