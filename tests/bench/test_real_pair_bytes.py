@@ -17,7 +17,7 @@ def test_downlink_per_round_leaves_the_opens_out_and_states_them_per_open(monkey
                      EdgeMetrics(emitted=12, verify_calls=6, bytes_up=1800, bytes_down=35_000,
                                  open_bytes_down=27_000, reopens=1, feature_bytes=4_000)])
 
-    def run_session(s: Any, tok: Any, text: str) -> Any:
+    def run_session(s: Any, tok: Any, text: str, states_drafting: Any = None) -> Any:
         return SimpleNamespace(metrics=next(sessions))
 
     monkeypatch.setattr(rp, "run_session", run_session)
