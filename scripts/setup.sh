@@ -28,7 +28,9 @@ if [ ! -f models/smollm2-135m-instruct/model.safetensors ]; then
 fi
 # llama.cpp (GGUF drafts on the edge, the cloud's llama.cpp runner): llama-cpp-python is a source distribution,
 # so pip compiles its vendored llama.cpp once for this CPU (cmake and a C++ compiler; about 5 minutes on 2
-# cores) and caches the wheel, so a second setup on the same machine takes seconds. Without it the draft runs in
+# cores). The wheel is built for this CPU's instruction set, so it is kept under a key of this CPU's flags
+# (~/.cache/specsplit/llama_cpp/<key>), never in pip's cache, which keys by requirement alone: a wheel built on a
+# CPU with AMX or AVX-512 dies with SIGILL on one without them. A second setup on the same CPU takes seconds. Without it the draft runs in
 # PyTorch. SPECSPLIT_SKIP_LLAMACPP=1 skips the build: a GPU cloud host needs none (its cloud runs PyTorch on CUDA;
 # this build is llama.cpp for the CPU), and on a host with an NVIDIA GPU the build's first line says so.
 LLAMACPP="llama-cpp-python==0.3.36"
@@ -36,13 +38,18 @@ if [ -z "${SPECSPLIT_SKIP_LLAMACPP:-}" ] && ! .venv/bin/python -c "import llama_
   if ! command -v cmake >/dev/null || ! command -v c++ >/dev/null; then
     echo "llama.cpp not built: cmake or a C++ compiler is missing (Debian: apt-get install cmake g++, then run setup again); drafts run in PyTorch"
   else
-    echo "building $LLAMACPP for this CPU (once, about 5 min on 2 cores; pip caches the wheel)"
+    echo "building $LLAMACPP for this CPU (once per CPU type, about 5 min on 2 cores)"
     if command -v nvidia-smi >/dev/null; then
       echo "  (an NVIDIA GPU is here: a cloud on it runs PyTorch on CUDA, not this CPU build; SPECSPLIT_SKIP_LLAMACPP=1 bash scripts/setup.sh skips it)"
     fi
     t0=$(date +%s)
-    CMAKE_ARGS="-DLLAVA_BUILD=OFF ${CMAKE_ARGS:-}" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
-      .venv/bin/python -m pip install "$LLAMACPP" > .venv/llama-cpp-build.log 2>&1 &
+    cpu_key=$( { grep -m1 -E '^(flags|Features)' /proc/cpuinfo 2>/dev/null || sysctl -n machdep.cpu.brand_string 2>/dev/null || uname -m; } | cksum | cut -d' ' -f1)
+    wheels="${XDG_CACHE_HOME:-$HOME/.cache}/specsplit/llama_cpp/$cpu_key"
+    mkdir -p "$wheels"
+    ( if ! ls "$wheels"/llama_cpp_python-*.whl >/dev/null 2>&1; then
+        CMAKE_ARGS="-DLLAVA_BUILD=OFF ${CMAKE_ARGS:-}" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
+          .venv/bin/python -m pip wheel --no-cache-dir --no-deps -w "$wheels" "$LLAMACPP"
+      fi && .venv/bin/python -m pip install --no-cache-dir "$wheels"/llama_cpp_python-*.whl ) > .venv/llama-cpp-build.log 2>&1 &
     pid=$!
     while kill -0 "$pid" 2>/dev/null; do sleep 30; kill -0 "$pid" 2>/dev/null && echo "  still building llama.cpp ($(( $(date +%s) - t0 )) s)"; done
     if wait "$pid"; then
