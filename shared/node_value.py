@@ -81,9 +81,29 @@ class NodeCalibration:
         b = q_bin(q)
         return (self._kept[b] + self.prior_nodes * q) / (self._tried[b] + self.prior_nodes)
 
+    def conditionals(self, parents: list[int], q: list[float], counted: list[bool] | None = None) -> list[float]:
+        """Each node's chance of acceptance once its parent was: `conditional`, capped so that siblings' chances
+        sum to at most 1. The verify keeps at most one child of a node (the target's one draw at that position),
+        so the chances of siblings are exclusive; the bins by q alone cannot see that (a second branch at q 0.3
+        shares its bin with main-path nodes of q 0.3, kept far more often), and a greedy target that keeps the
+        first child 98 times in 100 leaves its siblings 0.02 between them. Siblings take their share in order of
+        their bin's chance (ties: the drafter's order); nodes not `counted` (an edge's copy branches) get 0 and
+        take none."""
+        out = [0.0] * len(q)
+        children: dict[int, list[int]] = {}
+        for j, par in enumerate(parents):
+            if counted is None or counted[j]:
+                children.setdefault(par, []).append(j)
+        for kids in children.values():
+            left = 1.0
+            for j in sorted(kids, key=lambda j: -self.conditional(q[j])):
+                out[j] = min(self.conditional(q[j]), left)
+                left -= out[j]
+        return out
+
     def expected(self, parents: list[int], q: list[float]) -> list[float]:
-        """Tokens each node is expected to add: `conditional` multiplied along its path."""
+        """Tokens each node is expected to add: `conditionals` multiplied along its path."""
         out: list[float] = []
-        for par, qj in zip(parents, q, strict=True):
-            out.append(self.conditional(qj) * (out[par] if par >= 0 else 1.0))
+        for par, c in zip(parents, self.conditionals(parents, q), strict=True):
+            out.append(c * (out[par] if par >= 0 else 1.0))
         return out

@@ -146,15 +146,17 @@ class TreeControl:
         return max(best, 1)
 
     def ranked(self, block: DraftBlock, copy_path: list[int] | None = None) -> list[float]:
-        """Each node's expected tokens: the session's acceptance of its q multiplied along its path; a node of
+        """Each node's expected tokens: the session's acceptance of its q, capped so siblings share at most 1
+        (NodeCalibration.conditionals), multiplied along its path; a node of
         a grafted copy path keeps the larger of that and its copy value (a node only the copy proposed, its
         copy value), so values never rise along a path and `prune` keeps a tree."""
         assert block.parents is not None
         copied = block.copied or [False] * block.k
         fixed = path_values(block, copy_path, self.copy.value) if copy_path else [None] * block.k
+        cond = self.nodes.conditionals(block.parents, block.q_probs, [not c for c in copied])
         out: list[float] = []
-        for j, (par, q) in enumerate(zip(block.parents, block.q_probs, strict=True)):
-            v = 0.0 if copied[j] else self.nodes.conditional(q) * (out[par] if par >= 0 else 1.0)
+        for j, par in enumerate(block.parents):
+            v = cond[j] * (out[par] if par >= 0 else 1.0)
             f = fixed[j]
             out.append(v if f is None else max(v, f))
         return out

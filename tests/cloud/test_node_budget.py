@@ -269,3 +269,38 @@ def test_gpu_cost_reads_the_marginal_row_cost_per_bucket() -> None:
         fit.observe(256, 0, cost(256))
     assert abs(fit.row_s - 0.00005) / 0.00005 < 0.05
     assert ForwardCost().marginal_row_s() is None
+
+
+def test_siblings_chances_of_acceptance_sum_to_at_most_one() -> None:
+    """The verify keeps at most one child of a node, so siblings' chances are exclusive. Main-path nodes of q 0.3
+    that are always kept (200 rounds) make the 0.3 bin read near 1; a second branch of q 0.3 beside a first child
+    of q 0.95 (a bin read at 0.98) may then add at most the 0.02 its sibling leaves, where its bin alone says
+    near 1. Over 500 random trees (seed 0) with random bin counts, every node's siblings sum to at most 1 and no
+    node reads more than its own bin."""
+    import random
+
+    from shared.node_value import NodeCalibration
+
+    cal = NodeCalibration()
+    for _ in range(200):
+        cal.observe([-1, 0, 1], [0.3, 0.3, 0.95], [True, True, True])
+        if _ % 50 == 0:
+            cal.observe([-1], [0.95], [False])
+    first, second = cal.conditional(0.95), cal.conditional(0.3)
+    assert second > 0.9 and first > 0.9
+    c = cal.conditionals([-1, -1], [0.95, 0.3])
+    assert c[0] == pytest.approx(first) and c[1] == pytest.approx(1 - first)
+    e = cal.expected([-1, -1, 0], [0.3, 0.95, 0.3])  # the larger bin takes its share first, whatever the order
+    assert e[1] == pytest.approx(first) and e[0] == pytest.approx(1 - first) and e[2] == pytest.approx(e[0] * second)
+    rng = random.Random(0)
+    for _ in range(500):
+        cal = NodeCalibration()
+        cal._kept = [rng.uniform(0, 5) for _ in range(10)]
+        cal._tried = [k + rng.uniform(0, 5) for k in cal._kept]
+        n = rng.randint(1, 12)
+        parents = [rng.randint(-1, j - 1) for j in range(n)]
+        q = [rng.random() for _ in range(n)]
+        cond = cal.conditionals(parents, q)
+        for par in set(parents):
+            assert sum(cond[j] for j in range(n) if parents[j] == par) <= 1 + 1e-9
+        assert all(0 <= cond[j] <= cal.conditional(q[j]) + 1e-12 for j in range(n))
