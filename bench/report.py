@@ -146,7 +146,7 @@ def setup_section(an: Analysis) -> list[str]:
         + ", ".join(f"{k} {rng(Stat.of(v), 2)} ms" for k, v in cal.t_target_ms.items())
         + "; prompt prefill P (first step of a 1-token generation): "
         + ", ".join(f"{p.name} {ms:.1f} ms" for p, ms in zip(r.prompts, cal.prefill_ms, strict=True)) + ".",
-        "- Hybrid drafter: not in this matrix (the edge's opt-in `--hybrid`; `scripts/measure_acceptance.py` measures it).",
+        "- Hybrid drafter: not in this matrix (the edge's opt-in `--hybrid`; `specsplit-bench acceptance` measures it).",
         *([f"- GPU memory is not measured: the cloud ran on `{r.notes.get('device')}` and exposes no device "
            "memory figure; RSS and KV above are host memory and the KV gauge."]
           if r.notes.get("device", "cpu") != "cpu" else []), "",

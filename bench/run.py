@@ -15,11 +15,23 @@ write BENCHMARKS.md plus its PNG figures.
     specsplit-bench --only forward-cost  # one cloud forward by dtype and batch shape, both targets (~10 minutes)
     specsplit-bench --only gpu           # the cloud on a CUDA host: forward by shape, graphs, server (~5 minutes)
     specsplit-bench --only gpu-capacity  # tokens per GPU-second, replayed coder-pair drafts against alone (<6 min)
+
+One-off measurements print their tables instead of writing the report (bench/measures; NAME --help for each):
+
+    specsplit-bench acceptance --rtt-ms 50      # acceptance and speed of each drafter against cloud_only
+    specsplit-bench block-size                  # forward cost and unused KV positions by paged-pool block size
+    specsplit-bench cloud-down --requests 6     # how long requests to the OpenAI server take to fail, cloud down
+    specsplit-bench failover                    # replicas behind nginx: SIGKILL to next token, 1 vs 3 replicas
+    specsplit-bench overhead                    # the verifier's own overhead per round, REST and gRPC
+    specsplit-bench slow-link --rtt-ms 600      # exactness over a slow link, default deadline against a fixed one
+    specsplit-bench stream-switch 6 96 llamacpp # the coder pair with and without speculate-or-stream
+    specsplit-bench profile-rounds --transport grpc   # where a verify round's CPU goes in the cloud (py-spy)
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import shlex
 import sys
@@ -33,9 +45,24 @@ from bench.cloud_proc import REPO
 from bench.plan import full_plan, quick_plan, with_repeats
 from bench.traces import TRACES_DIR
 
+# subcommand -> module with a main(argv) -> int; each loads its heavy dependencies only after parsing
+MEASURES = {
+    "acceptance": "bench.measures.acceptance",
+    "block-size": "bench.measures.block_size",
+    "cloud-down": "bench.measures.cloud_down",
+    "failover": "bench.measures.failover",
+    "overhead": "bench.measures.overhead",
+    "slow-link": "bench.measures.slow_link",
+    "stream-switch": "bench.measures.stream_switch",
+    "profile-rounds": "bench.measures.profile_rounds",
+}
+
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="specsplit-bench", description=__doc__.split("\n\n")[0])
+    # the epilog is the docstring's last two paragraphs: the MEASURES subcommands, one a line
+    p = argparse.ArgumentParser(prog="specsplit-bench", description=__doc__.split("\n\n")[0],
+                                epilog="\n\n".join(__doc__.split("\n\n")[-2:]),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny plan (1 prompt per set, 8 tokens, 1 repeat)")
     p.add_argument("--out", type=Path, default=REPO / "BENCHMARKS.md", help="report path (default BENCHMARKS.md)")
     p.add_argument("--plots", type=Path, default=None,
@@ -224,6 +251,10 @@ def other_capacity_runs(raw: Path, section_id: str) -> list[CapacityResults]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    given = sys.argv[1:] if argv is None else argv
+    if given and given[0] in MEASURES:  # a one-off measurement: its own parser reads the rest
+        measure: int = importlib.import_module(MEASURES[given[0]]).main(list(given[1:]))
+        return measure
     args = build_parser().parse_args(argv)
     t0 = time.perf_counter()
     command = "specsplit-bench" + ("" if argv is None and len(sys.argv) <= 1 else

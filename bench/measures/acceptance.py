@@ -10,9 +10,9 @@ the n-gram drafter, with and without the top-k filler) and every prompt, one gen
 on the demo pair by default (whatever models/demo-target and models/demo-draft hold now).
 `--rtt-ms` puts a delay proxy (bench/delay_proxy.py) between edge and cloud to emulate a network.
 
-    .venv/bin/python scripts/measure_acceptance.py                           # starts specsplit-cloud
-    .venv/bin/python scripts/measure_acceptance.py --temperature 0 --max-new-tokens 64 --rtt-ms 50
-    .venv/bin/python scripts/measure_acceptance.py --cloud http://127.0.0.1:8000   # a running cloud
+    .venv/bin/specsplit-bench acceptance                           # starts specsplit-cloud
+    .venv/bin/specsplit-bench acceptance --temperature 0 --max-new-tokens 64 --rtt-ms 50
+    .venv/bin/specsplit-bench acceptance --cloud http://127.0.0.1:8000   # a running cloud
 """
 
 from __future__ import annotations
@@ -20,20 +20,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from bench.cloud_proc import REPO
 
-from edge.client import EdgeClient  # noqa: E402
-from edge.drafters import HybridDrafter, ModelDrafter, NGramDrafter  # noqa: E402
-from edge.metrics import EdgeMetrics  # noqa: E402
-from edge.settings import EdgeSettings  # noqa: E402
+if TYPE_CHECKING:  # the edge (and torch under it) loads in run(), so `--help` answers at once
+    from edge.metrics import EdgeMetrics
 
 FALLBACK_PROMPTS = [
     "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n",
@@ -100,10 +96,11 @@ def cloud_endpoints(args: argparse.Namespace) -> Iterator[tuple[str, str | None]
     if args.cloud:
         yield args.cloud, args.grpc
         return
-    from tests.server import CloudProcess
+    from bench.cloud_proc import CloudServer
 
-    with CloudProcess(args.target) as cloud:
-        yield cloud.http_url, cloud.grpc_target
+    # one torch thread, the PyTorch runner in float32: the cloud the test suite starts by default
+    with CloudServer(args.target, torch_threads=1, extra_args=["--runner", "torch", "--dtype", "float32"]) as cloud:
+        yield cloud.url, f"127.0.0.1:{cloud.grpc_port}"
 
 
 @contextlib.contextmanager
@@ -122,6 +119,8 @@ def maybe_delayed(url: str, rtt_ms: float) -> Iterator[str]:
 
 def configs(args: argparse.Namespace) -> list[tuple[str, dict[str, Any], Any]]:
     """(name, settings overrides, drafter factory)."""
+    from edge.drafters import HybridDrafter, ModelDrafter, NGramDrafter
+
     draft = ModelDrafter(args.draft) if args.draft else None
     out: list[tuple[str, dict[str, Any], Any]] = [("cloud_only", {"mode": "cloud_only"}, None)]
     if draft is not None:
@@ -136,6 +135,9 @@ def configs(args: argparse.Namespace) -> list[tuple[str, dict[str, Any], Any]]:
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     from transformers import AutoTokenizer
+
+    from edge.client import EdgeClient
+    from edge.settings import EdgeSettings
 
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     prompts = load_prompts(args.n_prompts, args.prompt_chars)
@@ -180,7 +182,7 @@ def print_table(summaries: list[dict[str, Any]], args: argparse.Namespace) -> No
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="specsplit-bench acceptance", description=__doc__.split("\n\n")[0])
     p.add_argument("--target", type=Path, default=REPO / "models" / "demo-target")
     p.add_argument("--draft", type=Path, default=REPO / "models" / "demo-draft",
                    help="draft model directory ('' to measure the n-gram drafter only)")
@@ -218,4 +220,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

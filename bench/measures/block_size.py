@@ -4,26 +4,27 @@ Sixteen verify rows of 5 tokens after contexts of 60..400 positions (seeded) on 
 one torch thread; the median of 9 forwards' CPU time of this thread per block size, and the share of
 positions left unused in the rows' last blocks (internal fragmentation).
 
-    .venv/bin/python scripts/measure_block_size.py [--model models/demo-target] [--sizes 4,8,16,32,64,128]
+    .venv/bin/specsplit-bench block-size [--model models/demo-target] [--sizes 4,8,16,32,64,128]
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+from bench.cloud_proc import REPO
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from shared.hf_model import load_causal_lm  # noqa: E402
-from shared.kvpool import KVPool, Row, attention_layout  # noqa: E402
+if TYPE_CHECKING:  # torch loads in main(), so `--help` answers at once
+    import torch
 
 
 def measure(model: torch.nn.Module, block: int, rows: int = 16, new: int = 5, seed: int = 0) -> tuple[float, float]:
+    import torch
+
+    from shared.kvpool import KVPool, Row, attention_layout
+
     g = torch.Generator().manual_seed(seed)
     pool = KVPool(attention_layout(model.config), 1 << 20, "cpu", torch.float32, block_size=block)
     pool.prepare(model)
@@ -43,11 +44,15 @@ def measure(model: torch.nn.Module, block: int, rows: int = 16, new: int = 5, se
     return sorted(times)[len(times) // 2] * 1000.0, unused
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="specsplit-bench block-size", description=__doc__.splitlines()[0])
     p.add_argument("--model", type=Path, default=REPO / "models" / "demo-target")
     p.add_argument("--sizes", default="4,8,16,32,64,128")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    import torch
+
+    from shared.hf_model import load_causal_lm
+
     torch.set_num_threads(1)
     model = load_causal_lm(args.model, "cpu", torch.float32)
     print("| block size | forward CPU ms (median of 9) | unused positions in last blocks |")
@@ -55,7 +60,8 @@ def main() -> None:
     for b in (int(x) for x in args.sizes.split(",")):
         ms, unused = measure(model, b)
         print(f"| {b} | {ms:.1f} | {unused:.1%} |")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

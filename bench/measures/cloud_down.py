@@ -3,7 +3,7 @@
 Runs `specsplit-edge serve`'s app in process (n-gram drafter, the demo tokenizer) against a port
 nobody listens on, with the default retries, and prints each request's status and seconds.
 
-    .venv/bin/python scripts/measure_cloud_down.py --requests 6
+    .venv/bin/specsplit-bench cloud-down --requests 6
 """
 
 from __future__ import annotations
@@ -11,25 +11,23 @@ from __future__ import annotations
 import argparse
 import json
 import socket
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from fastapi.testclient import TestClient  # noqa: E402
-
-from edge.server.openai_api import ServeOptions, create_app  # noqa: E402
-from edge.server.serve import build_engine  # noqa: E402
-from edge.settings import EdgeSettings  # noqa: E402
+from bench.cloud_proc import REPO
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="specsplit-bench cloud-down", description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=6)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    # the edge (and torch under it) loads here, so `--help` answers at once
+    from fastapi.testclient import TestClient
+
+    from edge.server.openai_api import ServeOptions, create_app
+    from edge.server.serve import build_engine
+    from edge.settings import EdgeSettings
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -44,7 +42,8 @@ def main() -> None:
         with ThreadPoolExecutor(args.requests) as pool:
             out = list(pool.map(one, range(args.requests)))
     print(json.dumps({"status_and_seconds": out}))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -1,6 +1,6 @@
 """Failover and scale-out of verifier replicas behind nginx (bench.cluster), on this machine.
 
-    .venv/bin/python scripts/measure_failover.py [--kills 10] [--sessions 16] [--tokens 48]
+    .venv/bin/specsplit-bench failover [--kills 10] [--sessions 16] [--tokens 48]
         [--transport rest|grpc] [--drafter ngram|model] [--json out.json]
 
 1. Failover: a generation runs through nginx on a 3-replica cluster; once it has committed 8 tokens,
@@ -21,30 +21,31 @@ import json
 import logging
 import os
 import statistics
-import sys
 import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from bench.cloud_proc import REPO
+from bench.cluster import Cluster, ClusterConfig
 
-from bench.cluster import Cluster, ClusterConfig  # noqa: E402
-from edge.client import EdgeClient  # noqa: E402
-from edge.drafters import ModelDrafter, NGramDrafter  # noqa: E402
-from edge.drafters.base import Drafter  # noqa: E402
-from edge.settings import EdgeSettings  # noqa: E402
+if TYPE_CHECKING:  # the edge (and torch under it) loads once a measurement runs, so `--help` answers at once
+    from edge.client import EdgeClient
+    from edge.drafters import ModelDrafter
+    from edge.drafters.base import Drafter
 
 PROMPT = "def fibonacci(n):"
 KILL_AFTER = 8
 FAIL_TIMEOUT_S = 1.0
-log = logging.getLogger("measure_failover")
+log = logging.getLogger("bench.measures.failover")
 
 
 def make_client(cluster: Cluster, transport: str, drafter: Drafter, tokenizer: Any, max_new_tokens: int,
                 **kw: Any) -> EdgeClient:
+    from edge.client import EdgeClient
+    from edge.settings import EdgeSettings
+
     s = EdgeSettings(cloud_url=cluster.nginx.http_url,
                      grpc_target=cluster.nginx.grpc_target if transport == "grpc" else None,
                      temperature=0, max_new_tokens=max_new_tokens, timeout_ms=30_000, timeout_fallback=False,
@@ -53,6 +54,8 @@ def make_client(cluster: Cluster, transport: str, drafter: Drafter, tokenizer: A
 
 
 def new_drafter(kind: str, model: ModelDrafter | None) -> Drafter:
+    from edge.drafters import NGramDrafter
+
     return model.fork() if kind == "model" and model is not None else NGramDrafter()
 
 
@@ -88,6 +91,8 @@ def one_kill(cluster: Cluster, client: EdgeClient, expected: list[int]) -> dict[
 
 
 def failover(args: argparse.Namespace, tokenizer: Any, model: ModelDrafter | None) -> dict[str, Any]:
+    from edge.drafters import NGramDrafter
+
     cfg = ClusterConfig(replicas=3, fail_timeout=f"{FAIL_TIMEOUT_S:g}s")
     with Cluster(cfg) as cluster:
         expected = make_client(cluster, "rest", NGramDrafter(), tokenizer, args.tokens,
@@ -109,6 +114,8 @@ def failover(args: argparse.Namespace, tokenizer: Any, model: ModelDrafter | Non
 
 
 def throughput(replicas: int, args: argparse.Namespace, tokenizer: Any, model: ModelDrafter | None) -> dict[str, Any]:
+    from edge.drafters import NGramDrafter
+
     with Cluster(ClusterConfig(replicas=replicas)) as cluster:
         # warm-up: one short generation per replica path
         make_client(cluster, args.transport, NGramDrafter(), tokenizer, 8).generate(PROMPT)
@@ -137,7 +144,7 @@ def throughput(replicas: int, args: argparse.Namespace, tokenizer: Any, model: M
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="specsplit-bench failover", description=__doc__.split("\n\n")[0])
     p.add_argument("--kills", type=int, default=10)
     p.add_argument("--sessions", type=int, default=16)
     p.add_argument("--tokens", type=int, default=48, help="new tokens per generation")
@@ -151,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     import torch
     from transformers import AutoTokenizer
+
+    from edge.drafters import ModelDrafter
 
     torch.set_num_threads(1)
     tokenizer = AutoTokenizer.from_pretrained(REPO / "models" / "demo-target")
@@ -177,4 +186,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -7,8 +7,8 @@ loopback, validation, the hand-off to the model thread, the shared processing an
 Every round resends the same context (no request_id, so it is recomputed by crop-then-append),
 so each forward covers the same 1 + k positions and rounds are comparable.
 
-    .venv/bin/python scripts/measure_overhead.py                       # starts specsplit-cloud itself
-    .venv/bin/python scripts/measure_overhead.py --cloud http://127.0.0.1:8000 --grpc 127.0.0.1:50051
+    .venv/bin/specsplit-bench overhead                       # starts specsplit-cloud itself
+    .venv/bin/specsplit-bench overhead --cloud http://127.0.0.1:8000 --grpc 127.0.0.1:50051
 """
 
 from __future__ import annotations
@@ -27,14 +27,11 @@ from pathlib import Path
 
 import grpc
 import httpx
-from transformers import AutoTokenizer
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from shared.hashing import ctx_hash  # noqa: E402
-from shared.pb import verify_pb2 as pb  # noqa: E402
-from shared.pb import verify_pb2_grpc as pb_grpc  # noqa: E402
+from bench.cloud_proc import REPO
+from shared.hashing import ctx_hash
+from shared.pb import verify_pb2 as pb
+from shared.pb import verify_pb2_grpc as pb_grpc
 
 PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n    return"
 
@@ -127,7 +124,7 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="specsplit-bench overhead", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, default=REPO / "models" / "demo-target")
     ap.add_argument("--cloud", help="REST URL of a running server (default: start one)")
     ap.add_argument("--grpc", help="gRPC HOST:PORT of the same running server")
@@ -137,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads of a started server")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = ap.parse_args(argv)
+    from transformers import AutoTokenizer  # here, so `--help` answers at once
 
     ids = list(AutoTokenizer.from_pretrained(args.model).encode(PROMPT))
     draft = (ids * args.k)[: args.k]
@@ -166,4 +164,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

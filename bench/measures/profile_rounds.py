@@ -1,7 +1,7 @@
 """Where a verify round's time goes inside the cloud: py-spy samples of a live `specsplit-cloud`.
 
 One server (the demo target by default, one torch thread), `--sessions` clients each sending the
-same k = `--k` greedy round again and again (as scripts/measure_overhead.py) over REST or gRPC for
+same k = `--k` greedy round again and again (as `specsplit-bench overhead`) over REST or gRPC for
 `--seconds`, while py-spy samples every thread of the server (`--nonblocking`, so the server is not
 paused). Each sample is charged to the first category its stack matches, innermost frame first:
 
@@ -17,8 +17,8 @@ paused). Each sample is charged to the first category its stack matches, innermo
 and printed as milliseconds of CPU per round (samples / rate / rounds). Needs py-spy
 (`.venv/bin/pip install py-spy`; it reads the server's memory by ptrace).
 
-    .venv/bin/python scripts/profile_rounds.py --transport grpc --sessions 1
-    .venv/bin/python scripts/profile_rounds.py --transport rest --sessions 16 --top 15
+    .venv/bin/specsplit-bench profile-rounds --transport grpc --sessions 1
+    .venv/bin/specsplit-bench profile-rounds --transport rest --sessions 16 --top 15
 """
 
 from __future__ import annotations
@@ -35,12 +35,8 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))
-
-from measure_overhead import PROMPT, grpc_round, local_cloud, rest_round  # noqa: E402
-from transformers import AutoTokenizer  # noqa: E402
+from bench.cloud_proc import REPO
+from bench.measures.overhead import PROMPT, grpc_round, local_cloud, rest_round
 
 # innermost match wins: (category, pattern over "function (file:line)")
 CATEGORIES = [
@@ -98,7 +94,7 @@ class Load:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="specsplit-bench profile-rounds", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, default=REPO / "models" / "demo-target")
     ap.add_argument("--transport", choices=["rest", "grpc"], default="grpc")
     ap.add_argument("--sessions", type=int, default=1)
@@ -107,9 +103,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
     ap.add_argument("--top", type=int, default=0, help="also print the N costliest innermost frames")
     args = ap.parse_args(argv)
+    from transformers import AutoTokenizer  # here, so `--help` answers at once
+
     spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     if not Path(spy).exists():
-        raise SystemExit("profile_rounds: py-spy not found: .venv/bin/pip install py-spy")
+        raise SystemExit("specsplit-bench profile-rounds: py-spy not found: .venv/bin/pip install py-spy")
     tok = AutoTokenizer.from_pretrained(args.model)
     prompt = tok(PROMPT)["input_ids"]
     draft = tok(" fibonacci(n - 1) + fibonacci(n - 2)")["input_ids"][: args.k]

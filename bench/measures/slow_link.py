@@ -5,31 +5,26 @@ For each setting: greedy text of `--new` tokens after each prompt, compared with
 target-only greedy text (POST /v1/generate, no link delay), the share of tokens committed unverified,
 verify timeouts, and wall time. Starts specsplit-cloud with the bundled demo target.
 
-    .venv/bin/python scripts/measure_slow_link.py --rtt-ms 600
+    .venv/bin/specsplit-bench slow-link --rtt-ms 600
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from bench.delay_proxy import DelayProxy  # noqa: E402
-from edge.client import EdgeClient  # noqa: E402
-from edge.drafters import ModelDrafter  # noqa: E402
-from edge.settings import EdgeSettings  # noqa: E402
-from tests.server import CloudProcess  # noqa: E402
+from bench.cloud_proc import REPO, CloudServer
+from bench.delay_proxy import DelayProxy
 
 PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n\ndef main():\n", "class Stack:\n    def push(self, x):\n"]
 
 
 def run(url: str, cloud: str, drafter: Any, new: int, **kw: Any) -> dict[str, Any]:
+    from edge.client import EdgeClient
+    from edge.settings import EdgeSettings
+
     exact = unverified = emitted = timeouts = 0
     t0 = time.perf_counter()
     for prompt in PROMPTS:
@@ -48,23 +43,28 @@ def run(url: str, cloud: str, drafter: Any, new: int, **kw: Any) -> dict[str, An
             "verify_timeouts": timeouts, "wall_s": round(time.perf_counter() - t0, 1)}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="specsplit-bench slow-link", description=__doc__.split("\n\n")[0])
     ap.add_argument("--rtt-ms", type=float, default=600)
     ap.add_argument("--new", type=int, default=24)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    from edge.drafters import ModelDrafter  # here: the edge (and torch under it) loads after `--help`
+
     drafter = ModelDrafter(REPO / "models" / "demo-draft")
-    with CloudProcess(REPO / "models" / "demo-target") as cloud:
+    # one torch thread, the PyTorch runner in float32: the cloud the test suite starts by default
+    with CloudServer(REPO / "models" / "demo-target", torch_threads=1,
+                     extra_args=["--runner", "torch", "--dtype", "float32"]) as cloud:
         proxy = DelayProxy("127.0.0.1", cloud.http_port, args.rtt_ms).start()
         try:
             out = {"rtt_ms": args.rtt_ms,
-                   "default": run(proxy.url, cloud.http_url, drafter, args.new),
-                   "old: 400 ms + fallback": run(proxy.url, cloud.http_url, drafter, args.new, timeout_ms=400,
+                   "default": run(proxy.url, cloud.url, drafter, args.new),
+                   "old: 400 ms + fallback": run(proxy.url, cloud.url, drafter, args.new, timeout_ms=400,
                                                  timeout_fallback=True)}
         finally:
             proxy.stop()
     print(json.dumps(out, indent=1))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

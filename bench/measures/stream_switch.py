@@ -2,7 +2,7 @@
 speculate-or-stream, on the coder-pair bench's HumanEval prompts: decode tokens/s, tokens per verify call,
 tokens streamed and the cloud's CPU-seconds per token, in one run (edge and cloud one core each).
 
-    nice -n 19 .venv/bin/python scripts/measure_stream_switch.py [PROMPTS] [NEW_TOKENS] [RUNNER]
+    nice -n 19 .venv/bin/specsplit-bench stream-switch [PROMPTS] [NEW_TOKENS] [RUNNER]
 
 RUNNER is the cloud's `--runner` (auto, the default: llama.cpp where its GGUF and llama-cpp-python are at hand;
 torch; llamacpp).
@@ -10,31 +10,39 @@ torch; llamacpp).
 
 from __future__ import annotations
 
+import argparse
 import os
-import sys
-
-import torch
-from transformers import AutoTokenizer
-
-from bench.cloud_proc import CloudServer
-from bench.coder_pair import (
-    TARGET,
-    client_for,
-    cpu_seconds,
-    humaneval_message,
-    humaneval_prompts,
-    pin,
-    settings,
-    summary,
-    tally,
-)
-from bench.real_pair import chat_ids
-from edge.client import EdgeClient
 
 
-def main() -> None:
-    prompts, n_new = (int(sys.argv[1]) if len(sys.argv) > 1 else 6), (int(sys.argv[2]) if len(sys.argv) > 2 else 96)
-    runner = sys.argv[3] if len(sys.argv) > 3 else "auto"
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="specsplit-bench stream-switch", description=__doc__.split("\n\n")[0])
+    ap.add_argument("prompts", nargs="?", type=int, default=6, metavar="PROMPTS",
+                    help="HumanEval prompts (default 6)")
+    ap.add_argument("new_tokens", nargs="?", type=int, default=96, metavar="NEW_TOKENS",
+                    help="new tokens per prompt (default 96)")
+    ap.add_argument("runner", nargs="?", default="auto", metavar="RUNNER",
+                    help="the cloud's --runner: auto, torch or llamacpp (default auto)")
+    args = ap.parse_args(argv)
+    prompts, n_new, runner = args.prompts, args.new_tokens, args.runner
+    # torch, the coder pair and the edge load here, so `--help` answers at once
+    import torch
+    from transformers import AutoTokenizer
+
+    from bench.cloud_proc import CloudServer
+    from bench.coder_pair import (
+        TARGET,
+        client_for,
+        cpu_seconds,
+        humaneval_message,
+        humaneval_prompts,
+        pin,
+        settings,
+        summary,
+        tally,
+    )
+    from bench.real_pair import chat_ids
+    from edge.client import EdgeClient
+
     torch.set_num_threads(1)
     pin("self", 0)
     tok = AutoTokenizer.from_pretrained(TARGET)
@@ -55,7 +63,8 @@ def main() -> None:
                   f"{s['streamed']} streamed ({s['switches']} switches), {cpu / s['tokens']:.3f} cloud CPU-s per token",
                   flush=True)
     print(f"load average {os.getloadavg()[0]:.2f} at the end")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

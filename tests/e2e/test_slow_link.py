@@ -1,7 +1,7 @@
 """A slow but healthy link (600 ms round trip, added by a TCP proxy) with the edge's defaults, over REST
 and gRPC: the generation completes, every token verified, and the greedy text is the target's own
 (POST /v1/generate on the direct link). The old default (a fixed 400 ms deadline with the fallback)
-committed nearly every token unverified here (scripts/measure_slow_link.py)."""
+committed nearly every token unverified here (specsplit-bench slow-link)."""
 
 from __future__ import annotations
 
