@@ -20,9 +20,9 @@ import transformers as tf
 from tests.tiny_models import TOKENIZER_DIR, VOCAB
 
 
-def build_qwen2(out_dir: Path, seed: int = 0, layers: int = 2) -> Path:
+def build_qwen2(out_dir: Path, seed: int = 0, layers: int = 2, hidden: int = 64) -> Path:
     """A tiny random Qwen2 causal LM (biased q/k/v, grouped KV heads, untied output) with the demo tokenizer."""
-    cfg = tf.Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+    cfg = tf.Qwen2Config(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                          tie_word_embeddings=False, eos_token_id=0, bos_token_id=0)
     torch.manual_seed(seed)
