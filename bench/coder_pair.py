@@ -143,7 +143,8 @@ def settings(url: str, n_new: int, **kw: Any) -> Any:
 def tally(client: Any, prompts: list[list[int]]) -> dict[str, Any]:
     """One client over the prompts: sums of its metrics, the texts, decode time (after the first token)."""
     t: dict[str, Any] = {"emitted": 0, "streamed": 0, "verify": 0, "drafted": 0, "accepted": 0,
-                         "switches": 0, "pos_d": [], "pos_a": [], "decode_tokens": 0, "decode_ms": 0.0, "texts": []}
+                         "switches": 0, "pos_d": [], "pos_a": [], "decode_tokens": 0, "decode_ms": 0.0, "ttft_ms": [],
+                         "texts": []}
     for ids in prompts:
         r = client.generate(ids)
         m = r.metrics
@@ -157,12 +158,14 @@ def tally(client: Any, prompts: list[list[int]]) -> dict[str, Any]:
                 t["pos_a"].append(0)
             t["pos_d"][i] += d
             t["pos_a"][i] += a
+        t["ttft_ms"].append(m.ttft_ms)
         t["texts"].append(list(r.token_ids))
     return t
 
 
 def summary(t: dict[str, Any], **row: Any) -> dict[str, Any]:
-    """Tokens per verify call (streamed tokens left out), acceptance (by position), nodes per round, decode tok/s."""
+    """Tokens per verify call (streamed tokens left out), acceptance (by position), nodes per round, decode tok/s,
+    the median time to the first token (ms, over the prompts)."""
     calls = max(t["verify"], 1)
     # None: no verify call (every token streamed, or cloud_only)
     return {**row, "tokens_per_verify": (t["emitted"] - t["streamed"]) / calls if t["verify"] else None,
@@ -171,7 +174,7 @@ def summary(t: dict[str, Any], **row: Any) -> dict[str, Any]:
             # `drafted` counts a tree's nodes too
             "nodes_per_round": t["drafted"] / calls, "streamed": t["streamed"], "switches": t["switches"],
             "tokens_per_s": t["decode_tokens"] / t["decode_ms"] * 1000 if t["decode_ms"] > 0 else 0.0,
-            "tokens": t["emitted"]}
+            "tokens": t["emitted"], "ttft_ms": sorted(t["ttft_ms"])[len(t["ttft_ms"]) // 2] if t["ttft_ms"] else 0.0}
 
 
 def client_for(s: Any, tokenizer: Any, drafter: Any) -> Any:

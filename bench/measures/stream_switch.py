@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench.coder_pair import (
         TARGET,
         client_for,
+        cpu_info,
         cpu_seconds,
         humaneval_message,
         humaneval_prompts,
@@ -48,9 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     tok = AutoTokenizer.from_pretrained(TARGET)
     ids = [chat_ids(tok, humaneval_message(p["prompt"])) for p in humaneval_prompts(prompts)]
     drafter = EdgeClient(settings("http://127.0.0.1:1", n_new)).drafter
-    print(f"load average {os.getloadavg()[0]:.2f} at the start; the cloud's --runner {runner}")
+    print(f"{cpu_info()}; load average {os.getloadavg()[0]:.2f} at the start; the cloud's --runner {runner}")
     with CloudServer(TARGET, torch_threads=1, extra_args=["--runner", runner], startup_timeout_s=600.0) as cloud:
         pin(cloud.pid, 1)
+        base: dict[str, float] = {}
         for name, kw in (("cloud_only", {"mode": "cloud_only"}), ("defaults", {}),
                          ("defaults without streaming", {"stream_switch": False})):
             c = client_for(settings(cloud.url, n_new, temperature=0.0, **kw), tok, drafter)
@@ -58,10 +60,12 @@ def main(argv: list[str] | None = None) -> int:
             s = summary(tally(c, ids))
             cpu = cpu_seconds(cloud.pid) - c0
             c.close()
+            base = base or {"rate": s["tokens_per_s"], "ttft": s["ttft_ms"]}
             per_verify = f"{s['tokens_per_verify']:.2f}" if s["tokens_per_verify"] else "-"
-            print(f"{name}: {s['tokens_per_s']:.2f} decode tok/s, {per_verify} tokens per verify call, "
-                  f"{s['streamed']} streamed ({s['switches']} switches), {cpu / s['tokens']:.3f} cloud CPU-s per token",
-                  flush=True)
+            print(f"{name}: {s['tokens_per_s']:.2f} decode tok/s ({s['tokens_per_s'] / base['rate']:.3f}x cloud_only), "
+                  f"first token {s['ttft_ms']:.0f} ms median ({s['ttft_ms'] / base['ttft']:.3f}x), {per_verify} tokens "
+                  f"per verify call, {s['streamed']} streamed ({s['switches']} switches), "
+                  f"{cpu / s['tokens']:.3f} cloud CPU-s per token", flush=True)
     print(f"load average {os.getloadavg()[0]:.2f} at the end")
     return 0
 
