@@ -26,6 +26,7 @@ One-off measurements print their tables instead of writing the report (bench/mea
     specsplit-bench slow-link --rtt-ms 600      # exactness over a slow link, default deadline against a fixed one
     specsplit-bench stream-switch 6 96 llamacpp # the coder pair with and without speculate-or-stream
     specsplit-bench profile-rounds --transport grpc   # where a verify round's CPU goes in the cloud (py-spy)
+    specsplit-bench peer-loop --prompts 3       # cloud_only's stream against llama.cpp's own decode loop
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ MEASURES = {
     "slow-link": "bench.measures.slow_link",
     "stream-switch": "bench.measures.stream_switch",
     "profile-rounds": "bench.measures.profile_rounds",
+    "peer-loop": "bench.measures.peer_loop",
 }
 
 

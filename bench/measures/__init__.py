@@ -6,7 +6,8 @@ OpenAI server takes to fail with its cloud down), `failover` (failover and scale
 behind nginx), `overhead` (the verifier's own overhead per round, over REST and over gRPC, on loopback),
 `slow-link` (exactness over a slow link: the edge's default against a fixed deadline with the lossy
 fallback), `stream-switch` (the coder pair at one session: cloud_only against the edge's defaults with
-and without speculate-or-stream) and `profile-rounds` (where a verify round's time goes inside the
-cloud, by py-spy samples). Each loads torch and the models only once its arguments are parsed, so
+and without speculate-or-stream) `profile-rounds` (where a verify round's time goes inside the
+cloud, by py-spy samples) and `peer-loop` (cloud_only's stream against llama.cpp's own decode loop
+of the coder target). Each loads torch and the models only once its arguments are parsed, so
 `specsplit-bench NAME --help` answers without starting a server.
 """

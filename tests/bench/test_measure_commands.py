@@ -21,6 +21,7 @@ FIRST = {
     "slow-link": "--rtt-ms",
     "stream-switch": "PROMPTS",
     "profile-rounds": "--model",
+    "peer-loop": "--prompts",
 }
 
 

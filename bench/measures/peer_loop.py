@@ -6,7 +6,7 @@ and the model thread's time is split: llama.cpp's decode, waiting for the next s
 target-only tokens an edge's speculate-or-stream asks for, one k = 0 verify round each) in turns with
 `/v1/generate`, so the two per-token costs are compared in one run.
 
-    python -m bench.peer_loop [--prompts 3] [--tokens 64] [--profile] [--session-stream]
+    specsplit-bench peer-loop [--prompts 3] [--tokens 64] [--profile] [--session-stream]
 """
 
 from __future__ import annotations
@@ -90,14 +90,14 @@ def model_thread_split(raw: Path) -> dict[str, float]:
     return {k: split[k] / total for k in ("decode", "waiting", "python")}
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="specsplit-bench peer-loop", description=__doc__.split("\n\n")[0])
     p.add_argument("--prompts", type=int, default=3)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--profile", action="store_true", help="sample the cloud with py-spy during a second pass")
     p.add_argument("--session-stream", action="store_true",
                    help="also stream the prompts on open sessions, in turns with /v1/generate")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     from transformers import AutoTokenizer
 
     machine = {**cpu_info(), "load_start": os.getloadavg(), "pinned": pin("self", 0)}
