@@ -23,11 +23,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.cloud_proc import CloudServer
-from bench.cloud_runner import plain_decode
-from bench.coder_pair import TARGET, cpu_info, humaneval_message, humaneval_prompts, pin
-from bench.real_pair import chat_ids
-
 
 def stream(url: str, prompt: list[int], n_new: int) -> tuple[list[int], list[float]]:
     """One greedy /v1/generate stream: its tokens and the time each arrived."""
@@ -99,6 +94,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="also stream the prompts on open sessions, in turns with /v1/generate")
     args = p.parse_args(argv)
     from transformers import AutoTokenizer
+
+    from bench.cloud_proc import CloudServer
+    from bench.cloud_runner import plain_decode
+    from bench.coder_pair import TARGET, cpu_info, humaneval_message, humaneval_prompts, pin
+    from bench.real_pair import chat_ids
 
     machine = {**cpu_info(), "load_start": os.getloadavg(), "pinned": pin("self", 0)}
     tok = AutoTokenizer.from_pretrained(TARGET)
