@@ -108,7 +108,7 @@ def settings_from_args(args: argparse.Namespace) -> EdgeSettings:
 
 def generate(args: argparse.Namespace) -> int:
     settings = with_cloud_draft(settings_from_args(args), args)
-    _set_threads(args)
+    _set_threads(settings)
     client = EdgeClient(settings)
     compare = args.against_cloud_only and settings.mode != "cloud_only"
     cpu0 = cloud_cpu_seconds(*cloud_http(settings)) if compare else None
@@ -147,18 +147,19 @@ def serve(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     check_exposure(args.host, settings.server_key_values())  # before any model load or cloud call
     settings, choose_later = cloud_draft_or_later(settings, args)
-    _set_threads(args)
+    _set_threads(settings)
     run(settings, ServeArgs(args.host, args.port, args.chat_template, args.served_model_name, choose_later),
         log_level=args.log_level or ("info" if args.verbose else "warning"))
     return 0
 
 
-def _set_threads(args: argparse.Namespace) -> None:
-    """--threads for PyTorch's draft (llama.cpp's takes settings.threads when it loads)."""
-    if args.threads:
+def _set_threads(settings: EdgeSettings) -> None:
+    """The draft's threads (--threads, else SPECSPLIT_EDGE_THREADS) for PyTorch; llama.cpp's draft takes
+    settings.threads when it loads."""
+    if settings.threads:
         import torch
 
-        torch.set_num_threads(args.threads)
+        torch.set_num_threads(settings.threads)
 
 
 def log_level(args: argparse.Namespace) -> str:

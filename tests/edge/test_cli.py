@@ -26,6 +26,26 @@ def test_flags_override_settings_and_unset_flags_leave_the_environment(monkeypat
     assert s.repetition_penalty == 1.1 and s.k_start == 6 and s.timeout_ms is None  # documented defaults
 
 
+def test_the_drafts_threads_come_from_the_flag_else_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SPECSPLIT_EDGE_THREADS sets PyTorch's threads as --threads does; the flag wins over it."""
+    import torch
+
+    from edge.cli import _set_threads
+
+    before = torch.get_num_threads()
+    monkeypatch.setenv("SPECSPLIT_EDGE_THREADS", "1")
+    try:
+        s = settings_from_args(build_parser().parse_args(["generate", "hi", "--draft", "ngram"]))
+        assert s.threads == 1
+        torch.set_num_threads(2)
+        _set_threads(s)
+        assert torch.get_num_threads() == 1
+        flagged = settings_from_args(build_parser().parse_args(["generate", "hi", "--threads", "2"]))
+        assert flagged.threads == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 class Letters:
     """A stand-in tokenizer client: token i decodes to chr(97 + i)."""
 
