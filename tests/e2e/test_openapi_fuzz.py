@@ -7,7 +7,8 @@ random target, with a key, and the edge's OpenAI server on it, in bounded passes
    type, header and body as the schema declares them (the error bodies with their code: a 422 must carry
    `invalid_argument`), 405s with an `Allow` header that lists the path's methods.
 2. the stateful phase, which follows the OpenAPI links from an open's answer (its ctx_id, ctx_len, ctx_hash) to
-   verify, stream, get and close: it must run verify rounds on live sessions (the cloud's own counters say so).
+   verify, stream, get and close: it must run verify rounds on live sessions (the cloud's own counters say so),
+   within three passes of 10 s (seeds 7, 8, 9; a slow machine runs fewer sequences in one).
 3. the edge's OpenAI server (`specsplit-edge serve` on that cloud, an n-gram draft, a key of its own), examples
    and fuzzing with the same checks: its statuses, OpenAI's error bodies by type, text/plain metrics, the
    completions' JSON and event streams. (Its coverage phase is left out: schemathesis 4.32 fails on itself
@@ -58,9 +59,9 @@ def edge(cloud: CloudProcess, tiny_pair: tuple[Path, Path]) -> Iterator[EdgeServ
         server.stop()
 
 
-def fuzz(url: str, phases: str, workdir: Path, key: str = KEY) -> None:
+def fuzz(url: str, phases: str, workdir: Path, key: str = KEY, seed: int = 7) -> None:
     cmd = [sys.executable, "-m", "schemathesis.cli", "run", f"{url}/openapi.json", "-H", f"Authorization: Bearer {key}", "--checks", "all", "--exclude-checks", "positive_data_acceptance",
-           "--phases", phases, "--max-examples", "20", "--max-time", str(PASS_S[phases]), "--seed", "7",
+           "--phases", phases, "--max-examples", "20", "--max-time", str(PASS_S[phases]), "--seed", str(seed),
            "--workers", "2", "--generation-database", "none", "--no-color", "--request-timeout", "30"]
     out = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=PASS_S[phases] + 120)
     assert out.returncode == 0, f"schemathesis found failures ({phases}):\n{out.stdout[-12000:]}\n{out.stderr[-3000:]}"
@@ -101,8 +102,13 @@ def test_the_schema_declares_the_key_the_errors_and_the_links(cloud: CloudProces
 def test_a_bounded_fuzz_finds_nothing_and_its_links_reach_verify(cloud: CloudProcess, tmp_path: Path) -> None:
     fuzz(cloud.http_url, "examples,coverage,fuzzing", tmp_path)
     before = verify_rounds(cloud)
-    fuzz(cloud.http_url, "stateful", tmp_path)
-    assert verify_rounds(cloud) > before, "the stateful phase ran no verify round on a live session"
+    # a pass is bounded in time, so a slow machine runs fewer of its sequences: up to three passes (seeds 7, 8, 9),
+    # each failing on any finding, until one has verified on a live session
+    for seed in (7, 8, 9):
+        fuzz(cloud.http_url, "stateful", tmp_path, seed=seed)
+        if verify_rounds(cloud) > before:
+            break
+    assert verify_rounds(cloud) > before, "three stateful passes ran no verify round on a live session"
 
 
 def test_the_openai_server_answers_as_its_schema_says(edge: EdgeServeProcess, tmp_path: Path) -> None:
