@@ -90,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=3)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--profile", action="store_true", help="sample the cloud with py-spy during a second pass")
+    p.add_argument("--cloud-arg", action="append", default=[], metavar="ARG",
+                   help="one more specsplit-cloud argument (repeat it), e.g. --cloud-arg=--no-batch-invariant")
     p.add_argument("--session-stream", action="store_true",
                    help="also stream the prompts on open sessions, in turns with /v1/generate")
     args = p.parse_args(argv)
@@ -104,8 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     tok = AutoTokenizer.from_pretrained(TARGET)
     ids = [chat_ids(tok, humaneval_message(q["prompt"])) for q in humaneval_prompts(args.prompts)]
     peer = plain_decode(TARGET / "model.gguf", ids, args.tokens)
-    res: dict[str, Any] = {"machine": machine, "peer_tokens_per_s": peer["tokens_per_s"]}
-    with CloudServer(TARGET, torch_threads=1, extra_args=["--runner", "llamacpp"], startup_timeout_s=600.0) as cloud:
+    res: dict[str, Any] = {"machine": machine, "cloud_args": args.cloud_arg, "peer_tokens_per_s": peer["tokens_per_s"]}
+    with CloudServer(TARGET, torch_threads=1, extra_args=["--runner", "llamacpp", *args.cloud_arg],
+                     startup_timeout_s=600.0) as cloud:
         machine["pinned"] = machine["pinned"] and pin(cloud.pid, 1)
         stream(cloud.url, ids[0][:20], 4)  # warm
         tokens, seconds, texts = 0, 0.0, []
