@@ -35,8 +35,9 @@ open answer, else the draft's prior), priced by the same tokens-per-cost rule:
 
 with t_verify(k) the fit's cost of k + 1 rows in units of the cloud's one-position forward, the link and the
 drafting that a round waits for as the edge measured them (0 while unmeasured, so the reading is speculation's
-best case; the "cloud" objective leaves both out and the overhead too). Where streaming is cheaper by `margin`
-the session streams from its first token, with no round and no switch. Where even a round whose every draft is
+best case; the "cloud" objective leaves both out and the overhead too). Unless speculation is cheaper by `margin`
+the session streams from its first token, with no round and no switch: a reading that leaves the drafting out
+is speculation's best case, so a tie there is a loss once the draft's time is paid (probe rounds still come). Where even a round whose every draft is
 accepted could not beat streaming by `margin`, no probe could ever find speculation cheaper: the session streams
 without probe rounds (`probes` False), and the draft reads nothing while it does. Without a fit (an older cloud,
 a cloud that has fitted too few forwards) the session starts speculating, as above.
@@ -269,7 +270,7 @@ class WayControl:
             self.start_note = "the cloud did not say its forward cost (or has fitted too few forwards): rounds first"
         else:
             spec, stream, k = self.priced(accept, ks, link_ms, draft_ms)
-            streams, self.start_reason = not room or self._cheaper(stream, spec), "cloud_costs"
+            streams, self.start_reason = not room or not self._cheaper(spec, stream), "cloud_costs"
             step = self._step_ms()
             self.start_note = (f"a verify of {k} costs {self.fit.steps(k):.1f} steps on this cloud and a draft token "
                                f"is accepted at {accept:.2f} ({accept_from}): {spec / step:.2f} steps a token "

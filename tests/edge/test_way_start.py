@@ -64,6 +64,27 @@ def test_a_cloud_where_a_verify_costs_one_step_speculates_first() -> None:
     assert w.start_reason == "cloud_costs" and "speculating" in w.start_note
 
 
+def test_a_tie_without_the_drafts_cost_streams_first_with_probes() -> None:
+    """The reading leaves the drafting out (speculation's best case), so speculation must win by the margin to go
+    first: at the acceptance where the BETWEEN cloud prices speculating within 1 % of streaming (found by
+    bisection) the session streams from the first token, probes kept; at one where speculating is cheaper by more
+    than the margin it speculates."""
+    def ratio(accept: float) -> float:
+        w = WayControl().know_costs(BETWEEN)
+        spec, stream, _ = w.priced(accept, range(1, 13))
+        return spec / stream
+
+    lo, hi = 0.0, 1.0  # ratio falls as acceptance rises
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if ratio(mid) > 1.0 else (lo, mid)
+    assert abs(ratio(hi) - 1.0) < 0.01
+    tie = WayControl().know_costs(BETWEEN)
+    assert tie.start(hi, "pooled", range(1, 13)) == "stream" and tie.probes
+    better = next(a for a in (0.5, 0.6, 0.7, 0.8, 0.9, 0.95) if ratio(a) * 1.1 < 1.0)
+    assert WayControl().know_costs(BETWEEN).start(better, "pooled", range(1, 13)) == "speculate"
+
+
 def test_low_acceptance_streams_where_good_drafts_would_pay_and_probes_stay() -> None:
     """Between the two clouds the acceptance decides: 5 % streams (with probe rounds after its chunks, since
     better drafts could pay), 95 % speculates."""
