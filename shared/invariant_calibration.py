@@ -128,6 +128,12 @@ def _kernels(model: torch.nn.Module) -> dict[tuple[Any, ...], tuple[str, torch.n
     return out
 
 
+def linear_mode(model: torch.nn.Module, max_rows: int, seed: int = 0) -> tuple[tuple[int, bool], list[str]]:
+    """The first of LINEAR_MODES under which every tiled linear layer of `model` passes (as `calibrate` measures
+    them), without setting it: ((tile, calls), failures)."""
+    return _linear_mode(model, max_rows, torch.Generator().manual_seed(seed))
+
+
 def _linear_mode(model: torch.nn.Module, max_rows: int, g: torch.Generator) -> tuple[tuple[int, bool], list[str]]:
     """The first of LINEAR_MODES under which every kernel passes ((ROW_TILE, True) and the failures when none
     does). Verdicts are kept per (kernel, rows, padded rows, calls): a shape two modes share runs once."""

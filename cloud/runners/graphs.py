@@ -100,6 +100,9 @@ class PagedForward:
         # forwards padded to the graphs' buckets (default: where graphs run; on a CPU, the same inputs eagerly)
         self.buckets = self.graphs if buckets is None else buckets or self.graphs
         self.tile, self.max_graphs, self.max_graph_keys = tile, max_graphs, max_graph_keys
+        # a tiled forward's linear layers run one call per tile (one kernel shape: a GPU's default), or one call of
+        # whole tiles (what the CPU's start-up measurement may choose: shared/invariant_calibration.py)
+        self.calls = True
         # attention by the Triton kernel over block tables (paged_kernel.py) instead of SDPA over gathered keys
         self.kernel = kernel
         if kernel:
@@ -142,16 +145,16 @@ class PagedForward:
 
     # --- the tensor work (graph-capturable: no host syncs, static shapes) --------------------------------------
     def _rows(self, x: torch.Tensor, f: Any) -> torch.Tensor:
-        """f over the rows of x ([n, in] -> [n, out]); with a tile, in whole tiles of `tile` rows."""
-        t = self.tile
-        if not t or x.shape[0] in (0, t):
+        """f over the rows of x ([n, in] -> [n, out]); with a tile, in whole tiles of `tile` rows (one call per
+        tile, or with `calls` off one call of them all)."""
+        t, n = self.tile, x.shape[0]
+        if not t or n in (0, t):
             return f(x)  # type: ignore[no-any-return]
-        if x.shape[0] % t == 0:  # the forward's tokens (padded to whole tiles by `inputs`)
-            return torch.cat([f(x[i: i + t]) for i in range(0, x.shape[0], t)])
-        n = x.shape[0]
-        pad = -n % t
+        pad = -n % t  # 0 for the forward's tokens (padded to whole tiles by `inputs`); the kept rows may need it
         if pad:
             x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
+        if not self.calls:
+            return f(x)[:n]  # type: ignore[no-any-return]
         return torch.cat([f(x[i: i + t]) for i in range(0, n + pad, t)])[:n]
 
     def _linear(self, x: torch.Tensor, lin: torch.nn.Module) -> torch.Tensor:

@@ -47,7 +47,7 @@ from shared.dtypes import resolve_dtype
 from shared.errors import Unavailable
 from shared.hf_model import DTYPES, check_rollback, eos_ids, load_causal_lm
 from shared.invariant import ROW_TILE, tile_linears
-from shared.invariant_calibration import calibrate
+from shared.invariant_calibration import calibrate, linear_mode
 from shared.kvpool import BLOCK_SIZE, ForwardPlan, KVPool, Row, UnsupportedModel, attention_layout
 from shared.protocol import ModelInfo
 from shared.tokenizer_id import load_tokenizer, tokenizer_fingerprint
@@ -231,7 +231,8 @@ class TargetModel:
     def _executor(self, executor: str, invariant: bool, attention: str = "sdpa") -> PagedForward | None:
         """The forward of our own (cloud/runners/graphs.py) where `executor` asks for it and the model allows:
         "auto" takes it with CUDA graphs on a CUDA device, "graphs" / "eager" anywhere (graphs on CUDA only),
-        "transformers" never. Sets `forward_path`."""
+        "transformers" never. Sets `forward_path`. (Not "auto" on a CPU: its attention there, SDPA over gathered
+        keys, is not batch-invariant on every CPU, where the transformers path's chunked attention is.)"""
         self.forward_path = "transformers"
         if executor == "transformers" or (executor == "auto" and self.device.type != "cuda") or \
                 self.group is not None:
@@ -262,18 +263,25 @@ class TargetModel:
         assert self.paged is not None
         t0 = time.perf_counter()
         self._measured = (max_rows, threads)  # the probe's own forwards do not measure again
-        failure, self.invariance_probed = paged_invariance(self, max_rows)
+        failure = ""
+        if self.device.type == "cpu":  # the linear layers' tile measured as for the transformers path
+            (self.paged.tile, self.paged.calls), failures = linear_mode(self.model, max_rows)
+            failure = "; ".join(failures)
+        if not failure:
+            failure, self.invariance_probed = paged_invariance(self, max_rows)
         self.info.batch_invariant, self.invariance_failure = not failure, failure
         self.info.batch_invariant_probe = self.invariance_probed if not failure else ""
         self.row_tile = self.paged.tile
         self._captured.clear()
         if not failure:
-            log.info("batch-invariant forwards measured on %s: the probed token gets the same bits %s (linear rows in "
-                     "tiles of %d; %.1f s)", self.device, self.invariance_probed, self.paged.tile,
+            log.info("batch-invariant forwards measured on %s, up to %d tokens on %d torch threads: the probed token "
+                     "gets the same bits %s (linear rows in tiles of %d%s; %.1f s)", self.device, max_rows, threads,
+                     self.invariance_probed, self.paged.tile, ", one call a tile" if self.paged.calls else "",
                      time.perf_counter() - t0)
         else:
-            log.warning("batch-invariant forwards not proven on %s: %s. batch_invariant is false: greedy texts are "
-                        "no longer promised to be the same across batch shapes", self.device, failure)
+            log.warning("batch-invariant forwards not proven on %s (up to %d tokens on %d torch threads): %s. "
+                        "batch_invariant is false: greedy texts are no longer promised to be the same across batch "
+                        "shapes", self.device, max_rows, threads, failure)
         return not failure
 
     def keep_path(self, seq_id: int, start: int, src: list[int], tokens: list[int]) -> None:

@@ -105,6 +105,26 @@ def test_bucketed_forward_pads_to_thebucket(arch_dir: Path) -> None:
     assert target.paged.shape_of(mixed) is None  # 32 rows x 128 queries: past MAX_GRAPH_TOKENS
 
 
+def test_on_a_cpu_the_linear_tile_is_measured_and_whole_tiles_give_the_same_logits(arch_dir: Path) -> None:
+    """An invariant eager executor on a CPU runs its linear layers in the mode the start-up measurement picks
+    (shared/invariant_calibration.py `linear_mode`: a small tile in one call where the kernels allow it), not in
+    calls of ROW_TILE rows, and a chain's logits are the same as with one call per tile of that size."""
+    from shared.invariant_calibration import linear_mode
+
+    target = TargetModel(arch_dir, "cpu", "float32", invariant=True, executor="eager")
+    assert target.paged is not None
+    target.calibrate(64)
+    assert (target.paged.tile, target.paged.calls) == linear_mode(target.model, 64)[0] == \
+        (target.row_tile, target.paged.calls)
+    s = target.pool.allocate()
+    target.forward([Row(s, 0, list(range(1, 20)), 0)])
+    chain = [Row(s, 19, [5, 6, 7, 8, 9], 5)]
+    one_call = target.forward(chain)[0]
+    target.pool.crop(s, 19)
+    target.paged.calls = True
+    assert torch.equal(target.forward(chain)[0], one_call) or not target.info.batch_invariant
+
+
 def test_invariance_probe_names_a_difference(arch_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The start-up probe finds a row whose bits depend on its forward's size (a known-biased forward: noise
     scaled by the row count) and names the case; the executor's own forwards in float32 with row tiles are
