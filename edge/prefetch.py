@@ -31,7 +31,8 @@ saves feeding them).
 
 The same worker catches the draft up where the edge would otherwise wait for it later: on the prompt while
 the cloud opens the session, and on streamed tokens while the stream goes on (`catch_up`), so the first
-round and the round after a stream chunk do not pay a long draft prefill on the critical path. A session that
+round and the round after a stream chunk do not pay a long draft prefill on the critical path. After the first
+catch-up it times one draft step (`step_ms`), so the session's first decision knows what drafting costs here. A session that
 streams its first token starts none of it before that token, and one that will never probe (edge/policy/stream.py
 `probes`) none at all (edge/speculative.py).
 
@@ -128,6 +129,9 @@ class DraftAhead:
         # not a round's (the way controller leaves it out of speculation's cost)
         self.catch_up_ms = 0.0
         self._catching = False
+        # one draft step's time, ms, measured once after the first catch-up (the prompt), or None: the session's
+        # first speculate-or-stream decision prices drafting with it (edge/speculative.py `open`)
+        self.step_ms: float | None = None
         # running means: hit rate, ms a hit saved, ms waited per attempt; rounds since the last attempt
         self.weight, self.min_hit, self.probe_every = 0.2, 0.05, 8
         self.hit_rate, self.saved_per_hit, self.wait_per_try = 0.5, 0.0, 0.0
@@ -271,6 +275,7 @@ class DraftAhead:
         if self._thread is not None and self._thread.is_alive() and self._catching:
             return False
         self.stop()
+        self._stop.clear()
         self._ahead = None  # a guess from before is stale now (the next sync crops to the common prefix)
         self._catching = True
         self._thread = threading.Thread(target=self._feed, args=([int(t) for t in context],),
@@ -282,7 +287,13 @@ class DraftAhead:
         lock = getattr(self.drafter, "lock", None)
         try:
             with lock if lock is not None else nullcontext():
-                self.model.logits_after(context)
+                logits = self.model.logits_after(context)
+                if self.step_ms is None and not self._stop.is_set():
+                    # one step after the draft's own greedy guess, timed: what a drafted token costs here, known
+                    # before the first round (the cache keeps the guess; the next sync crops to the common prefix)
+                    t0 = self.clock()
+                    self.model.logits_after([*context, int(logits.argmax())])
+                    self.step_ms = (self.clock() - t0) * 1000
         except Exception as e:  # noqa: BLE001 - the next proposal syncs on the critical path instead
             log.info("catching the draft up failed: %s", e)
 

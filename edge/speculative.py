@@ -85,6 +85,8 @@ class SpeculativeRun(CloudSession):
             # cloud's budget does (shared/node_value.py); --no-node-budget: the edge's own evidence alone
             self.tree.nodes.seed(self.node_acceptance.kept, self.node_acceptance.tried)
         if self.way is not None:
+            if draft_ms is None and self.ahead is not None:  # the draft step the prompt's catch-up timed, if done
+                draft_ms = self.ahead.step_ms
             self._start_way(counts, link_ms, draft_ms)
 
     def _draft_counts(self) -> range:

@@ -34,10 +34,12 @@ open answer, else the draft's prior), priced by the same tokens-per-cost rule:
     stream:    t_verify(0) + `stream_overhead_ms`
 
 with t_verify(k) the fit's cost of k + 1 rows in units of the cloud's one-position forward, the link and the
-drafting that a round waits for as the edge measured them (0 while unmeasured, so the reading is speculation's
-best case; the "cloud" objective leaves both out and the overhead too). Unless speculation is cheaper by `margin`
-the session streams from its first token, with no round and no switch: a reading that leaves the drafting out
-is speculation's best case, so a tie there is a loss once the draft's time is paid (probe rounds still come). Where even a round whose every draft is
+drafting that a round waits for as the edge measured them (the drafting, before any round, from one draft step
+timed after the prompt's catch-up, edge/prefetch.py `step_ms`, when that catch-up is done by the open's answer; 0
+while unmeasured, so the reading is speculation's best case; the "cloud" objective leaves both out and the
+overhead too). Unless speculation is cheaper by `margin` the session streams from its first token, with no round
+and no switch: a reading without the drafting is speculation's best case, so a tie there is a loss once the
+draft's time is paid (probe rounds still come). Where even a round whose every draft is
 accepted could not beat streaming by `margin`, no probe could ever find speculation cheaper: the session streams
 without probe rounds (`probes` False), and the draft reads nothing while it does. Without a fit (an older cloud,
 a cloud that has fitted too few forwards) the session starts speculating, as above.

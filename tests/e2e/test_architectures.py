@@ -71,7 +71,7 @@ def test_greedy_speculative_equals_target_greedy(arch: str, models: Path) -> Non
     with CloudProcess(target) as cloud:
         settings = EdgeSettings(cloud_url=cloud.http_url, draft=str(draft), temperature=0.0, top_p=1.0,
                                 repetition_penalty=1.0, fixed_k=4, max_new_tokens=NEW_TOKENS, stop_at_eos=False,
-                                timeout_fallback=False)
+                                timeout_fallback=False, stream_switch=False)  # rounds, never a stream
         client = EdgeClient(settings)
         try:
             result = client.generate(PROMPT)
@@ -126,7 +126,7 @@ def test_graph_executor_keeps_greedy_exactness(arch: str, models: Path) -> None:
         for fixed_k in (4, None):
             settings = EdgeSettings(cloud_url=cloud.http_url, draft=str(draft), temperature=0.0, top_p=1.0,
                                     repetition_penalty=1.0, fixed_k=fixed_k, max_new_tokens=NEW_TOKENS,
-                                    stop_at_eos=False, timeout_fallback=False)
+                                    stop_at_eos=False, timeout_fallback=False, stream_switch=False)
             client = EdgeClient(settings)
             try:
                 texts.append(client.generate(PROMPT))

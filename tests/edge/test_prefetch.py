@@ -179,9 +179,15 @@ def test_catching_up_feeds_the_draft_the_context_in_a_worker(model_drafter: Mode
     d = model_drafter
     ahead = DraftAhead(d, GREEDY, seed=0)
     assert ahead.catch_up(S0)
-    ahead.stop()
-    assert d.held_ids == S0
+    ahead.stop(finish=True)  # (a stop before the prompt is read skips the timing: no answer waits for it)
+    # and one step after its own greedy guess, timed once: what a drafted token costs, before any round
+    guess = int(ModelDrafter.fork(d).logits_after(S0).argmax())
+    assert d.held_ids == [*S0, guess] and ahead.step_ms is not None and ahead.step_ms > 0
     assert d.propose(S0, 3, GREEDY, seed=0).tokens == ModelDrafter.fork(d).propose(S0, 3, GREEDY, seed=0).tokens
+    step = ahead.step_ms
+    assert ahead.catch_up([*S0, 1, 2])  # streamed tokens later: no second timing
+    ahead.stop(finish=True)
+    assert d.held_ids == [*S0, 1, 2] and ahead.step_ms == step
 
 
 def test_waits_for_a_catch_up_are_counted_apart_from_drafting_ahead(model_drafter: ModelDrafter) -> None:

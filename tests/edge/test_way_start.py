@@ -130,7 +130,7 @@ def test_a_row_bound_cloud_with_low_pooled_acceptance_streams_from_the_first_tok
     assert m.verify_calls == 0 and m.rounds == 0 and m.switches == 0 and m.streamed == N
     assert after_open(fake_cloud)[0] == "stream" and "verify" not in fake_cloud.calls
     assert (m.start_way, m.start_reason) == ("stream", "cloud_costs") and "pooled" in m.start_note
-    assert model_drafter.kv_len == len(PROMPT)
+    assert model_drafter.kv_len <= len(PROMPT) + 1  # the prompt, and the one step timed after it
     assert got.to_json()["metrics"]["start_reason"] == "cloud_costs"
 
     fake_cloud.calls.clear()
@@ -148,6 +148,34 @@ def test_a_one_step_cloud_with_high_pooled_acceptance_speculates_from_the_first_
     assert got.token_ids == greedy_text(fake_cloud, client)
     assert after_open(fake_cloud)[0] == "verify" and got.rounds[0].decided_by == "cloud"
     assert (got.metrics.start_way, got.metrics.start_reason) == ("speculate", "cloud_costs")
+
+
+def test_a_draft_step_dearer_than_what_speculation_saves_streams_from_the_first_token(
+        make_client: Any, fake_cloud: FakeCloud, model_drafter: ModelDrafter, monkeypatch: Any) -> None:
+    """The one-step cloud and well accepted drafts of the test above, but a draft whose step (timed once after it
+    read the prompt, edge/prefetch.py; tests/edge/test_prefetch.py checks the timing, here it reads 200 ms, four of
+    the cloud's 50 ms steps) costs more than any round saves: the session streams from the first token, the cloud's
+    own greedy text. (The catch-up is joined before the decision here, as a cloud's prefill longer than the draft's
+    prompt read leaves it done.)"""
+    from edge.prefetch import DraftAhead
+
+    fake_cloud.open_forward_cost, fake_cloud.open_acceptance = FLAT, HIGH
+    catch_up = DraftAhead.catch_up
+
+    def joined(self: DraftAhead, context: Any) -> bool:
+        started = catch_up(self, context)
+        if self._thread is not None:
+            self._thread.join()
+        assert self.step_ms is not None
+        self.step_ms = 200.0
+        return started
+
+    monkeypatch.setattr(DraftAhead, "catch_up", joined)
+    client, _ = make_client(temperature=0, max_new_tokens=N, stop_at_eos=False)
+    got = client.generate(PROMPT)
+    assert got.token_ids == greedy_text(fake_cloud, client)
+    assert (got.metrics.start_way, got.metrics.start_reason) == ("stream", "cloud_costs")
+    assert got.metrics.verify_calls == 0 and "verify" not in fake_cloud.calls
 
 
 def test_a_cloud_without_the_figures_keeps_the_rounds_first_start(make_client: Any, fake_cloud: FakeCloud,
