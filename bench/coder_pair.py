@@ -144,7 +144,7 @@ def tally(client: Any, prompts: list[list[int]]) -> dict[str, Any]:
     """One client over the prompts: sums of its metrics, the texts, decode time (after the first token)."""
     t: dict[str, Any] = {"emitted": 0, "streamed": 0, "verify": 0, "drafted": 0, "accepted": 0,
                          "switches": 0, "pos_d": [], "pos_a": [], "decode_tokens": 0, "decode_ms": 0.0, "ttft_ms": [],
-                         "texts": []}
+                         "texts": [], "starts": []}
     for ids in prompts:
         r = client.generate(ids)
         m = r.metrics
@@ -160,6 +160,7 @@ def tally(client: Any, prompts: list[list[int]]) -> dict[str, Any]:
             t["pos_a"][i] += a
         t["ttft_ms"].append(m.ttft_ms)
         t["texts"].append(list(r.token_ids))
+        t["starts"].append((m.start_way, m.start_note))  # the session's first speculate-or-stream decision, and why
     return t
 
 

@@ -1,6 +1,7 @@
 """The coder pair, one session at 0 ms: cloud_only against the edge's defaults and against the defaults without
 speculate-or-stream, on the coder-pair bench's HumanEval prompts: decode tokens/s, tokens per verify call,
-tokens streamed and the cloud's CPU-seconds per token, in one run (edge and cloud one core each).
+tokens streamed and the cloud's CPU-seconds per token, in one run (edge and cloud one core each); then each session's
+first speculate-or-stream decision and the edge's reading behind it (edge/policy/stream.py).
 
     nice -n 19 .venv/bin/specsplit-bench stream-switch [PROMPTS] [NEW_TOKENS] [RUNNER]
 
@@ -57,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
                          ("defaults without streaming", {"stream_switch": False})):
             c = client_for(settings(cloud.url, n_new, temperature=0.0, **kw), tok, drafter)
             c0 = cpu_seconds(cloud.pid)
-            s = summary(tally(c, ids))
+            t = tally(c, ids)
+            s = summary(t)
             cpu = cpu_seconds(cloud.pid) - c0
             c.close()
             base = base or {"rate": s["tokens_per_s"], "ttft": s["ttft_ms"]}
@@ -66,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"first token {s['ttft_ms']:.0f} ms median ({s['ttft_ms'] / base['ttft']:.3f}x), {per_verify} tokens "
                   f"per verify call, {s['streamed']} streamed ({s['switches']} switches), "
                   f"{cpu / s['tokens']:.3f} cloud CPU-s per token", flush=True)
+            if name != "cloud_only":  # each session's first decision, as the edge reasoned it
+                for i, (way, note) in enumerate(t["starts"]):
+                    print(f"  prompt {i}: started {way or '-'}: {note or '-'}", flush=True)
     print(f"load average {os.getloadavg()[0]:.2f} at the end")
     return 0
 

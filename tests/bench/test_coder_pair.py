@@ -139,7 +139,8 @@ class FakeClient:
         from types import SimpleNamespace
 
         m = SimpleNamespace(emitted=10, streamed=2, verify_calls=2, drafted=16, accepted=6, switches=1,
-                            position_drafted=[2, 2], position_accepted=[2, 1], wall_ms=1100.0, ttft_ms=200.0)
+                            position_drafted=[2, 2], position_accepted=[2, 1], wall_ms=1100.0, ttft_ms=200.0,
+                            start_way="speculate", start_note="cheaper")
         return SimpleNamespace(token_ids=list(range(10)), metrics=m)
 
 
@@ -148,5 +149,6 @@ def test_tally_and_summary_leave_streamed_tokens_out_of_tokens_per_verify() -> N
     r = coder_pair.summary(t, shape="x")
     assert r["shape"] == "x" and r["tokens_per_verify"] == (20 - 4) / 4 and r["streamed"] == 4 and r["switches"] == 2
     assert r["by_position"] == [1.0, 0.5] and r["nodes_per_round"] == 8 and r["acceptance"] == 6 / 16
+    assert t["starts"] == [("speculate", "cheaper")] * 2  # each session's first decision, for stream-switch
     assert r["tokens_per_s"] == pytest.approx(18 / 1800 * 1000) and t["texts"] == [list(range(10))] * 2
     assert coder_pair.summary({**t, "verify": 0})["tokens_per_verify"] is None
