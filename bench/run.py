@@ -105,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--forward-models", default="smollm2,coder",
                    help="forward-cost: the targets, comma-separated (smollm2, coder; default both)")
     p.add_argument("--forward-threads", type=int, default=1, help="forward-cost: torch threads (default 1)")
+    p.add_argument("--forward-variants", default="",
+                   help="forward-cost: DTYPE-invariant|plain-eager|transformers, comma-separated (default: float32 "
+                        "invariant eager and transformers, float32 plain eager, bfloat16 invariant and plain eager)")
     p.add_argument("--coder-prompts", type=int, default=6, help="coder-pair: HumanEval prompts (default 6, at most 20)")
     p.add_argument("--coder-new-tokens", type=int, default=96, help="coder-pair: new tokens per prompt (default 96)")
     p.add_argument("--coder-dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
@@ -283,7 +286,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench.forward_cost import run as run_forward_cost
 
         models = tuple(m.strip() for m in args.forward_models.split(",") if m.strip())
-        return run_forward_cost(args.out, command, models, args.forward_threads)
+        from bench.forward_cost import DEFAULT_VARIANTS
+
+        variants = tuple(v.strip() for v in args.forward_variants.split(",") if v.strip()) or DEFAULT_VARIANTS
+        return run_forward_cost(args.out, command, models, args.forward_threads, variants)
     if args.only == "coder-pair":  # Qwen2.5-Coder-1.5B-Instruct and its 0.5B draft (bench/coder_pair.py)
         from bench.coder_pair import run as run_coder_pair
 

@@ -60,8 +60,8 @@ class CloudSettings(BaseSettings):
         description=("how the PyTorch runner runs a forward: \"graphs\" (cloud/runners/graphs.py: a forward of its own "
                      "for Llama / Qwen2 / Qwen3 / Mistral, replayed from CUDA graphs per bucket on a GPU), \"eager\" "
                      "(the same forward without graphs), \"transformers\" (the model's own modules over the paged "
-                     "pool: every architecture); auto: graphs on a CUDA device where the model allows, transformers "
-                     "elsewhere (docs/GPU.md)"))
+                     "pool: every architecture); auto: graphs on a CUDA device and eager on a CPU "
+                     "where the model allows, transformers elsewhere (docs/GPU.md)"))
     attention: Literal["sdpa", "triton"] = Field(default="sdpa",
         description=("the graph executor's attention: \"sdpa\" (scaled dot-product attention over each row's keys "
                      "gathered from the pool, masks built on the host) or \"triton\" (cloud/runners/paged_kernel.py: "

@@ -26,8 +26,11 @@ captures them again. Without a start-up capture (tests, benches) a bucket's firs
 most `max_graphs` held.
 
 Batch invariance. With `tile` > 0 every linear layer runs its rows in calls of `tile` rows (one kernel shape
-whatever the forward's size), and attention's padded keys only add exact zeros; whether a row then gets the same
-bits in every bucket is measured on the device (cloud/runners/invariance.py), never assumed.
+whatever the forward's size; on a CPU the tile and whether it takes one call per tile are measured at start-up, as
+for the transformers path), and attention's padded keys only add exact zeros. On a CPU eager attention runs
+shared/invariant.py's chunked calls instead of SDPA (`chunked`): SDPA's sums there change with the query count.
+Whether a row then gets the same bits in every bucket is measured on the device (cloud/runners/invariance.py),
+never assumed.
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ from cloud.runners.graph_inputs import (
     build_inputs,
     to_device,
 )
+from shared.invariant import TreeCall, attend_tree, build_calls
+from shared.invariant import attend as attend_chunks
 from shared.rows import Row
 
 log = logging.getLogger(__name__)
@@ -103,6 +108,11 @@ class PagedForward:
         # a tiled forward's linear layers run one call per tile (one kernel shape: a GPU's default), or one call of
         # whole tiles (what the CPU's start-up measurement may choose: shared/invariant_calibration.py)
         self.calls = True
+        # eager forwards attend through shared/invariant.py's chunked calls (keys in fixed chunks of absolute
+        # positions, products over whole row tiles): the batch-invariant attention of a CPU, where SDPA's sums
+        # change with the query count; `_chunks` holds the current forward's calls
+        self.chunked = False
+        self._chunks: list[Any] | None = None
         # attention by the Triton kernel over block tables (paged_kernel.py) instead of SDPA over gathered keys
         self.kernel = kernel
         if kernel:
@@ -180,6 +190,13 @@ class PagedForward:
         k = k * cos + _rotate_half(k) * sin
         keys.index_copy_(1, inp.write, k.transpose(0, 1).to(keys.dtype))  # pool [Hk, rows, D]
         values.index_copy_(1, inp.write, v.transpose(0, 1).to(values.dtype))
+        if self._chunks is not None:  # the chunked calls of the pool's invariant attention (eager only)
+            o = h.new_zeros(T, self.hq, self.dh)  # [T, Hq, D]: padded tokens keep zeros
+            q_all = q.transpose(0, 1)  # [Hq, T, D]
+            for call in self._chunks:
+                (attend_tree if isinstance(call, TreeCall) else attend_chunks)(call, q_all, keys, values, o,
+                                                                               self.scaling, None)
+            return self._linear(o.reshape(T, self.hq * self.dh), a.o_proj)
         if inp.paged:  # each token over its row's blocks, in the pool (no gathered keys)
             tables, tok_row, lim, tree_n, anc = inp.paged
             o = self._attend(q, keys, values, tables, tok_row, lim, tree_n, anc, self.scaling, self.block)  # [T, Hq, D]
@@ -266,7 +283,16 @@ class PagedForward:
         if graph is None:
             self.eager += 1
             inp = self.inputs(pool, rows, spare, None if self.graphs else shape)
-            hidden = self.run(to_device(inp, self.device), keys, values)[:P]
+            if self.chunked:
+                starts = [0]
+                for r in rows[:-1]:
+                    starts.append(starts[-1] + len(r.ids))
+                self._chunks = [c.to(self.device) for c in build_calls(pool.manager, rows, starts, None,
+                                                                       torch.device("cpu"))]
+            try:
+                hidden = self.run(to_device(inp, self.device), keys, values)[:P]
+            finally:
+                self._chunks = None
             return self.logits(hidden), hidden
         g, static, out = graph
         static.copy_(self.inputs(pool, rows, spare, shape))

@@ -230,12 +230,11 @@ class TargetModel:
 
     def _executor(self, executor: str, invariant: bool, attention: str = "sdpa") -> PagedForward | None:
         """The forward of our own (cloud/runners/graphs.py) where `executor` asks for it and the model allows:
-        "auto" takes it with CUDA graphs on a CUDA device, "graphs" / "eager" anywhere (graphs on CUDA only),
-        "transformers" never. Sets `forward_path`. (Not "auto" on a CPU: its attention there, SDPA over gathered
-        keys, is not batch-invariant on every CPU, where the transformers path's chunked attention is.)"""
+        "auto" takes it with CUDA graphs on a CUDA device and eagerly elsewhere, "graphs" / "eager" anywhere (graphs
+        on CUDA only), "transformers" never: every architecture it does not run keeps transformers' modules over the
+        same pool, and so does a tensor-parallel group. Sets `forward_path`."""
         self.forward_path = "transformers"
-        if executor == "transformers" or (executor == "auto" and self.device.type != "cuda") or \
-                self.group is not None:
+        if executor == "transformers" or self.group is not None:
             return None
         why = support(self.model, attention_layout(self.model.config).windows)
         if why is not None:
@@ -250,7 +249,11 @@ class TargetModel:
         if kernel and self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise UnsupportedModel(f"--attention triton runs on a CUDA device, not {self.device} (on a CPU only under "
                                    "TRITON_INTERPRET=1, for tests): use --attention sdpa")
-        return PagedForward(self.model, graphs=graphs, tile=tile, kernel=kernel)
+        paged = PagedForward(self.model, graphs=graphs, tile=tile, kernel=kernel)
+        # a CPU's invariant forwards attend in shared/invariant.py's chunks (SDPA's sums there change with the query
+        # count: a verify row's first token against a decode step differed on an AVX2 EPYC)
+        paged.chunked = invariant and not graphs and not kernel and self.device.type == "cpu"
+        return paged
 
     def capture_graphs(self, rows: list[int], queries: list[int], keys: list[int], max_bytes: int) -> None:
         """The graph executor's CUDA graphs for these buckets (cloud/runners/graphs.py `capture`), within

@@ -90,7 +90,8 @@ def test_model_info_names_the_runner(llama_cloud: CloudProcess, tiny_pair: tuple
 def test_greedy_speculative_equals_the_llamacpp_clouds_own_greedy(llama_cloud: CloudProcess, tokenizer: Any,
                                                                   target: Any, drafter: Any, gguf_drafter: Any,
                                                                   kind: str) -> None:
-    s = settings(llama_cloud, tree="off" if kind.endswith("-chain") else "auto")
+    # verify rounds throughout (speculate-or-stream would stream where the tiny draft cannot pay)
+    s = settings(llama_cloud, tree="off" if kind.endswith("-chain") else "auto", stream_switch=False)
     reference = EdgeClient(s.model_copy(update={"mode": "cloud_only"}), tokenizer=tokenizer)
     d = drafter if kind.startswith("model") else gguf_drafter
     accepted = 0

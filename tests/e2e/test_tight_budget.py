@@ -55,9 +55,10 @@ def draft(demo_draft_dir: Path) -> ModelDrafter:
 
 
 def client(cloud: CloudProcess, draft: ModelDrafter, demo_draft_dir: Path, i: int, **kw: Any) -> EdgeClient:
-    """Edge i's client (key A or B), its draft forked from one loaded model (loads are not thread-safe)."""
+    """Edge i's client (key A or B), its draft forked from one loaded model (loads are not thread-safe); verify
+    rounds throughout (a session that streams holds its KV for less time: the budget would not be tight)."""
     s = EdgeSettings(cloud_url=cloud.http_url, api_key=KEYS[i % 2], draft=str(demo_draft_dir),
-                     temperature=0, max_new_tokens=24, stop_at_eos=False, seed=i, **kw)
+                     temperature=0, max_new_tokens=24, stop_at_eos=False, seed=i, stream_switch=False, **kw)
     return EdgeClient(s, drafter=draft.fork())
 
 
