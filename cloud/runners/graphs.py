@@ -2,13 +2,13 @@
 
 Every forward is the same sequence of tensor operations on buffers whose shapes come from a few buckets, so on CUDA
 it is captured once per bucket as a CUDA graph and replayed (nano-vllm's and vLLM's way; docs/GPU.md). On a CPU the
-same function runs eagerly over the same buffers, padding and block tables (the tests compare it with the plain
-path there). The output layer runs outside the graph, on the kept rows only.
+same function runs eagerly (the default there; the tests compare it with transformers' modules). The output layer
+runs outside the graph, on the kept rows only.
 
 Which models: decoder-only attention families whose layer is "RMSNorm, attention with RoPE, RMSNorm, gated MLP"
-(`FAMILIES`: Llama, Qwen2, Qwen3 with its q/k norms, Mistral without a sliding window), every layer full attention.
-Anything else keeps the plain path (shared/kvpool.py through transformers); `support` names the reason. q/k/v and
-gate/up run as one GEMM each over a fused weight whose slices are the modules' own weights.
+(`FAMILIES`: Llama, Qwen2, Qwen3 with its q/k norms, Mistral without a sliding window), every layer full attention;
+anything else keeps transformers' modules over the pool (`support` says why). q/k/v and gate/up run as one GEMM
+each over a fused weight whose slices are the modules' own weights.
 
 A forward's layout. Rows (sessions' rounds, decode steps, prefill chunks) are flattened to T tokens for every
 linear layer. Attention either reads each token's keys in the pool through its row's block table
@@ -29,8 +29,7 @@ Batch invariance. With `tile` > 0 every linear layer runs its rows in calls of `
 whatever the forward's size; on a CPU the tile and whether it takes one call per tile are measured at start-up, as
 for the transformers path), and attention's padded keys only add exact zeros. On a CPU eager attention runs
 shared/invariant.py's chunked calls instead of SDPA (`chunked`): SDPA's sums there change with the query count.
-Whether a row then gets the same bits in every bucket is measured on the device (cloud/runners/invariance.py),
-never assumed.
+Whether a row then gets the same bits in every bucket is measured on the device (cloud/runners/invariance.py).
 """
 
 from __future__ import annotations
@@ -64,7 +63,6 @@ log = logging.getLogger(__name__)
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 # the linear layers' row tile of a batch-invariant forward on a GPU (one kernel shape for every forward size)
 GPU_ROW_TILE = 64
-
 
 
 def support(model: torch.nn.Module, windows: Sequence[int | None]) -> str | None:
