@@ -106,9 +106,8 @@ class PagedForward:
         # a tiled forward's linear layers run one call per tile (one kernel shape: a GPU's default), or one call of
         # whole tiles (what the CPU's start-up measurement may choose: shared/invariant_calibration.py)
         self.calls = True
-        # eager forwards attend through shared/invariant.py's chunked calls (keys in fixed chunks of absolute
-        # positions, products over whole row tiles): the batch-invariant attention of a CPU, where SDPA's sums
-        # change with the query count; `_chunks` holds the current forward's calls
+        # eager forwards attend through shared/invariant.py's chunked calls: a CPU's batch-invariant attention (SDPA's
+        # sums there change with the query count); `_chunks` holds the current forward's calls
         self.chunked = False
         self._chunks: list[Any] | None = None
         # attention by the Triton kernel over block tables (paged_kernel.py) instead of SDPA over gathered keys
