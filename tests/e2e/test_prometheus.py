@@ -99,7 +99,9 @@ class PrometheusProcess:
 def stack(demo_target_dir: Path, demo_draft_dir: Path) -> Iterator[tuple[CloudProcess, EdgeServeProcess]]:
     cloud = CloudProcess(demo_target_dir)
     edge = EdgeServeProcess(["--cloud", cloud.http_url, "--draft", str(demo_draft_dir), "--log-format", "json",
-                             "--k", "4", *EXACT])
+                             # verify rounds throughout: the dashboard's acceptance panels need them, and the tiny
+                             # draft (as dear as its target) may stream from the first token otherwise
+                             "--k", "4", "--no-stream-switch", *EXACT])
     try:
         edge.spawn()
         with cloud:
