@@ -108,10 +108,11 @@ def _group(rows: list[Row], starts: list[int], tables: list[np.ndarray], spare: 
 
 
 def build_inputs(pool: Any, rows: list[Row], spare: int, shape: tuple[int, int, int] | None, tile: int,
-                 max_positions: int, kernel: bool) -> Inputs:
+                 max_positions: int, kernel: bool, groups: bool = True) -> Inputs:
     """The host-side inputs of `rows` (planned: their blocks exist). `shape` (R, N, W): one padded group of
     that bucket, T = R x N; None: exact shapes, long rows in groups of their own. `tile`: T padded to whole
-    tiles; `kernel`: the Triton kernel's inputs instead of SDPA groups. Built in numpy: this is the host's
+    tiles; `kernel`: the Triton kernel's inputs instead of SDPA groups; `groups` False: neither (an executor
+    attending through shared/invariant.py's chunked calls builds its own). Built in numpy: this is the host's
     whole work between two replays."""
     m = pool.manager
     n_real = sum(len(r.ids) for r in rows)
@@ -150,10 +151,10 @@ def build_inputs(pool: Any, rows: list[Row], spare: int, shape: tuple[int, int, 
     if kernel:
         return Inputs(torch.from_numpy(ids), torch.from_numpy(pos), torch.from_numpy(write),
                       torch.from_numpy(keep_all), [], _kernel_inputs(rows, m, spare // m.size, T, shape))
-    groups = [_group([rows[i] for i in idx], [starts[i] for i in idx], [tables[i] for i in idx], spare, T, sh)
-              for idx, sh in sets]
+    made = [_group([rows[i] for i in idx], [starts[i] for i in idx], [tables[i] for i in idx], spare, T, sh)
+            for idx, sh in sets] if groups else []
     return Inputs(torch.from_numpy(ids), torch.from_numpy(pos), torch.from_numpy(write),
-                  torch.from_numpy(keep_all), groups)
+                  torch.from_numpy(keep_all), made)
 
 
 def graph_shapes(rows: Sequence[int], queries: Sequence[int], keys: Sequence[int]) -> list[tuple[int, int, int]]:

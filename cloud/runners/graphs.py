@@ -237,7 +237,7 @@ class PagedForward:
     # --- inputs ------------------------------------------------------------------------------------------------
     def inputs(self, pool: Any, rows: list[Row], spare: int, shape: tuple[int, int, int] | None) -> Inputs:
         """`build_inputs` at this executor's tile, context and attention."""
-        return build_inputs(pool, rows, spare, shape, self.tile, self.max_positions, self.kernel)
+        return build_inputs(pool, rows, spare, shape, self.tile, self.max_positions, self.kernel, not self.chunked)
 
     def shape_of(self, rows: list[Row]) -> tuple[int, int, int] | None:
         """The graph bucket (R, N, W) these rows fit, or None (eager). After a start-up capture: the smallest
