@@ -1,9 +1,10 @@
 """One speculative generation against the cloud: draft, (gate), verify, commit, repeat.
 
 The session's wire state and its recovery (S, cloud_len, the verify with its resends, reopens and resyncs)
-are edge/exchange.py's CloudSession; this module drafts chains and trees, lets the way controller
-(edge/policy/stream.py) stream target-only tokens on the same session instead (`advance`; a stream cut short
-leaves the cloud ahead of S, and the next call's ctx_len crops it back), and commits what an answer says.
+are edge/exchange.py's CloudSession, its stream chunks edge/streaming.py's StreamingSession; this module drafts
+chains and trees, lets the way controller (edge/policy/stream.py) stream target-only tokens on the same session
+instead (`advance`; a stream cut short leaves the cloud ahead of S, and the next call's ctx_len crops it back),
+and commits what an answer says.
 Nothing is committed before an answer is used, so nothing is lost or duplicated.
 """
 
@@ -14,27 +15,27 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 
-from shared.errors import NotFound, SpecSplitError
-from shared.protocol import StreamDone, VerifyResponse
+from shared.errors import SpecSplitError
+from shared.protocol import VerifyResponse
 from shared.tree import depths
 from shared.verify import sample_residual
 
 from .drafters.base import DraftBlock, Drafter
-from .drafters.lookup import graft, lookup_path
-from .drafters.tree import TreeShape, prune, round_depth
-from .exchange import CloudSession, RecoveryPolicy, SessionParams
+from .drafters.tree import round_depth
+from .exchange import RecoveryPolicy, SessionParams
 from .metrics import EdgeMetrics, Origin, RoundRecord
 from .policy.gating import GateDecision, GateThresholds, decide
 from .policy.k import CostModelK, KController, RoundCosts
 from .policy.stream import WayControl, pooled_accept
 from .policy.tree import TreeControl
 from .prefetch import AheadOutcome, DraftAhead, concat_blocks
+from .streaming import StreamingSession
 from .transport.base import Transport
 
 log = logging.getLogger(__name__)
 
 
-class SpeculativeRun(CloudSession):
+class SpeculativeRun(StreamingSession):
     """The edge side of one session; `step()` runs one round and returns the tokens it committed."""
 
     def __init__(self, transport: Transport, drafter: Drafter, params: SessionParams,
@@ -165,50 +166,6 @@ class SpeculativeRun(CloudSession):
             self.metrics.switches = self.way.switches
         yield from out
 
-    def stream(self, n: int) -> Iterator[tuple[int, Origin]]:
-        """Up to n target-only tokens streamed on the session (PROTOCOL.md "Streaming on a session"), each
-        committed as it arrives. A failure ends the chunk early and never fails the generation: an evicted
-        session is reopened by the next round, any other failure ends streaming for the session."""
-        assert self.ctx_id is not None and self.way is not None
-        t0, got, cloud_ms = self.clock(), 0, 0.0
-        self.metrics.cloud_calls += 1
-        self.metrics.stream_calls += 1
-        self._prev_drafted = False  # the drafter catches up on these tokens before its next draft
-        try:
-            # each event is one forward away: the verify deadline bounds the wait for it
-            for ev in self.transport.stream_session(self.ctx_id, len(self.S), self.hash_at(len(self.S)), n,
-                                                    self.stop_at_eos, self.deadline.for_attempt(0)):
-                if isinstance(ev, StreamDone):
-                    cloud_ms = float(ev.metrics.get("decode_ms", 0.0))
-                    if ev.metrics.get("stop_reason") == "speculate":  # the cloud under load asks for rounds
-                        self.way.declined()
-                    break
-                if ev.ctx_len != len(self.S) + 1:
-                    log.warning("streamed token at %d, expected %d: reopening next round", ev.ctx_len, len(self.S) + 1)
-                    self.ctx_id = None
-                    break
-                self._extend([ev.token_id])
-                self.cloud_len = len(self.S)
-                self.node_budget = ev.node_budget
-                self._take_feature(ev.feature)
-                self._take_states(ev.states)
-                got += 1
-                self.metrics.streamed += 1
-                self.metrics.target_rows += 1
-                yield ev.token_id, "target"
-                # once the token is out, the draft reads what it lacks while the next ones come, where a probe
-                # round will need it (with no probe to come it reads nothing: it would only take CPU from the cloud
-                # where both share a machine)
-                if self.ahead is not None and self.way.probes:
-                    self.ahead.catch_up(self.S)
-        except NotFound:
-            self.ctx_id = None  # evicted: the next round reopens with the full S
-        except SpecSplitError as e:  # refused (422), cut, late: the session itself is intact, rounds go on
-            log.info("stream stopped after %d tokens (%s): this session speculates from now on", got, e.code)
-            self.way.stream_failed()
-        finally:
-            self.way.observe_stream(got, (self.clock() - t0) * 1000, cloud_ms)
-
     def step(self, remaining: int, max_context: int | None = None) -> list[tuple[int, Origin]]:
         """One round; `remaining` is the token budget left. Returns the committed (token, origin) pairs."""
         plain = False
@@ -230,38 +187,17 @@ class SpeculativeRun(CloudSession):
         if max_context:
             k = max(0, min(k, max_context - len(self.S) - 1))
         t0 = self.clock()
-        block, self._outcome = self._draft(k)
-        # time waited after the last answer for the worker drafting ahead is drafting on the critical path
-        wait_ms = 0.0
-        if self.ahead is not None:
-            wait_ms, self.ahead.wait_ms = self.ahead.wait_ms, 0.0
-        edge_ms = (self.clock() - t0) * 1000 + wait_ms
-        self.metrics.edge_time_ms += edge_ms
-        self.metrics.ahead_wait_ms += wait_ms
+        block, self._outcome = self._draft_block(k)
+        if block.k > 0:
+            self._count_head()
+        edge_ms = self._edge_ms(t0)
         decision = None
         if self.gate is not None and block.k > 0:
             decision = decide(block, self.detokenize(block.tokens), self.gate, self.rule_triggers)
             if not decision.to_cloud:
                 return self._commit_local(block, block.tokens, "gate", edge_ms, decision)
-        up, down = self.transport.traffic.bytes_up, self.transport.traffic.bytes_down
-        t1 = self.clock()
-        calls_before = self.metrics.cloud_calls
-        if self.ahead is not None and block.k > 0 and self.ahead.start(self.S, block, max(self.k_ctl.k, 1),
-                                                                       guess_next=not self.params.check_last):
-            self.metrics.ahead_rounds += 1
-        try:
-            resp = self._verify(block, decision)
-            rtt_ms = (self.clock() - t1) * 1000
-        finally:
-            if self.ahead is not None:  # the worker ends before anything else touches the drafter
-                self.ahead.stop()
-        self.metrics.rtt_ms += rtt_ms
-        traffic = (self.transport.traffic.bytes_up - up, self.transport.traffic.bytes_down - down)
-        extra_calls = self.metrics.cloud_calls - calls_before - 1
-        if resp is None:  # late answer discarded: keep going with the first draft token, unverified
-            return self._commit_local(block, block.tokens[:1], "timeout", edge_ms, decision, rtt_ms, traffic,
-                                      extra_calls)
-        return self._commit_verified(block, resp, edge_ms, rtt_ms, traffic, decision, extra_calls)
+        return self._send(block, decision, edge_ms, lambda: block.k > 0 and self.ahead is not None and self.ahead.start(
+            self.S, block, max(self.k_ctl.k, 1), guess_next=not self.params.check_last))
 
     def _tree_step(self, remaining: int, max_context: int | None) -> list[tuple[int, Origin]] | None:
         """A tree round (draw and match, shared/tree.py); None when no tree can be grown here (a chain then)."""
@@ -285,59 +221,59 @@ class SpeculativeRun(CloudSession):
             block = grow(self.S, replace(shape, depth=depth), self.params.sampling, self.params.seed)
             if block is None or block.k == 0:
                 return None
-        copy_depth = min(max(depth, self.tree.copy_depth), remaining - 1)
-        self._copy_path = lookup_path(self.S, copy_depth) if self.tree.copy_branches else []
-        if self._copy_path:
-            block = graft(block, self._copy_path, self.tree.copy.value)
-        block = replace(block, values=self.tree.ranked(block, self._copy_path))
-        assert block.values is not None
-        block = prune(block, self.tree.choose(block.values, cap=nodes))
+        block, self._copy_path = self.tree.sent(block, self.S, depth, remaining, nodes)
+        edge_ms = self._edge_ms(t0)
+        self._count_head()
+        tree = self.tree
+        # on an answer the worker goes on: the next round's take_tree lets it finish when its guess held, else
+        # stops it (every use of the drafter goes through take, take_tree, catch_up or close first)
+        return self._send(block, None, edge_ms, lambda: self.ahead is not None and self.ahead.start_tree(
+            self.S, block, tree.next_shape(block), remaining), keep_ahead=True)
+
+    def _edge_ms(self, t0: float) -> float:
+        """This round's drafting since t0, plus the time waited after the last answer for the worker drafting
+        ahead (drafting on the critical path too); counted in the metrics."""
         wait_ms = 0.0
         if self.ahead is not None:
             wait_ms, self.ahead.wait_ms = self.ahead.wait_ms, 0.0
         edge_ms = (self.clock() - t0) * 1000 + wait_ms
         self.metrics.edge_time_ms += edge_ms
         self.metrics.ahead_wait_ms += wait_ms
+        return edge_ms
+
+    def _count_head(self) -> None:
+        """Counts whether a feature-fed drafter drafted this round's block from the cloud's feature."""
         from_head = getattr(self.drafter, "last_from_head", None)
         if from_head is not None:
             self.metrics.head_rounds += int(from_head)
             self.metrics.fallback_rounds += int(not from_head)
+
+    def _send(self, block: DraftBlock, decision: GateDecision | None, edge_ms: float, start_ahead: Callable[[], bool],
+              keep_ahead: bool = False) -> list[tuple[int, Origin]]:
+        """Verifies `block` (the worker drafting ahead started by `start_ahead` meanwhile, and stopped after the
+        answer unless `keep_ahead`) and commits what the answer says."""
         up, down = self.transport.traffic.bytes_up, self.transport.traffic.bytes_down
         t1 = self.clock()
         calls_before = self.metrics.cloud_calls
-        if self.ahead is not None and self.ahead.start_tree(self.S, block, self._next_shape(block), remaining):
+        if start_ahead():
             self.metrics.ahead_rounds += 1
         try:
-            resp = self._verify(block, None)
+            resp = self._verify(block, decision)
+            rtt_ms = (self.clock() - t1) * 1000
         except BaseException:
             if self.ahead is not None:  # the worker ends before anything else touches the drafter
                 self.ahead.stop()
             raise
-        # on an answer the worker goes on: the next round's take_tree lets it finish when its guess held,
-        # else stops it (every use of the drafter goes through take, take_tree, catch_up or close first)
-        rtt_ms = (self.clock() - t1) * 1000
+        if self.ahead is not None and not keep_ahead:
+            self.ahead.stop()
         self.metrics.rtt_ms += rtt_ms
         traffic = (self.transport.traffic.bytes_up - up, self.transport.traffic.bytes_down - down)
         extra_calls = self.metrics.cloud_calls - calls_before - 1
-        if resp is None:  # late answer discarded (--timeout-fallback): the root's most likely child, unverified
-            return self._commit_local(block, block.tokens[:1], "timeout", edge_ms, None, rtt_ms, traffic,
+        if resp is None:  # late answer discarded (--timeout-fallback): the first draft token (a tree's root's most
+            # likely child), unverified
+            return self._commit_local(block, block.tokens[:1], "timeout", edge_ms, decision, rtt_ms, traffic,
                                       extra_calls)
-        return self._commit_verified(block, resp, edge_ms, rtt_ms, traffic, None, extra_calls)
-
-    def _next_shape(self, block: DraftBlock) -> TreeShape:
-        """The tree controller's shape after this round (its depth moves by the sent tree's drafted levels)."""
-        assert self.tree is not None and block.parents is not None
-        levels = [d for d, c in zip(depths(block.parents), block.copied or [False] * block.k, strict=True) if not c]
-        return replace(self.tree.shape(), depth=self.tree.next_depth(max(levels, default=0)))
-
-    def _draft(self, k: int) -> tuple[DraftBlock, AheadOutcome]:
-        """This round's block; counts whether a feature-fed drafter drafted it from the cloud's feature."""
-        block, outcome = self._draft_block(k)
-        from_head = getattr(self.drafter, "last_from_head", None)
-        if block.k > 0 and from_head is not None:
-            self.metrics.head_rounds += int(from_head)
-            self.metrics.fallback_rounds += int(not from_head)
-        return block, outcome
+        return self._commit_verified(block, resp, edge_ms, rtt_ms, traffic, decision, extra_calls)
 
     def _draft_block(self, k: int) -> tuple[DraftBlock, AheadOutcome]:
         """This round's block: the part drafted ahead during the last verify when its guess held, the rest now."""
@@ -420,20 +356,14 @@ class SpeculativeRun(CloudSession):
     def _observe_tree(self, block: DraftBlock, la: int, rtt_ms: float, cloud_ms: float,
                       accepted: list[int], row_ms: float = 0.0) -> None:
         """A verified tree round: the tree controller's estimates, acceptance by depth, and copy branches'."""
-        assert block.parents is not None and block.values is not None and self.tree is not None
-        depth = depths(block.parents)
-        deepest = max(depth, default=0)
-        # the draft's own levels steer the next tree's depth; a copy branch may run deeper than them
-        drafted = [d for d, c in zip(depth, block.copied or [False] * block.k, strict=True) if not c]
+        assert block.parents is not None and self.tree is not None
         self.metrics.tree_rounds += 1
         self.metrics.tree_nodes += block.k
-        self.metrics.record_positions(deepest, la)
-        self.tree.observe(block.k, sum(block.values), la, max(drafted, default=0), rtt_ms, cloud_ms, row_ms)
-        self.tree.observe_nodes(block, accepted)
+        self.metrics.record_positions(max(depths(block.parents), default=0), la)
+        self.tree.observe_round(block, la, accepted, self._copy_path, rtt_ms, cloud_ms, row_ms)
         if block.copied is not None:
             self.metrics.copy_nodes += sum(block.copied)
             self.metrics.copy_accepted += sum(block.copied[j] for j in accepted)
-            self.tree.copy.observe(block, self._copy_path, accepted)
         self._prev_drafted = False
 
     def _commit_local(self, block: DraftBlock, tokens: list[int], why: str, edge_ms: float,

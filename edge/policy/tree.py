@@ -39,13 +39,14 @@ otherwise spend them relearning that its draft's main path is kept more often th
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from shared.node_value import NodeCalibration
+from shared.tree import depths
 
 from ..drafters.base import DraftBlock
-from ..drafters.lookup import CopyConfidence, path_values
-from ..drafters.tree import TreeShape
+from ..drafters.lookup import CopyConfidence, graft, lookup_path, path_values
+from ..drafters.tree import TreeShape, prune
 
 
 @dataclass
@@ -161,6 +162,33 @@ class TreeControl:
             out.append(v if f is None else max(v, f))
         return out
 
+    def sent(self, block: DraftBlock, context: list[int], depth: int, remaining: int,
+             nodes: int) -> tuple[DraftBlock, list[int]]:
+        """The tree to send from the draft's grown `block`: the copy branch of `context` grafted in (where copy
+        branches are on), every node valued (`ranked`), then pruned to the nodes worth their rows, `nodes` at
+        most. Returns it and the grafted copy path (empty: none)."""
+        copy_depth = min(max(depth, self.copy_depth), remaining - 1)
+        copy_path = lookup_path(context, copy_depth) if self.copy_branches else []
+        if copy_path:
+            block = graft(block, copy_path, self.copy.value)
+        values = self.ranked(block, copy_path)
+        return prune(replace(block, values=values), self.choose(values, cap=nodes)), copy_path
+
+    def observe_round(self, block: DraftBlock, accepted_len: int, accepted: list[int], copy_path: list[int],
+                      exchange_ms: float, cloud_ms: float, row_ms: float = 0.0) -> None:
+        """A verified tree round: the estimates (`observe`), the acceptance by q (`observe_nodes`) and the copy
+        branch's confidence."""
+        assert block.values is not None
+        self.observe(block.k, sum(block.values), accepted_len, max(drafted_depths(block), default=0),
+                     exchange_ms, cloud_ms, row_ms)
+        self.observe_nodes(block, accepted)
+        if block.copied is not None:
+            self.copy.observe(block, copy_path, accepted)
+
+    def next_shape(self, block: DraftBlock) -> TreeShape:
+        """The shape after the round that sends `block` (its depth moves by the tree's drafted levels)."""
+        return replace(self.shape(), depth=self.next_depth(max(drafted_depths(block), default=0)))
+
     def observe_nodes(self, block: DraftBlock, accepted: list[int]) -> None:
         """The sent tree's nodes the target accepted (indices), into the acceptance by q (copy-only nodes
         left out: their q is the copies' share, not the draft's)."""
@@ -194,3 +222,9 @@ class TreeControl:
         if deepest <= self.depth - 2:
             return max(self.depth - 1, self.depth_min)
         return self.depth
+
+
+def drafted_depths(block: DraftBlock) -> list[int]:
+    """The depths of a tree's drafted nodes (a copy branch may run deeper than them): they steer the next depth."""
+    assert block.parents is not None
+    return [d for d, c in zip(depths(block.parents), block.copied or [False] * block.k, strict=True) if not c]
