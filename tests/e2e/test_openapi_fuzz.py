@@ -18,11 +18,16 @@ random target, with a key, and the edge's OpenAI server on it, in bounded passes
 bound, but some rules cannot be said in JSON Schema (k = len(draft_tokens), the ids below the model's vocabulary,
 max_new_tokens below --max-generate-tokens, a JSON integer written as 1.0), so schema-valid bodies are refused 422
 by design. A fixed seed keeps the passes reproducible.
+
+SPECSPLIT_FUZZ_S=300 makes every pass a long one (that many seconds, examples unbounded): five minutes a surface
+(the cloud's two phases and the edge's), `SPECSPLIT_FUZZ_S=300 bash scripts/test.sh tests/e2e/test_openapi_fuzz.py`,
+about 16 minutes.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -38,6 +43,7 @@ from tests.server import CloudProcess
 KEY, EDGE_KEY = "fuzz-key", "edge-key"
 # seconds each pass may run (schemathesis stops generating then)
 PASS_S = {"examples,coverage,fuzzing": 18, "stateful": 10, "examples,fuzzing": 10}
+LONG_S = int(os.environ.get("SPECSPLIT_FUZZ_S", "0"))  # > 0: every pass that long, examples unbounded
 
 
 @pytest.fixture(scope="module")
@@ -60,12 +66,13 @@ def edge(cloud: CloudProcess, tiny_pair: tuple[Path, Path]) -> Iterator[EdgeServ
 
 
 def fuzz(url: str, phases: str, workdir: Path, key: str = KEY, seed: int = 7) -> None:
+    seconds, examples = (LONG_S, 1_000_000) if LONG_S > 0 else (PASS_S[phases], 20)
     cmd = [sys.executable, "-m", "schemathesis.cli", "run", f"{url}/openapi.json", "-H", f"Authorization: Bearer {key}", "--checks", "all", "--exclude-checks", "positive_data_acceptance",
-           "--phases", phases, "--max-examples", "20", "--max-time", str(PASS_S[phases]), "--seed", str(seed),
+           "--phases", phases, "--max-examples", str(examples), "--max-time", str(seconds), "--seed", str(seed),
            # one worker: the fuzzer's threads race in Python 3.11's ast module (CPython gh-106905: "AST constructor
            # recursion depth mismatch", a runtime error of the fuzzer's own, seen once in CI on a 2-core EPYC)
            "--workers", "1", "--generation-database", "none", "--no-color", "--request-timeout", "30"]
-    out = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=PASS_S[phases] + 120)
+    out = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=seconds + 120)
     assert out.returncode == 0, f"schemathesis found failures ({phases}):\n{out.stdout[-12000:]}\n{out.stderr[-3000:]}"
 
 
