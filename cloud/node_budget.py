@@ -8,9 +8,13 @@ where rows are the tokens of verify rounds and decode steps (a round of n drafts
 tokens are those of prompts and resync chunks. t is the forward's whole work as the scheduler measures it
 (BatchStats.cpu_s): the process's CPU seconds from the end of one forward's work to the end of the next one's,
 so the processing of p over the vocabulary, the verify rule and the requests served between count with the
-forward (on a GPU, wall seconds). `ForwardCost` fits a, b and c by exponentially weighted least squares over the
-forwards the model thread runs (a small ridge keeps the fit defined while the counts do not vary); nothing about
-this machine is built in.
+forward (on a GPU, wall seconds). `ForwardCost` fits a and b by exponentially weighted least squares over the
+forwards without prefill tokens the model thread runs, and c over the prefill forwards' cost beyond a + b * rows;
+nothing about this machine is built in. A joint fit of the three read b off the prefill line's intercept where the
+rows stopped varying (a cloud that only streamed since its start-up measurement: one-row forwards beside prompt
+prefills), and a prefill cost a little concave in its tokens then priced a verify of 32 rows as one step. A slope
+the remembered forwards no longer identify keeps the last value they did (a small ridge pulls it there, 0 before
+any).
 
 The budget (Leviathan et al. 2023 section 3.4 sizes k for one sequence's latency; here the cloud sizes it for
 its own throughput, as SmartSpec / TurboSpec do per batch). The cloud's committed tokens per second are
@@ -65,16 +69,24 @@ from shared.node_value import NodeCalibration
 
 @dataclass
 class ForwardCost:
-    """Forward seconds fitted as a + b * rows + c * prefill_tokens (exponentially weighted least squares)."""
+    """Forward seconds fitted as a + b * rows + c * prefill_tokens (exponentially weighted least squares): a and b
+    over the forwards without prefill tokens, c over the prefill forwards' seconds beyond a + b * rows."""
     # weight of a new forward (about 1 / the forwards the fit remembers)
     weight: float = 0.02
-    # ridge on b and c (see _solve): pulls an unidentified slope to 0, not to a guess
+    # ridge on b, as much evidence as `ridge` of the remembered forwards spread by one row: keeps the fit defined
+    # while the rows do not vary, pulling b to the last value the forwards identified (0 before any)
     ridge: float = 1e-3
     # forwards observed
     forwards: int = 0
-    # exponentially weighted sums: X^T X [3, 3] and X^T y [3] with x = (1, rows, prefill_tokens)
-    _xx: np.ndarray = field(default_factory=lambda: np.zeros((3, 3)))
-    _xy: np.ndarray = field(default_factory=lambda: np.zeros(3))
+    # exponentially weighted sums over the forwards without prefill tokens: X^T X [2, 2] and X^T y [2], x = (1, rows)
+    _xx: np.ndarray = field(default_factory=lambda: np.zeros((2, 2)))
+    _xy: np.ndarray = field(default_factory=lambda: np.zeros(2))
+    # over the prefill forwards (p prefill tokens, r rows, y seconds): sums of p, p * r, p * p and p * y
+    _p: np.ndarray = field(default_factory=lambda: np.zeros(4))
+    # exponentially weighted count of every forward (the ridge's scale)
+    _w: float = 0.0
+    # the last b the forwards identified (their rows' spread outweighing the ridge tenfold)
+    _known_b: float = 0.0
     _coef: tuple[float, float, float] = (0.0, 0.0, 0.0)
     # a GPU: the row cost is the marginal cost between buckets of rows at the present load (module docstring)
     steps: bool = False
@@ -89,30 +101,33 @@ class ForwardCost:
             b = _bucket(rows)
             old = self._bucket_s.get(b)
             self._bucket_s[b] = seconds if old is None else (1 - 4 * self.weight) * old + 4 * self.weight * seconds
-        x = np.array([1.0, float(rows), float(prefill_tokens)])
-        self._xx = (1 - self.weight) * self._xx + np.outer(x, x)
-        self._xy = (1 - self.weight) * self._xy + x * seconds
+        keep = 1 - self.weight
+        self._xx, self._xy, self._p, self._w = keep * self._xx, keep * self._xy, keep * self._p, keep * self._w + 1
+        if prefill_tokens:
+            p = float(prefill_tokens)
+            self._p += np.array([p, p * rows, p * p, p * seconds])
+        else:
+            x = np.array([1.0, float(rows)])
+            self._xx += np.outer(x, x)
+            self._xy += x * seconds
         self.forwards += 1
         self._coef = self._solve()
 
     def _solve(self) -> tuple[float, float, float]:
         w = self._xx[0, 0]
-        if w <= 0:
-            return (0.0, 0.0, 0.0)
-        # ridge on the slopes: as much evidence as `ridge` of the remembered forwards spread by one row (prefill
-        # token) would give, enough to keep a fit of equal forwards defined (slope 0) and far too little to bend
-        # a measured one
-        reg = np.diag([0.0, 1.0, 1.0]) * self.ridge * w
-        coef = np.linalg.lstsq(self._xx + reg, self._xy, rcond=None)[0]
-        a, b, c = (float(v) for v in coef)
-        if b < 0 or c < 0:  # a slope is never negative: refit with it at 0
-            keep = [0] + [j for j, v in ((1, b), (2, c)) if v >= 0]
-            sub = np.linalg.lstsq((self._xx + reg)[np.ix_(keep, keep)], self._xy[keep], rcond=None)[0]
-            full = [0.0, 0.0, 0.0]
-            for j, v in zip(keep, sub, strict=True):
-                full[j] = float(v)
-            a, b, c = full
-        return (max(a, 0.0), max(b, 0.0), max(c, 0.0))
+        a = b = 0.0
+        if w > 0:
+            reg = self.ridge * self._w
+            coef = np.linalg.solve(self._xx + np.diag([0.0, reg]), self._xy + np.array([0.0, reg * self._known_b]))
+            a, b = float(coef[0]), float(coef[1])
+            if b < 0:  # a slope is never negative: refit with it at 0
+                a, b = float(self._xy[0] / w), 0.0
+            spread = self._xx[1, 1] - self._xx[0, 1] ** 2 / w  # the rows' weighted spread
+            if spread >= 10 * reg:
+                self._known_b = b
+        sp, spr, spp, spy = (float(v) for v in self._p)
+        c = (spy - a * sp - b * spr) / spp if spp > 0 else 0.0
+        return (max(a, 0.0), b, max(c, 0.0))
 
     @property
     def base_s(self) -> float:

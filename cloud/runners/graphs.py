@@ -113,9 +113,9 @@ class PagedForward:
         # attention by the Triton kernel over block tables (paged_kernel.py) instead of SDPA over gathered keys
         self.kernel = kernel
         if kernel:
-            from cloud.runners import paged_kernel
+            from cloud.runners.paged_kernel import attend
 
-            self._attend = paged_kernel.attend
+            self._attend = attend
         # RoPE's cos and sin for every position, computed once by the model's own rotary module ([max_pos, D])
         n_pos = int(getattr(cfg, "max_position_embeddings", 0) or 4096)
         pos = torch.arange(n_pos, device=self.device)[None]
