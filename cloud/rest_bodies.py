@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, get_type_hints
 
 from fastapi import Path as FastAPIPath
 from fastapi.responses import StreamingResponse
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictFloat, StrictInt, create_model
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, create_model
 
 from cloud.guards import check_dist_sizes, check_verify_counts
 from shared.config import (
@@ -119,7 +119,7 @@ class VerifyBody(BaseModel):
     # optional: when sent it must equal the session's (422 otherwise)
     sampling_cfg: SamplingBody | None = None
     # the last draft token is checked against p after the others instead of being run; no bonus
-    check_last: bool = False
+    check_last: StrictBool = False
     # a token tree: each draft token's parent (-1: the committed context); absent: a chain
     tree_parents: Annotated[list[Annotated[StrictInt, Field(ge=-1)]], KList] | None = None
 
@@ -148,8 +148,8 @@ class GenerateBody(BaseModel):
     seed: Seed = 0
     max_new_tokens: Annotated[StrictInt, Field(ge=0, description="at most max_generate_tokens (GET /v1/model)")] = 64
     # true: server-sent events, one `data: {"token_id", "index"}` per token, then `event: done`
-    stream: bool = False
-    stop_at_eos: bool = True
+    stream: StrictBool = False
+    stop_at_eos: StrictBool = True
 
 
 class StreamSessionBody(BaseModel):
@@ -157,7 +157,7 @@ class StreamSessionBody(BaseModel):
     ctx_len: Annotated[StrictInt, Field(ge=1)]
     ctx_hash: CtxHash
     max_new_tokens: Annotated[StrictInt, Field(ge=1, description="at most max_generate_tokens (GET /v1/model)")] = 64
-    stop_at_eos: bool = True
+    stop_at_eos: StrictBool = True
 
 
 # --- what the routes answer: schemas for the OpenAPI document only (the routes build their JSON themselves) ---

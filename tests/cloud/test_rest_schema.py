@@ -64,6 +64,20 @@ def test_the_static_bounds_are_in_the_schema_and_hold(client: Callable[..., Test
         assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_argument", body
 
 
+def test_json_types_are_not_coerced(client: Callable[..., TestClient]) -> None:
+    """A boolean field takes only true/false and an integer field only integers, as the schema says: a lax parser
+    would read 0 as false or "3" as 3, an answer to a body the schema declares invalid (found by the long fuzz)."""
+    c = client()
+    for body in ({"prompt_ids": [1], "stop_at_eos": 0}, {"prompt_ids": [1], "stream": "true"},
+                 {"prompt_ids": [1], "max_new_tokens": "3"}, {"prompt_ids": [1], "seed": 1.0}):
+        r = c.post("/v1/generate", json=body)
+        assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_argument", body
+    schemas = c.get("/openapi.json").json()["components"]["schemas"]
+    for model, field in (("GenerateBody", "stop_at_eos"), ("GenerateBody", "stream"), ("VerifyBody", "check_last"),
+                         ("StreamSessionBody", "stop_at_eos")):
+        assert schemas[model]["properties"][field]["type"] == "boolean"
+
+
 @pytest.mark.parametrize("field, value", [("temperature", 1e-9), ("top_p", 0.0), ("repetition_penalty", 1e3)])
 def test_sampling_refusals_keep_the_message_that_starts_with_the_field(client: Callable[..., TestClient], field: str,
                                                                        value: float) -> None:
