@@ -12,7 +12,16 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, get_type_hints
 
 from fastapi import Path as FastAPIPath
 from fastapi.responses import StreamingResponse
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, create_model
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    create_model,
+)
 
 from cloud.guards import check_dist_sizes, check_verify_counts
 from shared.config import (

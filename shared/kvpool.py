@@ -275,14 +275,20 @@ class KVPool:
         self.check_rows(rows)
         try:
             copies = [c for r in rows if (c := m.prepare_write(r.seq_id, r.num_cached_tokens, len(r.ids))) is not None]
-            self._fit(m.capacity)
-            self._copy_blocks(copies)
+            self.copies = copies
+            self.grow_and_copy(m.capacity, copies)
             out = run(self, rows)
             self.commit(rows)
         except BaseException:
             m.undo_writes()
             raise
         return out
+
+    def grow_and_copy(self, capacity: int, copies: list[tuple[int, int]]) -> None:
+        """What a forward does before its run: the tensors grown to `capacity` blocks, the copy-on-write pairs
+        copied. `forward_with` keeps its pairs in `copies` (a tensor-parallel rank 0 sends them to the others)."""
+        self._fit(capacity)
+        self._copy_blocks(copies)
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         for src_block, dst_block in copies:  # copy-on-write of a shared partial block

@@ -38,6 +38,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -89,16 +90,25 @@ class PagedForward:
     """The forward of a FAMILIES model over a KV pool's tensors (see the module docstring)."""
 
     def __init__(self, model: torch.nn.Module, *, graphs: bool, tile: int = 0, buckets: bool | None = None,
-                 max_graphs: int = 48, max_graph_keys: int = 4096, kernel: bool = False) -> None:
+                 max_graphs: int = 48, max_graph_keys: int = 4096, kernel: bool = False, ranks: int = 1,
+                 collectives: Any = None) -> None:
         inner: Any = model.model  # type: ignore[union-attr]
         cfg = model.config.get_text_config()  # type: ignore[operator, union-attr]
         self.model, self.inner, self.layers = model, inner, list(inner.layers)
         self.head = model.get_output_embeddings()  # type: ignore[operator]
         a = self.layers[0].self_attn
-        self.hq, self.hk = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
+        # this process's heads: all of them, or a tensor-parallel rank's share
+        self.hq, self.hk = int(cfg.num_attention_heads) // ranks, int(cfg.num_key_value_heads) // ranks
         self.dh = int(getattr(a, "head_dim", 0) or cfg.hidden_size // cfg.num_attention_heads)
         self.scaling = float(getattr(a, "scaling", self.dh ** -0.5))
-        self.device = self.head.weight.device
+        self.device = local_shard(self.head.weight)[0].device
+        # a tensor-parallel rank's own linear layers over its shards: id(module) -> (weight, bias, combine)
+        self.shards: dict[int, tuple[torch.Tensor, torch.Tensor | None, str]] = {}
+        self._vocab_split: tuple[torch.Tensor, int] | None = None
+        # a group's sums and gathers (cloud/runners/tensor_parallel.py: `ordered_sum`, `gather_columns`)
+        self.tp = collectives
+        if ranks > 1:
+            self._shard(ranks)
         self.graphs = graphs and self.device.type == "cuda"
         # forwards padded to the graphs' buckets (default: where graphs run; on a CPU, the same inputs eagerly)
         self.buckets = self.graphs if buckets is None else buckets or self.graphs
@@ -127,7 +137,7 @@ class PagedForward:
         # q/k/v and gate/up of each layer as one weight: the modules' weights become views of it (no second copy)
         self.fused: dict[int, Any] = {}
         self.qkv_sizes = [self.hq * self.dh, self.hk * self.dh, self.hk * self.dh]
-        for layer in self.layers:
+        for layer in self.layers if ranks == 1 else ():  # shards stay apart (fused copies would double them)
             a, m = layer.self_attn, layer.mlp
             for mod, parts in ((a, (a.q_proj, a.k_proj, a.v_proj)), (m, (m.gate_proj, m.up_proj))):
                 f = _fuse(parts)
@@ -150,6 +160,44 @@ class PagedForward:
         # the last forward captured its graph (its time is the capture's, no forward's cost)
         self.captured_last = False
 
+    def _shard(self, ranks: int) -> None:
+        """A tensor-parallel rank's layers (transformers' tensor plan placed the shards): q/k/v and gate/up split by
+        output (heads, MLP columns: the local product is this rank's part), o and down split by input (the ranks'
+        partial products summed in rank order, `ordered_sum`), the output layer split by vocabulary (gathered), the
+        embedding split by vocabulary (each id's row on one rank; the others add exact zeros) or replicated."""
+        for layer in self.layers:
+            a, m = layer.self_attn, layer.mlp
+            for lin, dim in ((a.q_proj, 0), (a.k_proj, 0), (a.v_proj, 0), (a.o_proj, 1), (m.gate_proj, 0),
+                             (m.up_proj, 0), (m.down_proj, 1), (self.head, 0)):
+                w, place = local_shard(lin.weight)
+                split = _split_dim(place)
+                if split != dim and not (lin is self.head and split is None):  # a replicated output layer is whole
+                    raise ValueError(f"{type(lin).__name__} weight placed {place}: not the tensor-parallel split "
+                                     "this forward combines")
+                bias = None if lin.bias is None else local_shard(lin.bias)[0]
+                self.shards[id(lin)] = (w, bias, "sum" if dim == 1 else "gather" if split is not None and
+                                        lin is self.head else "")
+        w, place = local_shard(self.inner.embed_tokens.weight)
+        split = _split_dim(place)
+        if split == 0:
+            size = -(-int(self.inner.embed_tokens.weight.shape[0]) // ranks)  # DTensor's even chunks
+            self._vocab_split = (w, _rank() * size)
+        elif split is not None:
+            raise ValueError(f"the embedding placed {place}: not a tensor-parallel split this forward combines")
+        vocab = int(self.head.weight.shape[0])
+        size = -(-vocab // ranks)
+        self._head_sizes = [max(0, min(size, vocab - r * size)) for r in range(ranks)]
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if self._vocab_split is None:
+            return self.inner.embed_tokens(ids)  # type: ignore[no-any-return]
+        w, lo = self._vocab_split
+        local = ids - lo
+        mine = (local >= 0) & (local < w.shape[0])
+        rows = F.embedding(local.clamp(0, w.shape[0] - 1), w)  # [T, d]
+        return self.tp.ordered_sum(  # type: ignore[no-any-return]
+            torch.where(mine[:, None], rows, rows.new_zeros(())))
+
     # --- the tensor work (graph-capturable: no host syncs, static shapes) --------------------------------------
     def _rows(self, x: torch.Tensor, f: Any) -> torch.Tensor:
         """f over the rows of x ([n, in] -> [n, out]); with a tile, in whole tiles of `tile` rows (one call per
@@ -165,8 +213,16 @@ class PagedForward:
         return torch.cat([f(x[i: i + t]) for i in range(0, n + pad, t)])[:n]
 
     def _linear(self, x: torch.Tensor, lin: torch.nn.Module) -> torch.Tensor:
-        """`lin` over the rows of x, tiled (`_rows`)."""
-        return self._rows(x, getattr(lin, "_untiled_forward", lin))  # the plain (or packed) forward
+        """`lin` over the rows of x, tiled (`_rows`); a tensor-parallel rank's shard, combined over the ranks."""
+        own = self.shards.get(id(lin))
+        if own is None:
+            return self._rows(x, getattr(lin, "_untiled_forward", lin))  # the plain (or packed) forward
+        w, bias, combine = own
+        if combine == "sum":  # partial products over this rank's input slice; the bias once, after the sum
+            y = self.tp.ordered_sum(self._rows(x, lambda t: F.linear(t, w)))
+            return y if bias is None else y + bias
+        y = self._rows(x, lambda t: F.linear(t, w, bias))
+        return self.tp.gather_columns(y, self._head_sizes) if combine == "gather" else y
 
     def _attention(self, layer: Any, h: torch.Tensor, inp: Inputs, keys: torch.Tensor,
                    values: torch.Tensor) -> torch.Tensor:
@@ -224,7 +280,7 @@ class PagedForward:
     def run(self, inp: Inputs, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
         """The model over `inp` up to the output layer: the K/V written into the pool, the final hidden states of
         the kept tokens ([P, d]). The output layer runs outside (`logits`), on the real kept rows only."""
-        h = self.inner.embed_tokens(inp.ids)  # [T, d]
+        h = self._embed(inp.ids)  # [T, d]
         for i, layer in enumerate(self.layers):
             h = h + self._attention(layer, layer.input_layernorm(h), inp, keys[i], values[i])
             h = h + self._mlp(layer, layer.post_attention_layernorm(h))
@@ -278,19 +334,7 @@ class PagedForward:
         if graph is None and self.graphs and shape is not None and self.lazy:
             graph = self._capture(shape, self.inputs(pool, rows, spare, shape), keys, values)
         if graph is None:
-            self.eager += 1
-            inp = self.inputs(pool, rows, spare, None if self.graphs else shape)
-            if self.chunked:
-                starts = [0]
-                for r in rows[:-1]:
-                    starts.append(starts[-1] + len(r.ids))
-                self._chunks = [c.to(self.device) for c in build_calls(pool.manager, rows, starts, None,
-                                                                       torch.device("cpu"))]
-            try:
-                hidden = self.run(to_device(inp, self.device), keys, values)[:P]
-            finally:
-                self._chunks = None
-            return self.logits(hidden), hidden
+            return self.eager_forward(pool, self.eager_inputs(pool, rows, None if self.graphs else shape))
         g, static, out = graph
         static.copy_(self.inputs(pool, rows, spare, shape))
         g.replay()
@@ -359,6 +403,27 @@ class PagedForward:
                   (time.perf_counter() - t0) * 1000, len(self._graphs))
         return entry
 
+    def eager_inputs(self, pool: Any, rows: list[Row], shape: tuple[int, int, int] | None = None) -> EagerStep:
+        """An eager forward's inputs, on the host (what a tensor-parallel rank 0 sends every rank)."""
+        calls = None
+        if self.chunked:
+            starts = [0]
+            for r in rows[:-1]:
+                starts.append(starts[-1] + len(r.ids))
+            calls = build_calls(pool.manager, rows, starts, None, torch.device("cpu"))
+        return EagerStep(self.inputs(pool, rows, pool.spare_row, shape), calls, sum(r.keep for r in rows))
+
+    def eager_forward(self, pool: Any, step: EagerStep) -> tuple[torch.Tensor, torch.Tensor]:
+        """`step` run eagerly over `pool`'s tensors: the kept logits and final hidden states (counted: `eager`)."""
+        self.eager += 1
+        self.block = pool.block_size
+        self._chunks = None if step.calls is None else [c.to(self.device) for c in step.calls]
+        try:
+            hidden = self.run(to_device(step.inputs, self.device), pool.keys, pool.values)[:step.kept]
+        finally:
+            self._chunks = None
+        return self.logits(hidden), hidden
+
     def drop_graphs(self) -> None:
         """Forget every graph, and their memory pool with them (a pool whose graphs are all gone is released:
         capturing into its handle again fails inside PyTorch's allocator)."""
@@ -370,6 +435,32 @@ class PagedForward:
         return {"graphs": self.graphs, "tile": self.tile, "held": len(self._graphs), "captured": self.captured,
                 "capture_s": round(self.capture_s, 3), "replayed": self.replayed, "eager": self.eager,
                 "graph_bytes": self.graph_bytes}
+
+
+@dataclass
+class EagerStep:
+    """One eager forward as the host planned it: inputs, the chunked attention calls (CPU; None: groups or the
+    kernel) and the count of kept tokens."""
+    inputs: Inputs
+    calls: list[Any] | None
+    kept: int
+
+
+def local_shard(p: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """A parameter's local part and its placement (a DTensor's shard and first placement; else the tensor, None)."""
+    to_local = getattr(p, "to_local", None)
+    return (to_local(), p.placements[0]) if callable(to_local) else (p, None)  # type: ignore[attr-defined]
+
+
+def _split_dim(place: Any) -> int | None:
+    """The dimension a DTensor placement splits (None: replicated, or not a DTensor)."""
+    return int(place.dim) if place is not None and place.is_shard() else None
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank()
 
 
 def _fuse(mods: Sequence[torch.nn.Module]) -> Any:

@@ -2,34 +2,29 @@
 
     torchrun --nproc-per-node N --no-python specsplit-cloud --model DIR ...
 
-Every rank loads the target with transformers' own tensor plan (the model's `base_model_tp_plan`:
-attention heads and MLP columns split over the ranks, the output layer gathered), so the weights and
-the activations are sharded by transformers' collectives; this module adds the broadcast of what every
-rank must do next, and sums the rowwise layers' partial products itself (below). Without torchrun (no
-WORLD_SIZE, or 1) none of it runs.
+Every rank loads its shard of the target by transformers' tensor plan (the model's `base_model_tp_plan`:
+attention heads and MLP columns split over the ranks, the embedding and the output layer by vocabulary) and runs
+the same forward as one process, the graph executor's (cloud/runners/graphs.py, eagerly), over its shards: the
+families it runs (Llama, Qwen2, Qwen3, Mistral) are the ones a group serves. Without torchrun (no WORLD_SIZE, or 1)
+none of this runs.
 
 Roles. Rank 0 is the verifier of one process: REST, gRPC, the scheduler, the sessions and the block
-manager. Each forward is planned there (`KVPool.plan`: blocks, copy-on-write pairs, the flattened
-batch), then the plan goes to every rank (`Op`, by `broadcast_object_list`) and every rank runs it
-(`KVPool.run`) on its own share of the KV heads, so the block tables are the same everywhere and only
-rank 0 keeps the (full, gathered) logits: verify, residual and sampling run once, there. Ranks > 0
-run `serve_worker`: receive an op, run it, discard the output, until `stop`. The start-up (load,
-`prepare`, `check_rollback`, seeded) runs alike on every rank without messages, each rank holding its
-`lock` (no `idle` op among the load's collectives).
+manager. Each forward is planned there (the rows' blocks, copy-on-write pairs, the executor's host inputs), then
+the plan goes to every rank (`Op`, by `broadcast_object_list`) and every rank runs it on its own share of the KV
+heads, so the block tables are the same everywhere; every rank gathers the logits, and verify, residual and
+sampling run once, on rank 0. Ranks > 0 run `serve_worker`: receive an op, run it, discard the output, until
+`stop`. The start-up (load, `prepare`, `check_rollback`, seeded) runs alike on every rank without messages, each
+rank holding its `lock` (no `idle` op among the load's collectives).
 
 Batch invariance. A row's logits are the same bits whatever shares its forward (shared/invariant.py),
 for a given group size (they are not one process's bits: its sums are split otherwise). Each rank's
-linear layers run their local products in whole tiles of ROW_TILE rows (`tile_linears` wraps the layer's
-tensor-parallel forward, so the collective after the product sees the padded rows too; no calibration,
-whose probe would run collectives). The one sum over the ranks, of a rowwise layer's partial products
-(attention's output projection, the MLP's down projection), is `ordered_sum`: an all-gather, then
+linear layers run their local products in whole tiles of ROW_TILE rows, attention in shared/invariant.py's chunks
+on a CPU. The one sum over the ranks, of a rowwise layer's partial products (attention's output projection, the
+MLP's down projection) and of the embedding's partial lookups, is `ordered_sum`: an all-gather, then
 ((x_0 + x_1) + x_2) + ... element by element. An all-reduce would not do from 3 ranks on: gloo's ring
 cuts the buffer by its size, so an element's parts are added in another order when the row count
 changes. Cost: the gather brings every rank n - 1 partial products where a ring all-reduce moves
-2 (n - 1) / n of one. The other combines of the plans served are exact: a column split's shards
-gathered (the output layer), a vocabulary-split embedding's partial lookups summed (each id's row is on
-one rank, the others add exact zeros). `order_sums` installs this, or names the first layer of a plan it
-does not cover (EXACT_STYLES, ROWWISE_STYLES); the forwards then run the plain kernels.
+2 (n - 1) / n of one. The output layer's shards are gathered (`gather_columns`), exact.
 
 Memory. Each rank's KV pool holds its own KV heads, so `--kv-budget-bytes` is per rank; the block
 count (budget // bytes of one block of the local heads) is the same on every rank because the heads
@@ -56,7 +51,6 @@ import os
 import signal
 import threading
 import time
-import types
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -64,8 +58,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from cloud.runners.graphs import FAMILIES, EagerStep
 from cloud.settings import OP_STALE_FLOOR_S, OP_STALE_S
-from shared.kvpool import ForwardPlan, UnsupportedModel
+from shared.kvpool import UnsupportedModel
 
 log = logging.getLogger(__name__)
 # seconds between two heartbeats of a rank
@@ -92,6 +87,9 @@ def check_splits(config: Any, n: int) -> None:
     over `n` ranks."""
     cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
     name = getattr(cfg, "model_type", "?")
+    if name not in FAMILIES:
+        raise UnsupportedModel(f"model type {name!r}: tensor parallelism runs {', '.join(FAMILIES)}; serve it from "
+                               "one process (without torchrun)")
     if not getattr(cfg, "base_model_tp_plan", None):
         raise UnsupportedModel(f"model type {name!r} has no tensor-parallel plan in transformers; serve it from one "
                                "process (without torchrun)")
@@ -109,15 +107,6 @@ def check_splits(config: Any, n: int) -> None:
                                f"{n} ranks; --nproc-per-node must divide both: {works}")
 
 
-# styles of transformers' tensor plans whose combine over the ranks does not depend on the row count: none (a
-# column split whose output stays split, a replicated parameter), a gather (a column split gathered, an
-# embedding split by width), or a sum with one nonzero part (an embedding split by vocabulary)
-EXACT_STYLES = frozenset({"colwise", "colwise_gather_output", "colwise_rep", "embedding_rowwise",
-                          "embedding_colwise", "replicate", "replicated_with_grad_allreduce", "local_params"})
-# styles whose linear layers all-reduce partial products: `order_sums` gives them `ordered_sum`
-ROWWISE_STYLES = frozenset({"rowwise", "rowwise_split_input", "rowwise_rep"})
-
-
 def ordered_sum(x: torch.Tensor, group: Any = None) -> torch.Tensor:
     """The sum of every rank's `x` (the same shape on each) in rank order, ((x_0 + x_1) + x_2) + ...,
     element by element: each element's result depends on its own parts only. An all-gather, then adds."""
@@ -129,58 +118,25 @@ def ordered_sum(x: torch.Tensor, group: Any = None) -> torch.Tensor:
     return total
 
 
-def _ordered_rowwise_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
-    """transformers' rowwise forward of a linear layer (this rank's input slice times its weight slice, the
-    bias added once after the sum) with `ordered_sum` in place of its all-reduce."""
-    style, mesh = self._tp_style, self._tp_mesh
-    if torch.is_grad_enabled():  # a forward with gradients: transformers' own (DTensor) path
-        return self._plain_tp_forward(x)  # type: ignore[no-any-return]
-    args, _ = style.transform_inputs_pre_forward(self, (x,), {}, mesh)  # this rank's input slice
-    with style.context_around_forward(self, mesh):  # the local weight slice, the bias hidden
-        part = torch.nn.Linear.forward(self, args[0])  # [T, out]: this rank's partial product
-    out = ordered_sum(part, mesh.get_group())  # [T, out]
-    bias = self._parameters.get("bias")
-    return out if bias is None else out + local_part(bias)
-
-
-def order_sums(model: Any) -> str | None:
-    """Make every sum over the ranks in `model`'s forward fixed-order: the linear layers of its tensor plan's
-    rowwise styles sum with `ordered_sum` (before `tile_linears`, whose padding then reaches the local
-    product and the sum alike). Returns, changing nothing, the first module whose combine is neither that
-    nor exact (EXACT_STYLES), else None."""
-    from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES, replace_layer_number_by_wildcard
-
-    plan = getattr(model, "tp_plan", None) or {}
-    rowwise: list[tuple[Any, str]] = []
-    for name, m in model.named_modules():
-        style = plan.get(replace_layer_number_by_wildcard(name))
-        if style is None or style in EXACT_STYLES:
-            continue
-        if style not in ROWWISE_STYLES or not isinstance(m, torch.nn.Linear):
-            return f"{name} ({type(m).__name__}, tensor-parallel style {style!r})"
-        rowwise.append((m, style))
-    for m, style in rowwise:
-        m._plain_tp_forward = m.forward  # transformers' forward, with its all-reduce
-        m._tp_style = ALL_PARALLEL_STYLES[style]
-        m._tp_mesh = m.weight.device_mesh  # the tensor-parallel mesh its weight is split over
-        m.forward = types.MethodType(_ordered_rowwise_forward, m)
-    return None
-
-
-def local_part(p: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a parameter (a DTensor's local shard, else the tensor)."""
-    to_local = getattr(p, "to_local", None)
-    return to_local() if callable(to_local) else p
+def gather_columns(x: torch.Tensor, sizes: list[int], group: Any = None) -> torch.Tensor:
+    """Every rank's columns of x side by side, in rank order (rank r holds `sizes[r]` of them): an exact gather."""
+    width = max(sizes)
+    parts = [torch.empty(x.shape[0], width, dtype=x.dtype, device=x.device) for _ in sizes]
+    dist.all_gather(parts, torch.nn.functional.pad(x, (0, width - x.shape[1])).contiguous(), group=group)
+    return torch.cat([part[:, :n] for part, n in zip(parts, sizes, strict=True)], dim=1)
 
 
 @dataclass
 class Op:
     """What every rank does next (rank 0 sends it, workers mirror it)."""
-    # "forward" (run `plan`), "use_pool" (a fresh pool: `pool` = (budget bytes, block size, prefix cache, preallocate)),
-    # "move" (copy KV pool rows: a token tree's accepted path, `moves` = (source, destination) rows),
-    # "idle" (nothing: keeps the workers' wait under the collective timeout), "stop"
+    # "forward" (grow the pool to `capacity` blocks, copy the blocks of `copies`, run `step`), "use_pool" (a fresh
+    # pool: `pool` = (budget bytes, block size, prefix cache, preallocate)), "move" (copy KV pool rows: a token
+    # tree's accepted path, `moves` = (source, destination) rows), "idle" (nothing: keeps the workers' wait under
+    # the collective timeout), "stop"
     kind: str
-    plan: ForwardPlan | None = None
+    step: EagerStep | None = None
+    capacity: int = 0
+    copies: list[tuple[int, int]] | None = None
     pool: tuple[int | None, int, bool, bool | str] | None = None
     moves: list[tuple[int, int]] | None = None
 
@@ -340,8 +296,8 @@ def serve_worker(model: Any, group: TensorGroup) -> int:
 def _run_op(model: Any, op: Op) -> bool:
     """A worker runs one op; True when it is `stop`."""
     if op.kind == "forward":
-        assert op.plan is not None
-        model.run_plan(op.plan)
+        assert op.step is not None
+        model.run_step(op)
     elif op.kind == "use_pool":
         assert op.pool is not None
         model.use_pool(*op.pool)

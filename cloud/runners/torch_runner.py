@@ -20,11 +20,11 @@ any architecture whose batched, cropped forward does not reproduce its own plain
 (`check_rollback`, run once at load on a short random sequence).
 
 Under tensor parallelism (`group`, cloud/runners/tensor_parallel.py) every rank builds the same TargetModel
-from its shard of the weights; on rank 0 `forward` and `use_pool` send each op to the other ranks
-before running it, and the other ranks run what they receive (`run_plan`, `use_pool`). Forwards are built
-batch-invariant there: each rank's linear layers run in tiles of ROW_TILE, and the rowwise layers sum
-their ranks' partial products in rank order (`order_sums`). That construction is not measured at start-up
-(a probe would run collectives), so a group reports `batch_invariant: false` and names its forwards
+from its shard of the weights and runs the graph executor's forward eagerly over it; on rank 0 `forward` and
+`use_pool` send each op to the other ranks before running it, and the other ranks run what they receive
+(`run_step`, `use_pool`). Forwards are built batch-invariant there: each rank's linear layers run in tiles of
+ROW_TILE, and the ranks' partial sums are added in rank order (`ordered_sum`). That construction is not measured at
+start-up (a probe would run collectives), so a group reports `batch_invariant: false` and names its forwards
 "tiled" in `numerics`; tests/e2e/test_tensor_parallel_invariant.py measures the bits.
 """
 
@@ -40,15 +40,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from cloud.runners.graph_inputs import graph_shapes
-from cloud.runners.graphs import GPU_ROW_TILE, PagedForward, support
+from cloud.runners.graphs import GPU_ROW_TILE, PagedForward, local_shard, support
 from cloud.runners.invariance import paged_invariance
-from cloud.runners.tensor_parallel import local_part
 from shared.dtypes import resolve_dtype
 from shared.errors import Unavailable
 from shared.hf_model import DTYPES, check_rollback, eos_ids, load_causal_lm
 from shared.invariant import ROW_TILE, tile_linears
 from shared.invariant_calibration import calibrate, linear_mode
-from shared.kvpool import BLOCK_SIZE, ForwardPlan, KVPool, Row, UnsupportedModel, attention_layout
+from shared.kvpool import BLOCK_SIZE, KVPool, Row, UnsupportedModel, attention_layout
 from shared.protocol import ModelInfo
 from shared.tokenizer_id import load_tokenizer, tokenizer_fingerprint
 
@@ -91,15 +90,7 @@ class TargetModel:
         held: AbstractContextManager[Any] = group.lock if group is not None else nullcontext()
         with held:
             self.model = load_causal_lm(model_dir, device, torch_dtype, tensor_parallel=group is not None)
-            if invariant and group is not None:  # sums over the ranks in rank order (tensor_parallel.py)
-                from cloud.runners.tensor_parallel import order_sums
-
-                unordered = order_sums(self.model)
-                if unordered is not None:
-                    log.warning("batch-invariant forwards off: %s combines its ranks' parts in an order this "
-                                "group cannot fix", unordered)
-                    invariant = False
-            if invariant:
+            if invariant and group is None:
                 tile_linears(self.model)
             # the linear layers' row tile: ROW_TILE until the model thread measures its own (`calibrate`);
             # a tensor-parallel group keeps ROW_TILE on every rank (a probe there would run collectives, and
@@ -147,7 +138,7 @@ class TargetModel:
         if self.feature_size:
             head.register_forward_pre_hook(lambda _m, args: self._captured.append(args[0]))
         # bytes of this process's weights (its shard under tensor parallelism)
-        self.weight_bytes = sum(local_part(p).numel() * p.element_size() for p in self.model.parameters()) + \
+        self.weight_bytes = sum(local_shard(p)[0].numel() * p.element_size() for p in self.model.parameters()) + \
             getattr(self.model, "packed_copy_bytes", 0)
         log.info("target loaded: %s; dtype %s (%s), batch-invariant forwards %s", self.info, dtype,
                  self.dtype_reason, "on" if invariant else "off")
@@ -183,13 +174,12 @@ class TargetModel:
         if self._measures and self._measured is None:
             self.calibrate(CALIBRATION_ROWS)
         if self.paged is not None:
-            logits, hidden = self.pool.forward_with(self.paged.forward, rows)  # [P, vocab], [P, d]
+            run = self.paged.forward if self.group is None else self._forward_everywhere
+            logits, hidden = self.pool.forward_with(run, rows)  # [P, vocab], [P, d]
             out = list(logits.float().split([r.keep for r in rows]))  # each [keep, vocab]
             self._captured = [hidden]
-        elif self.group is None:
-            out = self.pool.forward(self.model, rows)
         else:
-            out = self._forward_everywhere(rows)
+            out = self.pool.forward(self.model, rows)
         if self.support < self.info.vocab_size:
             out = [x[:, : self.support] for x in out]  # [keep, support]
         self._hidden = {}
@@ -232,11 +222,13 @@ class TargetModel:
         """The forward of our own (cloud/runners/graphs.py) where `executor` asks for it and the model allows:
         "auto" takes it with CUDA graphs on a CUDA device and eagerly elsewhere, "graphs" / "eager" anywhere (graphs
         on CUDA only), "transformers" never: every architecture it does not run keeps transformers' modules over the
-        same pool, and so does a tensor-parallel group. Sets `forward_path`."""
+        same pool. A tensor-parallel group runs it eagerly on every rank, or refuses the model. Sets `forward_path`."""
         self.forward_path = "transformers"
-        if executor == "transformers" or self.group is not None:
-            return None
         why = support(self.model, attention_layout(self.model.config).windows)
+        if self.group is not None:
+            return self._group_executor(executor, invariant, why)
+        if executor == "transformers":
+            return None
         if why is not None:
             if executor != "auto":
                 raise UnsupportedModel(f"--executor {executor}: {why}; use --executor transformers")
@@ -253,6 +245,21 @@ class TargetModel:
         # a CPU's invariant forwards attend in shared/invariant.py's chunks (SDPA's sums there change with the query
         # count: a verify row's first token against a decode step differed on an AVX2 EPYC)
         paged.chunked = invariant and not graphs and not kernel and self.device.type == "cpu"
+        return paged
+
+    def _group_executor(self, executor: str, invariant: bool, why: str | None) -> PagedForward:
+        """A tensor-parallel rank's forward: the executor's, eagerly, over this rank's shards."""
+        from cloud.runners import tensor_parallel
+
+        if why is not None or executor == "transformers":
+            reason = why or "--executor transformers"
+            raise UnsupportedModel(f"tensor parallelism runs the graph executor's forward ({reason}): serve this "
+                                   "model from one process (without torchrun)")
+        assert self.group is not None
+        self.forward_path = "paged-eager"
+        paged = PagedForward(self.model, graphs=False, tile=ROW_TILE if invariant else 0, ranks=self.group.size,
+                             collectives=tensor_parallel)
+        paged.chunked = invariant and self.device.type == "cpu"
         return paged
 
     def capture_graphs(self, rows: list[int], queries: list[int], keys: list[int], max_bytes: int) -> None:
@@ -304,33 +311,33 @@ class TargetModel:
         """The output layer's input at `row`'s kept positions in the last forward ([keep, d]), or None."""
         return self._hidden.get(id(row))
 
-    def _forward_everywhere(self, rows: list[Row]) -> list[torch.Tensor]:
-        """Rank 0 of a tensor-parallel group: plan here, send the plan, run it on every rank."""
+    def _forward_everywhere(self, pool: KVPool, rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rank 0 of a tensor-parallel group, inside `KVPool.forward_with`: the forward's host inputs go to every
+        rank with the pool's growth and copy-on-write pairs, then every rank runs them."""
         from cloud.runners.tensor_parallel import Op
 
-        assert self.group is not None
+        assert self.group is not None and self.paged is not None
         with self.group.lock, self.group.watch:
             lost = self.group.lost()
             if lost is not None:
                 raise Unavailable(f"this verifier lost a tensor-parallel rank ({lost}) and is restarting: retry "
                                   "(elsewhere)")
-            plan = self.pool.plan(rows)
+            step = self.paged.eager_inputs(pool, rows)
             try:
-                self.group.send(Op("forward", plan=plan))
-                out = self.pool.run(self.model, plan)
+                self.group.send(Op("forward", step=step, capacity=pool.manager.capacity, copies=pool.copies))
+                return self.paged.eager_forward(pool, step)
             except BaseException as e:
-                self.pool.manager.undo_writes()  # every session's blocks as they were
                 # the ranks' collectives may be out of step now: this group cannot serve any more
                 self.group.fail(f"a forward failed on rank 0 ({type(e).__name__}: {e})")
                 raise Unavailable("this verifier lost a tensor-parallel rank and is restarting: retry "
                                   "(elsewhere)") from e
-        self.pool.commit(rows)
-        return out
 
     @torch.inference_mode()
-    def run_plan(self, plan: ForwardPlan) -> None:
-        """Ranks > 0 of a tensor-parallel group: run rank 0's plan on this rank's shard (output discarded)."""
-        self.pool.run(self.model, plan)
+    def run_step(self, op: Any) -> None:
+        """Ranks > 0 of a tensor-parallel group: run rank 0's forward on this rank's shard (output discarded)."""
+        assert self.paged is not None
+        self.pool.grow_and_copy(op.capacity, op.copies)
+        self.paged.eager_forward(self.pool, op.step)
         self._captured.clear()
 
     def healthy(self) -> bool:

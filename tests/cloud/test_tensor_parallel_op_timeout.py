@@ -25,14 +25,14 @@ def test_a_worker_keeps_beating_through_a_forward_shorter_than_its_op_timeout(mo
     beats: list[int] = []
 
     class Model:
-        def run_plan(self, plan: Any) -> None:
+        def run_step(self, op: Any) -> None:
             for step in (0.0, 50.0, 50.0, 250.0):  # 0, 50, 100 s into the forward, then 350 s
                 clock.now += step
                 g._store.add("specsplit/beat/0", 1)  # rank 0 is alive
                 g._beat_once(clock())
                 beats.append(g._store.counts["specsplit/beat/1"])
 
-    ops = iter([Op("forward", plan=object()), Op("stop")])  # type: ignore[arg-type]
+    ops = iter([Op("forward", step=object()), Op("stop")])  # type: ignore[arg-type]
     monkeypatch.setattr(g, "receive", lambda: next(ops), raising=False)
     assert serve_worker(Model(), g) == 0
     assert beats == [1, 2, 3, 3] and g.lost() is None

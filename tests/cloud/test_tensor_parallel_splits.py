@@ -30,9 +30,12 @@ def test_heads_that_do_not_divide_are_refused_naming_the_counts_and_what_works()
         check_splits(llama(6, 6, inner=128), 3)
 
 
-def test_an_architecture_without_a_tensor_plan_is_refused() -> None:
-    with pytest.raises(UnsupportedModel, match="'gpt2' has no tensor-parallel plan"):
+def test_an_architecture_the_forward_does_not_run_is_refused() -> None:
+    """A group runs the graph executor's forward over its shards: another family is refused before loading."""
+    with pytest.raises(UnsupportedModel, match="'gpt2': tensor parallelism runs llama, qwen2, qwen3, mistral; serve"):
         check_splits(tf.GPT2Config(), 2)
+    check_splits(tf.Qwen2Config(hidden_size=96, intermediate_size=192, num_attention_heads=6, num_key_value_heads=2),
+                 2)
 
 
 def test_without_torchrun_there_is_one_rank() -> None:

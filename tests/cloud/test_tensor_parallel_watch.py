@@ -54,14 +54,14 @@ def test_a_worker_hung_in_a_forward_stops_beating(monkeypatch: Any) -> None:
     beats: list[int] = []
 
     class Model:
-        def run_plan(self, plan: Any) -> None:  # the forward hangs: the heartbeat thread beats meanwhile
+        def run_step(self, op: Any) -> None:  # the forward hangs: the heartbeat thread beats meanwhile
             for _ in range(3):
                 g._beat_once(clock())
                 beats.append(g._store.counts["specsplit/beat/1"])
                 clock.now += OP_STALE_S
                 g._store.add("specsplit/beat/0", 1)  # rank 0 is alive
 
-    ops = iter([Op("forward", plan=object()), Op("stop")])  # type: ignore[arg-type]
+    ops = iter([Op("forward", step=object()), Op("stop")])  # type: ignore[arg-type]
     monkeypatch.setattr(g, "receive", lambda: next(ops), raising=False)
     assert serve_worker(Model(), g) == 0
     assert beats == [1, 2, 2]  # on time, still within OP_STALE_S, then hung: the counter stops
@@ -75,13 +75,13 @@ def test_the_serving_loop_runs_each_op_inside_the_watch(monkeypatch: Any) -> Non
     g = worker(Clock())
 
     class Model:
-        def run_plan(self, plan: Any) -> None:
+        def run_step(self, op: Any) -> None:
             seen.append(g.watch._since is not None)
 
         def use_pool(self, *a: Any) -> None:
             seen.append(g.watch._since is not None)
 
-    ops = iter([Op("use_pool", pool=(1, 16, True)), Op("forward", plan=object()), Op("stop")])  # type: ignore[arg-type]
+    ops = iter([Op("use_pool", pool=(1, 16, True)), Op("forward", step=object()), Op("stop")])  # type: ignore[arg-type]
     monkeypatch.setattr(g, "receive", lambda: next(ops), raising=False)
     assert serve_worker(Model(), g) == 0 and seen == [True, True] and g.watch._since is None
     assert tp.OP_STALE_S > tp.STALE_S
