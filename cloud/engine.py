@@ -270,8 +270,9 @@ def finish_round(model: Runner, session: Session, req: VerifyRequest, q_dense: t
         resp, final = _answer(model, session, req, plan, logits, out, committed, rows, prefill_ms,
                               depth=max(depths(plan.tree), default=0), accepted_nodes=list(out.path))
         # The nodes' KV sits at storage offsets L + j, computed at positions L + depth(j) - 1: the path's nodes
-        # move to offsets L .. L + la - 1 (their own positions), the rest is cropped. The next token has no KV yet.
-        model.keep_path(seq_id, L, out.path, path_tokens)  # the sequence is held until this batch ends
+        # move to offsets L .. L + la - 1 (their own positions), the rest is cropped. The next token has no KV yet,
+        # nor has any position of the path the runner did not keep (the next round feeds them: S[kv_len:]).
+        kv_len = L + model.keep_path(seq_id, L, out.path, path_tokens)  # the sequence is held until this batch ends
     else:
         out = verify_round(p, d.draft_tokens, d.q_token_probs, seed=session.seed, ctx_len=L, greedy=cfg.greedy,
                            correction=session.correction,  # type: ignore[arg-type]
@@ -288,11 +289,12 @@ def finish_round(model: Runner, session: Session, req: VerifyRequest, q_dense: t
             target = SparseDist(out.target_ids.tolist(), out.target_probs.tolist())
         resp, final = _answer(model, session, req, plan, logits, out, committed, rows, prefill_ms,
                               target_dist=target)
+        kv_len = L + len(rows) - 1
         # KV stays valid for S' + y_1..y_La: the last accepted draft token's KV was filled in by this
         # forward (it was an input; with check_last y_k was not, so at most y_1..y_{k-1}). The correction/
         # bonus token has no KV yet; the next round feeds it as S[kv_len:]. For "residual", S ends at y_La
         # and the edge's token arrives as append_ids.
-    _commit(model, session, req, plan, final, len(committed), L + len(rows) - 1, prefill_ms, replay_keep, resp)
+    _commit(model, session, req, plan, final, len(committed), kv_len, prefill_ms, replay_keep, resp)
     return RoundResult(resp, out)
 
 

@@ -9,8 +9,10 @@ accepted path, and a pool whose block accounting (shared/blocks.py) admission an
 - a forward is one llama.cpp batch of every row's tokens, each at its position and in its row's sequence;
 - a tree row: each leaf of the tree gets a sequence of its own that shares the session's cells (`seq_cp` adds an
   id to cells, it copies nothing); a node joins the sequences of every leaf below it and attends through its
-  first one, which holds the context and the node's own path. The accepted path joins the session's sequence
-  (`keep_path`: decoded again as a chain when dropped nodes' cells lie between its own), the leaves go;
+  first one, which holds the context and the node's own path. The accepted path joins the session's sequence up
+  to its first node that is not the next in row order (`keep_path`: past it, dropped nodes' cells lie between the
+  path's own, so the rest of the path is cropped and the session's next forward computes it again, in its row);
+  the leaves go;
 - the KV budget (kv_budget_bytes) sizes the context: its cells are allocated at start, as --kv-preallocate does.
 
 p comes from llama.cpp's float32 logits through shared/sampling.py, so the verify rule, draw and match and every
@@ -144,27 +146,29 @@ class LlamaPool(KVPool):
         return 0  # no prefix sharing across sessions on this runner
 
     def keep_path(self, seq_id: int, start: int, src: list[int], tokens: list[int]) -> list[tuple[int, int]]:
-        """The accepted path joins the session's sequence at positions start .. start + len(src) - 1; every leaf
-        of the tree goes.
+        self.keep_tree_path(seq_id, start, src, tokens)
+        return []
+
+    def keep_tree_path(self, seq_id: int, start: int, src: list[int], tokens: list[int]) -> int:
+        """The accepted path's first nodes join the session's sequence at positions start, start + 1, ...; every
+        leaf of the tree goes. Returns how many of the path's positions hold their KV (the caller sets the length
+        there: the next forward computes the rest).
 
         Attention sums a sequence's keys in cell order, so a session's cells must ascend with its positions for
         its logits to be the bits of a plain decode. The tree's tokens took cells in row order: the path's first
         nodes while they are nodes 0, 1, 2, ... keep their cells, with the dropped nodes' cells above them. Past
-        the first node that is not, dropped nodes' cells lie between the path's own and the next tokens would take
-        them below the path's last nodes, so the rest of the path is decoded again as a chain into the cells the
-        tree freed (the same kernel path, so the same K and V bits; about one verify row a token)."""
+        the first node that is not, dropped nodes' cells lie between the path's own, so the rest of the path is
+        not kept: the session's next row feeds it before its own tokens, into the cells the tree freed (a chain's
+        kernel path, so the same K and V bits), at the cost of its rows in a forward that runs anyway."""
         self.manager.rewrite(seq_id, start, tokens)
         if seq_id not in self._trees:  # a tree of one branch, forwarded as the chain it is (cloud/engine.py): its
-            return []  # nodes are the session's own cells already, in position order; the commit crops the rest
+            return len(src)  # nodes are the session's own cells already, in position order; the commit crops the rest
         leaf_of = self._trees[seq_id]
-        seq = self._seq[seq_id]
         kept = next((i for i, j in enumerate(src) if i != j), len(src))
         if kept:
-            self.ctx.seq_cp(leaf_of[src[kept - 1]], seq, start, start + kept)
+            self.ctx.seq_cp(leaf_of[src[kept - 1]], self._seq[seq_id], start, start + kept)
         self._drop_tree(seq_id)
-        if kept < len(src):
-            self.ctx.decode([Token(t, start + i, (seq,), False) for i, t in enumerate(tokens) if i >= kept])
-        return []
+        return kept
 
     def move_rows(self, moves: list[tuple[int, int]]) -> None:
         return None
@@ -302,9 +306,9 @@ class LlamaTarget:
             out = [x[:, : self.support] for x in out]  # [keep, support]
         return out
 
-    def keep_path(self, seq_id: int, start: int, src: list[int], tokens: list[int]) -> None:
+    def keep_path(self, seq_id: int, start: int, src: list[int], tokens: list[int]) -> int:
         assert self.pool is not None
-        self.pool.keep_path(seq_id, start, src, tokens)
+        return self.pool.keep_tree_path(seq_id, start, src, tokens)
 
     def hidden_of(self, row: Row) -> torch.Tensor | None:
         return None

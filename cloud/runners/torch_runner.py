@@ -294,18 +294,19 @@ class TargetModel:
                         "shapes", self.device, max_rows, threads, failure)
         return not failure
 
-    def keep_path(self, seq_id: int, start: int, src: list[int], tokens: list[int]) -> None:
+    def keep_path(self, seq_id: int, start: int, src: list[int], tokens: list[int]) -> int:
         """A token tree's accepted path moves to the positions it holds (`KVPool.keep_path`); every rank of a
-        tensor-parallel group moves the same rows of its share of the KV heads."""
+        tensor-parallel group moves the same rows of its share of the KV heads. All of the path is kept."""
         if self.group is None:
             self.pool.keep_path(seq_id, start, src, tokens)
-            return
+            return len(src)
         from cloud.runners.tensor_parallel import Op
 
         with self.group.lock, self.group.watch:
             moves = self.pool.keep_path(seq_id, start, src, tokens)
             if moves:
                 self.group.send(Op("move", moves=moves))
+        return len(src)
 
     def hidden_of(self, row: Row) -> torch.Tensor | None:
         """The output layer's input at `row`'s kept positions in the last forward ([keep, d]), or None."""

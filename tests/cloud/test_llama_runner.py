@@ -2,7 +2,8 @@
 
 What the serving core relies on: a row's logits are the target's after its context (within 3e-3 of transformers'
 float32 forward of the same weights: llama.cpp keeps K and V in float16); a tree row's node sees the context and
-its own path only; the accepted path kept by `keep_path` serves the next round as if it had been fed as a chain;
+its own path only; the accepted path kept by `keep_path` (up to its first node out of row order; the next row feeds
+the rest) serves the next round as if it had been fed as a chain;
 crops and releases give sequences and blocks back; several sessions in one batch do not see each other.
 """
 
@@ -77,10 +78,11 @@ def test_tree_nodes_see_their_path_and_the_kept_path_serves_the_next_round(
             at = parents[at]
         assert (out[1 + j] - reference(CTX + path)).abs().max() < TOL
     free = pool.tree_seqs_free
-    runner.keep_path(seq_id, L, [0, 1, 3], [11, 12, 14])  # the path 11 -> 12 -> 14
-    pool.set_length(seq_id, L + 3)
+    kept = runner.keep_path(seq_id, L, [0, 1, 3], [11, 12, 14])  # the path 11 -> 12 -> 14
+    assert kept == 2  # node 3 is not the third in row order: its position is fed again
+    pool.set_length(seq_id, L + kept)
     assert pool.tree_seqs_free == free + 3  # the leaves went back
-    (nxt,) = runner.forward([Row(seq_id, L + 3, [99], keep=1)])
+    (nxt,) = runner.forward([Row(seq_id, L + kept, [14, 99], keep=1)])
     assert (nxt[0] - reference(CTX + [11, 12, 14, 99])).abs().max() < TOL
 
 
@@ -120,7 +122,8 @@ def test_sequences_run_out_with_a_clear_error_and_come_back(runner: LlamaTarget)
 
 def test_a_kept_path_past_dropped_nodes_serves_the_next_round_with_a_chains_bits(runner: LlamaTarget) -> None:
     """Attention sums a sequence's keys in cell order: the path 0 -> 2 -> 5 leaves the cells of nodes 1, 3, 4
-    between its own, and the next token must not take them (bit equality with the same tokens fed as a chain)."""
+    between its own, so only node 0 is kept and the next row feeds 13 and 16 before its own tokens (bit equality
+    with the same tokens fed as a chain)."""
     pool = runner.pool
     assert pool is not None
     L = len(CTX)
@@ -133,9 +136,10 @@ def test_a_kept_path_past_dropped_nodes_serves_the_next_round_with_a_chains_bits
     seq_id = pool.allocate()
     runner.forward([Row(seq_id, 0, CTX[:-1], keep=0)])
     runner.forward([Row(seq_id, L - 1, [CTX[-1]] + nodes, keep=len(nodes) + 1, tree=parents, tree_base=L)])
-    runner.keep_path(seq_id, L, [0, 2, 5], [11, 13, 16])
-    pool.set_length(seq_id, L + 3)
-    (got,) = runner.forward([Row(seq_id, L + 3, [99, 98], keep=2)])  # [2, vocab]
+    kept = runner.keep_path(seq_id, L, [0, 2, 5], [11, 13, 16])
+    assert kept == 1
+    pool.set_length(seq_id, L + kept)
+    (got,) = runner.forward([Row(seq_id, L + kept, [13, 16, 99, 98], keep=2)])  # [2, vocab]
     assert torch.equal(got, want)
 
 
@@ -152,7 +156,7 @@ def test_a_one_branch_tree_run_as_a_chain_keeps_its_path_in_place(runner: LlamaT
     seq_id = pool.allocate()
     runner.forward([Row(seq_id, 0, CTX[:-1], keep=0)])
     runner.forward([Row(seq_id, L - 1, [CTX[-1], 11, 12, 13], keep=4)])  # nodes 0 -> 1 -> 2, node 2 rejected
-    runner.keep_path(seq_id, L, [0, 1], [11, 12])
+    assert runner.keep_path(seq_id, L, [0, 1], [11, 12]) == 2
     pool.set_length(seq_id, L + 2)
     (got,) = runner.forward([Row(seq_id, L + 2, [99, 98], keep=2)])
     assert torch.equal(got, want)
@@ -190,9 +194,11 @@ def test_sixteen_sessions_of_trees_share_the_context_and_give_their_sequences_ba
                 path.insert(0, at)
                 at = r.tree[at]
             tokens = [r.ids[1 + j] for j in path]
-            runner.keep_path(r.seq_id, r.tree_base, path, tokens)
-            pool.set_length(r.seq_id, r.tree_base + len(path))
+            kept = runner.keep_path(r.seq_id, r.tree_base, path, tokens)
+            pool.set_length(r.seq_id, r.tree_base + kept)
             texts[r.seq_id] += tokens
+            if kept < len(tokens):  # the rest of the path, fed as the next round would
+                runner.forward([Row(r.seq_id, r.tree_base + kept, tokens[kept:], keep=0)])
         assert pool.tree_seqs_free == free
     seq_id, ids = next(iter(texts.items()))
     (out,) = runner.forward([Row(seq_id, len(ids), [99], keep=1)])

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
 import torch
 from fastapi.testclient import TestClient
 
@@ -177,8 +178,8 @@ def test_rejected_nodes_give_their_blocks_back(make_service: Callable[..., objec
     assert pool.manager.used == -(-kv_len // 4)
 
 
-def test_a_one_branch_tree_runs_as_a_chain(make_service: Callable[..., object],
-                                           tiny_reference: CausalLM) -> None:
+def test_a_one_branch_tree_runs_as_a_chain(make_service: Callable[..., object], tiny_reference: CausalLM,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """A tree whose every node is the child of the one before is forwarded as a chain row (no tree in the row the
     model runs), is answered as the tree it was (accepted_nodes, depth), and commits what the same drafts sent
     as a chain commit. The swap is exact because a chain-shaped tree row and a chain row give bitwise equal
@@ -196,7 +197,7 @@ def test_a_one_branch_tree_runs_as_a_chain(make_service: Callable[..., object],
         seen.extend(r.tree for r in rows if r.keep > 1)
         return forward(rows)
 
-    model.forward = spy
+    monkeypatch.setattr(model, "forward", spy)  # undone after the test (the model is the session's fixture)
     c = TestClient(create_app(svc))  # type: ignore[arg-type]
     truth = greedy_text(tiny_reference, PROMPT, 6)
     drafts = truth[:3] + [decoys(set(truth), 1, 500)[0]]  # three kept, the fourth rejected
@@ -207,7 +208,7 @@ def test_a_one_branch_tree_runs_as_a_chain(make_service: Callable[..., object],
                 "draft_tokens": drafts, "q_token_probs": [0.5] * 4, "k": 4,
                 **({"tree_parents": [-1, 0, 1, 2]} if tree else {})}
         answers.append(c.post("/v1/verify", json=body).json())
-    model.forward = forward
+    monkeypatch.undo()
     assert seen == [None, None], seen
     as_tree, as_chain = answers
     assert as_tree["accepted_nodes"] == [0, 1, 2] and as_tree["accepted_len"] == as_chain["accepted_len"] == 3
