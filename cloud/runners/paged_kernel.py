@@ -5,7 +5,7 @@ The mask. Token t of a forward sees storage offset o of its row's sequence iff o
 [0, tree_n[t]) and bit o - lim[t] of anc[t] is set. A chain row's i-th new token after `past` cached ones has
 lim = past + i + 1 and tree_n = 0 (causal); a token tree's node j (shared/tree.py; nodes stored from the tree's base
 b) has lim = b (the prefix) and its path's nodes as bits of anc (at most 64 nodes). The same rule as the masks of
-cloud/runners/graphs.py's SDPA path, given as numbers instead of a [rows, queries, keys] tensor built on the host.
+cloud/runners/model_forward.py's SDPA path, given as numbers instead of a [rows, queries, keys] tensor built on the host.
 
 Order and precision. A program takes one query token and one KV head (its g query heads together) and walks the
 row's key blocks in storage order, so a token's output is the same computation whatever else shares the forward.

@@ -4,7 +4,7 @@
 
 Every rank loads its shard of the target by transformers' tensor plan (the model's `base_model_tp_plan`:
 attention heads and MLP columns split over the ranks, the embedding and the output layer by vocabulary) and runs
-the same forward as one process, the graph executor's (cloud/runners/graphs.py, eagerly), over its shards: the
+the same forward as one process (cloud/runners/model_forward.py, eagerly), over its shards: the
 families it runs (Llama, Qwen2, Qwen3, Mistral) are the ones a group serves. Without torchrun (no WORLD_SIZE, or 1)
 none of this runs.
 
@@ -58,7 +58,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cloud.runners.graphs import FAMILIES, EagerStep
+from cloud.runners.graphs import EagerStep
+from cloud.runners.model_forward import FAMILIES
 from cloud.settings import OP_STALE_FLOOR_S, OP_STALE_S
 from shared.kvpool import UnsupportedModel
 

@@ -40,8 +40,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from cloud.runners.graph_inputs import graph_shapes
-from cloud.runners.graphs import GPU_ROW_TILE, PagedForward, local_shard, support
+from cloud.runners.graphs import GPU_ROW_TILE, PagedForward
 from cloud.runners.invariance import paged_invariance
+from cloud.runners.model_forward import local_shard, support
 from shared.dtypes import resolve_dtype
 from shared.errors import Unavailable
 from shared.hf_model import DTYPES, check_rollback, eos_ids, load_causal_lm
@@ -219,8 +220,8 @@ class TargetModel:
         return c.invariant
 
     def _executor(self, executor: str, invariant: bool, attention: str = "sdpa") -> PagedForward | None:
-        """The forward of our own (cloud/runners/graphs.py) where `executor` asks for it and the model allows:
-        "auto" takes it with CUDA graphs on a CUDA device and eagerly elsewhere, "graphs" / "eager" anywhere (graphs
+        """The forward of our own (cloud/runners/model_forward.py, graphs.py) where `executor` asks for it and the model
+        allows: "auto" takes it with CUDA graphs on a CUDA device and eagerly elsewhere, "graphs" / "eager" anywhere (graphs
         on CUDA only), "transformers" never: every architecture it does not run keeps transformers' modules over the
         same pool. A tensor-parallel group runs it eagerly on every rank, or refuses the model. Sets `forward_path`."""
         self.forward_path = "transformers"

@@ -15,8 +15,9 @@ import torch
 import transformers as tf
 
 from cloud.runners.graph_inputs import bucket
-from cloud.runners.graphs import PagedForward, support
+from cloud.runners.graphs import PagedForward
 from cloud.runners.invariance import paged_invariance
+from cloud.runners.model_forward import support
 from cloud.runners.torch_runner import TargetModel
 from shared.kvpool import UnsupportedModel
 from shared.rows import Row

@@ -57,7 +57,7 @@ class GroupPool:
 
 def differing(target: Any, seed: int = 0) -> tuple[int, int, float]:
     """(positions whose logits differ from the reference in any bit, positions compared, the largest difference
-    from one process's plain forward of the same weights), on rank 0."""
+    from one process's plain forward of the same weights over the largest logit), on rank 0."""
     from tests.shared.test_invariant import chained, reference, treed
 
     pool, vocab = GroupPool(target), target.support
@@ -71,7 +71,7 @@ def differing(target: Any, seed: int = 0) -> tuple[int, int, float]:
 
     whole = load_causal_lm(target.weights_path, "cpu", target.model.dtype)  # one process, transformers' forward
     plain = whole(torch.tensor([seq])).logits[0, :, : target.support].float()  # [LENGTH, support]
-    return bad, len(ref) * len(runs), float((plain - torch.stack(ref)).abs().max())
+    return bad, len(ref) * len(runs), float((plain - torch.stack(ref)).abs().max() / plain.abs().max())
 
 
 def main(model_dir: Path, out: Path, cases: list[str]) -> int:
@@ -137,7 +137,8 @@ def test_every_row_gets_the_same_bits_at_any_group_size(n: int, target_dir: Path
         assert r["batch_invariant"] is False  # built invariant, not measured at start-up: not claimed
         assert r["forward_path"] == "paged-eager"  # the graph executor's forward over each rank's shards
         assert r["bad"] == 0, f"{n} ranks, {dtype}: {r['bad']} of {r['total']} positions differ from decoding"
-        assert r["diff"] < (1e-4 if dtype == "float32" else 0.1), (n, dtype, r["diff"])  # one process's logits
+        # one process's logits, within the dtype's rounding of sums split otherwise (bfloat16: 8 bits of mantissa)
+        assert r["diff"] < (1e-5 if dtype == "float32" else 2e-2), (n, dtype, r["diff"])
     if power:  # the test has power: an all-reduce of three ranks' parts changes bits with the row count
         assert result[power[0]]["bad"] > 0, "transformers' all-reduce gave every row the same bits"
 
@@ -154,7 +155,7 @@ def test_qwen2_with_biases_and_grouped_heads(tmp_path: Path) -> None:
         num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256)
     model_dir = tiny_models.build("qwen2_tp", tmp_path / "qwen2", seed=5)
     r = run_group(model_dir, 2, tmp_path / "out.json", ("float32",))["float32"]
-    assert r["bad"] == 0 and r["forward_path"] == "paged-eager" and r["diff"] < 1e-4, r
+    assert r["bad"] == 0 and r["forward_path"] == "paged-eager" and r["diff"] < 1e-5, r
 
 
 if __name__ == "__main__":
