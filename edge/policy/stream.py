@@ -245,10 +245,11 @@ class WayControl:
         return self._cheaper(spec, stream)
 
     def _carried(self) -> bool | None:
-        """What measured costs carried from the last session say: stream (True), speculate (False); None: none."""
-        if self.rounds < self.min_rounds or self.spec_cost() is None:
+        """What measured costs carried from the last session say: stream (True), speculate (False); None: none.
+        As for the cloud's figures, speculation must be cheaper by the margin (a tie streams: no round, no switch)."""
+        if self.rounds < self.min_rounds or self.spec_cost() is None or self.stream_cost() is None:
             return None
-        return self._cheaper(self.stream_cost(), self.spec_cost())
+        return not self._cheaper(self.spec_cost(), self.stream_cost())
 
     def streams_first(self, ks: Sequence[int], link_ms: float | None = None, draft_ms: float | None = None) -> bool:
         """Asked before the open: the session streams its first token whatever the open answer adds (the carried

@@ -112,6 +112,15 @@ def test_without_the_figures_the_session_speculates_first_and_measured_costs_com
     carried.one_step_ms, carried._spec = 1.0, [500.0, 1.0]
     assert carried.start(0.95, "pooled", range(1, 13)) == "stream" and carried.start_reason == "carried_costs"
     assert carried.switches == 0 and carried.next() == 16
+    close = WayControl(min_rounds=0).know_costs(FLAT)  # speculation measured dearer, though within the margin
+    close.one_step_ms, close._spec = 172.3, [186.0, 1.0]
+    assert close.start(0.95, "pooled", range(1, 13)) == "stream" and close.start_reason == "carried_costs"
+    cheap = WayControl(min_rounds=0).know_costs(FLAT)  # cheaper, though not by the margin: a tie streams
+    cheap.one_step_ms, cheap._spec = 172.3, [165.0, 1.0]
+    assert cheap.start(0.95, "pooled", range(1, 13)) == "stream"
+    cheaper = WayControl(min_rounds=0).know_costs(FLAT)  # cheaper by more than the margin
+    cheaper.one_step_ms, cheaper._spec = 172.3, [120.0, 1.0]
+    assert cheaper.start(0.95, "pooled", range(1, 13)) == "speculate"
 
 
 # -- sessions on the fake cloud ----------------------------------------------------------------------------------
