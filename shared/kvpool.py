@@ -331,8 +331,7 @@ class KVPool:
     def run(self, model: torch.nn.Module, plan: ForwardPlan) -> list[torch.Tensor]:
         """The model over a plan (this pool must have the planning pool's blocks and layout): grow the
         tensors, copy the shared blocks written into, write the new K/V, attend; each row's logits."""
-        self._fit(plan.capacity)
-        self._copy_blocks(plan.copies)
+        self.grow_and_copy(plan.capacity, plan.copies)
         batch = plan.batch.to(self.device)
         keep_idx = plan.keep.to(self.device)  # [P]
         view = PagedView(self, batch)

@@ -115,6 +115,7 @@ class ModelForward:
                 f = _fuse(parts)
                 if f is not None:
                     self.fused[id(mod)] = f
+
     def _shard(self, ranks: int) -> None:
         """A tensor-parallel rank's layers (transformers' tensor plan placed the shards): q/k/v and gate/up split by
         output (heads, MLP columns: the local product is this rank's part), o and down split by input (the ranks'
