@@ -16,9 +16,24 @@ settings.py (EdgeSettings, env prefix SPECSPLIT_EDGE_), cli.py (specsplit-edge) 
 draft_choice.py; the OpenAI-compatible server of `specsplit-edge serve`: the server/ package, with prom.py.
 """
 
-from .client import EdgeClient, Generation, GenerationResult
-from .metrics import CommittedToken, EdgeMetrics, RoundRecord
-from .settings import EdgeSettings
+from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .client import EdgeClient, Generation, GenerationResult
+    from .metrics import CommittedToken, EdgeMetrics, RoundRecord
+    from .settings import EdgeSettings
+
+# imported on first use: `specsplit-edge --help` and the settings alone never load torch
+_WHERE = {"EdgeClient": "client", "Generation": "client", "GenerationResult": "client", "CommittedToken": "metrics",
+          "EdgeMetrics": "metrics", "RoundRecord": "metrics", "EdgeSettings": "settings"}
 __all__ = ["CommittedToken", "EdgeClient", "EdgeMetrics", "EdgeSettings", "Generation", "GenerationResult",
            "RoundRecord"]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)

@@ -13,7 +13,7 @@ import json
 import logging
 import sys
 from types import UnionType
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import TYPE_CHECKING, Any, Literal, Union, get_args, get_origin
 
 from pydantic import ValidationError
 from pydantic.fields import FieldInfo
@@ -21,12 +21,11 @@ from pydantic.fields import FieldInfo
 from shared.errors import SpecSplitError
 from shared.logs import setup_logging
 
-from .client import EdgeClient
 from .draft_choice import cloud_draft_or_later, with_cloud_draft
-from .report import LOG_FIELDS as LOG_FIELDS  # the round log's fields, as tests import them from here
-from .report import LiveText, against_cloud_only, cloud_http, summary_table, write_log
 from .settings import EdgeSettings
-from .verdict import cloud_cpu_seconds
+
+if TYPE_CHECKING:  # the client (torch under it) loads with a command, not for --help
+    from .client import EdgeClient
 
 # settings a server takes per request instead (OpenAI's fields, at OpenAI's values when a request leaves them out)
 PER_REQUEST = frozenset({"temperature", "top_p", "top_k", "repetition_penalty", "seed"})
@@ -107,6 +106,10 @@ def settings_from_args(args: argparse.Namespace) -> EdgeSettings:
 
 
 def generate(args: argparse.Namespace) -> int:
+    from .client import EdgeClient
+    from .report import LiveText, against_cloud_only, cloud_http, summary_table, write_log
+    from .verdict import cloud_cpu_seconds
+
     settings = with_cloud_draft(settings_from_args(args), args)
     _set_threads(settings)
     client = EdgeClient(settings)

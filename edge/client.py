@@ -51,7 +51,7 @@ def check_tokenizer_dir(settings: EdgeSettings) -> str:
     """The tokenizer directory; UnsupportedModel naming the flag when it does not exist (no hub download)."""
     from pathlib import Path
 
-    from shared.kvpool import UnsupportedModel
+    from shared.attention_layout import UnsupportedModel
 
     path = settings.tokenizer_dir()
     if not Path(path).is_dir():

@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 from shared.config import SamplingConfig
 
 from .drafters.base import DraftBlock, Drafter
-from .drafters.model import CausalDrafter
+from .drafters.causal import CausalDrafter
 from .drafters.tree import TreeShape, TreeStopped, main_path, round_depth
 
 log = logging.getLogger(__name__)

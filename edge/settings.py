@@ -302,7 +302,7 @@ class EdgeSettings(BaseSettings):
 
 def load_draft_model(settings: EdgeSettings) -> Any:
     """The draft model `settings.draft` names, on the runtime `draft_runtime` picks (edge/drafters)."""
-    from shared.kvpool import UnsupportedModel
+    from shared.attention_layout import UnsupportedModel
     from shared.llama_runtime import find_gguf, unavailable
 
     gguf = find_gguf(settings.draft)

@@ -89,7 +89,7 @@ class GGUFModel:
     """A GGUF file's weights, loaded once (memory-mapped) and shared by every context over them."""
 
     def __init__(self, path: str | Path, repack: bool = True) -> None:
-        from shared.kvpool import UnsupportedModel
+        from shared.attention_layout import UnsupportedModel
 
         lib = _lib()
         self.path = Path(path)
@@ -140,7 +140,7 @@ class GGUFContext:
 
     def __init__(self, model: GGUFModel, n_ctx: int, n_seq: int = 1, threads: int = 1,
                  n_batch: int = 512, n_outputs: int = 0, flash_attn: bool = True, n_ubatch: int = 0) -> None:
-        from shared.kvpool import UnsupportedModel
+        from shared.attention_layout import UnsupportedModel
 
         lib = model._lib
         self.model, self._lib = model, lib

@@ -49,7 +49,7 @@ def load_tokenizer(path: str | Path) -> Any:
     """The tokenizer stored in `path`; UnsupportedModel (a ValueError) with one line when there is none."""
     from transformers import AutoTokenizer
 
-    from shared.kvpool import UnsupportedModel
+    from shared.attention_layout import UnsupportedModel
 
     if not Path(path).is_dir():  # never a hub download: every model here is a local directory
         raise UnsupportedModel(f"no tokenizer directory {path}: it does not exist")

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
+from shared.attention_layout import UnsupportedModel
 from shared.cpu_weights import pack_weights
-from shared.kvpool import UnsupportedModel
 
 COMPACT = "compact.safetensors"
 TABLES = ("model.embed_tokens.weight", "lm_head.weight")

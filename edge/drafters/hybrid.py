@@ -17,7 +17,7 @@ from shared.config import SamplingConfig
 from shared.verify import DraftKind
 
 from .base import DraftBlock
-from .model import CausalDrafter
+from .causal import CausalDrafter
 from .ngram import NGramDrafter
 
 

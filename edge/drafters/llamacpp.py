@@ -17,12 +17,12 @@ from pathlib import Path
 
 import torch
 
-from shared.kvpool import UnsupportedModel
+from shared.attention_layout import UnsupportedModel
 from shared.llama_invariance import invariant_ubatch
 from shared.llama_runtime import GGUFContext, GGUFModel, Token, find_gguf, unavailable
 from shared.tokenizer_id import directory_fingerprint
 
-from .model import CausalDrafter
+from .causal import CausalDrafter
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from ..drafters.base import DraftBlock, Drafter
 from ..settings import EdgeSettings, load_draft_model
 
 if TYPE_CHECKING:
-    from ..drafters.model import CausalDrafter
+    from ..drafters.causal import CausalDrafter
 
 
 class LockedDrafter:

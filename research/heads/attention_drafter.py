@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from edge.drafters.base import DraftBlock
-from edge.drafters.model import DRAFT_STREAM
+from edge.drafters.causal import DRAFT_STREAM
 from edge.drafters.tree import TreeShape, grow_tree
 from shared.config import SamplingConfig
 from shared.rng import position_uniform, sample_index

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from edge.drafters.base import DraftBlock
-from edge.drafters.model import DRAFT_STREAM
+from edge.drafters.causal import DRAFT_STREAM
 from edge.drafters.tree import TreeShape, grow_tree
 from shared.config import SamplingConfig
 from shared.cpu_weights import linear, pack_weights, packed_parameter

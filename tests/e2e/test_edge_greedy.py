@@ -141,7 +141,8 @@ def test_cli_json_equals_the_api_and_logs_every_round(cloud: CloudProcess, tiny_
                                                       capsys: pytest.CaptureFixture[str]) -> None:
     import json
 
-    from edge.cli import LOG_FIELDS, main
+    from edge.cli import main
+    from edge.report import LOG_FIELDS
 
     log = tmp_path / "rounds.jsonl"
     assert main(cli_args(cloud, tiny_pair, "--json", "--log", str(log))) == 0

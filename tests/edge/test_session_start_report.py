@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from edge.cli import build_parser, summary_table
+from edge.cli import build_parser
+from edge.report import summary_table
 from edge.server.openai_engine import Finished
 from tests.edge.fake_cloud import FakeCloud
 
