@@ -58,9 +58,11 @@ work=$(mktemp -d)
   .venv/bin/python -m pytest -q --durations=60 -p no:cacheprovider --basetemp="$work/shared" tests/shared \
     "${heavy[@]}" || rc=$?
   echo "== the exactness suite against a bfloat16 cloud, with bfloat16 drafts"
+  # (the bfloat16-draft test of test_seeded_text.py runs in the main pass already: its draft is bfloat16 there too)
   SPECSPLIT_TEST_DTYPE=bfloat16 .venv/bin/python -m pytest -q --durations=10 -p no:cacheprovider \
     --basetemp="$work/bf16" tests/e2e/test_seeded_text.py tests/e2e/test_session_stream.py \
-    tests/e2e/test_edge_greedy.py tests/e2e/test_tree_rounds.py || rc=$?
+    tests/e2e/test_edge_greedy.py tests/e2e/test_tree_rounds.py \
+    -k "not test_a_bfloat16_draft_gives_one_text_under_any_round_structure" || rc=$?
   exit $rc
 ) > "$work/background.log" 2>&1 &
 background=$!

@@ -13,6 +13,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# the real SmolLM2 pair's session fixtures (one cloud for every module that verifies against it)
+pytest_plugins = ("tests.real_pair",)
+
 REPO = Path(__file__).resolve().parent.parent
 DEMO_TARGET = REPO / "models" / "demo-target"
 DEMO_DRAFT = REPO / "models" / "demo-draft"

@@ -3,81 +3,36 @@
 `scripts/setup.sh` converts the target into models/smollm2-135m-instruct (so CI has it); the drafts
 models/smollm2-135m-draft (distilled) and models/smollm2-135m-draft-from-target (cut from the target) are
 committed. For a chat prompt sent through the tokenizer's template, the greedy speculative text (each
-tokens-only draft and the n-gram drafter, over REST and gRPC) must equal the
+tokens-only draft and the n-gram drafter, REST for some and gRPC for the other) must equal the
 target's own greedy text (the cloud's POST /v1/generate) over 64 tokens, token for token, with no
 token committed unverified. A divergence is accepted only where the target's two candidates are a
-float tie (see test_edge_greedy.assert_equal_or_tie).
+float tie (see test_edge_greedy.assert_equal_or_tie). The cloud, the tokenizer and the target's answer are the
+session's (tests/real_pair.py), shared with the research heads' test.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from edge.client import EdgeClient
 from edge.drafters import ModelDrafter, NGramDrafter
-from edge.settings import EdgeSettings
 from tests.e2e.test_edge_greedy import assert_equal_or_tie
+from tests.real_pair import CUT, DRAFT, QUESTION, TARGET, chat, check_greedy, require_target, settings
 from tests.server import CloudProcess
 
-REPO = Path(__file__).resolve().parents[2]
-TARGET = REPO / "models" / "smollm2-135m-instruct"
-DRAFT = REPO / "models" / "smollm2-135m-draft"
-CUT = REPO / "models" / "smollm2-135m-draft-from-target"
-N_NEW = 64
-QUESTION = "Write a Python function that returns the n-th Fibonacci number."
-
-if not (TARGET / "model.safetensors").is_file():
-    if os.environ.get("CI"):
-        raise RuntimeError(f"{TARGET} is missing: scripts/setup.sh should have made it (specsplit-models prepare smollm2)")
-    pytest.skip("the real target is not prepared here: run `specsplit-models prepare smollm2`",
-                allow_module_level=True)
+require_target()
 
 
-@pytest.fixture(scope="module")
-def real_cloud() -> Iterator[CloudProcess]:
-    with CloudProcess(TARGET, startup_timeout_s=180, extra_args=("--runner", "torch")) as cloud:
-        yield cloud
-
-
-@pytest.fixture(scope="module")
-def real_tokenizer() -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(TARGET)
-
-
-@pytest.fixture(scope="module")
-def references(real_cloud: CloudProcess, real_tokenizer: Any) -> dict[str, Any]:
-    """The target's own greedy answer to QUESTION (cloud_only: POST /v1/generate), computed once."""
-    client = EdgeClient(settings(real_cloud, "rest", mode="cloud_only"), tokenizer=real_tokenizer)
-    return {"result": client.generate(chat(real_tokenizer, QUESTION))}
-
-
-def chat(tokenizer: Any, question: str) -> list[int]:
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                        tokenize=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-
-
-def settings(cloud: CloudProcess, transport: str, **kw: Any) -> EdgeSettings:
-    where = {"cloud_url": cloud.http_url} if transport == "rest" else {"grpc_target": cloud.grpc_target}
-    values: dict[str, Any] = {"temperature": 0, "max_new_tokens": N_NEW, "timeout_ms": 60_000,
-                              "timeout_fallback": False, **where, **kw}
-    return EdgeSettings(**values)
-
-
-@pytest.mark.parametrize("transport", ["rest", "grpc"])
-@pytest.mark.parametrize("kind", ["model", "cut", "ngram"])
+@pytest.mark.parametrize(("kind", "transport"), [("model", "rest"), ("cut", "grpc"), ("ngram", "rest")])
 def test_real_pair_greedy_speculative_equals_the_target(real_cloud: CloudProcess, real_tokenizer: Any,
                                                         references: dict[str, Any], kind: str,
                                                         transport: str) -> None:
     """kind "model": the distilled draft; "cut": the tokens-only draft cut from the target (a compact directory);
-    "ngram": the n-gram drafter (the heads fed the target's states: tests/research/e2e/test_real_pair_heads.py)."""
+    "ngram": the n-gram drafter (the heads fed the target's states: tests/research/e2e/test_real_pair_heads.py).
+    Each over one transport, both transports taken: REST and gRPC carry the same rounds (every tiny-pair greedy test
+    runs both), so the real pair's own risk, its numerics, is what each kind checks."""
     if kind == "cut" and not CUT.is_dir():
         raise RuntimeError(f"{CUT} is missing: it is committed with the repository")
     tokens_only = DRAFT if kind == "model" else CUT
@@ -87,17 +42,6 @@ def test_real_pair_greedy_speculative_equals_the_target(real_cloud: CloudProcess
     check_greedy(spec, references["result"], s)
     if kind != "ngram":  # a trained draft: some of its guesses are kept
         assert spec.metrics.accepted > 0
-
-
-def check_greedy(spec: Any, ref: Any, s: EdgeSettings) -> None:
-    """The speculative text is the target's over all N_NEW tokens (or differs at a float tie), none unverified."""
-    from transformers import AutoModelForCausalLM
-
-    assert len(ref.token_ids) == N_NEW  # the answer is longer than 64 tokens: all 64 are compared
-    if spec.token_ids != ref.token_ids:  # only then is the target loaded here, to tell a float tie
-        target = AutoModelForCausalLM.from_pretrained(TARGET).eval()
-        assert_equal_or_tie(spec.token_ids, ref.token_ids, spec.prompt_ids, target, s.sampling())
-    assert spec.metrics.local_commits == 0 and spec.metrics.verify_calls >= 1
 
 
 def test_real_target_split_over_three_ranks_gives_the_same_text(real_tokenizer: Any,

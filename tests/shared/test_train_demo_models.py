@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -20,14 +22,21 @@ REPORT_KEYS = {
 }
 
 
-def test_smoke_run_writes_loadable_models_and_a_report(tmp_path: Path) -> None:
-    # small batches, short windows and one thread keep it to seconds; the stages are the real ones
-    cmd = [sys.executable, str(SCRIPT), "--smoke", "--batch", "2", "--seq", "32", "--threads", "1",
-           "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+# small batches, short windows and one thread keep it to seconds; the stages are the real ones
+SMOKE = [sys.executable, str(SCRIPT), "--smoke", "--batch", "2", "--seq", "32", "--threads", "1"]
 
-    report = json.loads((tmp_path / "training_report.json").read_text())
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One smoke run's output folder, read by the first test and copied by the resume test."""
+    out = tmp_path_factory.mktemp("smoke")
+    proc = subprocess.run(SMOKE + ["--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def test_smoke_run_writes_loadable_models_and_a_report(smoke_run: Path) -> None:
+    report = json.loads((smoke_run / "training_report.json").read_text())
     assert REPORT_KEYS <= set(report), REPORT_KEYS - set(report)
     for key in ("target_val_loss", "draft_val_loss", "target_ms_per_token", "draft_ms_per_token"):
         assert math.isfinite(report[key]) and report[key] > 0, key
@@ -37,15 +46,15 @@ def test_smoke_run_writes_loadable_models_and_a_report(tmp_path: Path) -> None:
     assert report["target_params"] > report["draft_params"] > 0
     assert report["window"] == 32 and report["torch_threads"] == 1
 
-    tok = AutoTokenizer.from_pretrained(tmp_path / "demo-target")
-    draft_tok = AutoTokenizer.from_pretrained(tmp_path / "demo-draft")
+    tok = AutoTokenizer.from_pretrained(smoke_run / "demo-target")
+    draft_tok = AutoTokenizer.from_pretrained(smoke_run / "demo-draft")
     assert tok.get_vocab() == draft_tok.get_vocab() and len(tok) == report["vocab"]
     text = "def add(a, b):\n    return a + b\n"
     ids = tok(text)["input_ids"]
     assert tok.decode(ids) == text
 
     for sub, shape in (("demo-target", report["target_shape"]), ("demo-draft", report["draft_shape"])):
-        model = AutoModelForCausalLM.from_pretrained(tmp_path / sub).eval()
+        model = AutoModelForCausalLM.from_pretrained(smoke_run / sub).eval()
         assert (model.config.n_layer, model.config.n_embd, model.config.n_head) == (
             shape["n_layer"], shape["n_embd"], shape["n_head"])
         assert model.config.vocab_size == len(tok)
@@ -55,13 +64,11 @@ def test_smoke_run_writes_loadable_models_and_a_report(tmp_path: Path) -> None:
         assert logits.shape == (1, len(ids), len(tok)) and torch.isfinite(logits).all()
 
 
-def test_resume_continues_the_saved_pair_and_keeps_the_tokenizer(tmp_path: Path) -> None:
-    base = [sys.executable, str(SCRIPT), "--smoke", "--batch", "2", "--seq", "32", "--threads", "1",
-            "--target-minutes", "5", "--draft-minutes", "5", "--out", str(tmp_path)]
-    assert subprocess.run(base, capture_output=True, timeout=300).returncode == 0
+def test_resume_continues_the_saved_pair_and_keeps_the_tokenizer(smoke_run: Path, tmp_path: Path) -> None:
+    shutil.copytree(smoke_run, tmp_path, dirs_exist_ok=True)
     vocab_before = (tmp_path / "demo-target" / "tokenizer.json").read_text()
     weights_before = (tmp_path / "demo-target" / "model.safetensors").read_bytes()
-    proc = subprocess.run(base + ["--resume"], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(SMOKE + ["--out", str(tmp_path), "--resume"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "training_report.json").read_text())
     assert [r["steps"] for r in report["target_training_runs"]] == [3, 3]

@@ -3,8 +3,9 @@
 research/models/smollm2-135m-head (one state a round) and research/models/smollm2-135m-attention-head (states at
 every committed position), each with the draft cut from the target as its fallback, plugged in by
 research.heads.HeadChoice: for a chat prompt sent through the tokenizer's template, the greedy speculative text
-(also across a reopen, over REST and gRPC) must equal the target's own greedy text over 64 tokens, token for token,
-with no token committed unverified (a float tie excepted: test_edge_greedy.assert_equal_or_tie).
+(also across a reopen; REST and gRPC both carry the states) must equal the target's own greedy text over 64
+tokens, token for token, with no token committed unverified (a float tie excepted:
+test_edge_greedy.assert_equal_or_tie). The cloud is the session's one SmolLM2 cloud (tests/real_pair.py).
 """
 
 from __future__ import annotations
@@ -17,23 +18,15 @@ from edge.client import EdgeClient
 from edge.drafters import ModelDrafter
 from research.heads import ATTENTION_HEAD, FEATURE_HEAD, HeadChoice
 from tests.e2e.closes_once import ClosesOnce
-from tests.e2e.test_real_pair import (  # the module skips itself where the real target is not prepared
-    CUT,
-    QUESTION,
-    chat,
-    check_greedy,
-    real_cloud,
-    real_tokenizer,
-    references,
-    settings,
-)
+from tests.real_pair import CUT, QUESTION, chat, check_greedy, require_target, settings
 from tests.server import CloudProcess
 
-__all__ = ["real_cloud", "real_tokenizer", "references"]
+require_target()
 
 
-@pytest.mark.parametrize("transport", ["rest", "grpc"])
-@pytest.mark.parametrize("kind", ["head", "head-reopen", "attention"])
+# the one-state head over both transports (their feature encodings differ), the reopen and the attention head over one
+@pytest.mark.parametrize(("kind", "transport"),
+                         [("head", "rest"), ("head", "grpc"), ("head-reopen", "rest"), ("attention", "grpc")])
 def test_real_pair_heads_greedy_speculative_equals_the_target(real_cloud: CloudProcess, real_tokenizer: Any,
                                                               references: dict[str, Any], kind: str,
                                                               transport: str) -> None:
