@@ -31,8 +31,8 @@ from cloud.session import Context, Session
 from shared.config import SamplingConfig
 from shared.errors import ContextMismatch, InvalidArgument, NotFound
 from shared.features import encode_feature, encode_states
-from shared.kvpool import Row
 from shared.protocol import RoundMetrics, SparseDist, VerifyRequest, VerifyResponse
+from shared.rows import Row
 from shared.sampling import RowSampling, processed_probs
 from shared.target_probs import TargetProbs
 from shared.tree import TreeOutcome, check_tree, depths, is_chain, verify_tree

@@ -21,7 +21,7 @@ from cloud.jobs import DECODE, PENDING, PREFILL, Job, Pending
 from cloud.prefill import DecodeState
 from shared.config import SamplingConfig
 from shared.errors import InvalidArgument
-from shared.kvpool import Row
+from shared.rows import Row
 from shared.sampling import RowSampling
 
 

@@ -17,7 +17,7 @@ from typing import Generic, TypeVar
 
 import torch
 
-from shared.kvpool import Row
+from shared.rows import Row
 from shared.sampling import RowSampling
 from shared.target_probs import TargetProbs
 

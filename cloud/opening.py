@@ -18,8 +18,8 @@ from cloud.prefill import Prefill
 from cloud.session import Context, Session
 from shared.errors import Internal, InvalidArgument
 from shared.features import ENCODINGS, encode_feature, encode_states
-from shared.kvpool import Row
 from shared.protocol import ForwardCostInfo, OpenSessionRequest, SessionInfo
+from shared.rows import Row
 
 # the service's log lines keep the logger name they have always had
 log = logging.getLogger("cloud.service")

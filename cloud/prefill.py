@@ -4,14 +4,18 @@ and of a session's stream: the same draw as a verify round's k = 0 bonus, at the
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from shared.config import SamplingConfig
-from shared.kvpool import KVPool, Row
 from shared.rng import SAMPLE, position_uniform
+from shared.rows import Row
 from shared.sampling import processed_probs
 from shared.target_probs import TargetProbs
+
+if TYPE_CHECKING:  # the PyTorch pool: a llama.cpp cloud never imports it
+    from shared.kvpool import KVPool
 
 
 @dataclass

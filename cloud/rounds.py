@@ -24,8 +24,8 @@ from cloud.engine import (
 from cloud.jobs import PENDING, ROUND, Job, Pending
 from cloud.session import Session
 from shared.config import SamplingConfig
-from shared.kvpool import Row
 from shared.protocol import VerifyRequest, VerifyResponse
+from shared.rows import Row
 from shared.sampling import RowSampling
 from shared.tree import depths
 

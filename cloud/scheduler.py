@@ -60,7 +60,7 @@ import torch
 from cloud.jobs import PENDING, PREFILL, Abandoned, BatchStats, Call, Job, Wait
 from cloud.model_thread import ModelThread
 from shared.errors import ResourceExhausted
-from shared.kvpool import Row
+from shared.rows import Row
 from shared.sampling import process_rows
 
 log = logging.getLogger(__name__)

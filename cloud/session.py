@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -20,8 +20,10 @@ from cloud.node_budget import Acceptance
 from shared.config import SamplingConfig
 from shared.errors import ContextMismatch
 from shared.hashing import FNV_OFFSET, fnv1a64, hash_hex
-from shared.kvpool import KVPool
 from shared.protocol import SparseDist, VerifyResponse
+
+if TYPE_CHECKING:  # the PyTorch pool: a llama.cpp cloud never imports it
+    from shared.kvpool import KVPool
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,6 @@ import time
 from typing import Any
 
 import torch
-from transformers import DynamicCache
 
 from shared.attention_layout import (
     FULL,
@@ -49,14 +48,13 @@ from shared.attention_layout import (
     cache_of,
 )
 from shared.blocks import BlockManager, OutOfBlocks
-from shared.paged_attention import PagedView, exclusive, use_paged_attention
 from shared.paged_plan import Batch, ForwardPlan
 from shared.rows import Row
 
 log = logging.getLogger(__name__)
 
 __all__ = ["BLOCK_SIZE", "FULL", "SLIDING", "AttentionLayout", "ForwardPlan", "KVPool", "Row", "UnsupportedModel",
-           "attention_layout", "cache_kwarg", "cache_of", "exclusive"]
+           "attention_layout", "cache_kwarg", "cache_of"]
 
 # KV block size in positions (see BENCHMARKS.md, "Block size")
 BLOCK_SIZE = 16
@@ -124,6 +122,10 @@ class KVPool:
         """Learn the per-layer K/V shapes (one token through the model) and size the pool from the budget."""
         if self._shapes:
             return
+        from transformers import (
+            DynamicCache,  # here: a llama.cpp cloud's pool never loads transformers' models
+        )
+
         dev = next(model.parameters()).device  # type: ignore[attr-defined]
         out = model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=dev), use_cache=True,
                     **{cache_kwarg(model): DynamicCache(config=model.config)})  # type: ignore[operator, arg-type]
@@ -331,6 +333,8 @@ class KVPool:
     def run(self, model: torch.nn.Module, plan: ForwardPlan) -> list[torch.Tensor]:
         """The model over a plan (this pool must have the planning pool's blocks and layout): grow the
         tensors, copy the shared blocks written into, write the new K/V, attend; each row's logits."""
+        from shared.paged_attention import PagedView, use_paged_attention  # transformers' attention hooks
+
         self.grow_and_copy(plan.capacity, plan.copies)
         batch = plan.batch.to(self.device)
         keep_idx = plan.keep.to(self.device)  # [P]

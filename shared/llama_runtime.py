@@ -14,9 +14,10 @@ llama-cpp-python is an optional dependency (a source distribution: setup builds 
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -105,7 +106,7 @@ class GGUFModel:
             raise UnsupportedModel(f"llama.cpp could not load {self.path}: not a GGUF file of an architecture "
                                    "this llama.cpp build knows")
         self._lib = lib
-        vocab = lib.llama_model_get_vocab(self.ptr)
+        vocab = self._vocab = lib.llama_model_get_vocab(self.ptr)
         # ids the model has logits for (its output rows)
         self.n_vocab = int(lib.llama_vocab_n_tokens(vocab))
         # context the model was trained for
@@ -115,6 +116,23 @@ class GGUFModel:
         if lib.llama_model_is_recurrent(self.ptr) or lib.llama_model_is_hybrid(self.ptr):
             raise UnsupportedModel(f"{self.path} is a recurrent or hybrid model: its state cannot be cropped "
                                    "to a position, which every rejected draft needs")
+
+    def meta(self, key: str) -> str | None:
+        """The GGUF header's value for `key` as llama.cpp writes it out (a number in decimal), None when absent.
+        llama.cpp parsed the header at load: the Python gguf reader would parse it again, every vocabulary and
+        merge entry in Python (about 25 s for Qwen2.5's 151,936 tokens on a 2-core CPU)."""
+        buf = ctypes.create_string_buffer(256)
+        n = int(self._lib.llama_model_meta_val_str(self.ptr, key.encode(), buf, len(buf)))
+        if n < 0:
+            return None
+        if n >= len(buf):
+            buf = ctypes.create_string_buffer(n + 1)
+            self._lib.llama_model_meta_val_str(self.ptr, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", errors="replace")
+
+    def token_text(self, token: int) -> str:
+        """Token `token`'s string in the GGUF's vocabulary (tokenizer.ggml.tokens)."""
+        return bytes(self._lib.llama_vocab_get_text(self._vocab, token)).decode("utf-8", errors="replace")
 
     def __del__(self) -> None:
         if getattr(self, "ptr", None):
@@ -222,30 +240,28 @@ class GGUFContext:
         self._lib.llama_memory_clear(self.mem, True)
 
 
-def gguf_vocab_size(path: str | Path) -> int:
-    """The GGUF file's token count without loading its weights (the gguf reader reads the header only)."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(path))
-    field = reader.get_field("tokenizer.ggml.tokens")
-    return len(field.data) if field is not None else 0
-
-
-def vocabulary_mismatch(path: str | Path, tokenizer: Any) -> str | None:
+def vocabulary_mismatch(source: str | Path | GGUFModel, tokenizer: Any) -> str | None:
     """None when `tokenizer` (the files beside a GGUF) speaks the GGUF's own vocabulary, else what differs: it
     defines more ids than the GGUF has tokens, or one of eight ids spread over its range (the first three, where
     special tokens sit, and the last) is another token string there. The GGUF may pad its vocabulary past the
-    tokenizer's ids."""
-    import gguf
+    tokenizer's ids. `source`: a loaded model (its vocabulary as llama.cpp read it) or a file, read with the gguf
+    reader (seconds to tens of seconds: `specsplit-models convert`, which loads no model)."""
+    text: Callable[[int], str]
+    if isinstance(source, GGUFModel):
+        rows, text = source.n_vocab, source.token_text
+    else:
+        import gguf
 
-    field = gguf.GGUFReader(str(path)).get_field("tokenizer.ggml.tokens")
-    if field is None:
-        return f"{path} holds no vocabulary (tokenizer.ggml.tokens)"
-    n, rows = len(tokenizer), len(field.data)
+        field = gguf.GGUFReader(str(source)).get_field("tokenizer.ggml.tokens")
+        if field is None:
+            return f"{source} holds no vocabulary (tokenizer.ggml.tokens)"
+        rows = len(field.data)
+        text = lambda i: bytes(field.parts[field.data[i]]).decode("utf-8", errors="replace")  # noqa: E731
+    n = len(tokenizer)
     if n > rows:
         return f"the tokenizer defines {n} ids and the GGUF {rows}"
     for i in sorted({0, 1, 2, n // 7, n // 3, n // 2, 2 * n // 3, n - 1} & set(range(n))):
-        theirs = bytes(field.parts[field.data[i]]).decode("utf-8", errors="replace")
+        theirs = text(i)
         mine = tokenizer.convert_ids_to_tokens(i)
         if mine != theirs:
             return f"id {i} is {mine!r} in the tokenizer and {theirs!r} in the GGUF"

@@ -87,7 +87,7 @@ def load_target(settings: CloudSettings) -> Runner:
 
 
 def _load(settings: CloudSettings, runner: str) -> Runner:
-    from shared.kvpool import UnsupportedModel
+    from shared.attention_layout import UnsupportedModel
 
     if runner == "llamacpp":
         from cloud.runners.llamacpp import LlamaTarget

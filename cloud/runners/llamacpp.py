@@ -50,21 +50,22 @@ SESSION_SEQS = 128
 MAX_CELLS = 1 << 17
 
 
-def kv_bytes_per_position(path: Path) -> int:
+def kv_bytes_per_position(model: GGUFModel) -> int:
     """K and V of every layer for one position, float16 (llama.cpp's cache type), from the GGUF's header."""
-    import gguf
-
-    r = gguf.GGUFReader(str(path))
 
     def value(key: str, default: int | None = None) -> int:
-        f = r.get_field(key)
-        if f is None:
+        text = model.meta(key)
+        if text is None:
             if default is None:
-                raise UnsupportedModel(f"{path} has no {key}: not a GGUF of a transformer this runner knows")
+                raise UnsupportedModel(f"{model.path} has no {key}: not a GGUF of a transformer this runner knows")
             return default
-        return int(f.contents())
+        try:
+            return int(text)
+        except ValueError:
+            raise UnsupportedModel(f"{model.path}: {key} is {text!r}, not one number: per-layer shapes are not "
+                                   "supported by this runner") from None
 
-    arch = str(r.get_field("general.architecture").contents())  # type: ignore[union-attr]
+    arch = model.meta("general.architecture")
     heads = value(f"{arch}.attention.head_count")
     kv_heads = value(f"{arch}.attention.head_count_kv", heads)
     head_dim = value(f"{arch}.embedding_length") // heads
@@ -269,16 +270,16 @@ class LlamaTarget:
         self.gguf = GGUFModel(path, repack=not invariant)
         self.ubatch, self.invariant_ok = 0, False
         tokenizer = load_tokenizer(path.parent)  # the tokenizer files beside the GGUF (a prepared directory)
-        wrong = vocabulary_mismatch(path, tokenizer)
+        wrong = vocabulary_mismatch(self.gguf, tokenizer)
         if wrong is not None:
             raise UnsupportedModel(f"the tokenizer beside {path} is not the GGUF's own ({wrong}): put the model's "
                                    "own tokenizer files beside it (specsplit-models convert FILE.gguf --out DIR "
                                    "writes both)")
         self.support = min(len(tokenizer), self.gguf.n_vocab)
         eos = [int(tokenizer.eos_token_id)] if tokenizer.eos_token_id is not None else []
-        self.kv_bytes_per_token = kv_bytes_per_position(path)
+        self.kv_bytes_per_token = kv_bytes_per_position(self.gguf)
         self.weight_bytes = path.stat().st_size
-        self.dtype_reason = f"the GGUF file's own types ({file_type(path)}), run by llama.cpp"
+        self.dtype_reason = f"the GGUF file's own types ({file_type(self.gguf)}), run by llama.cpp"
         name = path.parent.resolve().name if path.name == "model.gguf" else path.stem
         self.info = ModelInfo(model_id=name, vocab_size=self.gguf.n_vocab, eos_ids=eos,
                               max_context=self.gguf.n_ctx_train, dtype="gguf", dtype_reason=self.dtype_reason,
@@ -325,14 +326,14 @@ class LlamaTarget:
         return True
 
 
-def file_type(path: Path) -> str:
+def file_type(model: GGUFModel) -> str:
     """The GGUF's general.file_type as llama.cpp names it (e.g. MOSTLY_Q4_K_M)."""
     import gguf
 
-    f = gguf.GGUFReader(str(path)).get_field("general.file_type")
-    if f is None:
+    text = model.meta("general.file_type")
+    if text is None or not text.isdigit():
         return "unknown types"
     try:
-        return gguf.LlamaFileType(int(f.contents())).name
+        return gguf.LlamaFileType(int(text)).name
     except ValueError:
-        return f"file type {int(f.contents())}"
+        return f"file type {text}"

@@ -29,7 +29,8 @@ import torch
 from shared.hf_model import check_rollback, load_causal_lm
 from shared.invariant import tile_linears
 from shared.invariant_calibration import Calibration, calibrate
-from shared.kvpool import KVPool, Row, UnsupportedModel, attention_layout, exclusive
+from shared.kvpool import KVPool, Row, UnsupportedModel, attention_layout
+from shared.paged_attention import exclusive
 from shared.tokenizer_id import directory_fingerprint
 
 from .causal import CausalDrafter
