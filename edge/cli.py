@@ -13,7 +13,7 @@ import json
 import logging
 import sys
 from types import UnionType
-from typing import TYPE_CHECKING, Any, Literal, Union, get_args, get_origin
+from typing import Any, Literal, Union, get_args, get_origin
 
 from pydantic import ValidationError
 from pydantic.fields import FieldInfo
@@ -23,9 +23,6 @@ from shared.logs import setup_logging
 
 from .draft_choice import cloud_draft_or_later, with_cloud_draft
 from .settings import EdgeSettings
-
-if TYPE_CHECKING:  # the client (torch under it) loads with a command, not for --help
-    from .client import EdgeClient
 
 # settings a server takes per request instead (OpenAI's fields, at OpenAI's values when a request leaves them out)
 PER_REQUEST = frozenset({"temperature", "top_p", "top_k", "repetition_penalty", "seed"})
@@ -106,7 +103,7 @@ def settings_from_args(args: argparse.Namespace) -> EdgeSettings:
 
 
 def generate(args: argparse.Namespace) -> int:
-    from .client import EdgeClient
+    from .client import EdgeClient  # here: --help loads no torch
     from .report import LiveText, against_cloud_only, cloud_http, summary_table, write_log
     from .verdict import cloud_cpu_seconds
 
@@ -116,7 +113,7 @@ def generate(args: argparse.Namespace) -> int:
     compare = args.against_cloud_only and settings.mode != "cloud_only"
     cpu0 = cloud_cpu_seconds(*cloud_http(settings)) if compare else None
     try:
-        prompt = chat_prompt(client, args) if args.chat else args.prompt
+        prompt = chat_prompt(client.tokenizer, args) if args.chat else args.prompt
         gen = client.stream(prompt, request_id=args.request_id)
         if not args.json:
             LiveText(client, sys.stdout, colour=sys.stdout.isatty()).follow(gen)
@@ -134,13 +131,13 @@ def generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def chat_prompt(client: EdgeClient, args: argparse.Namespace) -> list[int]:
+def chat_prompt(tokenizer: Any, args: argparse.Namespace) -> list[int]:
     """PROMPT as one user message through the chat template, tokenized without added special tokens."""
     from .server.chat import ChatMessage, load_chat_template, require
 
-    template = require(load_chat_template(args.chat_template, client.tokenizer))
+    template = require(load_chat_template(args.chat_template, tokenizer))
     text = template.render([ChatMessage("user", args.prompt)])
-    return list(client.tokenizer.encode(text, add_special_tokens=False))
+    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 def serve(args: argparse.Namespace) -> int:

@@ -23,20 +23,15 @@ def test_serve_takes_the_edge_options_and_its_own_but_not_per_request_sampling()
         build_parser().parse_args(["serve", "--temperature", "0"])
 
 
-class _Client:
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-
-
 def test_generate_chat_sends_the_prompt_through_the_template(tiny_tokenizer: Any, tmp_path: Path) -> None:
     path = tmp_path / "t.jinja"
     path.write_text("<|{{ messages[0].role }}|>{{ messages[0].content }}<|assistant|>")
     args = build_parser().parse_args(["generate", "hello there", "--chat", "--chat-template", str(path)])
-    ids = chat_prompt(_Client(tiny_tokenizer), args)  # type: ignore[arg-type]
+    ids = chat_prompt(tiny_tokenizer, args)
     assert ids == tiny_tokenizer.encode("<|user|>hello there<|assistant|>", add_special_tokens=False)
     no_template = build_parser().parse_args(["generate", "hi", "--chat"])
     with pytest.raises(NoChatTemplate, match="--chat-template"):
-        chat_prompt(_Client(tiny_tokenizer), no_template)  # type: ignore[arg-type]
+        chat_prompt(tiny_tokenizer, no_template)
 
 
 def test_generate_help_says_where_its_sampling_defaults_differ_from_serves(
