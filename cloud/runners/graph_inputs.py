@@ -37,6 +37,9 @@ class Group:
     keys: torch.Tensor  # [R x W] pool row of each key slot (padding: the spare pool row)
     mask: torch.Tensor  # [R, 1, N, W] True where the query may see the key
     shape: tuple[int, int, int]  # R, N, W
+    # [R, 1, N, W] the query's position minus the key's, for sliding-window layers (a key is seen while it is below
+    # the window); None for a model without them
+    distance: torch.Tensor | None = None
 
 
 @dataclass
@@ -59,6 +62,8 @@ class Inputs:
             g.queries.copy_(h.queries, non_blocking=True)
             g.keys.copy_(h.keys, non_blocking=True)
             g.mask.copy_(h.mask, non_blocking=True)
+            if g.distance is not None and h.distance is not None:
+                g.distance.copy_(h.distance, non_blocking=True)
 
 
 def _pool_rows(table: list[int], size: int, end: int) -> np.ndarray:
@@ -67,10 +72,13 @@ def _pool_rows(table: list[int], size: int, end: int) -> np.ndarray:
     return (blocks[:, None] * size + np.arange(size)).reshape(-1)[:end]
 
 
-def _row_mask(r: Row, out: np.ndarray) -> None:
+def _row_mask(r: Row, out: np.ndarray, distance: np.ndarray | None) -> None:
     """out[:n, :past + n] = which of the row's storage offsets each of its n queries sees (causal by position;
-    a tree node: the prefix before the tree and its own ancestors)."""
+    a tree node: the prefix before the tree and its own ancestors); `distance` (if given) the same slots' query
+    position minus key position."""
     n, end = len(r.ids), r.num_cached_tokens + len(r.ids)
+    if distance is not None:
+        distance[:n, :end] = np.asarray(r.positions())[:, None] - np.asarray(r.positions_at(0, end))[None, :]
     if r.tree is None:
         out[:n, :end] = np.arange(end)[None, :] <= np.arange(r.num_cached_tokens, end)[:, None]
         return
@@ -89,7 +97,7 @@ def _row_mask(r: Row, out: np.ndarray) -> None:
 
 
 def _group(rows: list[Row], starts: list[int], tables: list[np.ndarray], spare: int, T: int,
-           shape: tuple[int, int, int] | None) -> Group:
+           shape: tuple[int, int, int] | None, windowed: bool) -> Group:
     """The attention call of `rows` (their first flat tokens `starts`, their pool rows `tables`)."""
     n_max = max(len(r.ids) for r in rows)
     end_max = max(r.num_cached_tokens + len(r.ids) for r in rows)
@@ -98,21 +106,23 @@ def _group(rows: list[Row], starts: list[int], tables: list[np.ndarray], spare: 
     keys = np.full((R, W), spare, np.int64)
     mask = np.zeros((R, 1, N, W), dtype=bool)
     mask[:, 0, :, 0] = True  # padded queries see one (padded) key: no row of -inf alone
+    distance = np.zeros((R, 1, N, W), np.int32) if windowed else None  # padding: 0, in every window
     for i, (r, s, table) in enumerate(zip(rows, starts, tables, strict=True)):
         n = len(r.ids)
         queries[i, :n] = np.arange(s, s + n)
         keys[i, : len(table)] = table
-        _row_mask(r, mask[i, 0])
+        _row_mask(r, mask[i, 0], None if distance is None else distance[i, 0])
     return Group(torch.from_numpy(queries.reshape(-1)), torch.from_numpy(keys.reshape(-1)), torch.from_numpy(mask),
-                 (R, N, W))
+                 (R, N, W), None if distance is None else torch.from_numpy(distance))
 
 
 def build_inputs(pool: Any, rows: list[Row], spare: int, shape: tuple[int, int, int] | None, tile: int,
-                 max_positions: int, kernel: bool, groups: bool = True) -> Inputs:
+                 max_positions: int, kernel: bool, groups: bool = True, windowed: bool = False) -> Inputs:
     """The host-side inputs of `rows` (planned: their blocks exist). `shape` (R, N, W): one padded group of
     that bucket, T = R x N; None: exact shapes, long rows in groups of their own. `tile`: T padded to whole
     tiles; `kernel`: the Triton kernel's inputs instead of SDPA groups; `groups` False: neither (an executor
-    attending through shared/invariant.py's chunked calls builds its own). Built in numpy: this is the host's
+    attending through shared/invariant.py's chunked calls builds its own); `windowed`: the groups carry the
+    query-key distances sliding-window layers mask by. Built in numpy: this is the host's
     whole work between two replays."""
     m = pool.manager
     n_real = sum(len(r.ids) for r in rows)
@@ -151,8 +161,8 @@ def build_inputs(pool: Any, rows: list[Row], spare: int, shape: tuple[int, int, 
     if kernel:
         return Inputs(torch.from_numpy(ids), torch.from_numpy(pos), torch.from_numpy(write),
                       torch.from_numpy(keep_all), [], _kernel_inputs(rows, m, spare // m.size, T, shape))
-    made = [_group([rows[i] for i in idx], [starts[i] for i in idx], [tables[i] for i in idx], spare, T, sh)
-            for idx, sh in sets] if groups else []
+    made = [_group([rows[i] for i in idx], [starts[i] for i in idx], [tables[i] for i in idx], spare, T, sh,
+                   windowed) for idx, sh in sets] if groups else []
     return Inputs(torch.from_numpy(ids), torch.from_numpy(pos), torch.from_numpy(write),
                   torch.from_numpy(keep_all), made)
 
@@ -170,9 +180,10 @@ def graph_shapes(rows: Sequence[int], queries: Sequence[int], keys: Sequence[int
     return sorted(set(out))  # type: ignore[arg-type]
 
 
-def blank(shape: tuple[int, int, int], spare: int, tile: int, block: int = 0) -> Inputs:
+def blank(shape: tuple[int, int, int], spare: int, tile: int, block: int = 0, windowed: bool = False) -> Inputs:
     """A bucket's inputs with every slot padding (the spare row and token): what a start-up capture records.
-    `block` > 0: the Triton kernel's inputs (blocks of that size) instead of SDPA groups."""
+    `block` > 0: the Triton kernel's inputs (blocks of that size) instead of SDPA groups; `windowed`: with the
+    groups' distances."""
     R, N, W = shape
     T = R * N
     if tile:
@@ -185,7 +196,7 @@ def blank(shape: tuple[int, int, int], spare: int, tile: int, block: int = 0) ->
     mask[:, 0, :, 0] = True
     return Inputs(ids, pos, write, keep,
                   [Group(torch.full((R * N,), T, dtype=torch.long), torch.full((R * W,), spare, dtype=torch.long),
-                         mask, shape)])
+                         mask, shape, torch.zeros(R, 1, N, W, dtype=torch.int32) if windowed else None)])
 
 
 def _kernel_inputs(rows: list[Row], m: Any, spare_block: int, T: int, shape: tuple[int, int, int] | None,
@@ -227,5 +238,6 @@ def to_device(inp: Inputs, dev: torch.device) -> Inputs:
         return (t.pin_memory() if pin else t).to(dev, non_blocking=True)
 
     return Inputs(mv(inp.ids), mv(inp.positions), mv(inp.write), mv(inp.keep),
-                  [Group(mv(g.queries), mv(g.keys), mv(g.mask), g.shape) for g in inp.groups],
+                  [Group(mv(g.queries), mv(g.keys), mv(g.mask), g.shape,
+                         None if g.distance is None else mv(g.distance)) for g in inp.groups],
                   tuple(mv(x) for x in inp.paged))

@@ -54,6 +54,7 @@ class PagedForward(ModelForward):
                  collectives: Any = None) -> None:
         super().__init__(model, tile=tile, kernel=kernel, ranks=ranks, collectives=collectives)
         self.graphs = graphs and self.device.type == "cuda"
+        self.windowed = any(w is not None for w in self.windows)  # the groups carry query-key distances
         # forwards padded to the graphs' buckets (default: where graphs run; on a CPU, the same inputs eagerly)
         self.buckets = self.graphs if buckets is None else buckets or self.graphs
         self.max_graphs, self.max_graph_keys = max_graphs, max_graph_keys
@@ -77,7 +78,8 @@ class PagedForward(ModelForward):
     # --- inputs ------------------------------------------------------------------------------------------------
     def inputs(self, pool: Any, rows: list[Row], spare: int, shape: tuple[int, int, int] | None) -> Inputs:
         """`build_inputs` at this executor's tile, context and attention."""
-        return build_inputs(pool, rows, spare, shape, self.tile, self.max_positions, self.kernel, not self.chunked)
+        return build_inputs(pool, rows, spare, shape, self.tile, self.max_positions, self.kernel, not self.chunked,
+                            self.windowed)
 
     def shape_of(self, rows: list[Row]) -> tuple[int, int, int] | None:
         """The graph bucket (R, N, W) these rows fit, or None (eager). After a start-up capture: the smallest
@@ -145,8 +147,8 @@ class PagedForward(ModelForward):
                             "run eagerly", len(self._graphs), len(todo), self.graph_bytes / 1e6, max_bytes)
                 break
             before = torch.cuda.memory_reserved(self.device)
-            self._capture(shape, blank(shape, pool.spare_row, self.tile, self.block if self.kernel else 0), keys,
-                          values)
+            self._capture(shape, blank(shape, pool.spare_row, self.tile, self.block if self.kernel else 0,
+                                       self.windowed), keys, values)
             last = torch.cuda.memory_reserved(self.device) - before
             self.graph_bytes += last
             if self.graph_bytes > max_bytes:  # this one alone was too large: let it go, try the smaller ones
@@ -194,14 +196,15 @@ class PagedForward(ModelForward):
             starts = [0]
             for r in rows[:-1]:
                 starts.append(starts[-1] + len(r.ids))
-            calls = build_calls(pool.manager, rows, starts, None, torch.device("cpu"))
+            calls = {w: build_calls(pool.manager, rows, starts, w, torch.device("cpu")) for w in set(self.windows)}
         return EagerStep(self.inputs(pool, rows, pool.spare_row, shape), calls, sum(r.keep for r in rows))
 
     def eager_forward(self, pool: Any, step: EagerStep) -> tuple[torch.Tensor, torch.Tensor]:
         """`step` run eagerly over `pool`'s tensors: the kept logits and final hidden states (counted: `eager`)."""
         self.eager += 1
         self.block = pool.block_size
-        self._chunks = None if step.calls is None else [c.to(self.device) for c in step.calls]
+        self._chunks = None if step.calls is None else {w: [c.to(self.device) for c in calls]
+                                                         for w, calls in step.calls.items()}
         try:
             hidden = self.run(to_device(step.inputs, self.device), pool.keys, pool.values)[:step.kept]
         finally:
@@ -223,8 +226,8 @@ class PagedForward(ModelForward):
 
 @dataclass
 class EagerStep:
-    """One eager forward as the host planned it: inputs, the chunked attention calls (CPU; None: groups or the
-    kernel) and the count of kept tokens."""
+    """One eager forward as the host planned it: inputs, the chunked attention calls per sliding window (None: full
+    attention) on a CPU (None: groups or the kernel) and the count of kept tokens."""
     inputs: Inputs
-    calls: list[Any] | None
+    calls: dict[int | None, list[Any]] | None
     kept: int

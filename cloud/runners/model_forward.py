@@ -1,8 +1,8 @@
 """The target's forward of our own over the KV pool: one fixed sequence of tensor operations for a model's layers.
 
 Which models: decoder-only attention families whose layer is "RMSNorm, attention with RoPE, RMSNorm, gated MLP"
-(`FAMILIES`: Llama, Qwen2, Qwen3 with its q/k norms, Mistral without a sliding window), every layer full attention;
-anything else keeps transformers' modules over the pool (`support` says why). q/k/v and gate/up run as one GEMM
+(`FAMILIES`: Llama, Qwen2, Qwen3 with its q/k norms, Mistral), with full attention or a sliding window per layer
+(shared/attention_layout.py); anything else keeps transformers' modules over the pool (`support` says why). q/k/v and gate/up run as one GEMM
 each over a fused weight whose slices are the modules' own weights. The same code runs with CUDA graphs on a GPU
 (cloud/runners/graphs.py), eagerly on a CPU, and on a tensor-parallel rank's shards (below).
 
@@ -12,7 +12,8 @@ linear layer. Attention either reads each token's keys in the pool through its r
 batch-invariant attention; SDPA's sums there change with the query count), or runs per group of rows as
 [R rows, N queries, W keys]: a row's queries gathered from the flat tokens, its keys from the pool, and a mask
 [R, N, W] saying which key each query sees (causal by position; a token tree's node sees the cached prefix and its
-ancestors only, as shared/paged_plan.py's masks). Padding (tokens, queries, keys) points at the pool's spare row,
+ancestors only, as shared/paged_plan.py's masks; on a sliding-window layer also within the window, by the
+groups' query-key distances). Padding (tokens, queries, keys) points at the pool's spare row,
 which no sequence owns: padded tokens write their K/V there, padded keys are masked, padded queries' outputs land
 on a spare token. The output layer runs on the kept rows only (`logits`).
 
@@ -35,20 +36,19 @@ import torch
 import torch.nn.functional as F
 
 from cloud.runners.graph_inputs import Inputs
+from shared.attention_layout import attention_layout
 from shared.invariant import TreeCall, attend_tree
 from shared.invariant import attend as attend_chunks
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 
 
-def support(model: torch.nn.Module, windows: Sequence[int | None]) -> str | None:
+def support(model: torch.nn.Module) -> str | None:
     """Why this model cannot run `ModelForward` (None: it can)."""
     cfg = model.config.get_text_config()  # type: ignore[operator, union-attr]
     kind = getattr(cfg, "model_type", "")
     if kind not in FAMILIES:
         return f"{kind or type(model).__name__} is not one of {', '.join(FAMILIES)}"
-    if any(w is not None for w in windows):
-        return "sliding-window layers"
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if layers is None or not hasattr(inner, "embed_tokens") or not hasattr(inner, "norm"):
@@ -70,6 +70,8 @@ class ModelForward:
         cfg = model.config.get_text_config()  # type: ignore[operator, union-attr]
         self.model, self.inner, self.layers = model, inner, list(inner.layers)
         self.head = model.get_output_embeddings()  # type: ignore[operator]
+        # each layer's sliding window (None: full attention)
+        self.windows = attention_layout(model.config).windows
         a = self.layers[0].self_attn
         # this process's heads: all of them, or a tensor-parallel rank's share
         self.hq, self.hk = int(cfg.num_attention_heads) // ranks, int(cfg.num_key_value_heads) // ranks
@@ -88,9 +90,9 @@ class ModelForward:
         # whole tiles (what the CPU's start-up measurement may choose: shared/invariant_calibration.py)
         self.calls = True
         # eager forwards attend through shared/invariant.py's chunked calls: a CPU's batch-invariant attention (SDPA's
-        # sums there change with the query count); `_chunks` holds the current forward's calls
+        # sums there change with the query count); `_chunks` holds the current forward's calls per window
         self.chunked = False
-        self._chunks: list[Any] | None = None
+        self._chunks: dict[int | None, list[Any]] | None = None
         # attention by the Triton kernel over block tables (paged_kernel.py) instead of SDPA over gathered keys
         self.kernel = kernel
         self.block = 0  # the pool's block size, set by each forward (the kernel reads block tables)
@@ -180,8 +182,8 @@ class ModelForward:
         y = self._rows(x, lambda t: F.linear(t, w, bias))
         return self.tp.gather_columns(y, self._head_sizes) if combine == "gather" else y
 
-    def _attention(self, layer: Any, h: torch.Tensor, inp: Inputs, keys: torch.Tensor,
-                   values: torch.Tensor) -> torch.Tensor:
+    def _attention(self, layer: Any, h: torch.Tensor, inp: Inputs, keys: torch.Tensor, values: torch.Tensor,
+                   window: int | None) -> torch.Tensor:
         a = layer.self_attn
         T = h.shape[0]
         fused = self.fused.get(id(a))
@@ -202,7 +204,7 @@ class ModelForward:
         if self._chunks is not None:  # the chunked calls of the pool's invariant attention (eager only)
             o = h.new_zeros(T, self.hq, self.dh)  # [T, Hq, D]: padded tokens keep zeros
             q_all = q.transpose(0, 1)  # [Hq, T, D]
-            for call in self._chunks:
+            for call in self._chunks[window]:
                 (attend_tree if isinstance(call, TreeCall) else attend_chunks)(call, q_all, keys, values, o,
                                                                                self.scaling, None)
             return self._linear(o.reshape(T, self.hq * self.dh), a.o_proj)
@@ -219,7 +221,11 @@ class ModelForward:
                                                                                                 self.dh)
             kg = keys[:, grp.keys].view(self.hk, R, W, self.dh).transpose(0, 1)  # [R, Hk, W, D]
             vg = values[:, grp.keys].view(self.hk, R, W, self.dh).transpose(0, 1)
-            m = grp.mask if g == 1 else grp.mask.repeat(1, 1, g, 1)  # [R, 1, g x N, W]
+            m = grp.mask
+            if window is not None:
+                assert grp.distance is not None
+                m = m & (grp.distance < window)
+            m = m if g == 1 else m.repeat(1, 1, g, 1)  # [R, 1, g x N, W]
             o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=m, scale=self.scaling)  # [R, Hk, g x N, D]
             o = o.view(R, self.hk, g, N, self.dh).permute(0, 3, 1, 2, 4).reshape(R * N, self.hq * self.dh)
             out.index_copy_(0, grp.queries, o)
@@ -238,7 +244,7 @@ class ModelForward:
         the kept tokens ([P, d]). The output layer runs outside (`logits`), on the real kept rows only."""
         h = self._embed(inp.ids)  # [T, d]
         for i, layer in enumerate(self.layers):
-            h = h + self._attention(layer, layer.input_layernorm(h), inp, keys[i], values[i])
+            h = h + self._attention(layer, layer.input_layernorm(h), inp, keys[i], values[i], self.windows[i])
             h = h + self._mlp(layer, layer.post_attention_layernorm(h))
         return self.inner.norm(h[inp.keep])  # type: ignore[no-any-return]  # [P, d]
 

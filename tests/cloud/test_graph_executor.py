@@ -21,14 +21,16 @@ from cloud.runners.model_forward import support
 from cloud.runners.torch_runner import TargetModel
 from shared.kvpool import UnsupportedModel
 from shared.rows import Row
-from tests.tiny_models import _ATTN, build
+from tests.tiny_models import _ATTN, WINDOW, build
 
 CUDA = torch.cuda.is_available()
 
 
-def _qwen2(out: Path) -> Path:
-    """A tiny Qwen2 (q/k/v biases, GQA): the coder pair's architecture."""
-    cfg = tf.Qwen2Config(**_ATTN, num_key_value_heads=2)
+def _qwen2(out: Path, window: int | None = None) -> Path:
+    """A tiny Qwen2 (q/k/v biases, GQA): the coder pair's architecture; with `window`, its second layer slides
+    (full and sliding-window layers in one model)."""
+    extra = dict(use_sliding_window=True, sliding_window=window, max_window_layers=1) if window else {}
+    cfg = tf.Qwen2Config(**_ATTN, num_key_value_heads=2, **extra)
     cfg.eos_token_id = 0
     torch.manual_seed(3)
     model = tf.AutoModelForCausalLM.from_config(cfg)
@@ -43,10 +45,14 @@ def _qwen2(out: Path) -> Path:
     return out
 
 
-@pytest.fixture(scope="module", params=["qwen2", "llama", "qwen3"])
+@pytest.fixture(scope="module", params=["qwen2", "llama", "qwen3", "mistral", "qwen2-window"])
 def arch_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Each family the executor runs; Mistral slides on every layer (window 8), "qwen2-window" on its second only.
+    `_rounds` reaches 60 positions, so the windows cut what a token sees."""
     root = tmp_path_factory.mktemp(request.param)
-    return _qwen2(root / "m") if request.param == "qwen2" else build(request.param, root / "m", seed=4)
+    if request.param.startswith("qwen2"):
+        return _qwen2(root / "m", WINDOW if request.param == "qwen2-window" else None)
+    return build(request.param, root / "m", seed=4)
 
 
 def _rounds(target: TargetModel) -> list[list[torch.Tensor]]:
@@ -156,8 +162,10 @@ def test_unsupported_models_keep_the_transformers_path(tmp_path: Path) -> None:
     assert auto.paged is None and auto.info.forward_path == "transformers"
     with pytest.raises(UnsupportedModel, match="--executor transformers"):
         TargetModel(gpt2, "cpu", "float32", invariant=False, executor="eager")
-    mistral = build("mistral", tmp_path / "m")
-    assert support(TargetModel(mistral, "cpu", "float32", invariant=False).model, [8, 8]) == "sliding-window layers"
+    assert "gpt2 is not one of" in (support(auto.model) or "")
+    mistral = build("mistral", tmp_path / "m")  # sliding windows: the executor's, but not the Triton kernel's
+    with pytest.raises(UnsupportedModel, match="--attention triton has no sliding windows"):
+        TargetModel(mistral, "cpu", "float32", invariant=False, executor="eager", attention="triton")
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA device (bench gpu measures them on a GPU host)")
