@@ -15,7 +15,7 @@ from shared.sampling import processed_probs
 from shared.target_probs import TargetProbs
 
 if TYPE_CHECKING:  # the PyTorch pool: a llama.cpp cloud never imports it
-    from shared.kvpool import KVPool
+    from shared.blocks import PagedSequences
 
 
 @dataclass
@@ -37,7 +37,7 @@ class Prefill:
     # at least those are computed, and every chunk keeps the ones it holds (0: none)
     keep_last: int = 0
 
-    def plan(self, pool: KVPool, budget: int | None = None) -> Row | None:
+    def plan(self, pool: PagedSequences, budget: int | None = None) -> Row | None:
         """The next chunk (at most `budget` tokens, default `chunk`), or None when the whole prefill is cached."""
         budget = self.chunk if budget is None else budget
         if self.seq_id is None:
@@ -50,13 +50,13 @@ class Prefill:
         keep = max(0, min(len(chunk), self.done + len(chunk) - (len(self.ids) - self.keep_last)))
         return Row(self.seq_id, self.done, chunk, keep=keep if self.keep_last else 0)
 
-    def unplan(self, pool: KVPool) -> None:
+    def unplan(self, pool: PagedSequences) -> None:
         """Give the prefix-cache blocks back while nothing of this prefill has run (it plans again later)."""
         if self.seq_id is not None and self.done == self.reused:
             pool.release(self.seq_id)
             self.seq_id, self.done, self.reused = None, 0, 0
 
-    def advance(self, pool: KVPool, row: Row | None = None) -> bool:
+    def advance(self, pool: PagedSequences, row: Row | None = None) -> bool:
         """After a forward of `row` (default: a chunk of `chunk` tokens): the chunk is cached; True when
         the whole prefill is."""
         assert self.seq_id is not None
@@ -88,7 +88,7 @@ class DecodeState:
     # positions the prefix cache gave at the allocation
     matched: int = 0
 
-    def plan(self, pool: KVPool, chunk: int) -> Row:
+    def plan(self, pool: PagedSequences, chunk: int) -> Row:
         """Feed ids[kv_len:] (the last token at least); a long prompt in chunks, logits only at the end."""
         if self.seq_id is None:
             self.seq_id = pool.allocate(self.salt)
@@ -100,20 +100,20 @@ class DecodeState:
             return Row(self.seq_id, c, todo[:max(chunk, 1)], keep=0)
         return Row(self.seq_id, c, todo, keep=1)
 
-    def unplan(self, pool: KVPool) -> None:
+    def unplan(self, pool: PagedSequences) -> None:
         """Give the prefix-cache blocks back while nothing of this generation has run (it plans again later)."""
         if self.seq_id is not None and self.fresh:
             pool.release(self.seq_id)
             self.seq_id, self.kv_len, self.fresh = None, 0, False
 
-    def give_back(self, pool: KVPool) -> None:
+    def give_back(self, pool: PagedSequences) -> None:
         """A prompt half prefilled gives its blocks back (its full blocks stay in the prefix cache, so the
         next plan resumes from there)."""
         if self.seq_id is not None:
             pool.release(self.seq_id)
             self.seq_id, self.kv_len, self.matched, self.fresh = None, 0, 0, False
 
-    def step(self, pool: KVPool, row: Row, logits: torch.Tensor, cfg: SamplingConfig, seed: int,
+    def step(self, pool: PagedSequences, row: Row, logits: torch.Tensor, cfg: SamplingConfig, seed: int,
              p: TargetProbs | torch.Tensor | None = None) -> int | None:
         """After a forward: the token at position len(ids) + 1 (appended), or None after a prompt chunk.
         `p`: the logits' processed probabilities when the forward's rows were processed together."""

@@ -23,7 +23,7 @@ from shared.hashing import FNV_OFFSET, fnv1a64, hash_hex
 from shared.protocol import SparseDist, VerifyResponse
 
 if TYPE_CHECKING:  # the PyTorch pool: a llama.cpp cloud never imports it
-    from shared.kvpool import KVPool
+    from shared.blocks import PagedSequences
 
 
 @dataclass(frozen=True)
@@ -168,7 +168,7 @@ class Session:
     def kv_bytes(self) -> int:
         return 0 if self.seq_id is None else self.kv_len * self.kv_bytes_per_token
 
-    def set_kv_len(self, pool: KVPool, n: int) -> None:
+    def set_kv_len(self, pool: PagedSequences, n: int) -> None:
         """The sequence holds the KV of S[:n] (model thread only)."""
         if self.seq_id is not None:
             pool.set_length(self.seq_id, n)

@@ -26,6 +26,10 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from shared.rows import Row
 
 
 class OutOfBlocks(RuntimeError):
@@ -319,3 +323,66 @@ class BlockManager:
             assert self.key_of[b] == k
         if self.max_blocks is not None:
             assert self.capacity <= self.max_blocks
+
+
+class PagedSequences:
+    """The sequences of a paged KV pool, whatever holds the tensors: the PyTorch pool (shared/kvpool.py) and the
+    llama.cpp one (cloud/runners/llamacpp.py) both keep their blocks here, and the serving core reads either
+    through this interface. A sequence is an id, a block table and a length; a forward's rows take blocks."""
+
+    blocks: BlockManager | None
+    block_size: int
+
+    @property
+    def manager(self) -> BlockManager:
+        if self.blocks is None:
+            raise RuntimeError("KVPool.prepare(model) must run before the pool is used")
+        return self.blocks
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes the pool's KV holds now."""
+        raise NotImplementedError
+
+    def allocate(self, salt: bytes = b"") -> int:
+        """A new empty sequence; `salt` separates prefix-cache tenants."""
+        return self.manager.new_seq(salt)
+
+    def release(self, seq_id: int) -> None:
+        self.manager.free_seq(seq_id)
+
+    def length(self, seq_id: int) -> int:
+        return self.manager.seqs[seq_id].length
+
+    def crop(self, seq_id: int, n: int) -> None:
+        """Keep the KV of the first n positions of `seq_id` (no-op when it holds fewer)."""
+        self.manager.crop(seq_id, n)
+
+    def set_length(self, seq_id: int, n: int) -> None:
+        """The caller keeps the first n positions written (full blocks among them enter the prefix cache)."""
+        if seq_id in self.manager.seqs:
+            self.manager.set_length(seq_id, n)
+
+    def match_prefix(self, seq_id: int, ids: list[int], limit: int) -> int:
+        """Reuse cached blocks for the start of `ids` (at most `limit` positions); returns how many."""
+        return self.manager.match_prefix(seq_id, ids, limit)
+
+    def blocks_needed(self, row: Row) -> int:
+        m = self.manager
+        if row.seq_id not in m.seqs:
+            return 0
+        return m.blocks_needed(row.seq_id, row.num_cached_tokens, len(row.ids))
+
+    def check_rows(self, rows: list[Row]) -> None:
+        """One forward's rows: each sequence once, and the KV blocks they need left (OutOfBlocks if not)."""
+        m = self.manager
+        if len({r.seq_id for r in rows}) != len(rows):
+            raise ValueError("a sequence appears twice in one forward")
+        need = sum(self.blocks_needed(r) for r in rows)
+        if need > m.available():
+            raise OutOfBlocks(f"this forward needs {need} KV blocks, {m.available()} are left")
+
+    def commit(self, rows: list[Row]) -> None:
+        """After a forward: each row's sequence holds its ids (length past + len(ids))."""
+        for r in rows:
+            self.manager.extend(r.seq_id, list(r.ids))

@@ -47,7 +47,7 @@ from shared.attention_layout import (
     cache_kwarg,
     cache_of,
 )
-from shared.blocks import BlockManager, OutOfBlocks
+from shared.blocks import BlockManager, PagedSequences
 from shared.paged_plan import Batch, ForwardPlan
 from shared.rows import Row
 
@@ -88,7 +88,7 @@ def preallocates(preallocate: bool | str, budget_bytes: int | None, device: torc
     return True
 
 
-class KVPool:
+class KVPool(PagedSequences):
     """The paged KV of many sequences of one model (see the module docstring)."""
 
     def __init__(self, layout: AttentionLayout, max_positions: int, device: torch.device | str,
@@ -181,36 +181,6 @@ class KVPool:
             log.info("KV pool grown from %d to %d positions in %.0f ms (--kv-preallocate allocates the budget at "
                      "start instead)", had, rows, (time.perf_counter() - t0) * 1000)
 
-    @property
-    def manager(self) -> BlockManager:
-        if self.blocks is None:
-            raise RuntimeError("KVPool.prepare(model) must run before the pool is used")
-        return self.blocks
-
-    # --- sequences ----------------------------------------------------------------------------
-    def allocate(self, salt: bytes = b"") -> int:
-        """A new empty sequence; `salt` separates prefix-cache tenants."""
-        return self.manager.new_seq(salt)
-
-    def release(self, seq_id: int) -> None:
-        self.manager.free_seq(seq_id)
-
-    def length(self, seq_id: int) -> int:
-        return self.manager.seqs[seq_id].length
-
-    def crop(self, seq_id: int, n: int) -> None:
-        """Keep the KV of the first n positions of `seq_id` (no-op when it holds fewer)."""
-        self.manager.crop(seq_id, n)
-
-    def set_length(self, seq_id: int, n: int) -> None:
-        """The caller keeps the first n positions written (full blocks among them enter the prefix cache)."""
-        if seq_id in self.manager.seqs:
-            self.manager.set_length(seq_id, n)
-
-    def match_prefix(self, seq_id: int, ids: list[int], limit: int) -> int:
-        """Reuse cached blocks for the start of `ids` (at most `limit` positions); returns how many."""
-        return self.manager.match_prefix(seq_id, ids, limit)
-
     def keep_path(self, seq_id: int, start: int, src: list[int], tokens: list[int]) -> list[tuple[int, int]]:
         """A tree's accepted path: the KV stored at offsets `src` (after `start`) moves to offsets 0, 1, ...
         (the positions the path holds, at which its keys were computed), and the sequence's tokens there
@@ -231,12 +201,6 @@ class KVPool:
         dst = torch.tensor([b for _, b in moves], dtype=torch.long, device=self.device)
         for t in (*self.keys, *self.values):
             t.index_copy_(1, dst, t.index_select(1, src))
-
-    def blocks_needed(self, row: Row) -> int:
-        m = self.manager
-        if row.seq_id not in m.seqs:
-            return 0
-        return m.blocks_needed(row.seq_id, row.num_cached_tokens, len(row.ids))
 
     @property
     def spare_row(self) -> int:
@@ -299,15 +263,6 @@ class KVPool:
             for t in (*self.keys, *self.values):
                 t[:, dst] = t[:, src]
 
-    def check_rows(self, rows: list[Row]) -> None:
-        """One forward's rows: each sequence once, and the KV blocks they need left (OutOfBlocks if not)."""
-        m = self.manager
-        if len({r.seq_id for r in rows}) != len(rows):
-            raise ValueError("a sequence appears twice in one forward")
-        need = sum(self.blocks_needed(r) for r in rows)
-        if need > m.available():
-            raise OutOfBlocks(f"this forward needs {need} KV blocks, {m.available()} are left")
-
     def plan(self, rows: list[Row]) -> ForwardPlan:
         """Give every row its blocks (copy-on-write of a shared partial block included) and resolve
         the forward's inputs, slot mapping and attention calls; OutOfBlocks when they do not fit."""
@@ -350,8 +305,3 @@ class KVPool:
             result.append(logits[i: i + keep].float())  # [keep, vocab]
             i += keep
         return result
-
-    def commit(self, rows: list[Row]) -> None:
-        """After `run`: each row's sequence holds its ids (length past + len(ids))."""
-        for r in rows:
-            self.manager.extend(r.seq_id, list(r.ids))

@@ -2,8 +2,8 @@
 scheduler, the verify rule) calls only these, and never knows which runner it holds.
 
 - torch_runner.py: `TargetModel`, a Hugging Face model in PyTorch over the paged KV pool (shared/kvpool.py); its
-  forward runs through graphs.py (a forward of its own, replayed from CUDA graphs per bucket on a GPU; eager on a
-  CPU when asked) or through transformers' own modules (every architecture). invariance.py measures on the
+  forward runs through graphs.py (a forward of its own for Llama, Qwen2, Qwen3 and Mistral, replayed from CUDA
+  graphs per bucket on a GPU, eager on a CPU) or through transformers' own modules (the other architectures). invariance.py measures on the
   device whether the graph executor's forwards are batch-invariant.
 - tensor_parallel.py: the PyTorch runner split over torchrun ranks (rank 0 plans and serves).
 - llamacpp.py: `LlamaTarget`, a GGUF file through llama.cpp on the CPU.
@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
+from shared.blocks import PagedSequences
 from shared.protocol import ModelInfo
 from shared.rows import Row
 
@@ -32,8 +33,12 @@ class Runner(Protocol):
     runner: str
     # the public facts (GET /v1/model); batch_invariant as measured by `calibrate`
     info: ModelInfo
-    # every session's KV (blocks, prefix cache, crop by length): shared/kvpool.py's interface
-    pool: Any
+    @property
+    def pool(self) -> PagedSequences:
+        """Every session's KV (blocks, prefix cache, crop by length): the PyTorch pool (shared/kvpool.py) or
+        llama.cpp's (llamacpp.py), both read through their sequences' interface."""
+        ...
+
     # ids p is taken over (the tokenizer's), bytes of one cached position, width of the feature offered (0: none)
     support: int
     kv_bytes_per_token: int

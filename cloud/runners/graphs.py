@@ -104,7 +104,7 @@ class PagedForward(ModelForward):
     @torch.inference_mode()
     def forward(self, pool: Any, rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor]:
         """Every row's kept logits ([P, vocab], rows in order) and final hidden states ([P, d]); the rows must be
-        planned (`KVPool.plan_writes`). A forward in a captured bucket replays its graph; any other runs eagerly
+        planned (`KVPool.plan`). A forward in a captured bucket replays its graph; any other runs eagerly
         (counted: `eager`)."""
         keys, values = pool.keys, pool.values
         if self._storage != keys[0].data_ptr():  # new storage (the pool grew): graphs recorded the old addresses

@@ -1,9 +1,10 @@
 """The target on llama.cpp: a GGUF file run by the same serving core (cloud/runners/torch_runner.py is the PyTorch runner).
 
 The core (scheduler, sessions, the verify rule, trees, prefill chunks, streams, /v1/generate, eviction) drives a
-runner through what `TargetModel` offers: `forward(rows)` with each row's logits, `keep_path` for a tree's
-accepted path, and a pool whose block accounting (shared/blocks.py) admission and eviction read. Here the pool
-(`LlamaPool`) keeps that accounting as it is and holds the KV itself in one llama.cpp context:
+runner through the `Runner` interface (cloud/runners/__init__.py): `forward(rows)` with each row's logits,
+`keep_path` for a tree's accepted path, and a pool whose sequences and block accounting (shared/blocks.py
+`PagedSequences`) admission and eviction read. Here the pool (`LlamaPool`) stands beside the PyTorch one: the same
+accounting, and the KV itself in one llama.cpp context:
 
 - a session's seq_id is a llama.cpp sequence id; crop is `seq_rm` past a length, release drops the sequence;
 - a forward is one llama.cpp batch of every row's tokens, each at its position and in its row's sequence;
@@ -34,11 +35,12 @@ from pathlib import Path
 
 import torch
 
-from shared.blocks import BlockManager, OutOfBlocks
+from shared.attention_layout import UnsupportedModel
+from shared.blocks import BlockManager, OutOfBlocks, PagedSequences
 from shared.errors import ResourceExhausted
-from shared.kvpool import KVPool, Row, UnsupportedModel
 from shared.llama_runtime import GGUFContext, GGUFModel, Token, find_gguf, unavailable, vocabulary_mismatch
 from shared.protocol import ModelInfo
+from shared.rows import Row
 
 log = logging.getLogger(__name__)
 
@@ -80,14 +82,12 @@ def leaves_of(parents: tuple[int, ...]) -> list[int]:
     return [j for j in range(len(parents)) if j not in has_child]
 
 
-class LlamaPool(KVPool):
+class LlamaPool(PagedSequences):
     """Every session's KV in one llama.cpp context, with the paged pool's accounting (see the module docstring)."""
 
     def __init__(self, model: GGUFModel, bytes_per_position: int, budget_bytes: int, block_size: int,
                  threads: int, max_batch_tokens: int, n_ubatch: int = 0) -> None:
-        super().__init__(None, model.n_ctx_train or 1 << 20, "cpu", torch.float16,  # type: ignore[arg-type]
-                         budget_bytes=budget_bytes, block_size=block_size, prefix_cache=False, preallocate=True)
-        self.bytes_per_position = bytes_per_position
+        self.bytes_per_position, self.block_size = bytes_per_position, block_size
         blocks = min(budget_bytes // (bytes_per_position * block_size), MAX_CELLS // block_size)
         if blocks < 1:
             raise ValueError(f"kv_budget_bytes = {budget_bytes} holds not one KV block of "
@@ -101,12 +101,6 @@ class LlamaPool(KVPool):
         self._free = list(range(SESSION_SEQS - 1, -1, -1))
         self._leaf_free = list(range(MAX_SEQS - 1, SESSION_SEQS - 1, -1))
         self._trees: dict[int, dict[int, int]] = {}  # seq_id -> the leaf sequence each node of its tree reads
-
-    def prepare(self, model: object) -> None:
-        return None
-
-    def prepare_like(self, other: KVPool) -> None:
-        return None
 
     @property
     def allocated_bytes(self) -> int:
@@ -146,10 +140,6 @@ class LlamaPool(KVPool):
     def match_prefix(self, seq_id: int, ids: list[int], limit: int) -> int:
         return 0  # no prefix sharing across sessions on this runner
 
-    def keep_path(self, seq_id: int, start: int, src: list[int], tokens: list[int]) -> list[tuple[int, int]]:
-        self.keep_tree_path(seq_id, start, src, tokens)
-        return []
-
     def keep_tree_path(self, seq_id: int, start: int, src: list[int], tokens: list[int]) -> int:
         """The accepted path's first nodes join the session's sequence at positions start, start + 1, ...; every
         leaf of the tree goes. Returns how many of the path's positions hold their KV (the caller sets the length
@@ -171,9 +161,6 @@ class LlamaPool(KVPool):
         self._drop_tree(seq_id)
         return kept
 
-    def move_rows(self, moves: list[tuple[int, int]]) -> None:
-        return None
-
     def _drop_tree(self, seq_id: int) -> None:
         for leaf in set(self._trees.pop(seq_id, {}).values()):
             self.ctx.seq_rm(leaf)
@@ -188,7 +175,7 @@ class LlamaPool(KVPool):
         return len(self._leaf_free)
 
     # --- the forward ------------------------------------------------------------------------
-    def forward(self, model: object, rows: list[Row]) -> list[torch.Tensor]:
+    def forward(self, rows: list[Row]) -> list[torch.Tensor]:
         """Every row in one llama.cpp batch; each row's logits for its last `keep` ids ([keep, vocab] float32)."""
         if not rows:
             return []
@@ -302,7 +289,7 @@ class LlamaTarget:
 
     def forward(self, rows: list[Row]) -> list[torch.Tensor]:
         assert self.pool is not None
-        out = self.pool.forward(None, rows)
+        out = self.pool.forward(rows)
         if self.support < self.info.vocab_size:
             out = [x[:, : self.support] for x in out]  # [keep, support]
         return out
