@@ -2,7 +2,7 @@
 
 Layout: settings (CloudSettings) -> model (TargetModel, every session's KV in one pool) -> engine
 (the round on a session's KV) -> store (limits, eviction) -> scheduler (the model thread and its
-continuous batching) -> kv_room (who gives KV blocks back) -> core (the service's parts and shared
+continuous batching) -> eviction (who gives KV blocks back) -> core (the service's parts and shared
 checks) -> opening / rounds / streaming / generate (one call's work each) -> service (what both
 transports call) -> guards (checks before parsing) -> rest / grpc_server (the boundaries) -> app (one
 asyncio loop, drain) -> cli.

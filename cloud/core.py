@@ -1,6 +1,6 @@
 """The verifier's parts and the checks every call shares: transport-free, async, on the event loop.
 
-`ServiceCore` builds one model's pool, session store, admission, scheduler, KV room (cloud/kv_room.py)
+`ServiceCore` builds one model's pool, session store, admission, scheduler, eviction policy (cloud/eviction.py)
 and metrics from the settings, and is the scheduler's model runner (cloud/scheduler.py `ModelRunner`: the
 forward, the KV its rows take, the cost fit). The calls on top of it live one job a module: opening (cloud/opening.py),
 verify rounds (cloud/rounds.py), session streams (cloud/streaming.py), target-only generation
@@ -28,9 +28,9 @@ import torch
 
 from cloud.admission import Admission
 from cloud.engine import RoundLimits, check_ids
+from cloud.eviction import Eviction
 from cloud.idempotent_opens import OpenJoiner
 from cloud.jobs import BatchStats, Job
-from cloud.kv_room import KvRoom
 from cloud.metrics import CloudMetrics
 from cloud.node_budget import NodeBudget
 from cloud.numerics import matrix_units, numerics, weights_fingerprint
@@ -83,7 +83,7 @@ class ServiceCore:
         self.admission = Admission(max_new=settings.max_queue_depth,
                                    max_new_per_key=settings.queue_depth_per_key_limit(),
                                    max_total=settings.max_queue_depth + settings.max_sessions)
-        self.room = KvRoom(settings, model, self.store, clock)
+        self.eviction = Eviction(settings, model, self.store, clock)
         # only llama.cpp's pool gives a tree's leaves sequence ids of their own (cloud/runners/__init__.py)
         self._tree_pool = model.pool if isinstance(model.pool, TreeSeqPool) else None
         # the model thread: it builds each forward and runs it through this core (`ModelRunner`, below)
@@ -300,7 +300,7 @@ class ServiceCore:
         return self._tree_pool.tree_seqs_free if self._tree_pool is not None else 1 << 30
 
     def make_room(self, blocks: int, progressing: bool) -> None:
-        self.room.make_room(blocks, progressing)
+        self.eviction.make_room(blocks, progressing)
 
     def prefill_slice(self, running: int) -> int:
         """Prefill tokens a forward carrying `running` round and decode tokens may add (model thread): what keeps

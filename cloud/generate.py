@@ -106,7 +106,7 @@ async def generate(core: ServiceCore, req: GenerateRequest, owner: str = "") -> 
             elif limit < req.max_new_tokens:
                 reason = "context"
     finally:
-        core.scheduler.between_batches(lambda: core.room.end_generate(st))
+        core.scheduler.between_batches(lambda: core.eviction.end_generate(st))
         core.scheduler.forget(f"generate-{id(st)}")
     core.metrics.prompt_prefill_ms.observe(prefill_ms)
     yield GenerateEvent(metrics={"tokens": len(st.ids) - len(req.prompt_ids), "prefill_ms": prefill_ms,
@@ -132,7 +132,7 @@ class DecodeJob(Job[int]):
 
     def plan(self, budget: int) -> Row:
         self.row = self.st.plan(self.core.model.pool, budget)
-        self.core.room.in_forward.add(id(self.st))
+        self.core.eviction.in_forward.add(id(self.st))
         return self.row
 
     def sampling(self, row: Row) -> RowSampling:
@@ -140,17 +140,17 @@ class DecodeJob(Job[int]):
         return RowSampling(req.sampling_cfg, st.ids, seed=req.seed, positions=[len(st.ids) + 1])
 
     def finish(self, logits: Any, ms: float) -> int | Pending:
-        room, st, req = self.core.room, self.st, self.req
+        eviction, st, req = self.core.eviction, self.st, self.req
         assert self.row is not None
-        room.in_forward.discard(id(st))
+        eviction.in_forward.discard(id(st))
         self.spent += ms
         tok = st.step(self.core.model.pool, self.row, logits, req.sampling_cfg, req.seed, self.p)
         if tok is None:  # its next chunk waits for a later forward
-            if st not in room.gen_prefilling:
-                room.gen_prefilling.append(st)
+            if st not in eviction.gen_prefilling:
+                eviction.gen_prefilling.append(st)
             return PENDING
         if self.made == 0:
-            room.forget_generate(st)
+            eviction.forget_generate(st)
             self.kind = DECODE  # running work from now on
         self.made += 1
         self.emit(tok, self.spent)
@@ -161,11 +161,11 @@ class DecodeJob(Job[int]):
 
     def abort(self) -> None:
         st = self.st
-        self.core.room.in_forward.discard(id(st))
+        self.core.eviction.in_forward.discard(id(st))
         if self.row is not None and st.seq_id is not None:
             st.kv_len = min(st.kv_len, self.row.num_cached_tokens)
             self.core.model.pool.crop(st.seq_id, st.kv_len)
 
     def unplan(self) -> None:
-        self.core.room.in_forward.discard(id(self.st))
+        self.core.eviction.in_forward.discard(id(self.st))
         self.st.unplan(self.core.model.pool)

@@ -58,7 +58,7 @@ async def open_new(core: ServiceCore, req: OpenSessionRequest, owner: str) -> Se
     # a cloud that does not offer features answers without them, as an older cloud would
     encoding = req.feature_encoding if core.info.feature_size else ""
     need = core.kv_bytes(len(req.prompt_ids) + 1)  # the prompt and its first round's token
-    core.room.loop = asyncio.get_running_loop()
+    core.eviction.loop = asyncio.get_running_loop()
     core.store.check_room(need, owner, core.admission.opening(owner), core.admission.opening())
     with core.admission.new_work(owner, opening=True):
         admitted = core.clock()
@@ -124,7 +124,7 @@ class PrefillJob(Job[float]):
     def __init__(self, core: ServiceCore, pre: Prefill, owner: str, encoding: str = "",
                  key: str | None = None) -> None:
         super().__init__(PREFILL, key=key, owner=owner)
-        self.room, self.model, self.pre, self.encoding = core.room, core.model, pre, encoding
+        self.eviction, self.model, self.pre, self.encoding = core.eviction, core.model, pre, encoding
         # the prompt's last states ([n, d] a chunk), with `encoding`
         self.states: list[torch.Tensor] = []
         # forward ms of its chunks so far
@@ -133,16 +133,16 @@ class PrefillJob(Job[float]):
         self.row: Row | None = None
 
     def plan(self, budget: int) -> Row | None | Wait:
-        pre, room = self.pre, self.room
+        pre, eviction = self.pre, self.eviction
         if pre.seq_id is None:
-            if room.shares_a_running_prefill(pre):
+            if eviction.shares_a_running_prefill(pre):
                 return WAIT
-            room.prefilling.append(pre)
+            eviction.prefilling.append(pre)
         self.row = pre.plan(self.model.pool, budget)
         if self.row is None:
-            room.forget_prefill(pre)
+            eviction.forget_prefill(pre)
         else:
-            room.in_forward.add(id(pre))
+            eviction.in_forward.add(id(pre))
         return self.row
 
     def answer(self) -> float:
@@ -151,7 +151,7 @@ class PrefillJob(Job[float]):
     def finish(self, logits: torch.Tensor, ms: float) -> float | Pending:
         row = self.row
         assert row is not None
-        self.room.in_forward.discard(id(self.pre))
+        self.eviction.in_forward.discard(id(self.pre))
         self.spent += ms
         hidden = self.model.hidden_of(row) if self.encoding and row.keep else None
         if hidden is not None:
@@ -160,18 +160,18 @@ class PrefillJob(Job[float]):
                                                      "finite: no feature (nor session) can be made of it"))
             self.states.append(hidden.detach().clone())
         if self.pre.advance(self.model.pool, row):
-            self.room.forget_prefill(self.pre)
+            self.eviction.forget_prefill(self.pre)
             return self.spent
         return PENDING
 
     def abort(self) -> None:
-        self.room.in_forward.discard(id(self.pre))
-        self.room.forget_prefill(self.pre)
+        self.eviction.in_forward.discard(id(self.pre))
+        self.eviction.forget_prefill(self.pre)
         if self.pre.seq_id is not None:
             self.model.pool.crop(self.pre.seq_id, self.pre.done)
 
     def unplan(self) -> None:
-        self.room.in_forward.discard(id(self.pre))
+        self.eviction.in_forward.discard(id(self.pre))
         self.pre.unplan(self.model.pool)
         if self.pre.seq_id is None:
-            self.room.forget_prefill(self.pre)
+            self.eviction.forget_prefill(self.pre)

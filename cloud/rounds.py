@@ -38,7 +38,7 @@ async def verify(core: ServiceCore, req: VerifyRequest, owner: str, declared_k: 
     s = core.lookup(req.ctx_id, owner)
     q_dense = check_request(req, declared_k, core.limits, s.sampling_cfg, sampling_cfg)
     k = len(req.draft.draft_tokens)
-    core.room.loop = asyncio.get_running_loop()
+    core.eviction.loop = asyncio.get_running_loop()
     with core.admission.round():
         admitted = core.clock()
         s.inflight += 1

@@ -3,7 +3,7 @@
 `VerifierService` is the service's parts and shared checks (cloud/core.py) with one method a call; each
 call's work lives in the module of its job: opening sessions (cloud/opening.py), verify rounds
 (cloud/rounds.py), session streams (cloud/streaming.py), target-only generation (cloud/generate.py); the
-eviction policy is cloud/kv_room.py. Order of checks for every call: see cloud/core.py.
+eviction policy is cloud/eviction.py. Order of checks for every call: see cloud/core.py.
 """
 
 from __future__ import annotations

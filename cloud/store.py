@@ -11,7 +11,7 @@ Policy:
   it. A session whose own cache would exceed the whole budget can never fit: it is refused here with
   InvalidArgument (422, `reason` "exceeds_kv_budget"), which a client must not retry.
   When a forward needs blocks that are not left, the model thread evicts the least recently used
-  sessions with no request in flight (cloud/kv_room.py `make_room`) and hands them to `drop`.
+  sessions with no request in flight (cloud/eviction.py `make_room`) and hands them to `drop`.
 Every removal frees the cache and marks the session closed. Runs on the event loop only.
 """
 

@@ -65,11 +65,11 @@ def test_a_waiting_half_finished_prefill_gives_its_blocks_back_and_resumes_from_
         assert row is not None
         svc.model.forward([row])
         pre.advance(pool, row)
-        svc.room.prefilling.append(pre)  # as an open whose next chunk waits for a later forward
+        svc.eviction.prefilling.append(pre)  # as an open whose next chunk waits for a later forward
 
     svc.scheduler.call_sync(first_chunk)
     before = pool.manager.available()
-    svc.scheduler.call_sync(lambda: svc.room.make_room(1, True))
+    svc.scheduler.call_sync(lambda: svc.eviction.make_room(1, True))
     assert pre.seq_id is None and pool.manager.available() == before + 2  # its two blocks, now cached
     resumed = svc.scheduler.call_sync(lambda: pre.plan(pool, 32))
     assert resumed is not None and resumed.num_cached_tokens == 32  # taken from the prefix cache, not computed again
@@ -95,14 +95,14 @@ def test_a_generate_prompt_half_prefilled_gives_its_blocks_back_and_its_token_is
             out = job.finish(logits[0], 1.0)
             chunks += 1
             if disturb and chunks == 1:
-                assert st in svc.room.gen_prefilling
+                assert st in svc.eviction.gen_prefilling
                 before = pool.manager.available()
-                svc.room.make_room(1, True)
+                svc.eviction.make_room(1, True)
                 assert st.seq_id is None and pool.manager.available() == before + 2  # its two blocks, cached
                 assert job.plan(32).num_cached_tokens == 32  # from the prefix cache, not computed again
                 job.unplan()
-        assert st not in svc.room.gen_prefilling
-        svc.room.end_generate(st)
+        assert st not in svc.eviction.gen_prefilling
+        svc.eviction.end_generate(st)
         assert out == 1 and len(emitted) == 1
         return emitted[0]
 

@@ -196,10 +196,10 @@ def test_a_session_used_just_now_is_evicted_only_when_nothing_else_can_run(
         pool = svc.model.pool
         sa, sb = svc.store._sessions[a], svc.store._sessions[b]  # a look that does not count as a use
         assert sa.seq_id is not None and sb.seq_id is not None
-        svc.room.make_room(pool.manager.available() + 10 ** 6, progressing=True)  # more than every session holds
+        svc.eviction.make_room(pool.manager.available() + 10 ** 6, progressing=True)  # more than every session holds
         assert sb.seq_id is None and sb.closed
         assert sa.seq_id is not None  # a, used 0.2 s ago, is spared: the job that lacks blocks waits instead
-        svc.room.make_room(pool.manager.available() + 10 ** 6, progressing=False)
+        svc.eviction.make_room(pool.manager.available() + 10 ** 6, progressing=False)
         assert sa.seq_id is None  # nothing else to run: a goes too
         await asyncio.sleep(0)  # the store drops them on the event loop
         for x in (a, b):

@@ -20,7 +20,7 @@ from cloud.settings import CloudSettings
 from cloud.store import KV_BUDGET, SessionStore
 
 
-class KvRoom:
+class Eviction:
     """The work that holds KV blocks between forwards (model thread only), and who gives blocks back."""
 
     def __init__(self, settings: CloudSettings, model: Runner, store: SessionStore,
