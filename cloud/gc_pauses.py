@@ -2,8 +2,8 @@
 
 A full collection walks every container object the process holds; a loaded target, torch, transformers and
 the servers leave hundreds of thousands of them, and while it walks (the interpreter lock held) no thread
-moves: a round waits in the queue, in its forward or in the event loop alike (bench.sustained traced rounds
-of 200-330 ms against 9 ms idle that way). Objects alive once the model is loaded live as long as the process,
+moves: a round waits in the queue, in its forward or in the event loop alike (BENCHMARKS.md, "The verifier
+under sustained load"). Objects alive once the model is loaded live as long as the process,
 so they are moved out of the collector's sight (`gc.freeze`): later collections walk only what requests
 created. Every collection's pause is measured (`specsplit_cloud_gc_pause_seconds`, by generation).
 

@@ -45,9 +45,8 @@ gives 2-5 nodes under load and a session of four or five rounds spends them ramp
 `min_rounds` rounds of the key are known, the chain reading stands. The open answer also carries the key's pooled
 acceptance by q (`pooled`, every round of the key's sessions): the new session's nodes are valued from it on both
 sides (`NodeCalibration.seed`, shared/node_value.py) where a new session read its draft as calibrated, and sent
-second branches a greedy target rarely keeps instead of the main path it nearly always keeps. (A pooled acceptance read as a chain's was
-tried first: kept rounds cut short by the budget read as alpha near 1 and gave 64 nodes, BENCHMARKS "The capacity
-curve"; budgets already answer the question of how many nodes a round at this load is worth.)
+second branches a greedy target rarely keeps instead of the main path it nearly always keeps. The pool is read by
+q, not as a chain's alpha: rounds the budget cut short would read as alpha near 1.
 
 F is measured, not modelled: tokens committed over the forwards' cost, both exponentially weighted by forward.
 The budget never changes the text: any number of nodes is verified exactly (shared/verify.py, shared/tree.py);

@@ -75,10 +75,8 @@ class EdgeSettings(BaseSettings):
         description=("tokenizer directory; unset: the draft's (with --draft ngram, the first bundled draft under "
                      "models/, e.g. models/smollm2-135m-draft-from-target: SmolLM2-135M-Instruct's tokenizer)"))
     device: str = Field(default="cpu", description="torch device of the draft model")
-    # exact in any dtype: q is whatever the draft computed and the cloud's rule reads it as sent. auto by default: on
-    # an AVX512-BF16 CPU the coder pair's 0.5B draft grows a tree of 32 nodes in two thirds of float32's time
-    # (BENCHMARKS.md, "The draft's cost and memory"; measured before its bfloat16 forwards were made
-    # batch-invariant, edge/drafters/model.py, so a seed keeps one text)
+    # exact in any dtype: q is whatever the draft computed and the cloud's rule reads it as sent. auto by default:
+    # bfloat16 drafts faster where the CPU multiplies it natively (BENCHMARKS.md, "The draft's cost and memory")
     draft_dtype: Literal["auto", "float32", "bfloat16"] = Field(default="auto",
         description=("dtype of the draft model's weights and KV: float32, bfloat16, or auto (bfloat16 where the CPU "
                      "has AMX or AVX512-BF16, else float32; shared/dtypes.py)"))

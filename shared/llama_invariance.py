@@ -1,17 +1,15 @@
 """Batch-invariant llama.cpp forwards: the micro-batch size at which a token's logits do not depend on its batch.
 
 llama.cpp's CPU matrix kernels take one path for a micro-batch of few tokens and another, blocked one for more
-(and, with repacked weights, yet another split by rows of 4 and 8). Measured on an AVX2 EPYC with the coder
-target's Q4_K / Q6_K weights, repacking off, flash attention on: batches of 1 to 7 tokens give every token the bits
-of a one-token step, batches of 8 or more give other bits, about 0.5 apart in the logits, and the same bits as one
-another; at 2 threads the bits are those of 1 thread. So a context whose micro-batches never pass the last size
+(and, with repacked weights, yet another split by rows of 4 and 8): below some micro-batch size every token gets
+the bits of a one-token step, above it other bits (BENCHMARKS.md, "llama.cpp's kernel paths by micro-batch"). So a
+context whose micro-batches never pass the last size
 of the first path (`n_ubatch`) computes every token through one kernel path whatever the batch around it:
 a decode step, a verify row, a tree level, a prefill chunk. What decides the path is the build and the CPU, so
 it is measured here at start-up (`invariant_ubatch`), never assumed, and `check_invariance` then proves the whole
 claim on the context's real layout (batch mates, cells another sequence's crop freed below a sequence's own and
-taken by its next tokens: attention sums a sequence's keys in cell order) before anyone says it.
-A micro-batch of 7 makes long prefills slower (64 prompt tokens: 4.1 s against 2.5 s on one core for the 1.5B)
-and verifies of 8 tokens faster (568 ms against 1,065).
+taken by its next tokens: attention sums a sequence's keys in cell order) before anyone says it. The small
+micro-batch makes long prefills slower and mid-sized verifies faster (the same section).
 """
 
 from __future__ import annotations

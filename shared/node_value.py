@@ -14,9 +14,8 @@ budget counted.
 A new session need not read its draft as calibrated: the cloud pools the acceptance of every round of one API
 key (its sessions mostly share a draft) and sends it with the open answer (`node_acceptance`); both sides start
 the session from it (`seed`), each bin's share kept and its weight cut to `SEED_NODES` nodes, so the session's
-own rounds take over within a few. (On the capacity curve's recorded trees a fresh edge sent 8.45 rows a round
-for the 7.76 tokens chains of 8 commit with 7.91; seeded from the earlier sessions' pool, 8.18:
-bench/replay_trees.py --fresh and --seeded.)
+own rounds take over within a few (bench/replay_trees.py --fresh and --seeded compares the two starts on
+recorded trees).
 """
 
 from __future__ import annotations

@@ -24,8 +24,8 @@ and every micro-batch is at most as long as the kernels keep a token's one-token
 measured at start); `batch_invariant` in /v1/model is true only if the whole claim was measured to hold.
 Attention sums a sequence's keys in cell order, and the cache gives a batch's tokens the lowest free cells: a
 session's own crops and kept tree paths leave its cells in position order, but cells another session freed below
-a session's own are taken by its next tokens, which moves their logits (by up to 0.55 over 20 steps on the coder
-0.5B, measured), so with sessions side by side the claim does not hold and the probe says so.
+a session's own are taken by its next tokens, which moves their logits, so with sessions side by side the claim
+does not hold and the probe says so.
 """
 
 from __future__ import annotations

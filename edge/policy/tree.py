@@ -17,12 +17,11 @@ counts. A cloud that says what a further row costs its forwards at the present l
 measured over every session's forwards, cloud/node_budget.py) gives v1, and only v0 is fitted from this session's
 answers: no round is spent measuring a slope the cloud already knows. Otherwise v1 comes from exponentially
 weighted least squares with a ridge pulling v1 towards v0 / `prior_width` (a forward of `prior_width` more
-tokens costs twice one of a single token: about 16 on this machine's CPU, BENCHMARKS.md "The real pair"), so a
+tokens costs twice one of a single token, BENCHMARKS.md "The real pair"), so a
 run of equal counts, which shows no slope, reads as that prior and not as free nodes; and every
 `probe_every`-th round sends half the chosen count to keep the slope measured, unless a cap (the cloud's node
-budget, the context's room) decides the count that round: then the probe waits. (Probes at half the count cost
-a quarter of the rounds about a third of their tokens: at one session on the coder pair the edge's rounds
-averaged 6.0 nodes where chains of 8 commit 8.5 tokens, BENCHMARKS "The capacity curve".) RTT is the
+budget, the context's room) decides the count that round: then the probe waits. Probes cost tokens (a probe
+round commits fewer), which is why a cloud's `row_ms` replaces them. RTT is the
 answer's wall time minus the cloud's reported time. The tree is drafted before the choice, so drafting time
 is spent either way and does not enter it.
 `fixed_nodes` sends that many nodes whatever the costs. With `copy_branches` every grown tree gets the
