@@ -210,7 +210,8 @@ class ModelForward:
             return self._linear(o.reshape(T, self.hq * self.dh), a.o_proj)
         if inp.paged:  # each token over its row's blocks, in the pool (no gathered keys)
             tables, tok_row, lim, tree_n, anc = inp.paged
-            o = self._attend(q, keys, values, tables, tok_row, lim, tree_n, anc, self.scaling, self.block)  # [T, Hq, D]
+            o = self._attend(q, keys, values, tables, tok_row, lim, tree_n, anc, self.scaling, self.block,
+                             window or 0)  # [T, Hq, D]
             return self._linear(o.reshape(T, self.hq * self.dh), a.o_proj)
         g = self.hq // self.hk
         out = h.new_zeros(T + 1, self.hq * self.dh)  # [T + 1, Hq x D]: the last row takes padded queries

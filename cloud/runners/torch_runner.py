@@ -242,9 +242,6 @@ class TargetModel:
         if kernel and self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise UnsupportedModel(f"--attention triton runs on a CUDA device, not {self.device} (on a CPU only under "
                                    "TRITON_INTERPRET=1, for tests): use --attention sdpa")
-        if kernel and any(w is not None for w in attention_layout(self.model.config).windows):
-            raise UnsupportedModel("--attention triton has no sliding windows, and this model has sliding-window "
-                                   "layers: use --attention sdpa")
         paged = PagedForward(self.model, graphs=graphs, tile=tile, kernel=kernel)
         # a CPU's invariant forwards attend in shared/invariant.py's chunks (SDPA's sums there change with the query
         # count: a verify row's first token against a decode step differed on an AVX2 EPYC)

@@ -22,6 +22,7 @@ from cloud.runners.paged_kernel import (  # the interpreter without CUDA: tests/
 )
 from cloud.runners.torch_runner import TargetModel
 from tests.cloud.test_graph_executor import _qwen2, _rounds
+from tests.tiny_models import WINDOW
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 BS = 16
@@ -59,6 +60,21 @@ def test_kernel_matches_its_definition() -> None:
         torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 
 
+def test_a_sliding_window_matches_its_definition() -> None:
+    """Windows of 2 and 20 positions: the tree's nodes see only the ancestors within reach (the window of 2 cuts
+    inside the tree), chains start at the window's first block; a window wider than every context gives the full
+    attention's bits; and a window that is ignored fails the comparison."""
+    q, keys, values, tables, row, lim, tree_n, anc = _case(torch.float32, seed=2)
+    args = [x.to(DEV) for x in (q, keys, values, tables, row, lim, tree_n, anc)]
+    full = attend(*args, 0.2, BS).cpu()
+    for window in (2, 20):
+        got = attend(*args, 0.2, BS, window).cpu()
+        want = attend_reference(q, keys, values, tables, row, lim, tree_n, anc, 0.2, BS, window)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(full, want, atol=1e-3)  # the window changes what the tokens see
+    assert torch.equal(attend(*args, 0.2, BS, 1000).cpu(), full)
+
+
 def test_a_token_gets_the_same_bits_whatever_shares_its_forward() -> None:
     q, keys, values, tables, row, lim, tree_n, anc = (x.to(DEV) for x in _case(torch.bfloat16, seed=1))
     every = attend(q, keys, values, tables, row, lim, tree_n, anc, 0.2, BS)
@@ -69,8 +85,9 @@ def test_a_token_gets_the_same_bits_whatever_shares_its_forward() -> None:
 
 
 def test_executor_with_the_kernel_matches_the_transformers_path(tmp_path: Path) -> None:
-    """The coder pair's architecture (Qwen2: q/k/v biases, grouped-query attention)."""
-    arch_dir = _qwen2(tmp_path / "m")
+    """The coder pair's architecture (Qwen2: q/k/v biases, grouped-query attention), its second layer sliding
+    (window 8, so the script's contexts reach past it)."""
+    arch_dir = _qwen2(tmp_path / "m", WINDOW)
     ref = _rounds(TargetModel(arch_dir, DEV, "float32", invariant=False, executor="transformers"))
     target = TargetModel(arch_dir, DEV, "float32", invariant=False, executor="eager", attention="triton")
     assert target.paged is not None and target.paged.kernel
