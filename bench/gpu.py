@@ -52,14 +52,15 @@ DRAFT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_att
 TOKENIZERS = ("qwen2.5-coder-1.5b-instruct", "smollm2-135m-instruct", "smollm2-135m-draft")
 TOKEN_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 CONTEXT, WARMUP, REPEATS = 512, 3, 15
-# (executor, batch-invariant, attention), named by `path_name`
+# (executor, batch-invariant, kernels: --attention, "+fused" for --fused-kernels), named by `path_name`
 PATHS = (("transformers", False, "sdpa"), ("graphs", False, "sdpa"), ("graphs", True, "sdpa"),
-         ("graphs", True, "triton"))
+         ("graphs", True, "triton"), ("graphs", True, "sdpa+fused"))
 
 
 def path_name(p: tuple[str, bool, str]) -> str:
-    """transformers, graphs, graphs-invariant, graphs-triton-invariant, ..."""
-    return p[0] + ("-triton" if p[2] == "triton" else "") + ("-invariant" if p[1] else "")
+    """transformers, graphs, graphs-invariant, graphs-triton-invariant, graphs-fused-invariant, ..."""
+    return (p[0] + ("-triton" if p[2].startswith("triton") else "") + ("-fused" if p[2].endswith("+fused") else "")
+            + ("-invariant" if p[1] else ""))
 START, END = "<!-- gpu:start -->", "<!-- gpu:end -->"
 
 
@@ -252,7 +253,8 @@ def micro(shape: str, dev: str, records: list[dict[str, Any]], work: Path,
             baselines = False
         t0 = time.perf_counter()
         with random_weights(hf):
-            target = TargetModel(d, dev, "bfloat16", invariant=invariant, executor=executor, attention=attention)
+            target = TargetModel(d, dev, "bfloat16", invariant=invariant, executor=executor,
+                                 attention=attention.split("+")[0], fused_kernels=attention.endswith("+fused"))
         try:
             ms = forward_table(target, dev, ids)
             p = target.paged
@@ -261,7 +263,8 @@ def micro(shape: str, dev: str, records: list[dict[str, Any]], work: Path,
 
                 target.invariance_failure = paged_invariance(target, 1024)[0] or "none found (probe passed)"
             _emit(records, {"part": "forward", "shape": shape, "path": target.info.forward_path +
-                            ("+triton" if attention == "triton" else ""),
+                            ("+triton" if attention.startswith("triton") else "") +
+                            ("+fused" if attention.endswith("+fused") else ""),
                             "invariant_asked": invariant, "batch_invariant": target.info.batch_invariant,
                             "invariance": getattr(target, "invariance_failure", ""), "setup_s":
                             round(time.perf_counter() - t0, 1), "ms": ms, **({"graphs": p.facts()} if p else {})})
@@ -401,7 +404,8 @@ def report(records: list[dict[str, Any]], command: str, machine: str) -> str:
 
 
 def run(out: Path, command: str, shapes: tuple[str, ...], server_shape: str | None = "coder-1.5b",
-        paths: tuple[str, ...] = ("transformers", "graphs", "graphs-invariant", "graphs-triton-invariant")) -> int:
+        paths: tuple[str, ...] = ("transformers", "graphs", "graphs-invariant", "graphs-triton-invariant",
+                                  "graphs-fused-invariant")) -> int:
     chosen = tuple(p for p in PATHS if path_name(p) in paths)
     import tempfile
 

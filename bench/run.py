@@ -84,9 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--from-json", type=Path, default=None, help="re-render the report from a results.json")
     p.add_argument("--gpu-shapes", default="coder-1.5b,qwen2.5-7b",
                    help="gpu: model shapes timed with random weights (bench/gpu.py SHAPES; 'tiny' for a CPU dry run)")
-    p.add_argument("--gpu-paths", default="transformers,graphs,graphs-invariant,graphs-triton-invariant",
+    p.add_argument("--gpu-paths",
+                   default="transformers,graphs,graphs-invariant,graphs-triton-invariant,graphs-fused-invariant",
                    help="gpu: forward paths timed (transformers, graphs, graphs-invariant, graphs-triton-invariant: "
-                        "--attention triton; transformers' own baselines run with the transformers path)")
+                        "--attention triton, graphs-fused-invariant: --fused-kernels; transformers' own baselines run "
+                        "with the transformers path)")
     p.add_argument("--gpu-server", default="coder-1.5b",
                    help="gpu: the shape served for the server part ('none' skips it)")
     p.add_argument("--only", choices=["gpu", "capacity", "network", "real-pair", "tp", "coder-pair", "forward-cost",

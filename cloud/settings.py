@@ -67,6 +67,10 @@ class CloudSettings(BaseSettings):
                      "gathered from the pool, masks built on the host) or \"triton\" (cloud/runners/paged_kernel.py: "
                      "one kernel reading keys through the block tables, causal and tree masks from three numbers a "
                      "token; CUDA only)"))
+    fused_kernels: bool = Field(default=False,
+        description=("the graph executor's residual add + RMSNorm and SiLU x up as Triton kernels "
+                     "(cloud/runners/fused_kernels.py) instead of PyTorch's separate ops; CUDA only, opt-in until a GPU "
+                     "run measures them (specsplit-bench --only gpu)"))
     graph_rows: str = Field(default="1,2,4,8,16,32,64",
         description=("CUDA graphs: the row counts (sessions a forward) captured at start-up, comma-separated; a forward "
                      "outside every captured bucket runs eagerly (counted in specsplit_cloud_executor_forwards_total{path=\"eager\"})"))

@@ -109,4 +109,5 @@ def _load(settings: CloudSettings, runner: str) -> Runner:
     from cloud.runners.torch_runner import TargetModel
 
     return TargetModel(settings.model, settings.device, settings.dtype, invariant=settings.batch_invariant,
-                       executor=settings.executor, attention=settings.attention)
+                       executor=settings.executor, attention=settings.attention,
+                       fused_kernels=settings.fused_kernels)

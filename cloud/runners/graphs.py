@@ -51,8 +51,8 @@ class PagedForward(ModelForward):
 
     def __init__(self, model: torch.nn.Module, *, graphs: bool, tile: int = 0, buckets: bool | None = None,
                  max_graphs: int = 48, max_graph_keys: int = 4096, kernel: bool = False, ranks: int = 1,
-                 collectives: Any = None) -> None:
-        super().__init__(model, tile=tile, kernel=kernel, ranks=ranks, collectives=collectives)
+                 collectives: Any = None, fused: bool = False) -> None:
+        super().__init__(model, tile=tile, kernel=kernel, ranks=ranks, collectives=collectives, fused=fused)
         self.graphs = graphs and self.device.type == "cuda"
         self.windowed = any(w is not None for w in self.windows)  # the groups carry query-key distances
         # forwards padded to the graphs' buckets (default: where graphs run; on a CPU, the same inputs eagerly)

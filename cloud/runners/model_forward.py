@@ -25,6 +25,9 @@ in every bucket is measured on the device (cloud/runners/invariance.py).
 Tensor parallelism (`ranks` > 1, cloud/runners/tensor_parallel.py): the model's weights are the shards
 transformers' tensor plan placed on this rank; each layer runs on them (`shards`) and the ranks' parts are combined
 by the group's `collectives`: partial sums added in rank order, the output layer's vocabulary columns gathered.
+
+`fused` (`--fused-kernels`): the residual add with the RMSNorm after it, and SiLU(gate) x up after the fused gate/up
+GEMM, run as Triton kernels (cloud/runners/fused_kernels.py) instead of PyTorch's separate elementwise ops.
 """
 
 from __future__ import annotations
@@ -65,7 +68,7 @@ class ModelForward:
     """The layers of a FAMILIES model over a KV pool's tensors (see the module docstring)."""
 
     def __init__(self, model: torch.nn.Module, *, tile: int = 0, kernel: bool = False, ranks: int = 1,
-                 collectives: Any = None) -> None:
+                 collectives: Any = None, fused: bool = False) -> None:
         inner: Any = model.model  # type: ignore[union-attr]
         cfg = model.config.get_text_config()  # type: ignore[operator, union-attr]
         self.model, self.inner, self.layers = model, inner, list(inner.layers)
@@ -100,6 +103,13 @@ class ModelForward:
             from cloud.runners.paged_kernel import attend
 
             self._attend = attend
+        # the residual add + RMSNorm and SiLU x up as Triton kernels (cloud/runners/fused_kernels.py)
+        self.fused_ops: Any = None
+        if fused:
+            from cloud.runners import fused_kernels
+
+            self.fused_ops = fused_kernels
+        self.silu = getattr(cfg, "hidden_act", "") == "silu"
         # RoPE's cos and sin for every position, computed once by the model's own rotary module ([max_pos, D])
         n_pos = int(getattr(cfg, "max_position_embeddings", 0) or 4096)
         pos = torch.arange(n_pos, device=self.device)[None]
@@ -236,18 +246,33 @@ class ModelForward:
         m = layer.mlp
         fused = self.fused.get(id(m))
         if fused is not None:  # one GEMM for gate and up
-            gate, up = self._rows(h, fused).chunk(2, dim=-1)  # [T, I] each
+            gate_up = self._rows(h, fused)  # [T, 2I]
+            if self.fused_ops is not None and self.silu:
+                return self._linear(self.fused_ops.silu_mul(gate_up), m.down_proj)
+            gate, up = gate_up.chunk(2, dim=-1)  # [T, I] each
             return self._linear(m.act_fn(gate) * up, m.down_proj)
         return self._linear(m.act_fn(self._linear(h, m.gate_proj)) * self._linear(h, m.up_proj), m.down_proj)
 
     def run(self, inp: Inputs, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
         """The model over `inp` up to the output layer: the K/V written into the pool, the final hidden states of
         the kept tokens ([P, d]). The output layer runs outside (`logits`), on the real kept rows only."""
-        h = self._embed(inp.ids)  # [T, d]
+        h = self._embed(inp.ids)  # [T, d]: the residual stream
+        x = self.layers[0].input_layernorm(h)
         for i, layer in enumerate(self.layers):
-            h = h + self._attention(layer, layer.input_layernorm(h), inp, keys[i], values[i], self.windows[i])
-            h = h + self._mlp(layer, layer.post_attention_layernorm(h))
+            h, x = self._add_norm(h, self._attention(layer, x, inp, keys[i], values[i], self.windows[i]),
+                                  layer.post_attention_layernorm)
+            if i + 1 < len(self.layers):
+                h, x = self._add_norm(h, self._mlp(layer, x), self.layers[i + 1].input_layernorm)
+            else:
+                h = h + self._mlp(layer, x)
         return self.inner.norm(h[inp.keep])  # type: ignore[no-any-return]  # [P, d]
+
+    def _add_norm(self, h: torch.Tensor, a: torch.Tensor, norm: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream plus a layer's output, and the RMSNorm of it (one Triton kernel with `fused`)."""
+        if self.fused_ops is not None:
+            return self.fused_ops.add_rms_norm(a, h, norm.weight, norm.variance_epsilon)  # type: ignore[no-any-return]
+        h = h + a
+        return h, norm(h)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The output layer over the kept rows' final hidden states ([P, d] -> [P, vocab])."""

@@ -70,7 +70,7 @@ class TargetModel:
     def __init__(self, model_dir: Path, device: str = "cpu", dtype: str = "float32", *,
                  kv_budget_bytes: int | None = None, block_size: int = BLOCK_SIZE, prefix_cache: bool = True,
                  group: TensorGroup | None = None, invariant: bool = True, executor: str = "auto",
-                 attention: str = "sdpa") -> None:
+                 attention: str = "sdpa", fused_kernels: bool = False) -> None:
         # the tensor-parallel group this rank belongs to (None: the whole model in this process)
         self.group = group
         if group is not None:
@@ -108,7 +108,7 @@ class TargetModel:
             # the cases it compared (what a batch_invariant claim on this executor covers)
             self.invariance_failure = ""
             self.invariance_probed = ""
-            self.paged = self._executor(executor, invariant, attention)
+            self.paged = self._executor(executor, invariant, attention, fused_kernels)
             cfg = self.model.config.get_text_config()
             n_ctx = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or 2048
             vocab = int(self.model.get_output_embeddings().weight.shape[0])
@@ -219,7 +219,8 @@ class TargetModel:
                         c.failure, max_rows, threads, c.seconds)
         return c.invariant
 
-    def _executor(self, executor: str, invariant: bool, attention: str = "sdpa") -> PagedForward | None:
+    def _executor(self, executor: str, invariant: bool, attention: str = "sdpa",
+                  fused: bool = False) -> PagedForward | None:
         """The forward of our own (cloud/runners/model_forward.py, graphs.py) where `executor` asks for it and the model
         allows: "auto" takes it with CUDA graphs on a CUDA device and eagerly elsewhere, "graphs" / "eager" anywhere (graphs
         on CUDA only), "transformers" never: every architecture it does not run keeps transformers' modules over the
@@ -239,10 +240,12 @@ class TargetModel:
         self.forward_path = "cuda-graphs" if graphs else "paged-eager"
         tile = (GPU_ROW_TILE if self.device.type == "cuda" else ROW_TILE) if invariant else 0
         kernel = attention == "triton"
-        if kernel and self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise UnsupportedModel(f"--attention triton runs on a CUDA device, not {self.device} (on a CPU only under "
-                                   "TRITON_INTERPRET=1, for tests): use --attention sdpa")
-        paged = PagedForward(self.model, graphs=graphs, tile=tile, kernel=kernel)
+        for asked, flag, off in ((kernel, "--attention triton", "--attention sdpa"),
+                                 (fused, "--fused-kernels", "--no-fused-kernels")):
+            if asked and self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+                raise UnsupportedModel(f"{flag} runs on a CUDA device, not {self.device} (on a CPU only under "
+                                       f"TRITON_INTERPRET=1, for tests): use {off}")
+        paged = PagedForward(self.model, graphs=graphs, tile=tile, kernel=kernel, fused=fused)
         # a CPU's invariant forwards attend in shared/invariant.py's chunks (SDPA's sums there change with the query
         # count: a verify row's first token against a decode step differed on an AVX2 EPYC)
         paged.chunked = invariant and not graphs and not kernel and self.device.type == "cpu"

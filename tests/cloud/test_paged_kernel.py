@@ -1,12 +1,15 @@
-"""The Triton paged-attention kernel (cloud/runners/paged_kernel.py) against its plain-PyTorch definition and, inside
-the graph executor, against transformers' own modules; on a CPU under Triton's interpreter (the kernel's program as
-written, run by numpy), on a GPU compiled.
+"""The Triton kernels (cloud/runners/paged_kernel.py, fused_kernels.py) against their plain-PyTorch definitions and,
+inside the graph executor, against transformers' own modules; on a CPU under Triton's interpreter (the kernel's
+program as written, run by numpy), on a GPU compiled.
 
 - chains, decode steps, a token tree with branches and padding tokens, float32 and bfloat16, keys in shuffled blocks:
   every output within 1e-5 (float32) / 2e-2 (bfloat16) of `attend_reference`;
 - a token's output has the same bits alone and beside other rows (each program walks only its own row's blocks);
-- the executor with --attention triton gives the transformers path's logits (1e-4, the same argmax) for the script
-  of tests/cloud/test_graph_executor.py: prefix sharing, decode beside verify, a token tree.
+- the fused residual add + RMSNorm and SiLU x up: the sum's bits, and the rest within 1e-5 in float32 (2e-2 in
+  bfloat16: the interpreter rounds float32 to bfloat16 by truncation, a GPU to nearest), a row's bits alone and
+  beside others;
+- the executor with --attention triton and --fused-kernels gives the transformers path's logits (1e-4, the same
+  argmax) for the script of tests/cloud/test_graph_executor.py: prefix sharing, decode beside verify, a token tree.
 """
 
 from __future__ import annotations
@@ -16,10 +19,13 @@ from pathlib import Path
 
 import torch
 
-from cloud.runners.paged_kernel import (  # the interpreter without CUDA: tests/conftest.py
-    attend,
-    attend_reference,
+from cloud.runners.fused_kernels import (  # the interpreter without CUDA: tests/conftest.py
+    add_rms_norm,
+    add_rms_norm_reference,
+    silu_mul,
+    silu_mul_reference,
 )
+from cloud.runners.paged_kernel import attend, attend_reference
 from cloud.runners.torch_runner import TargetModel
 from tests.cloud.test_graph_executor import _qwen2, _rounds
 from tests.tiny_models import WINDOW
@@ -84,13 +90,32 @@ def test_a_token_gets_the_same_bits_whatever_shares_its_forward() -> None:
         assert torch.equal(alone[0], every[t])
 
 
+def test_fused_add_norm_and_silu_match_their_definitions() -> None:
+    g = torch.Generator().manual_seed(3)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        x, r = (torch.randn(7, 96, generator=g).to(dtype).to(DEV) for _ in range(2))
+        w = (1 + 0.1 * torch.randn(96, generator=g)).to(dtype).to(DEV)
+        s, out = add_rms_norm(x, r, w, 1e-6)
+        s_ref, out_ref = add_rms_norm_reference(x.cpu(), r.cpu(), w.cpu(), 1e-6)
+        torch.testing.assert_close(s.cpu(), s_ref, atol=tol, rtol=tol)
+        torch.testing.assert_close(out.cpu(), out_ref, atol=tol, rtol=tol)
+        gu = torch.randn(7, 2 * 300, generator=g).to(dtype).to(DEV)  # 300: past one block of the kernel's columns
+        torch.testing.assert_close(silu_mul(gu).cpu(), silu_mul_reference(gu.cpu()), atol=tol, rtol=tol)
+        if dtype == torch.float32:
+            assert torch.equal(s.cpu(), s_ref)
+        for t in (0, 4):  # a row alone: the bits it gets beside the others
+            assert torch.equal(add_rms_norm(x[t: t + 1], r[t: t + 1], w, 1e-6)[1][0], out[t])
+            assert torch.equal(silu_mul(gu[t: t + 1])[0], silu_mul(gu)[t])
+
+
 def test_executor_with_the_kernel_matches_the_transformers_path(tmp_path: Path) -> None:
     """The coder pair's architecture (Qwen2: q/k/v biases, grouped-query attention), its second layer sliding
     (window 8, so the script's contexts reach past it)."""
     arch_dir = _qwen2(tmp_path / "m", WINDOW)
     ref = _rounds(TargetModel(arch_dir, DEV, "float32", invariant=False, executor="transformers"))
-    target = TargetModel(arch_dir, DEV, "float32", invariant=False, executor="eager", attention="triton")
-    assert target.paged is not None and target.paged.kernel
+    target = TargetModel(arch_dir, DEV, "float32", invariant=False, executor="eager", attention="triton",
+                         fused_kernels=True)
+    assert target.paged is not None and target.paged.kernel and target.paged.fused_ops is not None
     for bucketed in (False, True):
         target.paged.buckets = bucketed
         for fw_ref, fw in zip(ref, _rounds(target), strict=True):
