@@ -68,7 +68,7 @@ class CloudSettings(BaseSettings):
                      "one kernel reading keys through the block tables, causal and tree masks from three numbers a "
                      "token; CUDA only)"))
     fused_kernels: bool = Field(default=False,
-        description=("the graph executor's residual add + RMSNorm and SiLU x up as Triton kernels "
+        description=("the graph executor's residual add + RMSNorm, RoPE and SiLU x up as Triton kernels "
                      "(cloud/runners/fused_kernels.py) instead of PyTorch's separate ops; CUDA only, opt-in until a GPU "
                      "run measures them (specsplit-bench --only gpu)"))
     graph_rows: str = Field(default="1,2,4,8,16,32,64",

@@ -26,8 +26,8 @@ Tensor parallelism (`ranks` > 1, cloud/runners/tensor_parallel.py): the model's 
 transformers' tensor plan placed on this rank; each layer runs on them (`shards`) and the ranks' parts are combined
 by the group's `collectives`: partial sums added in rank order, the output layer's vocabulary columns gathered.
 
-`fused` (`--fused-kernels`): the residual add with the RMSNorm after it, and SiLU(gate) x up after the fused gate/up
-GEMM, run as Triton kernels (cloud/runners/fused_kernels.py) instead of PyTorch's separate elementwise ops.
+`fused` (`--fused-kernels`): the residual add with the RMSNorm after it, RoPE, and SiLU(gate) x up after the fused
+gate/up GEMM, run as Triton kernels (cloud/runners/fused_kernels.py) instead of PyTorch's separate elementwise ops.
 """
 
 from __future__ import annotations
@@ -118,6 +118,9 @@ class ModelForward:
             cos, sin = inner.rotary_emb(dummy, pos)
         self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()  # [max_pos, D]
         self.max_positions = n_pos
+        # the RoPE kernel takes half a head in one power-of-two block, the whole head rotated
+        half = self.dh // 2
+        self.fused_rope = fused and half > 0 and half & (half - 1) == 0 and self.cos.shape[-1] == self.dh
         # q/k/v and gate/up of each layer as one weight: the modules' weights become views of it (no second copy)
         self.fused: dict[int, Any] = {}
         self.qkv_sizes = [self.hq * self.dh, self.hk * self.dh, self.hk * self.dh]
@@ -206,9 +209,13 @@ class ModelForward:
             v = self._linear(h, a.v_proj).view(T, self.hk, self.dh)
         if hasattr(a, "q_norm"):  # Qwen3: per-head RMSNorm before RoPE
             q, k = a.q_norm(q), a.k_norm(k)
-        cos, sin = self.cos[inp.positions][:, None], self.sin[inp.positions][:, None]  # [T, 1, D]
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        if self.fused_rope:
+            q = self.fused_ops.rope(q, self.cos, self.sin, inp.positions)
+            k = self.fused_ops.rope(k, self.cos, self.sin, inp.positions)
+        else:
+            cos, sin = self.cos[inp.positions][:, None], self.sin[inp.positions][:, None]  # [T, 1, D]
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
         keys.index_copy_(1, inp.write, k.transpose(0, 1).to(keys.dtype))  # pool [Hk, rows, D]
         values.index_copy_(1, inp.write, v.transpose(0, 1).to(values.dtype))
         if self._chunks is not None:  # the chunked calls of the pool's invariant attention (eager only)

@@ -5,7 +5,7 @@ program as written, run by numpy), on a GPU compiled.
 - chains, decode steps, a token tree with branches and padding tokens, float32 and bfloat16, keys in shuffled blocks:
   every output within 1e-5 (float32) / 2e-2 (bfloat16) of `attend_reference`;
 - a token's output has the same bits alone and beside other rows (each program walks only its own row's blocks);
-- the fused residual add + RMSNorm and SiLU x up: the sum's bits, and the rest within 1e-5 in float32 (2e-2 in
+- the fused residual add + RMSNorm, RoPE and SiLU x up: the sum's bits, and the rest within 1e-5 in float32 (2e-2 in
   bfloat16: the interpreter rounds float32 to bfloat16 by truncation, a GPU to nearest), a row's bits alone and
   beside others;
 - the executor with --attention triton and --fused-kernels gives the transformers path's logits (1e-4, the same
@@ -22,6 +22,8 @@ import torch
 from cloud.runners.fused_kernels import (  # the interpreter without CUDA: tests/conftest.py
     add_rms_norm,
     add_rms_norm_reference,
+    rope,
+    rope_reference,
     silu_mul,
     silu_mul_reference,
 )
@@ -99,6 +101,12 @@ def test_fused_add_norm_and_silu_match_their_definitions() -> None:
         s_ref, out_ref = add_rms_norm_reference(x.cpu(), r.cpu(), w.cpu(), 1e-6)
         torch.testing.assert_close(s.cpu(), s_ref, atol=tol, rtol=tol)
         torch.testing.assert_close(out.cpu(), out_ref, atol=tol, rtol=tol)
+        qkv = torch.randn(7, 3 * 4 * 32, generator=g).to(dtype).to(DEV)  # rope reads the heads as strided views
+        heads = qkv[:, 4 * 32: 8 * 32].view(7, 4, 32)
+        cos, sin = torch.randn(64, 32, generator=g).to(dtype).to(DEV), torch.randn(64, 32, generator=g).to(dtype).to(DEV)
+        pos = torch.tensor([0, 5, 6, 7, 63, 1, 2], device=DEV)
+        torch.testing.assert_close(rope(heads, cos, sin, pos).cpu(), rope_reference(heads, cos, sin, pos).cpu(),
+                                   atol=tol, rtol=tol)
         gu = torch.randn(7, 2 * 300, generator=g).to(dtype).to(DEV)  # 300: past one block of the kernel's columns
         torch.testing.assert_close(silu_mul(gu).cpu(), silu_mul_reference(gu.cpu()), atol=tol, rtol=tol)
         if dtype == torch.float32:
@@ -115,7 +123,7 @@ def test_executor_with_the_kernel_matches_the_transformers_path(tmp_path: Path) 
     ref = _rounds(TargetModel(arch_dir, DEV, "float32", invariant=False, executor="transformers"))
     target = TargetModel(arch_dir, DEV, "float32", invariant=False, executor="eager", attention="triton",
                          fused_kernels=True)
-    assert target.paged is not None and target.paged.kernel and target.paged.fused_ops is not None
+    assert target.paged is not None and target.paged.kernel and target.paged.fused_rope
     for bucketed in (False, True):
         target.paged.buckets = bucketed
         for fw_ref, fw in zip(ref, _rounds(target), strict=True):
