@@ -252,10 +252,11 @@ def micro(shape: str, dev: str, records: list[dict[str, Any]], work: Path,
             _emit(records, {"part": "hf", "shape": shape, **hf_baselines(hf, dev, ids)})
             baselines = False
         t0 = time.perf_counter()
-        with random_weights(hf):
-            target = TargetModel(d, dev, "bfloat16", invariant=invariant, executor=executor,
-                                 attention=attention.split("+")[0], fused_kernels=attention.endswith("+fused"))
-        try:
+        target = None
+        try:  # a path the device refuses is recorded, and the next path still runs
+            with random_weights(hf):
+                target = TargetModel(d, dev, "bfloat16", invariant=invariant, executor=executor,
+                                     attention=attention.split("+")[0], fused_kernels=attention.endswith("+fused"))
             ms = forward_table(target, dev, ids)
             p = target.paged
             if p is not None and not invariant:  # measured all the same: is the plain executor invariant here?
