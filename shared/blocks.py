@@ -152,23 +152,23 @@ class BlockManager:
 
     # --- sequences --------------------------------------------------------------------------
     def new_seq(self, salt: bytes = b"") -> int:
-        sid = self._next_seq
+        seq_id = self._next_seq
         self._next_seq += 1
-        self.seqs[sid] = SeqBlocks(salt=hashlib.blake2b(salt, digest_size=16).digest())
-        return sid
+        self.seqs[seq_id] = SeqBlocks(salt=hashlib.blake2b(salt, digest_size=16).digest())
+        return seq_id
 
-    def free_seq(self, sid: int) -> None:
-        """Release every block of `sid` (unknown or already freed ids are ignored)."""
-        s = self.seqs.pop(sid, None)
+    def free_seq(self, seq_id: int) -> None:
+        """Release every block of `seq_id` (unknown or already freed ids are ignored)."""
+        s = self.seqs.pop(seq_id, None)
         if s is None:
             return
         for b in reversed(s.table):
             self._decref(b)
 
-    def crop(self, sid: int, n: int) -> None:
-        """Keep the first n positions of `sid` (all of them when it holds fewer); whole blocks past
+    def crop(self, seq_id: int, n: int) -> None:
+        """Keep the first n positions of `seq_id` (all of them when it holds fewer); whole blocks past
         them go back (to the free list, or to the cache when keyed)."""
-        s = self.seqs[sid]
+        s = self.seqs[seq_id]
         n = min(max(n, 0), s.length)
         s.length = n
         del s.tokens[n:]
@@ -178,57 +178,58 @@ class BlockManager:
             self._decref(b)
         del s.table[keep:]
 
-    def blocks_needed(self, sid: int, past: int, n_new: int) -> int:
-        """New blocks a write of n_new positions at `past` takes (after cropping to `past`)."""
-        s = self.seqs[sid]
-        past = min(past, s.length)
-        have = -(-past // self.size)
-        need = -(-(past + n_new) // self.size) - have
-        if past % self.size and self._shared(s.table[have - 1]):
+    def blocks_needed(self, seq_id: int, num_cached_tokens: int, n_new: int) -> int:
+        """New blocks a write of n_new positions at offset `num_cached_tokens` takes (after cropping to it)."""
+        s = self.seqs[seq_id]
+        num_cached_tokens = min(num_cached_tokens, s.length)
+        have = -(-num_cached_tokens // self.size)
+        need = -(-(num_cached_tokens + n_new) // self.size) - have
+        if num_cached_tokens % self.size and self._shared(s.table[have - 1]):
             need += 1  # copy-on-write of the partial block
         return max(need, 0)
 
     def _shared(self, b: int) -> bool:
         return self.ref[b] > 1 or self.key_of[b] is not None
 
-    def prepare_write(self, sid: int, past: int, n_new: int) -> tuple[int, int] | None:
-        """Crop `sid` to `past` and give it blocks for positions past .. past + n_new - 1. Returns
-        (source, destination) when the partial block at `past` was shared and must be copied into a
+    def prepare_write(self, seq_id: int, num_cached_tokens: int, n_new: int) -> tuple[int, int] | None:
+        """Crop `seq_id` to `num_cached_tokens` (c) and give it blocks for positions c .. c + n_new - 1. Returns
+        (source, destination) when the partial block at `num_cached_tokens` was shared and must be copied into a
         private block before the write, else None. OutOfBlocks if the blocks are not there."""
-        if self.blocks_needed(sid, past, n_new) > self.available():
+        if self.blocks_needed(seq_id, num_cached_tokens, n_new) > self.available():
             raise OutOfBlocks(f"a write of {n_new} positions needs more KV blocks than are left")
-        s = self.seqs[sid]
-        if past > s.length:
-            raise ValueError(f"sequence {sid} holds {s.length} positions: a write at {past} would leave a gap")
-        self.crop(sid, past)
-        self._writing.add(sid)
+        s = self.seqs[seq_id]
+        if num_cached_tokens > s.length:
+            raise ValueError(f"sequence {seq_id} holds {s.length} positions: a write at {num_cached_tokens} would "
+                             "leave a gap")
+        self.crop(seq_id, num_cached_tokens)
+        self._writing.add(seq_id)
         copy = None
         if s.length % self.size and self._shared(s.table[-1]):
             src = s.table[-1]
             dst = self._take()
             s.table[-1] = dst
-            self._copying.append((sid, src, dst))  # src is let go at `extend`, restored by `undo_writes`
+            self._copying.append((seq_id, src, dst))  # src is let go at `extend`, restored by `undo_writes`
             copy = (src, dst)
         end = -(-(s.length + n_new) // self.size)
         while len(s.table) < end:
             s.table.append(self._take())
         return copy
 
-    def extend(self, sid: int, tokens: list[int]) -> None:
+    def extend(self, seq_id: int, tokens: list[int]) -> None:
         """After the write: the new positions hold the KV of `tokens` (a copied source block is let go)."""
-        s = self.seqs[sid]
-        self._writing.discard(sid)
-        for entry in [e for e in self._copying if e[0] == sid]:
+        s = self.seqs[seq_id]
+        self._writing.discard(seq_id)
+        for entry in [e for e in self._copying if e[0] == seq_id]:
             self._copying.remove(entry)
             self._decref(entry[1])
         s.tokens.extend(tokens)
         s.length += len(tokens)
         assert s.length <= len(s.table) * self.size
 
-    def rewrite(self, sid: int, start: int, tokens: list[int]) -> None:
+    def rewrite(self, seq_id: int, start: int, tokens: list[int]) -> None:
         """Positions start .. start + len(tokens) - 1 now hold the KV of `tokens` (a tree's path moved
         there); none of them may be in a block the prefix cache keys."""
-        s = self.seqs[sid]
+        s = self.seqs[seq_id]
         assert start + len(tokens) <= s.length and len(s.chain) * self.size <= start
         s.tokens[start: start + len(tokens)] = tokens
 
@@ -236,28 +237,28 @@ class BlockManager:
         """The forward planned since the last `extend` failed: every sequence whose shared partial block was
         remapped to a fresh one (copy-on-write) gets its source block back, the fresh one is freed, and the
         blocks given for the write go back (each sequence keeps the positions it held when planned, cropped
-        to the row's `past`)."""
-        for sid, src, dst in reversed(self._copying):
-            s = self.seqs.get(sid)
+        to the row's `num_cached_tokens`)."""
+        for seq_id, src, dst in reversed(self._copying):
+            s = self.seqs.get(seq_id)
             if s is not None and dst in s.table:
                 s.table[s.table.index(dst)] = src  # src kept its reference meanwhile
                 self._decref(dst)
             else:
                 self._decref(src)
         self._copying.clear()
-        for sid in self._writing:
-            if sid in self.seqs:
-                self.crop(sid, self.seqs[sid].length)
+        for seq_id in self._writing:
+            if seq_id in self.seqs:
+                self.crop(seq_id, self.seqs[seq_id].length)
         self._writing.clear()
 
-    def set_length(self, sid: int, n: int) -> None:
+    def set_length(self, seq_id: int, n: int) -> None:
         """The caller keeps the first n positions (a crop when n is shorter) and the full blocks among
         them enter the prefix cache."""
-        s = self.seqs[sid]
+        s = self.seqs[seq_id]
         if n < s.length:
-            self.crop(sid, n)
+            self.crop(seq_id, n)
         if n > s.length:
-            raise ValueError(f"sequence {sid} holds {s.length} positions, not {n}")
+            raise ValueError(f"sequence {seq_id} holds {s.length} positions, not {n}")
         self._register(s)
 
     def _register(self, s: SeqBlocks) -> None:
@@ -272,10 +273,10 @@ class BlockManager:
                 self.by_key[key] = b
                 self.key_of[b] = key
 
-    def match_prefix(self, sid: int, ids: list[int], limit: int) -> int:
+    def match_prefix(self, seq_id: int, ids: list[int], limit: int) -> int:
         """Reuse cached full blocks for the first positions of `ids` (at most `limit` of them) in the
-        empty sequence `sid`; returns the positions reused."""
-        s = self.seqs[sid]
+        empty sequence `seq_id`; returns the positions reused."""
+        s = self.seqs[seq_id]
         if not self.prefix_cache or s.length:
             return 0
         prev = s.salt
@@ -296,9 +297,9 @@ class BlockManager:
         self.hit_tokens += s.length
         return s.length
 
-    def slot_mapping(self, sid: int, start: int, end: int) -> list[int]:
+    def slot_mapping(self, seq_id: int, start: int, end: int) -> list[int]:
         """Pool rows (block * size + offset) of positions start .. end - 1."""
-        t, z = self.seqs[sid].table, self.size
+        t, z = self.seqs[seq_id].table, self.size
         return [t[p // z] * z + p % z for p in range(start, end)]
 
     # --- checks -----------------------------------------------------------------------------
@@ -383,6 +384,6 @@ class PagedSequences:
             raise OutOfBlocks(f"this forward needs {need} KV blocks, {m.available()} are left")
 
     def commit(self, rows: list[Row]) -> None:
-        """After a forward: each row's sequence holds its ids (length past + len(ids))."""
+        """After a forward: each row's sequence holds its ids (length num_cached_tokens + len(ids))."""
         for r in rows:
             self.manager.extend(r.seq_id, list(r.ids))

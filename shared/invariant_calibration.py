@@ -242,9 +242,9 @@ class _AttentionProbe:
             self._same_keys(t, offsets, [mine[p] for p in range(base)] + [mine[p] for p in node_pos.values()])
         self._refs: dict[int, torch.Tensor] = {}
 
-    def _write(self, s: int, past: int, n: int) -> None:
-        self.m.prepare_write(s, past, n)
-        self.m.extend(s, list(range(past, past + n)))  # token i at offset i: prefix keys match `seq`'s
+    def _write(self, s: int, cached: int, n: int) -> None:
+        self.m.prepare_write(s, cached, n)
+        self.m.extend(s, list(range(cached, cached + n)))  # token i at offset i: prefix keys match `seq`'s
 
     def _sharing(self, shared: int, length: int) -> int:
         """A sequence whose first `shared` positions (whole blocks of them) are `seq`'s through the prefix

@@ -216,7 +216,7 @@ class KVPool(PagedSequences):
     def forward(self, model: torch.nn.Module, rows: list[Row]) -> list[torch.Tensor]:
         """Run every row in one flattened forward; returns each row's logits for its last `keep` ids
         ([keep, vocab], float32). Afterwards each sequence holds the KV of its row's ids (length
-        past + len(ids)); the caller crops back what it does not keep (`set_length`).
+        num_cached_tokens + len(ids)); the caller crops back what it does not keep (`set_length`).
 
         Three steps: `plan` (the block manager's work), `run` (the tensors' work) and `commit`. One
         process runs them back to back; under tensor parallelism (cloud/runners/tensor_parallel.py) rank 0

@@ -62,7 +62,7 @@ class SingleCall:
 
 
 def _row_mask(r: Row, lo: int, w: int, window: int | None) -> torch.Tensor:
-    """[n, w] True where query t of row r (offset past + t) may see key j (offset lo + j): by position
+    """[n, w] True where query t of row r (offset num_cached_tokens + t) may see key j (offset lo + j): by position
     (causal, and within the window on sliding layers); a tree node's keys only to the node's descendants."""
     n = len(r.ids)
     if r.tree is None:

@@ -12,7 +12,7 @@ from shared.tree import depths
 class Row:
     # the sequence (an id from KVPool.allocate)
     seq_id: int
-    # positions already cached (the row's first token sits at position `past`)
+    # positions already cached (the row's first token sits at position `num_cached_tokens`)
     num_cached_tokens: int
     # token ids to run after them
     ids: list[int]
@@ -26,7 +26,7 @@ class Row:
     tree_base: int = 0
 
     def positions(self) -> list[int]:
-        """Each token's position (its storage offset is past + t either way)."""
+        """Each token's position (its storage offset is num_cached_tokens + t either way)."""
         return self.positions_at(self.num_cached_tokens, self.num_cached_tokens + len(self.ids))
 
     def positions_at(self, lo: int, hi: int) -> list[int]:

@@ -73,7 +73,7 @@ def _pool_rows(table: list[int], size: int, end: int) -> np.ndarray:
 
 
 def _row_mask(r: Row, out: np.ndarray, distance: np.ndarray | None) -> None:
-    """out[:n, :past + n] = which of the row's storage offsets each of its n queries sees (causal by position;
+    """out[:n, :c + n] (c: the row's num_cached_tokens) = which of the row's storage offsets each of its n queries sees (causal by position;
     a tree node: the prefix before the tree and its own ancestors); `distance` (if given) the same slots' query
     position minus key position."""
     n, end = len(r.ids), r.num_cached_tokens + len(r.ids)
@@ -133,7 +133,7 @@ def build_inputs(pool: Any, rows: list[Row], spare: int, shape: tuple[int, int, 
     pos = np.zeros(T, np.int64)
     write = np.full(T, spare, np.int64)
     keep: list[np.ndarray] = []
-    tables: list[np.ndarray] = []  # each row's pool rows of offsets 0 .. past + n - 1
+    tables: list[np.ndarray] = []  # each row's pool rows of offsets 0 .. num_cached_tokens + n - 1
     starts = []
     s = 0
     for r in rows:
