@@ -29,9 +29,10 @@ def cloud_server(demo_target_dir: Path) -> Iterator[CloudProcess]:
         yield cloud
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tiny_cloud_server(tiny_pair: tuple[Path, Path]) -> Iterator[CloudProcess]:
-    """specsplit-cloud with the tiny random target of `tiny_pair`, auth off."""
+    """specsplit-cloud with the tiny random target of `tiny_pair`, auth off: one process for every module that only
+    reads texts and session answers from it (none kills it or reads its process-wide counters)."""
     with CloudProcess(tiny_pair[0]) as cloud:
         yield cloud
 
