@@ -49,6 +49,12 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
+def cloud(tiny_cloud_server: CloudProcess) -> CloudProcess:
+    """The session's shared tiny cloud (tests/e2e/conftest.py): this module reads texts and answers only."""
+    return tiny_cloud_server
+
+
+@pytest.fixture(scope="module")
 def target(tiny_pair: tuple[Path, Path]) -> Any:
     from transformers import AutoModelForCausalLM
 

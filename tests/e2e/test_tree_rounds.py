@@ -20,6 +20,12 @@ PROMPT = [17, 402, 9, 88, 1203, 5]
 
 
 @pytest.fixture(scope="module")
+def cloud(tiny_cloud_server: CloudProcess) -> CloudProcess:
+    """The session's shared tiny cloud (tests/e2e/conftest.py): this module reads texts and answers only."""
+    return tiny_cloud_server
+
+
+@pytest.fixture(scope="module")
 def reference(tiny_pair: tuple[Path, Path]) -> CausalLM:
     return CausalLM(tiny_pair[0])
 
