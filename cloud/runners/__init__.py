@@ -3,8 +3,8 @@ scheduler, the verify rule) calls only these, and never knows which runner it ho
 
 - torch_runner.py: `TargetModel`, a Hugging Face model in PyTorch over the paged KV pool (shared/kvpool.py); its
   forward runs through graphs.py (a forward of its own for Llama, Qwen2, Qwen3 and Mistral, replayed from CUDA
-  graphs per bucket on a GPU, eager on a CPU) or through transformers' own modules (the other architectures). invariance.py measures on the
-  device whether the graph executor's forwards are batch-invariant.
+  graphs per bucket on a GPU, eager on a CPU) or through transformers' own modules (the other architectures).
+  invariance.py measures on the device whether the graph executor's forwards are batch-invariant.
 - tensor_parallel.py: the PyTorch runner split over torchrun ranks (rank 0 plans and serves).
 - llamacpp.py: `LlamaTarget`, a GGUF file through llama.cpp on the CPU.
 """

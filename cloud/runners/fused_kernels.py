@@ -1,6 +1,6 @@
 """The graph executor's elementwise steps as Triton kernels (`--fused-kernels`): the residual add with the RMSNorm
-that follows it, RoPE on the queries and keys, and SiLU(gate) x up. Each is one kernel where PyTorch runs three to six (the add, the square, the
-mean, the rsqrt, the products, the casts), over the same bytes.
+that follows it, RoPE on the queries and keys, and SiLU(gate) x up. Each is one kernel where PyTorch runs three to
+six (the add, the square, the mean, the rsqrt, the products, the casts), over the same bytes.
 
 One program takes one token's row, so a token's result is the same computation whatever shares its forward (batch
 invariance holds as for the plain ops). Sums and products are float32, rounded once to the activations' dtype as

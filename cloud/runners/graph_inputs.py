@@ -73,9 +73,9 @@ def _pool_rows(table: list[int], size: int, end: int) -> np.ndarray:
 
 
 def _row_mask(r: Row, out: np.ndarray, distance: np.ndarray | None) -> None:
-    """out[:n, :c + n] (c: the row's num_cached_tokens) = which of the row's storage offsets each of its n queries sees (causal by position;
-    a tree node: the prefix before the tree and its own ancestors); `distance` (if given) the same slots' query
-    position minus key position."""
+    """out[:n, :c + n] (c: the row's num_cached_tokens) = which of the row's storage offsets each of its n queries
+    sees (causal by position; a tree node: the prefix before the tree and its own ancestors); `distance` (if given)
+    the same slots' query position minus key position."""
     n, end = len(r.ids), r.num_cached_tokens + len(r.ids)
     if distance is not None:
         distance[:n, :end] = np.asarray(r.positions())[:, None] - np.asarray(r.positions_at(0, end))[None, :]

@@ -2,10 +2,11 @@
 table (no gathered copy of any key), under a mask of three numbers a token, with an online softmax over key blocks.
 
 The mask. Token t of a forward sees storage offset o of its row's sequence iff o < lim[t], or o - lim[t] is in
-[0, tree_n[t]) and bit o - lim[t] of anc[t] is set. A chain row's i-th new token after `num_cached_tokens` (c) cached ones has
-lim = c + i + 1 and tree_n = 0 (causal); a token tree's node j (shared/tree.py; nodes stored from the tree's base
-b) has lim = b (the prefix) and its path's nodes as bits of anc (at most 64 nodes). The same rule as the masks of
-cloud/runners/model_forward.py's SDPA path, given as numbers instead of a [rows, queries, keys] tensor built on the host.
+[0, tree_n[t]) and bit o - lim[t] of anc[t] is set. A chain row's i-th new token after c cached ones
+(`num_cached_tokens`) has lim = c + i + 1 and tree_n = 0 (causal); a token tree's node j (shared/tree.py; nodes
+stored from the tree's base b) has lim = b (the prefix) and its path's nodes as bits of anc (at most 64 nodes). The
+same rule as the masks of cloud/runners/model_forward.py's SDPA path, given as numbers instead of a [rows, queries,
+keys] tensor built on the host.
 On a sliding-window layer (`window` > 0) a key is seen only while the query's position minus its own is below the
 window. Positions come from the same numbers: an offset below lim is its own position; tree node j sits at
 lim - 1 + its depth, the count of its path's nodes (the set bits of its anc up to j: a node's ancestors have lower
