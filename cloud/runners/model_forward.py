@@ -3,8 +3,9 @@
 Which models: decoder-only attention families whose layer is "RMSNorm, attention with RoPE, RMSNorm, gated MLP"
 (`FAMILIES`: Llama, Qwen2, Qwen3 with its q/k norms, Mistral), with full attention or a sliding window per layer
 (shared/attention_layout.py); anything else keeps transformers' modules over the pool (`support` says why). q/k/v
-and gate/up run as one GEMM each over a fused weight whose slices are the modules' own weights. The same code runs with CUDA graphs on a GPU
-(cloud/runners/graphs.py), eagerly on a CPU, and on a tensor-parallel rank's shards (below).
+and gate/up run as one GEMM each over a fused weight whose slices are the modules' own weights. The same code runs
+with CUDA graphs on a GPU (cloud/runners/graphs.py), eagerly on a CPU, and on a tensor-parallel rank's shards
+(below).
 
 A forward's layout. Rows (sessions' rounds, decode steps, prefill chunks) are flattened to T tokens for every
 linear layer. Attention either reads each token's keys in the pool through its row's block table
