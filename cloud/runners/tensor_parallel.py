@@ -36,7 +36,7 @@ thread has been inside one op (a forward, a move) for more than `--tp-op-timeout
 heartbeat thread runs. Raise it when one forward (a prefill chunk of `--max-batch-tokens` of a large
 target, on CPU over gloo) can take longer, or the group is restarted in the middle of it. Rank 0 watches the
 workers' counters and each worker rank 0's. A counter that has not moved for `STALE_S` (a rank that died, hangs
-or was stopped) makes rank 0 unready (`/readyz` 503; new calls and forwards answer
+or was stopped; before its first beat `START_GRACE_S` more) makes rank 0 unready (`/readyz` 503; new calls and forwards answer
 503 with Retry-After) and, `EXIT_GRACE_S` later, exit with status 3, so torchrun tears the group
 down and an orchestrator restarts it; a worker that loses rank 0 exits at once. Collectives of the
 process group time out after `COLLECTIVE_TIMEOUT_S`; an idle rank 0 sends `idle` every `IDLE_S` so
@@ -68,6 +68,11 @@ log = logging.getLogger(__name__)
 BEAT_S = 0.5
 # a rank whose heartbeat has not moved for this long is lost
 STALE_S = 2.5
+# a watched rank's first beat may come this much later than STALE_S (the ranks reach the group at different
+# times on a loaded host; a rank whose process dies is torchrun's to see, at any time)
+START_GRACE_S = 30.0
+# seconds one call to torchrun's store may take (a store that is gone answers at once; a slow host is slow)
+STORE_TIMEOUT_S = 15.0
 # seconds rank 0 stays up (unready, answering 503) after losing a rank, then it exits
 EXIT_GRACE_S = 3.0
 # exit status of a rank that lost another
@@ -188,8 +193,7 @@ class TensorGroup:
         self._lost: str | None = None
         self._store = _heartbeat_store()
         # ranks this one watches, and when each one's counter last moved
-        self._watch = [r for r in range(1, self.size)] if self.rank == 0 else [0]
-        self._seen: dict[int, tuple[int, float]] = {r: (-1, time.monotonic()) for r in self._watch}
+        self._watch_ranks(time.monotonic())
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._beat, name="tp-heartbeat", daemon=True)]
         if self.rank == 0:
@@ -228,6 +232,12 @@ class TensorGroup:
     def lost(self) -> str | None:
         """Why this group cannot serve (a rank stopped beating), or None."""
         return self._lost
+
+    def _watch_ranks(self, now: float) -> None:
+        """The ranks this one watches (rank 0 the workers, a worker rank 0), none seen yet: each has
+        START_GRACE_S + STALE_S from `now` for its first beat."""
+        self._watch = [r for r in range(1, self.size)] if self.rank == 0 else [0]
+        self._seen: dict[int, tuple[int, float]] = {r: (-1, now + START_GRACE_S) for r in self._watch}
 
     def _beat(self) -> None:
         while not self._stop.wait(BEAT_S):
@@ -278,7 +288,7 @@ class TensorGroup:
 def _heartbeat_store() -> dist.Store:
     """A client of torchrun's store (MASTER_ADDR:MASTER_PORT), apart from the process group's."""
     return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                         timeout=timedelta(seconds=STALE_S))
+                         timeout=timedelta(seconds=STORE_TIMEOUT_S))
 
 
 def serve_worker(model: Any, group: TensorGroup) -> int:

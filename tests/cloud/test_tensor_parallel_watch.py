@@ -30,8 +30,29 @@ class Store:
 def worker(clock: Clock) -> TensorGroup:
     g = TensorGroup.__new__(TensorGroup)
     g.rank, g.size, g.watch, g._store, g._lost = 1, 2, OpWatch(clock), Store(), None
-    g._watch, g._seen = [0], {0: (-1, clock())}
+    g._watch_ranks(clock())
     return g
+
+
+def test_a_rank_gets_its_start_grace_for_the_first_beat_then_stale_s(monkeypatch: Any) -> None:
+    """Ranks reach the group at different times on a loaded host: before rank 0's first beat is seen, a worker
+    waits START_GRACE_S + STALE_S; once seen, a counter that stops for STALE_S loses the group."""
+    exits: list[int] = []
+    monkeypatch.setattr(tp.os, "_exit", exits.append)
+    clock = Clock()
+    g = worker(clock)
+    clock.now += tp.STALE_S + 1
+    g._beat_once(clock())
+    assert g.lost() is None  # no beat of rank 0 yet, within the start grace
+    clock.now += tp.START_GRACE_S
+    g._beat_once(clock())
+    assert g.lost() is not None and exits == [tp.EXIT_RANK_LOST]  # never came
+    g = worker(clock)
+    g._store.add("specsplit/beat/0", 1)
+    g._beat_once(clock())  # seen once: STALE_S from here
+    clock.now += tp.STALE_S + 0.5
+    g._beat_once(clock())
+    assert g.lost() is not None and exits == [tp.EXIT_RANK_LOST] * 2
 
 
 def test_the_watch_tells_an_op_that_hangs_from_waiting_for_work() -> None:

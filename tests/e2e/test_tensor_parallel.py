@@ -153,7 +153,9 @@ def two(target_dir: Path) -> Iterator[TorchrunCloud]:
 def edge(cloud: CloudProcess, tokenizer: Any, transport: str, drafter: Any, **kw: Any) -> EdgeClient:
     where = {"cloud_url": cloud.http_url} if transport == "rest" else {"grpc_target": cloud.grpc_target}
     values: dict[str, Any] = {"temperature": 0, "repetition_penalty": 1.0, "max_new_tokens": N_NEW, "timeout_ms": 30_000,
-                              "timeout_fallback": False, "stop_at_eos": False, **where, **kw}
+                              "timeout_fallback": False, "stop_at_eos": False,
+                              "stream_switch": False,  # verify rounds throughout, however loaded the host
+                              **where, **kw}
     return EdgeClient(EdgeSettings(**values), drafter=drafter, tokenizer=tokenizer)
 
 

@@ -5,8 +5,9 @@ The real cloud (the demo pair's target, float32) gets a budget of 14 blocks of 1
 blocks: only one session's cache fits at a time, so the others are answered 429 (resource_exhausted, with
 Retry-After) or evicted and reopened until blocks free up. Every generation must end, with the text it has
 alone on the same cloud (greedy: the target's own). Before `capacity_wait_s` a generation gave up after
-its retries (six, about 3 s of backoff); `test_without_capacity_waits_a_generation_can_fail` shows the load
-refuses a generation when the edge does not wait (capacity_wait_s = 0, one retry).
+its retries (six, about 3 s of backoff); `test_without_capacity_waits_a_generation_is_refused` shows that a
+generation which does not wait (capacity_wait_s = 0, one retry) is refused while another session holds the
+blocks: the budget is tight enough that the waits above are needed.
 """
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from edge.client import EdgeClient
 from edge.drafters import ModelDrafter
 from edge.settings import EdgeSettings
-from shared.errors import NotFound, ResourceExhausted
+from shared.errors import ResourceExhausted
 from tests.server import CloudProcess
 
 KEYS = ("key-a", "key-b")
@@ -40,7 +42,9 @@ def cloud(demo_target_dir: Path) -> Iterator[CloudProcess]:
     # the load as it was sized: the edge's own round sizes and whole prefill slices (the node budget and the
     # prefill share spread it out enough that the power check below found no refusal)
     args = ("--kv-budget-bytes", str(BLOCKS * BLOCK * kv_per_token(demo_target_dir)), "--kv-block-size", str(BLOCK),
-            "--node-budget", "false", "--prefill-share-with-rounds", "1000")
+            "--node-budget", "false", "--prefill-share-with-rounds", "1000",
+            # a session opened and not yet verified keeps its blocks this long: the holder of the refusal test
+            "--eviction-grace-s", "60")
     with CloudProcess(demo_target_dir, api_keys=KEYS, extra_args=args) as c:
         yield c
 
@@ -80,19 +84,22 @@ def test_concurrent_generations_under_a_one_session_budget_all_end_exact(cloud: 
 
 
 @pytest.mark.slow
-def test_without_capacity_waits_a_generation_can_fail(cloud: CloudProcess, draft: ModelDrafter,
-                                                       demo_draft_dir: Path) -> None:
-    """The same load with capacity_wait_s = 0 (the old behaviour: six retries, then the 429 surfaces)
-    loses a generation: the budget is tight enough that the test above has power."""
-    clients = [client(cloud, draft, demo_draft_dir, i, capacity_wait_s=0, max_retries=1, backoff_ms=10,
-                      backoff_max_ms=10) for i in range(EDGES)]
-
-    def run(i: int) -> str:
-        try:
-            generate(clients[i], i)
-            return "ok"
-        except (ResourceExhausted, NotFound):
-            return "refused"
-    with ThreadPoolExecutor(EDGES) as pool:
-        outcomes = list(pool.map(run, range(EDGES)))
-    assert "refused" in outcomes
+def test_without_capacity_waits_a_generation_is_refused(cloud: CloudProcess, draft: ModelDrafter,
+                                                        demo_draft_dir: Path) -> None:
+    """A session opened on the wire (160 tokens: 10 of the 14 blocks, within its eviction grace) holds the budget;
+    a generation with capacity_wait_s = 0 (the old behaviour: retries, then the 429 surfaces) is refused, and after
+    the holder closes the same generation gives the text it has alone. Deterministic: the holder cannot be evicted,
+    whatever the timing of the threads."""
+    headers = cloud.auth_headers(KEYS[0])
+    r = httpx.post(cloud.http_url + "/v1/sessions", json={"prompt_ids": [100 + j for j in range(160)]},
+                   headers=headers, timeout=120)
+    assert r.status_code == 200, r.text
+    holder = r.json()["ctx_id"]
+    try:
+        with pytest.raises(ResourceExhausted):
+            generate(client(cloud, draft, demo_draft_dir, 0, capacity_wait_s=0, max_retries=1, backoff_ms=10,
+                            backoff_max_ms=10), 0)
+    finally:
+        assert httpx.delete(f"{cloud.http_url}/v1/sessions/{holder}", headers=headers, timeout=30).status_code == 200
+    alone = generate(client(cloud, draft, demo_draft_dir, 0), 0)
+    assert alone == generate(client(cloud, draft, demo_draft_dir, 0, capacity_wait_s=0, max_retries=1), 0)
