@@ -185,15 +185,15 @@ class RoundPlan:
     tree: list[int] | None = None
 
     def next_row(self, budget: int) -> Row:
-        """The next forward of this round: a chunk of S' (keep = 0) while the rest does not fit in
+        """The next forward of this round: a chunk of S' (num_logits = 0) while the rest does not fit in
         `budget` tokens, then the verify row S'[fed:] + y_1..y_k."""
         r = self.row
         fed = max(self.fed, self.num_cached_tokens)
         drafts = r.ids[len(self.new) - self.num_cached_tokens:]
         rest = list(self.new.ids[fed:])
         if len(rest) + len(drafts) > budget and len(rest) > 1:
-            return Row(r.seq_id, fed, rest[: max(1, min(budget, len(rest) - 1))], keep=0)
-        self.row_run = Row(r.seq_id, fed, rest + drafts, keep=r.keep, tree=r.tree, tree_base=r.tree_base)
+            return Row(r.seq_id, fed, rest[: max(1, min(budget, len(rest) - 1))], num_logits=0)
+        self.row_run = Row(r.seq_id, fed, rest + drafts, num_logits=r.num_logits, tree=r.tree, tree_base=r.tree_base)
         return self.row_run
 
 
@@ -226,7 +226,7 @@ def plan_round(session: Session, req: VerifyRequest, fp: str) -> RoundPlan | Ver
     # (1-3 % of a forward of 4-16 nodes on a CPU, `python -m bench.tree_cost`) for the same logits (the
     # batch-invariant kernels give a tree node the sums of its path run as a chain, shared/invariant.py); the
     # round is still verified and answered as the tree the edge sent
-    row = Row(seq_id, c, list(new.ids[c:]) + fed, keep=len(fed) + 1,
+    row = Row(seq_id, c, list(new.ids[c:]) + fed, num_logits=len(fed) + 1,
               tree=None if tree is None or is_chain(tree) else tuple(tree), tree_base=L)
     return RoundPlan(new, c, row, fp, tree=tree)
 

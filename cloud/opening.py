@@ -153,7 +153,7 @@ class PrefillJob(Job[float]):
         assert row is not None
         self.eviction.in_forward.discard(id(self.pre))
         self.spent += ms
-        hidden = self.model.hidden_of(row) if self.encoding and row.keep else None
+        hidden = self.model.hidden_of(row) if self.encoding and row.num_logits else None
         if hidden is not None:
             if not bool(torch.isfinite(hidden).all()):  # checked before the session exists
                 raise Internal.of(FloatingPointError("the target's state at the end of the prompt is not "

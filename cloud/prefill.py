@@ -48,7 +48,7 @@ class Prefill:
             return None
         chunk = self.ids[self.done: self.done + max(budget, 1)]
         keep = max(0, min(len(chunk), self.done + len(chunk) - (len(self.ids) - self.keep_last)))
-        return Row(self.seq_id, self.done, chunk, keep=keep if self.keep_last else 0)
+        return Row(self.seq_id, self.done, chunk, num_logits=keep if self.keep_last else 0)
 
     def unplan(self, pool: PagedSequences) -> None:
         """Give the prefix-cache blocks back while nothing of this prefill has run (it plans again later)."""
@@ -97,8 +97,8 @@ class DecodeState:
         c = min(self.kv_len, len(self.ids) - 1)
         todo = self.ids[c:]
         if len(todo) > chunk:
-            return Row(self.seq_id, c, todo[:max(chunk, 1)], keep=0)
-        return Row(self.seq_id, c, todo, keep=1)
+            return Row(self.seq_id, c, todo[:max(chunk, 1)], num_logits=0)
+        return Row(self.seq_id, c, todo, num_logits=1)
 
     def unplan(self, pool: PagedSequences) -> None:
         """Give the prefix-cache blocks back while nothing of this generation has run (it plans again later)."""
@@ -121,7 +121,7 @@ class DecodeState:
         self.fresh = False
         self.kv_len = row.num_cached_tokens + len(row.ids)
         pool.set_length(self.seq_id, self.kv_len)
-        if row.keep == 0:
+        if row.num_logits == 0:
             return None
         if p is None:
             p = processed_probs(logits, cfg, self.ids)  # [1, vocab]

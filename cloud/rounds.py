@@ -117,7 +117,7 @@ class RoundJob(Job[RoundResult]):
     def finish(self, logits: Any, ms: float) -> RoundResult | Pending:
         row, planned = self.row, self.planned
         assert row is not None and planned is not None
-        if row.keep == 0:  # a chunk of a long resync: its KV is written, the verify row comes next
+        if row.num_logits == 0:  # a chunk of a long resync: its KV is written, the verify row comes next
             planned.fed = row.num_cached_tokens + len(row.ids)
             self.spent += ms
             return PENDING

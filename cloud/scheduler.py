@@ -71,7 +71,7 @@ class ModelRunner(Protocol):
     take, room-making, and the forward's cost (the prefills' slice in, each forward's figures out)."""
 
     def forward(self, rows: list[Row]) -> list[torch.Tensor]:
-        """One forward over every row: each row's logits for its last `keep` ids."""
+        """One forward over every row: each row's logits for its last `num_logits` ids."""
 
     def blocks_needed(self, row: Row) -> int:
         """KV blocks the row's new positions take."""
@@ -251,7 +251,7 @@ class Scheduler(ModelThread):
             row = self._plan(job, fwd, filling)
             if row is None:
                 continue
-            if not filling and row.keep == 0:
+            if not filling and row.num_logits == 0:
                 chunked.append(job)  # a long resync: after the running work, in the prefills' share
             elif self._reserve(job, row, fwd):
                 fwd.rows.append((job, row))
@@ -381,7 +381,7 @@ class Scheduler(ModelThread):
         for j, _ in batch:
             j.p = None
         try:
-            specs = [j.sampling(r) if r.keep else None for j, r in batch]
+            specs = [j.sampling(r) if r.num_logits else None for j, r in batch]
             if not any(specs):
                 return
             probs = process_rows(logits, specs)

@@ -214,8 +214,8 @@ class KVPool(PagedSequences):
 
     # --- the forward ------------------------------------------------------------------------
     def forward(self, model: torch.nn.Module, rows: list[Row]) -> list[torch.Tensor]:
-        """Run every row in one flattened forward; returns each row's logits for its last `keep` ids
-        ([keep, vocab], float32). Afterwards each sequence holds the KV of its row's ids (length
+        """Run every row in one flattened forward; returns each row's logits for its last `num_logits` ids
+        ([num_logits, vocab], float32). Afterwards each sequence holds the KV of its row's ids (length
         num_cached_tokens + len(ids)); the caller crops back what it does not keep (`set_length`).
 
         Three steps: `plan` (the block manager's work), `run` (the tensors' work) and `commit`. One
@@ -281,9 +281,9 @@ class KVPool(PagedSequences):
         starts = [0]
         for r in rows:
             starts.append(starts[-1] + len(r.ids))
-        want = [starts[b] + t for b, r in enumerate(rows) for t in range(len(r.ids) - r.keep, len(r.ids))]
+        want = [starts[b] + t for b, r in enumerate(rows) for t in range(len(r.ids) - r.num_logits, len(r.ids))]
         return ForwardPlan(m.capacity, copies, batch, torch.tensor(want or [0], dtype=torch.long),
-                           [r.keep for r in rows])
+                           [r.num_logits for r in rows])
 
     def run(self, model: torch.nn.Module, plan: ForwardPlan) -> list[torch.Tensor]:
         """The model over a plan (this pool must have the planning pool's blocks and layout): grow the
@@ -292,7 +292,7 @@ class KVPool(PagedSequences):
 
         self.grow_and_copy(plan.capacity, plan.copies)
         batch = plan.batch.to(self.device)
-        keep_idx = plan.keep.to(self.device)  # [P]
+        keep_idx = plan.logits_indices.to(self.device)  # [P]
         view = PagedView(self, batch)
         dummy = torch.zeros(1, 1, 1, 1, dtype=torch.bool, device=self.device)  # masks are built per row
         masks: Any = {FULL: dummy, SLIDING: dummy} if self.layout.by_type else dummy
@@ -301,7 +301,7 @@ class KVPool(PagedSequences):
                         use_cache=True, logits_to_keep=keep_idx, **{cache_kwarg(model): view})
         logits = out.logits[0]  # [P, vocab]
         result, i = [], 0
-        for keep in plan.keeps:
-            result.append(logits[i: i + keep].float())  # [keep, vocab]
-            i += keep
+        for n in plan.num_logits:
+            result.append(logits[i: i + n].float())  # [num_logits, vocab]
+            i += n
         return result

@@ -162,9 +162,9 @@ class ForwardPlan:
     # inputs, slot mapping and attention calls
     batch: Batch
     # [P] flat indices (in the batch's T tokens) of the tokens whose logits are kept
-    keep: torch.Tensor
-    # per row, how many of those P are its (its `keep`)
-    keeps: list[int]
+    logits_indices: torch.Tensor
+    # per row, how many of those P are its (its `num_logits`)
+    num_logits: list[int]
 
 
 def _group(m: BlockManager, rows: list[tuple[int, int, int, Row, int]], window: int | None,

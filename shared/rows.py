@@ -16,8 +16,8 @@ class Row:
     num_cached_tokens: int
     # token ids to run after them
     ids: list[int]
-    # logits wanted for the last `keep` ids (0: none, e.g. a prefill)
-    keep: int
+    # logits wanted for the last `num_logits` ids (0: none, e.g. a prefill)
+    num_logits: int
     # a token tree (shared/tree.py) stored from offset `tree_base` of the sequence on: the parents of all
     # its nodes so far (node j at offset tree_base + j; -1: the positions before tree_base), this row's ids
     # among them. A node sits at position tree_base - 1 + its depth and sees the positions before tree_base

@@ -48,7 +48,7 @@ class Inputs:
     ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     write: torch.Tensor  # [T] pool rows of the new K/V (padding: the spare pool row)
-    keep: torch.Tensor  # [P] flat tokens whose logits are wanted (padding: token 0)
+    logits_indices: torch.Tensor  # [P] flat tokens whose logits are wanted (padding: token 0)
     groups: list[Group]
     # the Triton kernel's inputs instead of groups (cloud/runners/paged_kernel.py): tables [R, blocks] block ids
     # (padding: the spare block), and each token's row, lim, tree_n and ancestor bits ([T] each)
@@ -56,7 +56,7 @@ class Inputs:
 
     def copy_(self, other: Inputs) -> None:
         for a, b in ((self.ids, other.ids), (self.positions, other.positions), (self.write, other.write),
-                     (self.keep, other.keep), *zip(self.paged, other.paged, strict=True)):
+                     (self.logits_indices, other.logits_indices), *zip(self.paged, other.paged, strict=True)):
             a.copy_(b, non_blocking=True)
         for g, h in zip(self.groups, other.groups, strict=True):
             g.queries.copy_(h.queries, non_blocking=True)
@@ -144,7 +144,7 @@ def build_inputs(pool: Any, rows: list[Row], spare: int, shape: tuple[int, int, 
         table = _pool_rows(m.seqs[r.seq_id].table, m.size, end)
         tables.append(table)
         write[s: s + n] = table[r.num_cached_tokens:]
-        keep.append(np.arange(s + n - r.keep, s + n))
+        keep.append(np.arange(s + n - r.num_logits, s + n))
         s += n
     np.minimum(pos, max_positions - 1, out=pos)  # callers check rows' lengths against the context
     kept = np.concatenate(keep) if keep else np.zeros(0, np.int64)
@@ -237,7 +237,7 @@ def to_device(inp: Inputs, dev: torch.device) -> Inputs:
     def mv(t: torch.Tensor) -> torch.Tensor:
         return (t.pin_memory() if pin else t).to(dev, non_blocking=True)
 
-    return Inputs(mv(inp.ids), mv(inp.positions), mv(inp.write), mv(inp.keep),
+    return Inputs(mv(inp.ids), mv(inp.positions), mv(inp.write), mv(inp.logits_indices),
                   [Group(mv(g.queries), mv(g.keys), mv(g.mask), g.shape,
                          None if g.distance is None else mv(g.distance)) for g in inp.groups],
                   tuple(mv(x) for x in inp.paged))

@@ -114,7 +114,7 @@ class PagedForward(ModelForward):
                 self.capture(pool, *self._planned)
         spare = pool.spare_row
         self.block = pool.manager.size
-        P = sum(r.keep for r in rows)
+        P = sum(r.num_logits for r in rows)
         shape = self.shape_of(rows)
         graph = self._graphs.get(shape) if shape is not None else None
         if graph is None and self.graphs and shape is not None and self.lazy:
@@ -197,7 +197,7 @@ class PagedForward(ModelForward):
             for r in rows[:-1]:
                 starts.append(starts[-1] + len(r.ids))
             calls = {w: build_calls(pool.manager, rows, starts, w, torch.device("cpu")) for w in set(self.windows)}
-        return EagerStep(self.inputs(pool, rows, pool.spare_row, shape), calls, sum(r.keep for r in rows))
+        return EagerStep(self.inputs(pool, rows, pool.spare_row, shape), calls, sum(r.num_logits for r in rows))
 
     def eager_forward(self, pool: Any, step: EagerStep) -> tuple[torch.Tensor, torch.Tensor]:
         """`step` run eagerly over `pool`'s tensors: the kept logits and final hidden states (counted: `eager`)."""

@@ -176,7 +176,7 @@ class LlamaPool(PagedSequences):
 
     # --- the forward ------------------------------------------------------------------------
     def forward(self, rows: list[Row]) -> list[torch.Tensor]:
-        """Every row in one llama.cpp batch; each row's logits for its last `keep` ids ([keep, vocab] float32)."""
+        """Every row in one llama.cpp batch; each row's logits for its last `num_logits` ids ([num_logits, vocab] float32)."""
         if not rows:
             return []
         m = self.manager
@@ -184,14 +184,14 @@ class LlamaPool(PagedSequences):
         if sum(self.tree_seqs(r) for r in rows) > len(self._leaf_free):
             raise OutOfBlocks(f"this forward's trees need more than the {len(self._leaf_free)} free sequences")
         tokens: list[Token] = []
-        keeps = []
+        num_logits = []
         try:
             for r in rows:
                 m.prepare_write(r.seq_id, r.num_cached_tokens, len(r.ids))
                 self._cut(r.seq_id, r.num_cached_tokens)
                 tokens += self._tokens(r)
-                keeps.append(r.keep)
-            logits = self.ctx.decode(tokens)  # [sum of keeps, vocab]
+                num_logits.append(r.num_logits)
+            logits = self.ctx.decode(tokens)  # [sum of num_logits, vocab]
         except BaseException:
             m.undo_writes()
             for r in rows:
@@ -200,9 +200,9 @@ class LlamaPool(PagedSequences):
         for r in rows:
             m.extend(r.seq_id, list(r.ids))
         out, i = [], 0
-        for keep in keeps:
-            out.append(logits[i: i + keep])  # [keep, vocab]
-            i += keep
+        for n in num_logits:
+            out.append(logits[i: i + n])  # [num_logits, vocab]
+            i += n
         return out
 
     def _tokens(self, r: Row) -> list[Token]:
@@ -210,7 +210,7 @@ class LlamaPool(PagedSequences):
         pos = r.positions()
         n = len(r.ids)
         if not r.tree:
-            return [Token(t, pos[i], (seq,), i >= n - r.keep) for i, t in enumerate(r.ids)]
+            return [Token(t, pos[i], (seq,), i >= n - r.num_logits) for i, t in enumerate(r.ids)]
         parents = r.tree
         leaves = leaves_of(parents)
         leaf_seq = {leaf: self._leaf_free.pop() for leaf in leaves}
@@ -227,7 +227,7 @@ class LlamaPool(PagedSequences):
         out = []
         for i, t in enumerate(r.ids):
             seqs = (seq, *leaf_seq.values()) if i < first_node else tuple(under[i - first_node])
-            out.append(Token(t, pos[i], seqs, i >= n - r.keep))
+            out.append(Token(t, pos[i], seqs, i >= n - r.num_logits))
         return out
 
 
@@ -291,7 +291,7 @@ class LlamaTarget:
         assert self.pool is not None
         out = self.pool.forward(rows)
         if self.support < self.info.vocab_size:
-            out = [x[:, : self.support] for x in out]  # [keep, support]
+            out = [x[:, : self.support] for x in out]  # [num_logits, support]
         return out
 
     def keep_path(self, seq_id: int, start: int, src: list[int], tokens: list[int]) -> int:

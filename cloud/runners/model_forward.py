@@ -273,7 +273,7 @@ class ModelForward:
                 h, x = self._add_norm(h, self._mlp(layer, x), self.layers[i + 1].input_layernorm)
             else:
                 h = h + self._mlp(layer, x)
-        return self.inner.norm(h[inp.keep])  # type: ignore[no-any-return]  # [P, d]
+        return self.inner.norm(h[inp.logits_indices])  # type: ignore[no-any-return]  # [P, d]
 
     def _add_norm(self, h: torch.Tensor, a: torch.Tensor, norm: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream plus a layer's output, and the RMSNorm of it (one Triton kernel with `fused`)."""

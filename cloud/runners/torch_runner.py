@@ -168,7 +168,7 @@ class TargetModel:
 
     @torch.inference_mode()
     def forward(self, rows: list[Row]) -> list[torch.Tensor]:
-        """One forward over every row; each row's logits for its last `keep` ids ([keep, support], float32):
+        """One forward over every row; each row's logits for its last `num_logits` ids ([num_logits, support], float32):
         the columns of the tokenizer's ids only. Each row's sequence then holds its ids' KV; the caller crops
         back what it does not keep."""
         self._captured.clear()
@@ -177,18 +177,18 @@ class TargetModel:
         if self.paged is not None:
             run = self.paged.forward if self.group is None else self._forward_everywhere
             logits, hidden = self.pool.forward_with(run, rows)  # [P, vocab], [P, d]
-            out = list(logits.float().split([r.keep for r in rows]))  # each [keep, vocab]
+            out = list(logits.float().split([r.num_logits for r in rows]))  # each [num_logits, vocab]
             self._captured = [hidden]
         else:
             out = self.pool.forward(self.model, rows)
         if self.support < self.info.vocab_size:
-            out = [x[:, : self.support] for x in out]  # [keep, support]
+            out = [x[:, : self.support] for x in out]  # [num_logits, support]
         self._hidden = {}
         if len(self._captured) == 1:
             h, i = self._captured[0].reshape(-1, self.feature_size), 0  # [P, d]: the kept positions
             for r in rows:
-                self._hidden[id(r)] = h[i: i + r.keep]  # [keep, d]
-                i += r.keep
+                self._hidden[id(r)] = h[i: i + r.num_logits]  # [num_logits, d]
+                i += r.num_logits
         self._captured.clear()
         if self.device.type == "cuda":  # the forward's time is the GPU's (the caller reads the logits next anyway)
             torch.cuda.current_stream(self.device).synchronize()
@@ -313,7 +313,7 @@ class TargetModel:
         return len(src)
 
     def hidden_of(self, row: Row) -> torch.Tensor | None:
-        """The output layer's input at `row`'s kept positions in the last forward ([keep, d]), or None."""
+        """The output layer's input at `row`'s kept positions in the last forward ([num_logits, d]), or None."""
         return self._hidden.get(id(row))
 
     def _forward_everywhere(self, pool: KVPool, rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor]:

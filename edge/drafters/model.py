@@ -118,7 +118,7 @@ class ModelDrafter(CausalDrafter):
         ids = [int(t) for t in tokens]
         step = FEED_ROWS if self.invariant else max(len(ids), 1)
         for lo in range(0, len(ids), step):
-            row = Row(self._seq_id, len(self._ids), ids[lo: lo + step], keep=1)
+            row = Row(self._seq_id, len(self._ids), ids[lo: lo + step], num_logits=1)
             (logits,) = self._pool.forward(self.model, [row])  # [1, rows]
             self._ids.extend(row.ids)
         return self._spread(logits[-1])  # [vocab]
@@ -135,7 +135,7 @@ class ModelDrafter(CausalDrafter):
         self._pool.crop(self._seq_id, n)
 
     def _tree_level(self, base: int, tree: list[int], tokens: list[int]) -> torch.Tensor:
-        row = Row(self._seq_id, base + len(tree) - len(tokens), tokens, keep=len(tokens), tree=tuple(tree),
+        row = Row(self._seq_id, base + len(tree) - len(tokens), tokens, num_logits=len(tokens), tree=tuple(tree),
                   tree_base=base)
         (logits,) = self._pool.forward(self.model, [row])  # [w, rows]
         return self._spread(logits)  # [w, vocab]

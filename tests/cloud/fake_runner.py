@@ -16,7 +16,7 @@ T = TypeVar("T")
 
 
 def zero_logits(rows: list[Row]) -> list[torch.Tensor]:
-    return [torch.zeros(r.keep, 4) for r in rows]
+    return [torch.zeros(r.num_logits, 4) for r in rows]
 
 
 @dataclass

@@ -41,7 +41,7 @@ def close_during_forward(svc: VerifierService, prompt: list[int], tree: bool,
 
     def held(rows: list[Row]) -> list[torch.Tensor]:
         out = real(rows)
-        if any(r.keep for r in rows):  # the round's verify row, not the open's prefill
+        if any(r.num_logits for r in rows):  # the round's verify row, not the open's prefill
             in_forward.set()
             closed.wait(10)
         return out

@@ -243,7 +243,7 @@ def test_start_up_buckets_and_their_blank_inputs(arch_dir: Path) -> None:
     real = target.paged.inputs(pool, rows, pool.spare_row, shape)
     blank = blank(shape, pool.spare_row, target.paged.tile)
     for x, y in ((real.ids, blank.ids), (real.positions, blank.positions), (real.write, blank.write),
-                 (real.keep, blank.keep)):
+                 (real.logits_indices, blank.logits_indices)):
         assert x.shape == y.shape and x.dtype == y.dtype
     for g, h in zip(real.groups, blank.groups, strict=True):
         assert (g.queries.shape, g.keys.shape, g.mask.shape, g.shape) == (h.queries.shape, h.keys.shape,

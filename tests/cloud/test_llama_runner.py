@@ -52,7 +52,7 @@ def reference(target_dir: Path):  # type: ignore[no-untyped-def]
 def test_a_chain_row_gives_the_targets_logits(runner: LlamaTarget, reference) -> None:  # type: ignore[no-untyped-def]
     assert runner.pool is not None
     seq_id = runner.pool.allocate()
-    (out,) = runner.forward([Row(seq_id, 0, CTX, keep=3)])  # [3, vocab]
+    (out,) = runner.forward([Row(seq_id, 0, CTX, num_logits=3)])  # [3, vocab]
     for i in range(3):
         assert (out[i] - reference(CTX[: len(CTX) - 2 + i])).abs().max() < TOL
     assert runner.pool.length(seq_id) == len(CTX)
@@ -63,12 +63,12 @@ def test_tree_nodes_see_their_path_and_the_kept_path_serves_the_next_round(
     pool = runner.pool
     assert pool is not None
     seq_id = pool.allocate()
-    runner.forward([Row(seq_id, 0, CTX[:-1], keep=0)])
+    runner.forward([Row(seq_id, 0, CTX[:-1], num_logits=0)])
     L = len(CTX)
     parents = (-1, 0, 0, 1, 1, 2, 3)
     nodes = [11, 12, 13, 14, 15, 16, 17]
     assert leaves_of(parents) == [4, 5, 6]
-    (out,) = runner.forward([Row(seq_id, L - 1, [CTX[-1]] + nodes, keep=len(nodes) + 1, tree=parents, tree_base=L)])
+    (out,) = runner.forward([Row(seq_id, L - 1, [CTX[-1]] + nodes, num_logits=len(nodes) + 1, tree=parents, tree_base=L)])
     assert (out[0] - reference(CTX)).abs().max() < TOL
     for j in range(len(nodes)):
         path: list[int] = []
@@ -82,7 +82,7 @@ def test_tree_nodes_see_their_path_and_the_kept_path_serves_the_next_round(
     assert kept == 2  # node 3 is not the third in row order: its position is fed again
     pool.set_length(seq_id, L + kept)
     assert pool.tree_seqs_free == free + 3  # the leaves went back
-    (nxt,) = runner.forward([Row(seq_id, L + kept, [14, 99], keep=1)])
+    (nxt,) = runner.forward([Row(seq_id, L + kept, [14, 99], num_logits=1)])
     assert (nxt[0] - reference(CTX + [11, 12, 14, 99])).abs().max() < TOL
 
 
@@ -90,7 +90,7 @@ def test_sessions_in_one_batch_do_not_see_each_other(runner: LlamaTarget, refere
     assert runner.pool is not None
     a, b = runner.pool.allocate(), runner.pool.allocate()
     other = [7, 8, 9, 10, 11]
-    out_a, out_b = runner.forward([Row(a, 0, CTX, keep=1), Row(b, 0, other, keep=1)])
+    out_a, out_b = runner.forward([Row(a, 0, CTX, num_logits=1), Row(b, 0, other, num_logits=1)])
     assert (out_a[0] - reference(CTX)).abs().max() < TOL
     assert (out_b[0] - reference(other)).abs().max() < TOL
 
@@ -98,10 +98,10 @@ def test_sessions_in_one_batch_do_not_see_each_other(runner: LlamaTarget, refere
 def test_crop_then_refeed_equals_a_fresh_encode(runner: LlamaTarget, reference) -> None:  # type: ignore[no-untyped-def]
     assert runner.pool is not None
     seq_id = runner.pool.allocate()
-    runner.forward([Row(seq_id, 0, CTX, keep=1)])
+    runner.forward([Row(seq_id, 0, CTX, num_logits=1)])
     runner.pool.crop(seq_id, 4)
     assert runner.pool.length(seq_id) == 4
-    (out,) = runner.forward([Row(seq_id, 4, [500, 501], keep=1)])
+    (out,) = runner.forward([Row(seq_id, 4, [500, 501], num_logits=1)])
     assert (out[0] - reference(CTX[:4] + [500, 501])).abs().max() < TOL
 
 
@@ -114,7 +114,7 @@ def test_sequences_run_out_with_a_clear_error_and_come_back(runner: LlamaTarget)
     pool.release(slots[0])
     pool.allocate()
     blocks = pool.manager.available()
-    (out,) = runner.forward([Row(slots[1], 0, CTX, keep=1)])
+    (out,) = runner.forward([Row(slots[1], 0, CTX, num_logits=1)])
     assert pool.manager.available() == blocks - 1 and out.shape[0] == 1
     pool.release(slots[1])
     assert pool.manager.available() == blocks
@@ -130,16 +130,16 @@ def test_a_kept_path_past_dropped_nodes_serves_the_next_round_with_a_chains_bits
     parents = (-1, 0, 0, 1, 1, 2, 3)
     nodes = [11, 12, 13, 14, 15, 16, 17]
     chain = pool.allocate()
-    runner.forward([Row(chain, 0, CTX[:-1], keep=0)])
-    runner.forward([Row(chain, L - 1, [CTX[-1], 11, 13, 16], keep=0)])
-    (want,) = runner.forward([Row(chain, L + 3, [99, 98], keep=2)])  # [2, vocab]
+    runner.forward([Row(chain, 0, CTX[:-1], num_logits=0)])
+    runner.forward([Row(chain, L - 1, [CTX[-1], 11, 13, 16], num_logits=0)])
+    (want,) = runner.forward([Row(chain, L + 3, [99, 98], num_logits=2)])  # [2, vocab]
     seq_id = pool.allocate()
-    runner.forward([Row(seq_id, 0, CTX[:-1], keep=0)])
-    runner.forward([Row(seq_id, L - 1, [CTX[-1]] + nodes, keep=len(nodes) + 1, tree=parents, tree_base=L)])
+    runner.forward([Row(seq_id, 0, CTX[:-1], num_logits=0)])
+    runner.forward([Row(seq_id, L - 1, [CTX[-1]] + nodes, num_logits=len(nodes) + 1, tree=parents, tree_base=L)])
     kept = runner.keep_path(seq_id, L, [0, 2, 5], [11, 13, 16])
     assert kept == 1
     pool.set_length(seq_id, L + kept)
-    (got,) = runner.forward([Row(seq_id, L + kept, [13, 16, 99, 98], keep=2)])  # [2, vocab]
+    (got,) = runner.forward([Row(seq_id, L + kept, [13, 16, 99, 98], num_logits=2)])  # [2, vocab]
     assert torch.equal(got, want)
 
 
@@ -150,15 +150,15 @@ def test_a_one_branch_tree_run_as_a_chain_keeps_its_path_in_place(runner: LlamaT
     assert pool is not None
     L = len(CTX)
     chain = pool.allocate()
-    runner.forward([Row(chain, 0, CTX[:-1], keep=0)])
-    runner.forward([Row(chain, L - 1, [CTX[-1], 11, 12], keep=0)])
-    (want,) = runner.forward([Row(chain, L + 2, [99, 98], keep=2)])  # [2, vocab]
+    runner.forward([Row(chain, 0, CTX[:-1], num_logits=0)])
+    runner.forward([Row(chain, L - 1, [CTX[-1], 11, 12], num_logits=0)])
+    (want,) = runner.forward([Row(chain, L + 2, [99, 98], num_logits=2)])  # [2, vocab]
     seq_id = pool.allocate()
-    runner.forward([Row(seq_id, 0, CTX[:-1], keep=0)])
-    runner.forward([Row(seq_id, L - 1, [CTX[-1], 11, 12, 13], keep=4)])  # nodes 0 -> 1 -> 2, node 2 rejected
+    runner.forward([Row(seq_id, 0, CTX[:-1], num_logits=0)])
+    runner.forward([Row(seq_id, L - 1, [CTX[-1], 11, 12, 13], num_logits=4)])  # nodes 0 -> 1 -> 2, node 2 rejected
     assert runner.keep_path(seq_id, L, [0, 1], [11, 12]) == 2
     pool.set_length(seq_id, L + 2)
-    (got,) = runner.forward([Row(seq_id, L + 2, [99, 98], keep=2)])
+    (got,) = runner.forward([Row(seq_id, L + 2, [99, 98], num_logits=2)])
     assert torch.equal(got, want)
 
 
@@ -173,14 +173,14 @@ def test_sixteen_sessions_of_trees_share_the_context_and_give_their_sequences_ba
     assert pool is not None
     rng = random.Random(0)
     texts = {pool.allocate(): [rng.randrange(1, 400) for _ in range(rng.randrange(20, 60))] for _ in range(16)}
-    runner.forward([Row(seq_id, 0, ids, keep=1) for seq_id, ids in texts.items()])  # > one batch of n_batch
+    runner.forward([Row(seq_id, 0, ids, num_logits=1) for seq_id, ids in texts.items()])  # > one batch of n_batch
     free = pool.tree_seqs_free
     for _ in range(3):
         rows, left = [], pool.tree_seqs_free
         for seq_id, ids in texts.items():
             parents = (-1, *(rng.randrange(j) for j in range(1, 24)))
             row = Row(seq_id, len(ids) - 1, [ids[-1]] + [rng.randrange(1, 400) for _ in parents],
-                      keep=len(parents) + 1, tree=parents, tree_base=len(ids))
+                      num_logits=len(parents) + 1, tree=parents, tree_base=len(ids))
             if pool.tree_seqs(row) <= left:
                 rows.append(row)
                 left -= pool.tree_seqs(row)
@@ -198,10 +198,10 @@ def test_sixteen_sessions_of_trees_share_the_context_and_give_their_sequences_ba
             pool.set_length(r.seq_id, r.tree_base + kept)
             texts[r.seq_id] += tokens
             if kept < len(tokens):  # the rest of the path, fed as the next round would
-                runner.forward([Row(r.seq_id, r.tree_base + kept, tokens[kept:], keep=0)])
+                runner.forward([Row(r.seq_id, r.tree_base + kept, tokens[kept:], num_logits=0)])
         assert pool.tree_seqs_free == free
     seq_id, ids = next(iter(texts.items()))
-    (out,) = runner.forward([Row(seq_id, len(ids), [99], keep=1)])
+    (out,) = runner.forward([Row(seq_id, len(ids), [99], num_logits=1)])
     assert (out[0] - reference(ids + [99])).abs().max() < TOL
 
 

@@ -174,7 +174,7 @@ def test_a_job_that_cannot_get_its_blocks_even_alone_is_refused_with_429() -> No
 
     def forward(rows: list[Row]) -> list[torch.Tensor]:
         calls.append(rows)
-        return [torch.zeros(r.keep, 4) for r in rows]
+        return [torch.zeros(r.num_logits, 4) for r in rows]
 
     runner = FakeRunner(forward, blocks_needed=lambda r: len(r.ids) // 4, blocks_available=lambda: 3,
                         make_room=lambda n, _: asked.append(n))
@@ -202,7 +202,7 @@ def run_queued_together(jobs: list[Job[Any]], calls: list[list[Row]], **schedule
 
     def forward(rows: list[Row]) -> list[torch.Tensor]:
         calls.append(rows)
-        return [torch.zeros(r.keep, 4) for r in rows]
+        return [torch.zeros(r.num_logits, 4) for r in rows]
 
     sched = Scheduler(lambda: 0.0, FakeRunner(forward), batch_wait_ms=0, **scheduler)
 
@@ -235,7 +235,7 @@ def test_decode_steps_and_rounds_go_first_and_prefills_fill_the_rest() -> None:
     got = run_queued_together(jobs, calls, max_batch_tokens=32)
     first = got[0]
     assert [r.seq_id for r in first[:2]] == [10, 11]  # the decode step and the round, before any prefill
-    assert sum(len(r.ids) for r in first) == 32 and all(r.keep == 0 for r in first[2:])
+    assert sum(len(r.ids) for r in first) == 32 and all(r.num_logits == 0 for r in first[2:])
     assert all(sum(len(r.ids) for r in c) <= 32 for c in got)
 
 

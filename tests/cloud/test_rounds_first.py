@@ -42,7 +42,7 @@ def _forward_sizes(prefill_slice: Callable[[int], int] | None = None, **schedule
         calls.append(rows)
         if len(calls) == 4:  # the round, then three slices: the session has gone quiet since
             clock.advance(2.0)
-        return [torch.zeros(r.keep, 4) for r in rows]
+        return [torch.zeros(r.num_logits, 4) for r in rows]
 
     runner = FakeRunner(forward)
     if prefill_slice is not None:
@@ -77,7 +77,7 @@ def test_a_forgotten_session_no_longer_holds_prefills_to_the_slice() -> None:
 
     def forward(rows: list[Row]) -> list[torch.Tensor]:
         calls.append(rows)
-        return [torch.zeros(r.keep, 4) for r in rows]
+        return [torch.zeros(r.num_logits, 4) for r in rows]
 
     sched = Scheduler(FakeClock(0.0), FakeRunner(forward), max_batch_tokens=256, max_prefill_tokens_with_rounds=16,
                       active_s=1.0, batch_wait_ms=0)

@@ -194,7 +194,7 @@ def test_a_one_branch_tree_runs_as_a_chain(make_service: Callable[..., object], 
     forward = model.forward
 
     def spy(rows: list[Row]) -> list[torch.Tensor]:
-        seen.extend(r.tree for r in rows if r.keep > 1)
+        seen.extend(r.tree for r in rows if r.num_logits > 1)
         return forward(rows)
 
     monkeypatch.setattr(model, "forward", spy)  # undone after the test (the model is the session's fixture)

@@ -53,9 +53,9 @@ def test_every_node_sees_its_path_only(model: torch.nn.Module) -> None:
     ctx = torch.randint(5, 4096, (13,), generator=torch.Generator().manual_seed(1)).tolist()
     toks = tree_tokens(2)
     seq_id = pool.allocate()
-    pool.forward(model, [Row(seq_id, 0, ctx[:-1], keep=0)])
+    pool.forward(model, [Row(seq_id, 0, ctx[:-1], num_logits=0)])
     # the row carries the context's last token, then the tree under it
-    logits = pool.forward(model, [Row(seq_id, len(ctx) - 1, ctx[-1:] + toks, keep=len(toks) + 1, tree=tuple(PARENTS),
+    logits = pool.forward(model, [Row(seq_id, len(ctx) - 1, ctx[-1:] + toks, num_logits=len(toks) + 1, tree=tuple(PARENTS),
                                       tree_base=len(ctx))])[0]
     assert torch.allclose(logits[0], reference(model, ctx), atol=TOL)
     for j, path in enumerate(paths(PARENTS)):
@@ -71,7 +71,7 @@ def test_a_tree_grown_level_by_level_matches(model: torch.nn.Module) -> None:
     ctx = torch.randint(5, 4096, (12,), generator=torch.Generator().manual_seed(5)).tolist()
     toks = tree_tokens(6) + [99]
     seq_id = pool.allocate()
-    pool.forward(model, [Row(seq_id, 0, ctx, keep=0)])
+    pool.forward(model, [Row(seq_id, 0, ctx, num_logits=0)])
     by_depth: dict[int, list[int]] = {}
     for j, d in enumerate(depths(LEVELS)):
         by_depth.setdefault(d, []).append(j)
@@ -79,7 +79,7 @@ def test_a_tree_grown_level_by_level_matches(model: torch.nn.Module) -> None:
     assert order == sorted(order)
     for d in sorted(by_depth):
         level = by_depth[d]
-        row = Row(seq_id, len(ctx) + level[0], [toks[j] for j in level], keep=len(level),
+        row = Row(seq_id, len(ctx) + level[0], [toks[j] for j in level], num_logits=len(level),
                   tree=tuple(LEVELS[: level[-1] + 1]), tree_base=len(ctx))
         out = pool.forward(model, [row])[0]
         for i, j in enumerate(level):
@@ -95,14 +95,14 @@ def test_kept_path_continues_like_a_chain(model: torch.nn.Module) -> None:
     ctx = torch.randint(5, 4096, (10,), generator=torch.Generator().manual_seed(3)).tolist()
     toks = tree_tokens(4)
     seq_id, other = pool.allocate(), pool.allocate()
-    pool.forward(model, [Row(seq_id, 0, ctx[:-1], keep=0)])
-    pool.forward(model, [Row(seq_id, len(ctx) - 1, ctx[-1:] + toks, keep=1, tree=tuple(PARENTS), tree_base=len(ctx))])
+    pool.forward(model, [Row(seq_id, 0, ctx[:-1], num_logits=0)])
+    pool.forward(model, [Row(seq_id, len(ctx) - 1, ctx[-1:] + toks, num_logits=1, tree=tuple(PARENTS), tree_base=len(ctx))])
     path = [1, 5]
     pool.keep_path(seq_id, len(ctx), path, [toks[j] for j in path])
     pool.set_length(seq_id, len(ctx) + len(path))
     nxt = 77
-    out = pool.forward(model, [Row(other, 0, ctx[:5], keep=1),
-                               Row(seq_id, len(ctx) + len(path), [nxt], keep=1)])
+    out = pool.forward(model, [Row(other, 0, ctx[:5], num_logits=1),
+                               Row(seq_id, len(ctx) + len(path), [nxt], num_logits=1)])
     want = reference(model, ctx + [toks[j] for j in path] + [nxt])
     assert torch.allclose(out[1][0], want, atol=TOL)
     assert torch.allclose(out[0][0], reference(model, ctx[:5]), atol=TOL)
