@@ -337,7 +337,7 @@ class PagedSequences:
     @property
     def manager(self) -> BlockManager:
         if self.blocks is None:
-            raise RuntimeError("KVPool.prepare(model) must run before the pool is used")
+            raise RuntimeError(f"{type(self).__name__} has no blocks yet: its prepare(...) must run before the pool is used")
         return self.blocks
 
     @property
