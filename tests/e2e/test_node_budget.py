@@ -29,6 +29,13 @@ from tests.server import CloudProcess
 PROMPT = [17, 402, 9, 88, 1203, 5]
 
 
+@pytest.fixture(scope="module")
+def cloud(tiny_cloud_server: CloudProcess) -> CloudProcess:
+    """The session's shared tiny cloud (tests/e2e/conftest.py): this module reads texts, answers and the fitted
+    cost, which only grows more certain with the forwards other modules ran."""
+    return tiny_cloud_server
+
+
 def test_answers_carry_a_budget_and_the_cloud_reports_its_fitted_cost(cloud: CloudProcess) -> None:
     for client in (RestClient(cloud.http_url), GrpcClient(cloud.grpc_target)):
         sid = client.open({"prompt_ids": PROMPT, "sampling_cfg": {"temperature": 0.0}})["ctx_id"]

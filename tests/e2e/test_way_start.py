@@ -25,6 +25,13 @@ from shared.protocol import OpenSessionRequest, SessionInfo
 from tests.server import CloudProcess
 
 PROMPT = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n"
+
+
+@pytest.fixture(scope="module")
+def cloud(tiny_cloud_server: CloudProcess) -> CloudProcess:
+    """The session's shared tiny cloud (tests/e2e/conftest.py): this module reads texts, answers and the fitted
+    cost, which only grows more certain with the forwards other modules ran."""
+    return tiny_cloud_server
 N_NEW = 24
 ROW_BOUND = {"base_ms": 1.0, "row_ms": 50.0, "forwards": 200}
 FLAT = {"base_ms": 50.0, "row_ms": 0.5, "forwards": 200}
