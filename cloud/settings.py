@@ -15,9 +15,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 # tensor parallelism: seconds one op may run before its rank counts as hung (the default of tp_op_timeout_s),
-# and the least it may be set to: well above a lost rank's silence (cloud/tensor_parallel.STALE_S, 2.5 s)
+# and the least it may be set to (a hung rank is lost cloud/runners/tensor_parallel.STALE_S, 10 s, later)
 OP_STALE_S = 60.0
-OP_STALE_FLOOR_S = 10.0
+OP_STALE_FLOOR_S = 20.0
 
 
 class CloudSettings(BaseSettings):

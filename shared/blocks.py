@@ -337,7 +337,8 @@ class PagedSequences:
     @property
     def manager(self) -> BlockManager:
         if self.blocks is None:
-            raise RuntimeError(f"{type(self).__name__} has no blocks yet: its prepare(...) must run before the pool is used")
+            raise RuntimeError(f"{type(self).__name__} has no blocks yet: "
+                               "its prepare(...) must run before the pool is used")
         return self.blocks
 
     @property

@@ -36,9 +36,9 @@ thread has been inside one op (a forward, a move) for more than `--tp-op-timeout
 heartbeat thread runs. Raise it when one forward (a prefill chunk of `--max-batch-tokens` of a large
 target, on CPU over gloo) can take longer, or the group is restarted in the middle of it. Rank 0 watches the
 workers' counters and each worker rank 0's. A counter that has not moved for `STALE_S` (a rank that died, hangs
-or was stopped; before its first beat `START_GRACE_S` more) makes rank 0 unready (`/readyz` 503; new calls and forwards answer
-503 with Retry-After) and, `EXIT_GRACE_S` later, exit with status 3, so torchrun tears the group
-down and an orchestrator restarts it; a worker that loses rank 0 exits at once. Collectives of the
+or was stopped; a counter still at 0, no beat yet, `START_GRACE_S` more) makes rank 0 unready (`/readyz` 503;
+new calls and forwards answer 503 with Retry-After) and, `EXIT_GRACE_S` later, exit with status 3, so torchrun
+tears the group down and an orchestrator restarts it; a worker that loses rank 0 exits at once. Collectives of the
 process group time out after `COLLECTIVE_TIMEOUT_S`; an idle rank 0 sends `idle` every `IDLE_S` so
 a waiting worker never reaches that timeout.
 """
@@ -66,8 +66,10 @@ from shared.kvpool import UnsupportedModel
 log = logging.getLogger(__name__)
 # seconds between two heartbeats of a rank
 BEAT_S = 0.5
-# a rank whose heartbeat has not moved for this long is lost
-STALE_S = 2.5
+# a rank whose heartbeat has not moved for this long is lost: a beat is a round trip to torchrun's store per
+# watched rank, and on a 2-core host with three ranks and a test suite beside them one round trip took up to 0.25 s
+# and a rank's beats came up to 1.3 s apart (2.5 s lost a healthy group in two CI runs)
+STALE_S = 10.0
 # a watched rank's first beat may come this much later than STALE_S (the ranks reach the group at different
 # times on a loaded host; a rank whose process dies is torchrun's to see, at any time)
 START_GRACE_S = 30.0
@@ -249,7 +251,7 @@ class TensorGroup:
             self._store.add(f"specsplit/beat/{self.rank}", 0 if self.watch.hung(self.op_stale_s) else 1)
             for r in self._watch:
                 count = self._store.add(f"specsplit/beat/{r}", 0)
-                if count != self._seen[r][0]:
+                if count and count != self._seen[r][0]:  # 0: no beat yet, the start grace still runs
                     self._seen[r] = (count, now)
         except Exception as e:  # noqa: BLE001 - the store went away with torchrun's agent
             self.fail(f"torchrun's store is gone ({type(e).__name__})")

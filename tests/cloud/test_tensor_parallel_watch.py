@@ -41,6 +41,7 @@ def test_a_rank_gets_its_start_grace_for_the_first_beat_then_stale_s(monkeypatch
     monkeypatch.setattr(tp.os, "_exit", exits.append)
     clock = Clock()
     g = worker(clock)
+    g._beat_once(clock())  # rank 0's counter is read (0: it has not beaten yet); its grace still runs
     clock.now += tp.STALE_S + 1
     g._beat_once(clock())
     assert g.lost() is None  # no beat of rank 0 yet, within the start grace

@@ -39,8 +39,8 @@ def kv_per_token(model_dir: Path) -> int:
 
 @pytest.fixture(scope="module")
 def cloud(demo_target_dir: Path) -> Iterator[CloudProcess]:
-    # the load as it was sized: the edge's own round sizes and whole prefill slices (the node budget and the
-    # prefill share spread it out enough that the power check below found no refusal)
+    # the load as it was sized: the edge's own round sizes and whole prefill slices (with the node budget and the
+    # prefill share on, the sessions were spread out and no generation waited for blocks)
     args = ("--kv-budget-bytes", str(BLOCKS * BLOCK * kv_per_token(demo_target_dir)), "--kv-block-size", str(BLOCK),
             "--node-budget", "false", "--prefill-share-with-rounds", "1000",
             # a session opened and not yet verified keeps its blocks this long: the holder of the refusal test
