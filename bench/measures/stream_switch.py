@@ -1,7 +1,9 @@
 """The coder pair, one session at 0 ms: cloud_only against the edge's defaults and against the defaults without
 speculate-or-stream, on the coder-pair bench's HumanEval prompts: decode tokens/s, tokens per verify call,
 tokens streamed and the cloud's CPU-seconds per token, in one run (edge and cloud one core each); then each session's
-first speculate-or-stream decision and the edge's reading behind it (edge/policy/stream.py).
+first speculate-or-stream decision and the edge's reading behind it (edge/policy/stream.py). Before its timed
+prompts, each mode generates once, untimed, from the next HumanEval prompt with a client of its own: the draft's
+and the cloud's first forwards of a shape are paid there, not by whichever mode runs first.
 
     nice -n 19 .venv/bin/specsplit-bench stream-switch [PROMPTS] [NEW_TOKENS] [RUNNER]
 
@@ -48,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     pin("self", 0)
     tok = AutoTokenizer.from_pretrained(TARGET)
-    ids = [chat_ids(tok, humaneval_message(p["prompt"])) for p in humaneval_prompts(prompts)]
+    *ids, warm = [chat_ids(tok, humaneval_message(p["prompt"])) for p in humaneval_prompts(prompts + 1)]
     drafter = EdgeClient(settings("http://127.0.0.1:1", n_new)).drafter
     print(f"{cpu_info()}; load average {os.getloadavg()[0]:.2f} at the start; the cloud's --runner {runner}")
     with CloudServer(TARGET, torch_threads=1, extra_args=["--runner", runner], startup_timeout_s=600.0) as cloud:
@@ -56,7 +58,11 @@ def main(argv: list[str] | None = None) -> int:
         base: dict[str, float] = {}
         for name, kw in (("cloud_only", {"mode": "cloud_only"}), ("defaults", {}),
                          ("defaults without streaming", {"stream_switch": False})):
-            c = client_for(settings(cloud.url, n_new, temperature=0.0, **kw), tok, drafter)
+            cfg = settings(cloud.url, n_new, temperature=0.0, **kw)
+            w = client_for(cfg, tok, drafter)  # untimed: the first forwards of this mode's shapes
+            w.generate(warm)
+            w.close()
+            c = client_for(cfg, tok, drafter)
             c0 = cpu_seconds(cloud.pid)
             t = tally(c, ids)
             s = summary(t)
@@ -67,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: {s['tokens_per_s']:.2f} decode tok/s ({s['tokens_per_s'] / base['rate']:.3f}x cloud_only), "
                   f"first token {s['ttft_ms']:.0f} ms median ({s['ttft_ms'] / base['ttft']:.3f}x), {per_verify} tokens "
                   f"per verify call, {s['streamed']} streamed ({s['switches']} switches), "
-                  f"{cpu / s['tokens']:.3f} cloud CPU-s per token", flush=True)
+                  f"{cpu / s['tokens']:.3f} cloud CPU-s per token; first tokens "
+                  f"{', '.join(f'{ms:.0f}' for ms in t['ttft_ms'])} ms", flush=True)
             if name != "cloud_only":  # each session's first decision, as the edge reasoned it
                 for i, (way, note) in enumerate(t["starts"]):
                     print(f"  prompt {i}: started {way or '-'}: {note or '-'}", flush=True)
